@@ -1,0 +1,104 @@
+"""Typed collective ops on a ``Group``: explicit at the call site, no-ops at size 1, recorded.
+
+Every op records itself (when the group has a recorder) before it is issued, so a divergence can
+be named by sequence number, and turns a failing or timed-out collective into a clear error.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from collectives.group import Group
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+
+
+def _run(op: str, group: Group, tensor: torch.Tensor, fn) -> None:
+    rec = group.recorder
+    entry = rec.record(op, group.name, tensor) if rec is not None else None
+    if entry is not None and rec.strict and rec.before_issue is not None:
+        rec.before_issue(entry, group)
+    try:
+        fn()
+    except Exception as exc:  # gloo raises on timeouts and mismatches; name them
+        if rec is not None and rec.on_failure is not None and entry is not None:
+            raise rec.on_failure(entry, exc) from exc
+        raise
+
+
+def _check_group(group: Group, op: str) -> None:
+    if group.device_pg is None:
+        raise RuntimeError(
+            f"{op} on group {group.name!r} of size {group.size} has no process group; "
+            f"was init_distributed() called on every rank?"
+        )
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` in place over ``group`` and return it. No-op at size 1."""
+    if group.size == 1:
+        return tensor
+    _check_group(group, "all_reduce")
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce: op={op!r}; allowed: {sorted(_REDUCE_OPS)}")
+    _run(f"all_reduce.{op}", group, tensor,
+         lambda: dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.device_pg))
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every member's ``tensor`` along ``dim`` in group order (a new tensor)."""
+    if group.size == 1:
+        return tensor
+    _check_group(group, "all_gather")
+    src = tensor.contiguous() if tensor.dim() > 0 else tensor.reshape(1)
+    out = torch.empty((group.size * src.shape[0],) + tuple(src.shape[1:]),
+                      dtype=src.dtype, device=src.device)
+    _run("all_gather", group, src,
+         lambda: dist.all_gather_into_tensor(out, src, group=group.device_pg))
+    if dim == 0:
+        return out
+    parts = out.chunk(group.size, dim=0)
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Sum over ``group``, then return this member's slice of ``tensor`` along ``dim``."""
+    if group.size == 1:
+        return tensor
+    _check_group(group, "reduce_scatter")
+    if tensor.shape[dim] % group.size != 0:
+        raise ValueError(
+            f"reduce_scatter: dim {dim} has size {tensor.shape[dim]}, not divisible by the "
+            f"group size {group.size} (group {group.name!r})"
+        )
+    src = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
+    out = torch.empty((src.shape[0] // group.size,) + tuple(src.shape[1:]),
+                      dtype=src.dtype, device=src.device)
+    if src.device.type == "cpu":
+        # gloo has no reduce_scatter_tensor: an all-reduce then a slice gives the same values.
+        def fn() -> None:
+            dist.all_reduce(src, group=group.device_pg)
+            out.copy_(src.chunk(group.size, dim=0)[group.rank])
+    else:
+        def fn() -> None:
+            dist.reduce_scatter_tensor(out, src, group=group.device_pg)
+    _run("reduce_scatter", group, src, fn)
+    return out.movedim(0, dim) if dim != 0 else out
+
+
+def broadcast(tensor: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
+    """Copy member ``src``'s ``tensor`` (``src`` is the index inside the group) to every member."""
+    if group.size == 1:
+        return tensor
+    _check_group(group, "broadcast")
+    if not 0 <= src < group.size:
+        raise ValueError(f"broadcast: src={src} outside group {group.name!r} of size {group.size}")
+    _run("broadcast", group, tensor,
+         lambda: dist.broadcast(tensor, src=group.ranks[src], group=group.device_pg))
+    return tensor

@@ -1,0 +1,94 @@
+"""Recording mode: a per-rank log of every collective, with a rolling hash.
+
+Every collective issued through ``collectives.ops`` on a group that carries a recorder is
+appended here (sequence number, op, group, shape, dtype) before it is issued. The rolling hash
+lets ranks compare whole histories with one small exchange (see ``guard.LockstepGuard``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class CollectiveEntry:
+    seq: int
+    op: str
+    group: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def describe(self) -> str:
+        shape = "x".join(str(s) for s in self.shape) or "scalar"
+        return f"#{self.seq} {self.op}(group={self.group}, shape=[{shape}], dtype={self.dtype})"
+
+    def signature(self) -> tuple:
+        """Everything but the sequence number: what must match across ranks."""
+        return (self.op, self.group, self.shape, self.dtype)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> "CollectiveEntry":
+        return CollectiveEntry(d["seq"], d["op"], d["group"], tuple(d["shape"]), d["dtype"])
+
+
+class CollectiveRecorder:
+    """Per-rank collective log. ``keep_log=False`` keeps only the hash and the current window.
+
+    ``window`` holds the entries since the last verified lockstep check (they are what a
+    diagnosis compares); ``on_failure`` is installed by the guard and turns a failed collective
+    into a ``DivergenceError`` or ``CollectiveTimeoutError``.
+    """
+
+    WINDOW_LIMIT = 4096
+
+    def __init__(self, rank: int, keep_log: bool = True, strict: bool = False) -> None:
+        self.rank = rank
+        self.keep_log = keep_log
+        self.strict = strict
+        self.count = 0
+        self.log: list[CollectiveEntry] = []
+        self.window: list[CollectiveEntry] = []
+        self._digest = hashlib.blake2b(digest_size=16).digest()
+        self.on_failure: Optional[Callable[[CollectiveEntry, BaseException], BaseException]] = None
+        # strict mode: called before each collective is issued, with (entry, control group);
+        # the guard compares the entry across the group's members first (a debug mode that
+        # catches a reshaped collective before a backend can crash or hang on it).
+        self.before_issue: Optional[Callable[[CollectiveEntry, object], None]] = None
+
+    def record(self, op: str, group: str, tensor: torch.Tensor) -> CollectiveEntry:
+        entry = CollectiveEntry(
+            self.count, op, group, tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")
+        )
+        self.count += 1
+        if self.keep_log:
+            self.log.append(entry)
+        self.window.append(entry)
+        if len(self.window) > self.WINDOW_LIMIT:
+            del self.window[: len(self.window) - self.WINDOW_LIMIT]
+        h = hashlib.blake2b(self._digest, digest_size=16)
+        h.update(repr(entry.signature()).encode())
+        self._digest = h.digest()
+        return entry
+
+    def digest_words(self) -> tuple[int, int]:
+        """The rolling hash as two non-negative 62-bit integers (exact in int64 tensors)."""
+        hi = int.from_bytes(self._digest[:8], "little") >> 2
+        lo = int.from_bytes(self._digest[8:], "little") >> 2
+        return hi, lo
+
+    def mark_verified(self) -> None:
+        """Every rank agreed up to here: later diagnoses only compare what follows."""
+        self.window.clear()
+
+    def dump(self, path: str) -> None:
+        """Write the full log as JSON lines (recording mode)."""
+        with open(path, "w") as f:
+            for e in self.log:
+                f.write(json.dumps(e.to_json()) + "\n")
