@@ -1,0 +1,81 @@
+"""The EAGLE draft head: ``fc([embed(token); feature]) -> decoder layer(s) -> norm -> feature``.
+
+API (same shape as the target's):
+
+    head = EagleHead(cfg, target)
+    feat = head(input_ids [T], features [T, d], positions [T], attn)   # -> [T, d]
+    logits = head.compute_logits(feat)                                  # target's LM head
+
+The embedding and the LM head are the target's own modules (shared, not copied, not in the head's
+state dict). The head's decoder layers have their own layer ids ``0..num_layers-1`` in the
+*draft* KV cache (one layer: layer id 0), so the backend passed as ``attn`` must be a backend over
+the draft cache, never the target's.
+
+Features live in the target's feature space: the post-final-norm hidden state (see
+``workers.model.llama``). Pairing, for a sequence ``x_0 .. x_n`` whose target features are
+``f_0 .. f_n`` (``f_p`` predicts ``x_{p+1}``):
+
+* the head's input at position ``p`` is the token ``x_p`` with the feature ``f_{p-1}`` (the feature
+  whose logits chose ``x_p``); its output ``g_p`` approximates ``f_p``, so
+  ``argmax compute_logits(g_p)`` drafts ``x_{p+1}``. Position 0 has no input (nothing precedes it).
+* after a prefill of ``x_0 .. x_{n-1}`` and the bonus token ``x_n``, draft-extend feeds tokens
+  ``x_1 .. x_n`` with features ``f_0 .. f_{n-1}`` at positions ``1 .. n``; its last output drafts
+  ``d_1``. Draft step ``k > 1`` feeds ``d_{k-1}`` at position ``n + k - 1`` with the head's own
+  previous output as the feature.
+
+Tensor parallelism: ``fc`` is replicated (its output feeds the residual stream); the decoder layer
+is split over the target's TP group exactly like the target's layers.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.model.config import EagleConfig
+from workers.model.layers import AttentionBackend, RMSNorm, RotaryEmbedding
+from workers.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+
+class EagleHead(nn.Module):
+    """One EAGLE draft head bound to its target (whose embedding and LM head it uses)."""
+
+    def __init__(self, cfg: EagleConfig, target: LlamaForCausalLM) -> None:
+        super().__init__()
+        cfg.check_target(target.config)
+        cfg.check_tp(target.tp_group.size)
+        self.config = cfg
+        self._target = (target,)  # a tuple: shared, not registered as a submodule
+        d = cfg.hidden_size
+        self.fc = nn.Linear(2 * d, d, bias=cfg.fc_bias)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, target.tp_group) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    @property
+    def target(self) -> LlamaForCausalLM:
+        """The target model whose embedding and LM head this head shares."""
+        return self._target[0]
+
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        """Next features [T, d] for tokens [T] paired with the previous position's features [T, d]."""
+        cos, sin = self.rotary(positions)
+        emb = self.target.embed(input_ids).to(features.dtype)
+        x = self.fc(torch.cat((emb, features), dim=-1))
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def compute_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab_size] through the target's LM head."""
+        return self.target.compute_logits(features)
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (RoPE frequencies) after ``to_empty``/dtype changes."""
+        self.rotary.reset_buffers()
+
+    @property
+    def num_layers(self) -> int:
+        """Number of attention layers, i.e. the layer ids ``0..num_layers-1`` of the draft cache."""
+        return self.config.num_hidden_layers
