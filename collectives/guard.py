@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from collectives.group import Group
+from collectives.ops import gather_into
 from collectives.recorder import CollectiveEntry, CollectiveRecorder
 
 EXIT_DIVERGENCE = 3
@@ -130,7 +131,7 @@ class LockstepGuard:
     def _gather_control(self, mine: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.group.size * mine.numel(), dtype=mine.dtype)
         try:
-            dist.all_gather_into_tensor(out, mine, group=self.group.control_pg)
+            gather_into(out, mine, group=self.group.control_pg)
         except Exception as exc:
             raise self._diagnose(None, exc) from exc
         return out.view(self.group.size, mine.numel())
@@ -158,7 +159,7 @@ class LockstepGuard:
         mine = torch.tensor([entry.seq, sig], dtype=torch.int64)
         out = torch.empty(group.size * 2, dtype=torch.int64)
         try:
-            dist.all_gather_into_tensor(out, mine, group=group.control_pg)
+            gather_into(out, mine, group=group.control_pg)
         except Exception as exc:
             raise self._diagnose(entry, exc) from exc
         rows = out.view(group.size, 2)

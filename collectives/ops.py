@@ -10,6 +10,9 @@ import torch.distributed as dist
 
 from collectives.group import Group
 
+# torch >= 2.13 renamed all_gather_into_tensor to all_gather_single; accept both.
+gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -60,7 +63,7 @@ def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor
     out = torch.empty((group.size * src.shape[0],) + tuple(src.shape[1:]),
                       dtype=src.dtype, device=src.device)
     _run("all_gather", group, src,
-         lambda: dist.all_gather_into_tensor(out, src, group=group.device_pg))
+         lambda: gather_into(out, src, group=group.device_pg))
     if dim == 0:
         return out
     parts = out.chunk(group.size, dim=0)

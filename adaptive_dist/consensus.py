@@ -1,0 +1,96 @@
+"""The per-round consensus collective: one fixed-size vector per rank, all-gathered over the DP
+group, so every rank holds the same matrix and reduces it in the same order.
+
+The vector carries the rank's statistics (from the round that just ended), its view of the
+upcoming round (requests, tokens, CUDA-graph eligibility), and the state every rank must share
+(steps in force, counted rounds, last switch, config hash, hash of the previous round's plan).
+The shared-state columns are the pre-flight lockstep check: a mismatch raises ``DivergenceError``
+on every rank, naming ranks and fields, before any device collective of the round is issued.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+import torch
+
+from collectives import DivergenceError, Group, ops
+
+MAGIC = 0x5AD7  # vector format version
+FIELDS = (
+    "magic", "round", "n_req", "num_tokens", "can_graph", "done",       # the upcoming round
+    "prev_n_req", "ema", "weight",                                      # the round that ended
+    "steps", "counted", "last_switch", "config_hash", "prev_plan_hash",  # must agree
+)
+MUST_AGREE = ("magic", "round", "steps", "counted", "last_switch", "config_hash", "prev_plan_hash")
+COL = {name: i for i, name in enumerate(FIELDS)}
+
+
+def hash48(*parts: object) -> int:
+    """A 48-bit hash (exact in float64) of ``parts``' reprs; equal on every rank for equal parts."""
+    h = hashlib.blake2b(repr(parts).encode(), digest_size=6).digest()
+    return int.from_bytes(h, "little")
+
+
+@dataclass(frozen=True)
+class RoundVector:
+    """One rank's contribution to a round's consensus."""
+
+    round: int
+    n_req: int
+    num_tokens: int
+    can_graph: bool
+    done: bool
+    prev_n_req: int
+    ema: float
+    weight: int
+    steps: int
+    counted: int
+    last_switch: int
+    config_hash: int
+    prev_plan_hash: int
+
+    def encode(self, device: torch.device) -> torch.Tensor:
+        values = [float(MAGIC)] + [float(getattr(self, f)) for f in FIELDS[1:]]
+        return torch.tensor(values, dtype=torch.float64, device=device)
+
+
+def gather(vec: RoundVector, group: Group) -> torch.Tensor:
+    """All-gather every member's vector over ``group``: a [group.size, len(FIELDS)] float64 CPU
+    matrix, identical on every member (a single collective on the group's device group)."""
+    local = vec.encode(group.device)
+    out = ops.all_gather(local, group)
+    return out.view(group.size, len(FIELDS)).cpu()
+
+
+def preflight(matrix: torch.Tensor, group: Group) -> None:
+    """Raise ``DivergenceError`` (the same on every rank) if the must-agree columns differ."""
+    bad = []
+    for name in MUST_AGREE:
+        col = matrix[:, COL[name]]
+        if not bool(torch.all(col == col[0])):
+            values: dict[float, list[int]] = {}
+            for i, v in enumerate(col.tolist()):
+                values.setdefault(v, []).append(group.ranks[i])
+            shown = ", ".join(f"ranks {rs} have {_fmt(name, v)}" for v, rs in values.items())
+            bad.append(f"{name} ({shown})")
+    if bad:
+        rnd = int(matrix[0, COL["round"]])
+        raise DivergenceError(
+            f"pre-flight lockstep check failed at round {rnd} on group {group.name!r}: "
+            f"ranks disagree on " + "; ".join(bad)
+        )
+
+
+def _fmt(name: str, v: float) -> str:
+    if name.endswith("hash") or name == "magic":
+        return f"{int(v):#x}"
+    return str(int(v)) if float(v).is_integer() else repr(v)
+
+
+def column(matrix: torch.Tensor, name: str) -> list[float]:
+    return matrix[:, COL[name]].tolist()
+
+
+def plan_hash(steps: int, use_graph: bool, bucket: int | None, padded_tokens: int,
+              mode: str) -> int:
+    return hash48(steps, use_graph, bucket, padded_tokens, mode)

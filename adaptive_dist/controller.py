@@ -1,0 +1,210 @@
+"""The adaptive controller: per-rank EMA, the per-round consensus, the agreed plan, and the pool
+of pre-built runtime states that makes a tier switch a reference swap.
+
+Round protocol (every rank of the group, idle ones too):
+
+    plan = controller.begin_round(num_requests, num_tokens, can_graph)   # the one collective
+    ... run the round with plan.steps / plan.use_graph / plan.batch_bucket ...
+    controller.end_round(accepts)                                         # local only
+
+``begin_round`` first decides on the previous round's statistics (that decision belongs to the
+previous round: "made at round r, applied between r and r+1"), applies a switch by swapping the
+pre-built state, then agrees the graph path and padded shapes of the new round.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+
+from collectives import Group, LockstepGuard
+from adaptive_dist import consensus
+from adaptive_dist.config import POLICIES, AdaptiveConfig, ConfigError
+from adaptive_dist.policy import Decision, PolicyState, decide, ema_update, pick_bucket
+
+
+@dataclass
+class SpecRuntimeState:
+    """Everything whose shape depends on ``steps`` (buffers, CUDA graphs per batch bucket)."""
+
+    steps: int
+    payload: Any = None
+    nbytes: int = 0
+
+
+@runtime_checkable
+class AdaptiveSpecWorker(Protocol):
+    def build_runtime_state(self, steps: int) -> SpecRuntimeState: ...
+
+    def apply_runtime_state(self, state: SpecRuntimeState) -> None: ...
+
+
+class RuntimeStatePool:
+    """One pre-built state per candidate; ``apply`` is a reference swap in the worker."""
+
+    def __init__(self, worker: Optional[AdaptiveSpecWorker], candidates: Sequence[int]) -> None:
+        self.worker = worker
+        self.states: dict[int, SpecRuntimeState] = {}
+        if worker is not None:
+            for steps in candidates:
+                state = worker.build_runtime_state(steps)
+                if state.steps != steps:
+                    raise ValueError(f"build_runtime_state({steps}) returned a state for "
+                                     f"steps={state.steps}")
+                self.states[steps] = state
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.states.values())
+
+    def apply(self, steps: int) -> None:
+        if self.worker is not None:
+            self.worker.apply_runtime_state(self.states[steps])
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What every rank runs this round (identical on every rank)."""
+
+    round: int
+    steps: int
+    use_graph: bool
+    batch_bucket: Optional[int]   # padded batch when use_graph, else None
+    padded_tokens: int            # cluster-wide max tokens (DP attention pads to it)
+    cluster_requests: int
+    switched: bool                # the steps changed before this round
+    all_done: bool                # every rank reported done (consensus-only replay)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """The decision made at the end of a round, known at the next ``begin_round``."""
+
+    round: int
+    steps: int
+    use_graph: bool
+    local_ema: float
+    decision: Decision
+
+
+@dataclass
+class ControllerStats:
+    rounds: int = 0
+    counted_rounds: int = 0
+    switches: int = 0
+    accept_histogram: Counter = field(default_factory=Counter)
+    steps_timeline: list = field(default_factory=list)   # (round, steps) at every change
+    rounds_at_steps: Counter = field(default_factory=Counter)
+
+    def mean_accept(self) -> float:
+        n = sum(self.accept_histogram.values())
+        return sum(k * v for k, v in self.accept_histogram.items()) / n if n else 0.0
+
+
+class AdaptiveController:
+    """Per-rank controller; ``group`` is the DP group the consensus runs over."""
+
+    def __init__(self, config: AdaptiveConfig, group: Group, *, policy: str = "ema",
+                 worker: Optional[AdaptiveSpecWorker] = None,
+                 guard: Optional[LockstepGuard] = None) -> None:
+        if policy not in POLICIES:
+            raise ConfigError(f"policy={policy!r}; allowed: {', '.join(POLICIES)}")
+        self.config = config
+        self.group = group
+        self.policy = policy
+        self.guard = guard
+        self.pool = RuntimeStatePool(worker, config.candidate_steps)
+        self.state = PolicyState.initial(config)
+        self.ema = float(config.initial_steps - 1)
+        self.weight = 0
+        self.round = 0
+        self._config_hash = consensus.hash48(policy, config.digest())
+        self._prev_n_req = 0
+        self._prev_plan: Optional[RoundPlan] = None
+        self._prev_plan_hash = 0
+        self._digest = 0
+        self.stats = ControllerStats()
+        self.pool.apply(self.steps)
+        self.stats.steps_timeline.append((0, self.steps))
+
+    @property
+    def steps(self) -> int:
+        return self.config.candidate_steps[self.state.index]
+
+    def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
+                    done: bool = False) -> RoundPlan:
+        """Agree this round's plan (one all-gather over the DP group) after deciding on the
+        previous round's statistics. Every member must call it every round."""
+        if num_requests < 0 or num_tokens < 0:
+            raise ValueError(f"begin_round: num_requests={num_requests}, num_tokens={num_tokens} "
+                             f"must be >= 0")
+        vec = consensus.RoundVector(
+            round=self.round, n_req=num_requests, num_tokens=num_tokens, can_graph=can_graph,
+            done=done, prev_n_req=self._prev_n_req, ema=self.ema, weight=self.weight,
+            steps=self.steps, counted=self.state.counted, last_switch=self.state.last_switch,
+            config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash,
+        )
+        matrix = consensus.gather(vec, self.group)
+        consensus.preflight(matrix, self.group)
+        self.last_outcome = self._decide_previous(matrix)
+        switched = bool(self.last_outcome and self.last_outcome.decision.switched)
+        plan = self._plan(matrix, switched)
+        self._prev_plan = plan
+        self._prev_plan_hash = consensus.plan_hash(plan.steps, plan.use_graph, plan.batch_bucket,
+                                                   plan.padded_tokens, "spec")
+        self._digest = consensus.hash48(self._digest, plan.round, plan.steps, plan.use_graph,
+                                        plan.batch_bucket)
+        if self.guard is not None:
+            self.guard.maybe_check(plan.round, self._digest)
+        self.round += 1
+        self.stats.rounds += 1
+        self.stats.rounds_at_steps[plan.steps] += 1
+        return plan
+
+    def end_round(self, accepts: Sequence[int]) -> None:
+        """Record this rank's accept lengths (draft tokens accepted, bonus excluded). Local only."""
+        steps = self._prev_plan.steps if self._prev_plan is not None else self.steps
+        for a in accepts:
+            if not isinstance(a, int) or not 0 <= a <= steps:
+                raise ValueError(f"accept length {a!r} outside [0, {steps}] (steps in force)")
+        self.ema = ema_update(self.ema, accepts, self.config.ema_alpha)
+        self.weight += len(accepts)
+        self._prev_n_req = len(accepts)
+        self.stats.accept_histogram.update(accepts)
+
+    def _decide_previous(self, matrix) -> Optional[RoundOutcome]:
+        prev = self._prev_plan
+        if prev is None:
+            return None
+        cluster = int(sum(consensus.column(matrix, "prev_n_req")))
+        local_ema = self.ema
+        self.state, decision = decide(
+            self.config, self.policy, self.state, cluster,
+            consensus.column(matrix, "ema"), consensus.column(matrix, "weight"),
+        )
+        if decision.decision_point:
+            self.weight = 0
+        if decision.counted:
+            self.stats.counted_rounds += 1
+        if decision.switched:
+            self.stats.switches += 1
+            self.pool.apply(self.steps)
+            self.stats.steps_timeline.append((self.round, self.steps))
+        return RoundOutcome(prev.round, prev.steps, prev.use_graph, local_ema, decision)
+
+    def _plan(self, matrix, switched: bool) -> RoundPlan:
+        n_req = [int(v) for v in consensus.column(matrix, "n_req")]
+        tokens = [int(v) for v in consensus.column(matrix, "num_tokens")]
+        eligible = all(v != 0 for v in consensus.column(matrix, "can_graph"))
+        bucket = pick_bucket(max(n_req), self.config.graph_buckets) if eligible else None
+        use_graph = bucket is not None
+        return RoundPlan(
+            round=self.round, steps=self.steps, use_graph=use_graph,
+            batch_bucket=bucket if use_graph else None, padded_tokens=max(tokens),
+            cluster_requests=sum(n_req), switched=switched,
+            all_done=all(v != 0 for v in consensus.column(matrix, "done")),
+        )
+
+    def decision_digest(self) -> int:
+        """A rolling digest of every plan so far (for comparing ranks at the end of a run)."""
+        return self._digest

@@ -1,0 +1,187 @@
+"""Consensus-only mode: the adaptive layer without a model, replaying acceptance traces.
+
+Every rank replays its own trace (capping each request's accept length at the steps in force),
+runs the real per-round consensus collective over the DP group, and records its decisions. At the
+end rank 0 writes one JSON line per rank per counted round and prints a summary whose last line
+starts ``lockstep OK`` — or every rank raises ``DivergenceError``.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+from collectives import DistContext, DivergenceError, Group, LockstepGuard
+from adaptive_dist.config import AdaptiveConfig
+from adaptive_dist.controller import AdaptiveController, RoundOutcome
+from adaptive_dist.trace import TraceRound
+
+
+@dataclass
+class ReplayResult:
+    records: list[dict]                       # this rank's output lines
+    rounds: int
+    decision_digest: int
+    consensus_us: list[float] = field(default_factory=list)
+    controller: Optional[AdaptiveController] = None
+
+
+def outcome_record(outcome: RoundOutcome, rank: int) -> dict:
+    d = outcome.decision
+    return {"round": outcome.round, "rank": rank, "steps": outcome.steps,
+            "local_ema": outcome.local_ema, "global_ema": d.global_ema,
+            "switched": d.switched, "graph": outcome.use_graph}
+
+
+def replay(trace: list[TraceRound], config: AdaptiveConfig, policy: str, group: Group,
+           guard: Optional[LockstepGuard] = None, progress=None) -> ReplayResult:
+    """Replay ``trace`` on this rank in lockstep with the other members of ``group``."""
+    ctrl = AdaptiveController(config, group, policy=policy, guard=guard)
+    records: list[dict] = []
+    times: list[float] = []
+    r = 0
+    while True:
+        item = trace[r] if r < len(trace) else None
+        full = list(item.accept) if item is not None else []
+        tokens = item.num_tokens if item is not None and item.num_tokens is not None else len(full)
+        can_graph = item.can_graph if item is not None else True
+        t0 = time.perf_counter()
+        if guard is not None:
+            with guard.round(r):
+                plan = ctrl.begin_round(len(full), tokens, can_graph, done=item is None)
+        else:
+            plan = ctrl.begin_round(len(full), tokens, can_graph, done=item is None)
+        times.append((time.perf_counter() - t0) * 1e6)
+        out = ctrl.last_outcome
+        if out is not None and out.decision.counted:
+            records.append(outcome_record(out, group.global_rank))
+        if plan.all_done:
+            break
+        ctrl.end_round([min(a, plan.steps) for a in full])
+        r += 1
+        if progress is not None:
+            progress.update(1)
+    if guard is not None:
+        guard.check(ctrl.round, ctrl.decision_digest())
+    return ReplayResult(records, r, ctrl.decision_digest(), times, ctrl)
+
+
+def collect_on_first(records: list[dict], group: Group) -> Optional[list[dict]]:
+    """Gather every rank's records on the group's first member (control group)."""
+    if group.size == 1:
+        return sorted(records, key=lambda x: (x["round"], x["rank"]))
+    parts: Optional[list] = [None] * group.size if group.is_first else None
+    dist.gather_object(records, parts, dst=group.ranks[0], group=group.control_pg)
+    if not group.is_first:
+        return None
+    merged = [rec for part in parts for rec in part]
+    return sorted(merged, key=lambda x: (x["round"], x["rank"]))
+
+
+def verify_lockstep(result: ReplayResult, group: Group) -> None:
+    """Every rank must have made the same decisions (compared digests); raise otherwise."""
+    if group.size == 1:
+        return
+    views: list = [None] * group.size
+    dist.all_gather_object(views, (result.rounds, result.decision_digest),
+                           group=group.control_pg)
+    if len(set(views)) > 1:
+        detail = ", ".join(f"rank {r}: {v[0]} rounds, digest {v[1]:#x}"
+                           for r, v in zip(group.ranks, views))
+        raise DivergenceError(f"ranks finished with different decision histories: {detail}")
+
+
+def summary(records: list[dict], result: ReplayResult, world: int, policy: str,
+            config: AdaptiveConfig, guard: Optional[LockstepGuard], recorded: int) -> str:
+    """Human-readable summary (rank 0); the last line starts with 'lockstep OK'."""
+    rank0 = [r for r in records if r["rank"] == 0]
+    counted = len(rank0)
+    switches = sum(1 for r in rank0 if r["switched"])
+    ctrl = result.controller
+    lines = [
+        f"consensus-only replay: {world} rank(s), policy {policy}, reducer {config.reducer}, "
+        f"candidates {list(config.candidate_steps)}, initial steps {config.initial_steps}",
+        f"rounds {result.rounds}, counted {counted}, switches {switches}",
+    ]
+    if ctrl is not None:
+        timeline = " -> ".join(f"r{r}:{s}" for r, s in ctrl.stats.steps_timeline[:12])
+        more = len(ctrl.stats.steps_timeline) - 12
+        lines.append(f"steps timeline: {timeline}" + (f" ... (+{more})" if more > 0 else ""))
+        total = sum(ctrl.stats.rounds_at_steps.values()) or 1
+        share = ", ".join(f"{s}: {100 * n / total:.0f}%"
+                          for s, n in sorted(ctrl.stats.rounds_at_steps.items()))
+        lines.append(f"share of rounds at each depth: {share}")
+    graph = sum(1 for r in rank0 if r["graph"])
+    lines.append(f"counted rounds on the CUDA-graph path: {graph}/{counted}")
+    by_rank: dict[int, list[float]] = {}
+    for r in records:
+        by_rank.setdefault(r["rank"], []).append(r["local_ema"])
+    ema = ", ".join(f"rank {k}: {v[-1]:.3f}" for k, v in sorted(by_rank.items()))
+    lines.append(f"final local EMA: {ema}")
+    if result.consensus_us:
+        lines.append(f"consensus collective (rank 0): median {statistics.median(result.consensus_us):.1f} us "
+                     f"per round")
+    checks = guard.checks if guard is not None else 0
+    lines.append(f"lockstep OK: {world} rank(s) made identical decisions in {result.rounds} rounds "
+                 f"(digest {result.decision_digest:#014x}, {checks} hash checks, "
+                 f"{recorded} collectives recorded per rank)")
+    return "\n".join(lines)
+
+
+def write_records(path: str, records: list[dict]) -> None:
+    with open(path, "w") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+
+
+def run_consensus(ctx: DistContext, trace_dir: str, policy: str, config_path: Optional[str],
+                  initial_steps: Optional[int], out: Optional[str], show_progress: bool = True) -> str:
+    """The whole consensus-only job on one rank; returns rank 0's summary ('' elsewhere)."""
+    from adaptive_dist.config import load_config
+    from adaptive_dist.startup import agree_config, all_ranks_or_none
+    from adaptive_dist.trace import load_trace
+
+    layout = ctx.layout(dp=ctx.world_size, tp=ctx.world_size)
+    world, dp = layout.group("world"), layout.group("dp")
+    config = agree_config(lambda: load_config(config_path, policy == "ema", initial_steps),
+                          world, extra={"policy": policy})
+    trace = all_ranks_or_none(lambda: load_trace(trace_dir, ctx.rank), world, "loading traces")
+    guard = ctx.guard(world, check_every=config.lockstep_check_every) if ctx.recorder else None
+    bar = _progress(trace, world) if show_progress else None
+    try:
+        result = replay(trace, config, policy, dp, guard, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+        if guard is not None:
+            guard.close()
+    verify_lockstep(result, world)
+    merged = collect_on_first(result.records, world)
+    if merged is None:
+        return ""
+    if out:
+        write_records(out, merged)
+    recorded = ctx.recorder.count if ctx.recorder else 0
+    return summary(merged, result, ctx.world_size, policy, config, guard, recorded)
+
+
+def _progress(trace: list[TraceRound], world: Group):
+    """A progress bar on the first rank (sized by the longest trace), None elsewhere."""
+    import torch
+
+    from collectives.ops import gather_into
+
+    n = torch.tensor([len(trace)], dtype=torch.int64)
+    if world.size > 1:
+        out = torch.empty(world.size, dtype=torch.int64)
+        gather_into(out, n, group=world.control_pg)
+        n = out.max()
+    if not world.is_first:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=int(n), desc="replay", unit="round", mininterval=0.5, leave=False)
