@@ -1,0 +1,109 @@
+"""An independent single-process reference of DESIGN's policy, used to check multi-rank runs.
+
+Written separately from ``adaptive_dist.policy`` on purpose: it simulates every rank's EMA and the
+cluster-wide decision from all ranks' traces in one loop, straight from the rules in DESIGN.md.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+
+def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
+    """Expected output records (sorted by round, rank) for ``traces`` (one list per rank)."""
+    cand = sorted(cfg["candidate_steps"])
+    idx = cand.index(cfg["initial_steps"])
+    world = len(traces)
+    ema = [float(cfg["initial_steps"] - 1)] * world
+    weight = [0] * world
+    counted, last_switch = 0, None
+    buckets = sorted(cfg["graph_buckets"])
+    out = []
+    for r in range(max(len(t) for t in traces)):
+        steps = cand[idx]
+        rounds = [t[r] if r < len(t) else {"accept": []} for t in traces]
+        batches = [len(x["accept"]) for x in rounds]
+        for k, x in enumerate(rounds):
+            acc = [min(a, steps) for a in x["accept"]]
+            if acc:
+                ema[k] = (1.0 - cfg["ema_alpha"]) * ema[k] + cfg["ema_alpha"] * (sum(acc) / len(acc))
+                weight[k] += len(acc)
+        eligible = all(x.get("can_graph", True) for x in rounds)
+        graph = eligible and max(batches) <= buckets[-1]
+        if sum(batches) == 0:
+            continue
+        counted += 1
+        live = [(e, w) for e, w in zip(ema, weight) if w > 0]
+        if not live:
+            g = None
+        elif cfg["reducer"] == "weighted_mean":
+            num = den = 0.0
+            for e, w in live:
+                num += w * e
+                den += w
+            g = num / den
+        elif cfg["reducer"] == "min":
+            g = min(e for e, _ in live)
+        else:
+            g = max(e for e, _ in live)
+        point = counted > cfg["warmup_batches"] and (counted - cfg["warmup_batches"]) % cfg["update_interval"] == 0
+        new = idx
+        dwell_ok = last_switch is None or counted - last_switch >= cfg["min_dwell_rounds"]
+        if policy == "ema" and point and g is not None and dwell_ok:
+            while new > 0 and g <= cand[new - 1] - 0.5 + cfg["down_hysteresis"]:
+                new -= 1
+            if new == idx:
+                while new < len(cand) - 1 and g > cand[new] - 0.5 + cfg["up_hysteresis"]:
+                    new += 1
+        for k in range(world):
+            out.append({"round": r, "rank": k, "steps": steps, "local_ema": ema[k],
+                        "global_ema": g, "switched": new != idx, "graph": graph})
+        if point:
+            weight = [0] * world
+        if new != idx:
+            last_switch = counted
+        idx = new
+    return out
+
+
+def adversarial_traces(world: int, rounds: int, seed: int) -> list[list[dict]]:
+    """Ranks in different phases, idle stretches, bursts past the graph buckets, graph-ineligible
+    rounds, accept lengths that sit on thresholds, and ranks whose traces end early."""
+    rng = random.Random(seed)
+    traces = []
+    for rank in range(world):
+        n = rounds if rank % 2 == 0 else rng.randint(rounds // 3, rounds)
+        lines, r = [], 0
+        while r < n:
+            kind = rng.choice(["low", "mid", "high", "idle", "edge"])
+            for _ in range(min(n - r, rng.randint(4, 40))):
+                if kind == "idle":
+                    lines.append({"accept": []})
+                else:
+                    batch = rng.randint(1, 6) if rng.random() > 0.05 else rng.randint(65, 80)
+                    if kind == "edge":  # values that land the EMA near thresholds
+                        acc = [rng.choice([0, 1, 2, 3]) for _ in range(batch)]
+                    else:
+                        p = {"low": 0.05, "mid": 0.7, "high": 0.98}[kind]
+                        acc = []
+                        for _ in range(batch):
+                            a = 0
+                            while a < 12 and rng.random() < p:
+                                a += 1
+                            acc.append(a)
+                    line = {"accept": acc, "num_tokens": batch * 3}
+                    if rng.random() < 0.03:
+                        line["can_graph"] = False
+                    lines.append(line)
+                r += 1
+        traces.append(lines)
+    return traces
+
+
+def write_traces(traces: list[list[dict]], directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for rank, lines in enumerate(traces):
+        with (directory / f"rank{rank}.jsonl").open("w") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")

@@ -1,0 +1,117 @@
+"""Per-rank job functions for the multi-rank tests (module level, so spawned ranks import them).
+
+Each takes ``(rank, ...)``, sets up real process groups from the torchrun-style environment the
+harness provides, and returns plain data for the parent to compare.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+import collectives as C
+from adaptive_dist.config import AdaptiveConfig, load_config
+from adaptive_dist.controller import AdaptiveController
+from adaptive_dist.replay import replay, run_consensus
+from adaptive_dist.startup import agree_config
+from adaptive_dist.trace import load_trace
+
+
+def _ctx(backend: Optional[str], timeout: float = 20.0, strict: bool = False) -> C.DistContext:
+    return C.init_distributed(timeout_s=timeout, backend=backend, record=True, strict=strict)
+
+
+def replay_job(rank: int, trace_dir: str, cfg_dict: dict, policy: str,
+               backend: Optional[str] = None) -> dict:
+    """Replay this rank's trace; return its records and its whole collective log."""
+    ctx = _ctx(backend)
+    layout = ctx.layout(dp=ctx.world_size)
+    world = layout.group("world")
+    cfg = agree_config(lambda: AdaptiveConfig.from_dict(cfg_dict), world, {"policy": policy})
+    guard = ctx.guard(world, check_every=cfg.lockstep_check_every)
+    result = replay(load_trace(trace_dir, rank), cfg, policy, layout.group("dp"), guard)
+    guard.close()
+    log = [e.signature() for e in ctx.recorder.log]
+    ctx.shutdown()
+    return {"records": result.records, "log": log, "digest": result.decision_digest,
+            "checks": guard.checks}
+
+
+def consensus_cli_job(rank: int, trace_dir: str, config_path: Optional[str], policy: str,
+                      initial_steps: Optional[int]) -> str:
+    """The consensus command's body; returns rank 0's summary."""
+    ctx = _ctx(None)
+    try:
+        return run_consensus(ctx, trace_dir, policy, config_path, initial_steps, None,
+                             show_progress=False)
+    finally:
+        ctx.shutdown(aborted=True)
+
+
+def divergence_job(rank: int, mode: str, rounds: int = 12, bad_round: int = 5,
+                   backend: Optional[str] = None, timeout: float = 3.0) -> dict:
+    """Run rounds with one model-style all-reduce each; rank 1 misbehaves at ``bad_round``.
+
+    modes: ``skip_consensus`` (rank 1 skips a round's consensus collective), ``skip_op``
+    (rank 1 skips its model all-reduce), ``reshape`` (rank 1 all-reduces a different shape;
+    strict lockstep), ``state`` (rank 1's policy state is tampered with).
+    """
+    ctx = _ctx(backend, timeout=timeout, strict=(mode == "reshape"))
+    layout = ctx.layout(dp=ctx.world_size)
+    world, dp = layout.group("world"), layout.group("dp")
+    cfg = AdaptiveConfig(lockstep_check_every=2)
+    guard = ctx.guard(world, check_every=cfg.lockstep_check_every)
+    guard.exit_on_watchdog = False
+    ctrl = AdaptiveController(cfg, dp, policy="ema", guard=guard)
+    t0 = time.monotonic()
+    bad = rank == 1
+    try:
+        for r in range(rounds):
+            with guard.round(r):
+                if mode == "state" and bad and r == bad_round:
+                    from dataclasses import replace
+                    ctrl.state = replace(ctrl.state, index=0)
+                if not (mode == "skip_consensus" and bad and r == bad_round):
+                    plan = ctrl.begin_round(2, 8, True)
+                n = 8 if (mode == "reshape" and bad and r == bad_round) else 4
+                x = torch.ones(n, device=ctx.device)
+                if not (mode == "skip_op" and bad and r == bad_round):
+                    C.ops.all_reduce(x, dp)
+                ctrl.end_round([1, 2])
+        return {"raised": None, "elapsed": time.monotonic() - t0}
+    except (C.DivergenceError, C.CollectiveTimeoutError) as exc:
+        return {"raised": type(exc).__name__, "message": str(exc),
+                "elapsed": time.monotonic() - t0}
+    finally:
+        guard.close()
+        ctx.shutdown(aborted=True)
+
+
+def config_job(rank: int, per_rank: dict, policy: str = "ema") -> dict:
+    """Each rank builds its own config from ``per_rank[rank]`` (kwargs of load_config-like
+    settings or a dict for AdaptiveConfig.from_dict); return what start-up said."""
+    ctx = _ctx(None)
+    world = ctx.layout().group("world")
+    spec = per_rank[rank]
+    try:
+        if "path" in spec:
+            build = lambda: load_config(spec["path"], policy == "ema", spec.get("initial_steps"))
+        else:
+            build = lambda: AdaptiveConfig.from_dict(spec["dict"])
+        cfg = agree_config(build, world, {"policy": policy})
+        return {"ok": True, "digest": cfg.digest()}
+    except ValueError as exc:
+        return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+    finally:
+        ctx.shutdown(aborted=True)
+
+
+def static_job(rank: int, trace_dir: str, initial_steps: int, backend: Optional[str] = None) -> dict:
+    ctx = _ctx(backend)
+    layout = ctx.layout(dp=ctx.world_size)
+    world = layout.group("world")
+    cfg = agree_config(lambda: load_config(None, False, initial_steps), world, {"policy": "static"})
+    result = replay(load_trace(trace_dir, rank), cfg, "static", layout.group("dp"))
+    ctx.shutdown()
+    return {"records": result.records}
