@@ -1,0 +1,284 @@
+"""Unit tests for adaptive_dist.config against DESIGN.md ("Defaults", "Configuration errors")."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from adaptive_dist.config import AdaptiveConfig, ConfigError, load_config
+
+
+def raises(match_all, **kw) -> str:
+    with pytest.raises(ConfigError) as ei:
+        AdaptiveConfig(**kw)
+    msg = str(ei.value)
+    for s in match_all:
+        assert s in msg, f"{s!r} not in {msg!r}"
+    return msg
+
+
+# ------------------------------------------------------------------------------------ defaults
+def test_defaults_match_design():
+    c = AdaptiveConfig()
+    assert c.candidate_steps == (1, 3, 7)
+    assert c.ema_alpha == 0.2
+    assert c.warmup_batches == 10
+    assert c.update_interval == 5
+    assert c.up_hysteresis == 0.0
+    assert c.down_hysteresis == -0.25
+    assert c.min_dwell_rounds == 0
+    assert c.reducer == "weighted_mean"
+    assert c.initial_steps in c.candidate_steps
+
+
+def test_load_config_without_file_is_defaults():
+    assert load_config(None, adaptive=True) == AdaptiveConfig()
+    assert load_config(None, adaptive=False) == AdaptiveConfig()
+
+
+def test_candidates_sorted_and_deduplicated():
+    c = AdaptiveConfig(candidate_steps=[7, 1, 3, 3])
+    assert c.candidate_steps == (1, 3, 7)
+    assert c.max_steps == 7
+    assert AdaptiveConfig(initial_steps=7).initial_index == 2
+
+
+def test_boundary_values_accepted():
+    AdaptiveConfig(ema_alpha=1.0)
+    AdaptiveConfig(ema_alpha=1e-9)
+    AdaptiveConfig(warmup_batches=0, update_interval=1, min_dwell_rounds=0)
+    AdaptiveConfig(up_hysteresis=-0.75, down_hysteresis=0.5)
+    AdaptiveConfig(candidate_steps=[2, 5], initial_steps=2, reducer="min")
+    AdaptiveConfig(reducer="max")
+
+
+# -------------------------------------------------------------------------------- unknown keys
+def test_unknown_keys_named():
+    with pytest.raises(ConfigError) as ei:
+        AdaptiveConfig.from_dict({"ema_alfa": 0.3, "zz_top": 1, "warmup_batches": 2})
+    msg = str(ei.value)
+    assert "'ema_alfa'" in msg and "'zz_top'" in msg
+    assert "unknown" in msg
+    assert "ema_alpha" in msg  # the allowed keys are listed
+
+
+def test_from_dict_not_object():
+    with pytest.raises(ConfigError, match="JSON object"):
+        AdaptiveConfig.from_dict([1, 3, 7])
+
+
+def test_from_dict_good():
+    c = AdaptiveConfig.from_dict({"candidate_steps": [1, 2, 4], "initial_steps": 2,
+                                  "ema_alpha": 0.5, "reducer": "max"})
+    assert c.candidate_steps == (1, 2, 4) and c.initial_steps == 2
+    assert c.ema_alpha == 0.5 and c.reducer == "max"
+    assert c.warmup_batches == 10  # unspecified keys keep their defaults
+
+
+# ---------------------------------------------------------------------------- wrong types
+@pytest.mark.parametrize("key,value,shown", [
+    ("candidate_steps", "1,3,7", "'1,3,7'"),
+    ("candidate_steps", 3, "3"),
+    ("candidate_steps", [1, "3"], "'3'"),
+    ("candidate_steps", [1, 2.0], "2.0"),
+    ("candidate_steps", [True, 3], "True"),
+    ("initial_steps", "3", "'3'"),
+    ("initial_steps", 3.0, "3.0"),
+    ("initial_steps", None, "None"),
+    ("ema_alpha", "0.2", "'0.2'"),
+    ("ema_alpha", True, "True"),
+    ("ema_alpha", None, "None"),
+    ("warmup_batches", 1.5, "1.5"),
+    ("warmup_batches", "10", "'10'"),
+    ("warmup_batches", True, "True"),
+    ("update_interval", 2.0, "2.0"),
+    ("update_interval", True, "True"),
+    ("min_dwell_rounds", "2", "'2'"),
+    ("min_dwell_rounds", 0.5, "0.5"),
+    ("up_hysteresis", "0", "'0'"),
+    ("up_hysteresis", None, "None"),
+    ("up_hysteresis", False, "False"),
+    ("down_hysteresis", "x", "'x'"),
+    ("down_hysteresis", [0.1], "[0.1]"),
+    ("reducer", 3, "3"),
+    ("reducer", None, "None"),
+    ("graph_buckets", "8", "'8'"),
+    ("graph_buckets", [1, 2.5], "2.5"),
+    ("lockstep_check_every", 1.0, "1.0"),
+])
+def test_wrong_type(key, value, shown):
+    raises([key, shown], **{key: value})
+
+
+# ------------------------------------------------------------------------- out of range
+@pytest.mark.parametrize("key,value,shown", [
+    ("candidate_steps", [0, 3], "0"),
+    ("candidate_steps", [-1, 3], "-1"),
+    ("candidate_steps", [], "[]"),
+    ("ema_alpha", 0, "ema_alpha=0"),
+    ("ema_alpha", 0.0, "ema_alpha=0.0"),
+    ("ema_alpha", -0.1, "-0.1"),
+    ("ema_alpha", 1.5, "1.5"),
+    ("ema_alpha", 1.0000001, "1.0000001"),
+    ("ema_alpha", math.nan, "nan"),
+    ("ema_alpha", math.inf, "inf"),
+    ("warmup_batches", -1, "warmup_batches=-1"),
+    ("update_interval", 0, "update_interval=0"),
+    ("update_interval", -3, "update_interval=-3"),
+    ("min_dwell_rounds", -2, "min_dwell_rounds=-2"),
+    ("up_hysteresis", math.inf, "inf"),
+    ("up_hysteresis", math.nan, "nan"),
+    ("down_hysteresis", -math.inf, "-inf"),
+    ("down_hysteresis", math.nan, "nan"),
+    ("reducer", "median", "'median'"),
+    ("reducer", "MIN", "'MIN'"),
+    ("graph_buckets", [], "[]"),
+    ("graph_buckets", [0, 4], "0"),
+    ("lockstep_check_every", 0, "lockstep_check_every=0"),
+])
+def test_out_of_range(key, value, shown):
+    raises([key, shown], **{key: value})
+
+
+def test_allowed_stated_in_messages():
+    assert "(0, 1]" in raises(["ema_alpha"], ema_alpha=2)
+    assert ">= 0" in raises(["warmup_batches"], warmup_batches=-1)
+    assert ">= 1" in raises(["update_interval"], update_interval=0)
+    msg = raises(["reducer"], reducer="median")
+    assert "weighted_mean" in msg and "min" in msg and "max" in msg
+
+
+def test_hysteresis_out_of_range_message_states_allowed_range():
+    # The code refuses |hysteresis| >= 1000, but says "must be a finite number" for a value that
+    # *is* finite, so the message does not state what is allowed (DESIGN: messages name the key,
+    # the value and what is allowed).
+    msg = raises(["up_hysteresis", "5000.0"], up_hysteresis=5000.0)
+    assert "1000" in msg, f"message does not state the allowed range: {msg!r}"
+
+
+def test_fewer_than_two_distinct_candidates():
+    for value in ([3], [3, 3], [5, 5, 5]):
+        kw = {"candidate_steps": value, "initial_steps": value[0]}
+        msg = raises(["candidate_steps", "two distinct"], **kw)
+        assert str(value[0]) in msg
+
+
+def test_initial_steps_not_a_candidate():
+    msg = raises(["initial_steps=5", "[1, 3, 7]"], initial_steps=5)
+    assert "candidate" in msg
+    raises(["initial_steps=2", "[1, 4]"], candidate_steps=[1, 4], initial_steps=2)
+
+
+# ----------------------------------------------------------------------------------- files
+def test_from_file_good(tmp_path):
+    p = tmp_path / "cfg.json"
+    p.write_text(json.dumps({"candidate_steps": [1, 2, 4, 8], "initial_steps": 4,
+                             "min_dwell_rounds": 3}))
+    c = load_config(str(p), adaptive=True)
+    assert c.candidate_steps == (1, 2, 4, 8) and c.initial_steps == 4
+    assert c.min_dwell_rounds == 3
+
+
+def test_bad_json_file(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text('{"ema_alpha": 0.3,,}\n')
+    with pytest.raises(ConfigError) as ei:
+        load_config(str(p), adaptive=True)
+    msg = str(ei.value)
+    assert str(p) in msg and "JSON" in msg
+
+
+def test_json_file_not_object(tmp_path):
+    p = tmp_path / "list.json"
+    p.write_text("[1, 3, 7]")
+    with pytest.raises(ConfigError) as ei:
+        AdaptiveConfig.from_file(p)
+    assert str(p) in str(ei.value) and "object" in str(ei.value)
+
+
+def test_missing_file(tmp_path):
+    p = tmp_path / "nope.json"
+    with pytest.raises(ConfigError) as ei:
+        load_config(str(p), adaptive=True)
+    assert str(p) in str(ei.value)
+
+
+def test_file_unknown_key_names_file_and_key(tmp_path):
+    p = tmp_path / "cfg.json"
+    p.write_text('{"ema_alfa": 0.3}')
+    with pytest.raises(ConfigError) as ei:
+        load_config(str(p), adaptive=True)
+    assert str(p) in str(ei.value) and "'ema_alfa'" in str(ei.value)
+
+
+def test_file_bad_value(tmp_path):
+    p = tmp_path / "cfg.json"
+    p.write_text('{"ema_alpha": 2}')
+    with pytest.raises(ConfigError) as ei:
+        load_config(str(p), adaptive=True)
+    assert "ema_alpha=2" in str(ei.value)
+
+
+def test_config_file_with_adaptive_off(tmp_path):
+    p = tmp_path / "cfg.json"
+    p.write_text("{}")  # even a valid, empty file is refused
+    with pytest.raises(ConfigError) as ei:
+        load_config(str(p), adaptive=False)
+    msg = str(ei.value)
+    assert str(p) in msg and "adaptive" in msg
+
+
+def test_initial_steps_override():
+    assert load_config(None, adaptive=True, initial_steps=7).initial_steps == 7
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, adaptive=True, initial_steps=5)
+    assert "initial_steps=5" in str(ei.value)
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, adaptive=True, initial_steps=0)
+    assert "initial_steps=0" in str(ei.value)
+
+
+def test_initial_steps_override_beats_file(tmp_path):
+    p = tmp_path / "cfg.json"
+    p.write_text('{"initial_steps": 1}')
+    assert load_config(str(p), adaptive=True, initial_steps=7).initial_steps == 7
+
+
+# ---------------------------------------------------------------------------------- digest
+def test_digest_stable():
+    a, b = AdaptiveConfig(), AdaptiveConfig()
+    assert a.digest() == b.digest()
+    assert a.digest() == a.digest()
+    assert len(a.digest()) == 16 and int(a.digest(), 16) >= 0
+    # list vs tuple and candidate order do not change the effective config
+    assert AdaptiveConfig(candidate_steps=[7, 3, 1]).digest() == a.digest()
+    assert AdaptiveConfig.from_dict({"ema_alpha": 0.2}).digest() == a.digest()
+
+
+@pytest.mark.parametrize("key,value", [
+    ("candidate_steps", (1, 3, 8)),
+    ("initial_steps", 7),
+    ("ema_alpha", 0.25),
+    ("warmup_batches", 11),
+    ("update_interval", 4),
+    ("up_hysteresis", 0.125),
+    ("down_hysteresis", -0.5),
+    ("min_dwell_rounds", 1),
+    ("reducer", "min"),
+    ("graph_buckets", (1, 2, 4)),
+    ("lockstep_check_every", 8),
+])
+def test_digest_differs_on_each_key(key, value):
+    assert AdaptiveConfig(**{key: value}).digest() != AdaptiveConfig().digest()
+
+
+def test_digest_same_for_equal_numbers():
+    # The same effective configuration written as 0 vs 0.0 (e.g. "up_hysteresis": 0 in one
+    # rank's JSON file, the default on another) must hash the same, else ranks refuse to run
+    # on a spurious mismatch.
+    a = AdaptiveConfig()
+    b = AdaptiveConfig(up_hysteresis=0)
+    assert a == b  # dataclass equality already says they are the same configuration
+    assert b.digest() == a.digest(), (
+        f"digest differs for up_hysteresis=0 vs 0.0: {b.digest()} != {a.digest()}")

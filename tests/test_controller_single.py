@@ -1,0 +1,338 @@
+"""AdaptiveController on a size-1 group: whole round sequences against hand-worked examples
+(DESIGN.md "The adaptive layer"), the runtime-state pool contract and the graph/eager plan."""
+from __future__ import annotations
+
+import pytest
+
+from collectives import Group
+from adaptive_dist.config import AdaptiveConfig, ConfigError
+from adaptive_dist.controller import AdaptiveController, AdaptiveSpecWorker, SpecRuntimeState
+
+
+def make(policy="ema", worker=None, **kw) -> AdaptiveController:
+    return AdaptiveController(AdaptiveConfig(**kw), Group.single(), policy=policy, worker=worker)
+
+
+class FakeWorker:
+    """Records every build/apply; states are distinct objects so identity can be checked."""
+
+    def __init__(self):
+        self.built: list[int] = []
+        self.applied: list[SpecRuntimeState] = []
+        self.states: dict[int, SpecRuntimeState] = {}
+
+    def build_runtime_state(self, steps: int) -> SpecRuntimeState:
+        self.built.append(steps)
+        s = SpecRuntimeState(steps=steps, payload=object(), nbytes=10 * steps)
+        self.states[steps] = s
+        return s
+
+    def apply_runtime_state(self, state: SpecRuntimeState) -> None:
+        self.applied.append(state)
+
+
+# The hand-worked example: candidates [1,3,7], initial 3 (EMA starts at 2.0), alpha 0.5,
+# warmup 2, interval 1, up 0.0, down -0.25.
+#   at index 1 (steps 3): drop if E <= 0.25, rise if E > 2.5
+#   at index 2 (steps 7): drop if E <= 2.25
+# Each row: (requests at begin_round, accepts at end_round, steps that ran, switched before it,
+#            EMA after end_round)
+# r0  c1            [3]    -> 0.5*2.0   + 0.5*3 = 2.5
+# r1  c2            [3]    -> 2.75
+# r2  c3 (point)    [3]    -> 2.875  ; decision at r2: 2.875 > 2.5 -> up to 7, applied before r3
+# r3  c4 (point)    [7,5]  -> 0.5*2.875 + 0.5*6 = 4.4375 ; stays at 7
+# r4  c5 (point)    [0]    -> 2.21875 ; decision at r4: 2.21875 <= 2.25 -> down to 3 (not to 1)
+# r5  idle: not counted, [] -> 2.21875 unchanged
+# r6  c6 (point)    [0,0]  -> 1.109375 ; stays at 3 (1.109375 > 0.25)
+# r7  c7            [0]    -> 0.5546875 ; stays
+# r8  c8            [0]    -> 0.27734375 ; stays (> 0.25)
+# r9  c9            [0]    -> 0.138671875 ; <= 0.25 -> down to 1, applied before r10
+# r10 idle          []
+# r11 idle          []
+EXAMPLE = [
+    (1, [3], 3, False, 2.5),
+    (1, [3], 3, False, 2.75),
+    (1, [3], 3, False, 2.875),
+    (2, [7, 5], 7, True, 4.4375),
+    (1, [0], 7, False, 2.21875),
+    (0, [], 3, True, 2.21875),
+    (2, [0, 0], 3, False, 1.109375),
+    (1, [0], 3, False, 0.5546875),
+    (1, [0], 3, False, 0.27734375),
+    (1, [0], 3, False, 0.138671875),
+    (0, [], 1, True, 0.138671875),
+    (0, [], 1, False, 0.138671875),
+]
+EXAMPLE_CFG = dict(candidate_steps=[1, 3, 7], initial_steps=3, ema_alpha=0.5, warmup_batches=2,
+                   update_interval=1, up_hysteresis=0.0, down_hysteresis=-0.25)
+
+
+def run_example(ctl: AdaptiveController, rows=EXAMPLE):
+    plans, emas = [], []
+    for n, accepts, *_ in rows:
+        plans.append(ctl.begin_round(n, num_tokens=n))
+        ctl.end_round(accepts)
+        emas.append(ctl.ema)
+    return plans, emas
+
+
+# -------------------------------------------------------------------------------------- EMA
+@pytest.mark.parametrize("initial,expected", [(1, 0.0), (3, 2.0), (7, 6.0)])
+def test_ema_starts_at_initial_steps_minus_one(initial, expected):
+    ctl = make(initial_steps=initial)
+    assert ctl.ema == expected
+    assert ctl.steps == initial
+
+
+def test_idle_round_leaves_ema_unchanged():
+    ctl = make(ema_alpha=0.5)
+    ctl.begin_round(1)
+    ctl.end_round([3])          # 0.5*2 + 0.5*3 = 2.5
+    assert ctl.ema == 2.5
+    ctl.begin_round(0)
+    ctl.end_round([])
+    assert ctl.ema == 2.5
+
+
+# ------------------------------------------------------------------------- the worked example
+def test_hand_worked_sequence():
+    ctl = make(**EXAMPLE_CFG)
+    plans, emas = run_example(ctl)
+    assert [p.steps for p in plans] == [r[2] for r in EXAMPLE]
+    assert [p.switched for p in plans] == [r[3] for r in EXAMPLE]
+    assert emas == [r[4] for r in EXAMPLE]
+    assert [p.round for p in plans] == list(range(12))
+    assert ctl.stats.switches == 3
+    assert ctl.stats.counted_rounds == 9
+    assert ctl.stats.steps_timeline == [(0, 3), (3, 7), (5, 3), (10, 1)]
+    assert ctl.steps == 1
+
+
+def test_hand_worked_outcomes():
+    ctl = make(**EXAMPLE_CFG)
+    outcomes = []
+    for n, accepts, *_ in EXAMPLE:
+        ctl.begin_round(n)
+        outcomes.append(ctl.last_outcome)
+        ctl.end_round(accepts)
+    assert outcomes[0] is None  # no previous round to decide on
+    d = [o.decision for o in outcomes[1:]]  # the decision on round r is seen at r+1
+    assert [o.round for o in outcomes[1:]] == list(range(11))
+    assert [x.counted for x in d] == [True] * 5 + [False] + [True] * 4 + [False]
+    assert [x.decision_point for x in d] == [False, False] + [True] * 3 + [False] + [True] * 4 + [False]
+    # global EMA at the decision points (single rank: its own EMA, including that round)
+    assert d[2].global_ema == 2.875
+    assert d[3].global_ema == 4.4375
+    assert d[4].global_ema == 2.21875
+    assert d[5].global_ema is None  # not counted
+    assert d[9].global_ema == 0.138671875
+    assert [x.switched for x in d] == [False, False, True, False, True, False, False, False,
+                                       False, True, False]
+    assert outcomes[3].steps == 3 and outcomes[4].steps == 7  # steps that ran in rounds 2, 3
+    assert outcomes[3].local_ema == 2.875
+
+
+def test_weights_reset_at_decision_points():
+    ctl = make(**EXAMPLE_CFG)
+    weights_after_begin = []
+    for n, accepts, *_ in EXAMPLE[:8]:
+        ctl.begin_round(n)
+        weights_after_begin.append(ctl.weight)
+        ctl.end_round(accepts)
+    # r0: nothing yet; r1: c1 (1 req) no point; r2: c2 -> 2; r3: point -> 0; r4: point -> 0;
+    # r5: point -> 0; r6: previous round idle, not counted -> stays 0; r7: point -> 0
+    assert weights_after_begin == [0, 1, 2, 0, 0, 0, 0, 0]
+    assert ctl.weight == 1  # r7's one request
+
+
+def test_static_policy_same_inputs_never_switches():
+    w = FakeWorker()
+    ctl = make("static", worker=w, **EXAMPLE_CFG)
+    # same rows, accepts capped at the 3 steps that static keeps running
+    rows = [(n, [min(a, 3) for a in acc], *rest) for n, acc, *rest in EXAMPLE]
+    plans, emas = run_example(ctl, rows)
+    assert [p.steps for p in plans] == [3] * 12
+    assert not any(p.switched for p in plans)
+    # the EMA still runs (and crosses the rise threshold 2.5 at round 2, then the drop
+    # threshold 0.25 at round 8): 2.5, 2.75, 2.875, then [3,3] -> 2.9375, [0] -> 1.46875, ...
+    assert emas == [2.5, 2.75, 2.875, 2.9375, 1.46875, 1.46875, 0.734375, 0.3671875,
+                    0.18359375, 0.091796875, 0.091796875, 0.091796875]
+    assert ctl.stats.switches == 0
+    assert w.applied == [w.states[3]]  # only the initial installation
+
+
+def test_round_own_statistics_in_its_decision():
+    # warmup 0, interval 1, alpha 1: round 0's accepts [3] make EMA 3.0 > 2.5 and the decision
+    # at round 0 (counted 1) already moves to 7, so round 1 runs 7.
+    ctl = make(ema_alpha=1.0, warmup_batches=0, update_interval=1)
+    assert ctl.begin_round(1).steps == 3
+    ctl.end_round([3])
+    p = ctl.begin_round(1)
+    assert p.steps == 7 and p.switched
+
+
+def test_warmup_zero_interval_three():
+    # points at counted 3, 6. alpha 1. Accepts 3 each round: EMA 3.0 from round 0 on.
+    ctl = make(ema_alpha=1.0, warmup_batches=0, update_interval=3)
+    steps = []
+    for _ in range(5):
+        steps.append(ctl.begin_round(1).steps)
+        ctl.end_round([min(3, ctl.steps)])
+    # decisions at rounds 0,1 (counted 1,2) none; round 2 (counted 3) -> up, applied at round 3
+    assert steps == [3, 3, 3, 7, 7]
+
+
+def test_idle_rounds_do_not_count_toward_warmup():
+    ctl = make(ema_alpha=1.0, warmup_batches=2, update_interval=1)
+    pattern = [(1, [3]), (0, []), (0, []), (1, [3]), (0, []), (1, [3]), (0, [])]
+    steps = []
+    for n, acc in pattern:
+        steps.append(ctl.begin_round(n).steps)
+        ctl.end_round(acc)
+    # counted rounds: r0 c1, r3 c2, r5 c3 (first point) -> switch applied before r6
+    assert steps == [3, 3, 3, 3, 3, 3, 7]
+
+
+# --------------------------------------------------------------------------------- dwell
+def test_dwell_in_controller_and_weight_reset_at_blocked_point():
+    # warmup 0, interval 1, alpha 1, dwell 2.
+    ctl = make(ema_alpha=1.0, warmup_batches=0, update_interval=1, min_dwell_rounds=2)
+    p0 = ctl.begin_round(1); ctl.end_round([3])   # EMA 3
+    p1 = ctl.begin_round(1)                       # decision at c1: up to 7 (last switch c1)
+    ctl.end_round([0])                            # EMA 0
+    p2 = ctl.begin_round(1)                       # c2: 1 counted round since switch -> blocked
+    blocked = ctl.last_outcome.decision
+    w_after_blocked = ctl.weight
+    ctl.end_round([0])
+    p3 = ctl.begin_round(1)                       # c3: 2 rounds since -> allowed, down to 1
+    assert [p0.steps, p1.steps, p2.steps, p3.steps] == [3, 7, 7, 1]
+    assert blocked.decision_point and not blocked.switched and blocked.global_ema == 0.0
+    assert w_after_blocked == 0
+
+
+# -------------------------------------------------------------------------- accept lengths
+def test_accept_outside_range_raises():
+    ctl = make()
+    ctl.begin_round(2)
+    with pytest.raises(ValueError):
+        ctl.end_round([4])
+    with pytest.raises(ValueError):
+        ctl.end_round([-1])
+    with pytest.raises(ValueError):
+        ctl.end_round([1, 7])
+    ctl.end_round([0, 3])  # bounds themselves are fine
+    assert ctl.ema == pytest.approx(0.8 * 2.0 + 0.2 * 1.5)
+
+
+def test_accept_bound_follows_steps_in_force():
+    ctl = make(**EXAMPLE_CFG)
+    for n, accepts, *_ in EXAMPLE[:3]:
+        ctl.begin_round(n)
+        ctl.end_round(accepts)
+    assert ctl.begin_round(2).steps == 7
+    ctl.end_round([7, 7])  # allowed at steps 7
+    ctl2 = make(**EXAMPLE_CFG)
+    ctl2.begin_round(1)
+    with pytest.raises(ValueError):
+        ctl2.end_round([7])  # steps 3 in force
+
+
+def test_negative_begin_round_raises():
+    ctl = make()
+    with pytest.raises(ValueError):
+        ctl.begin_round(-1)
+    with pytest.raises(ValueError):
+        ctl.begin_round(1, num_tokens=-1)
+
+
+def test_unknown_policy_raises():
+    with pytest.raises(ConfigError, match="policy"):
+        make("min_vote")
+
+
+# ------------------------------------------------------------------------ runtime-state pool
+def test_worker_build_once_per_candidate_apply_on_switch_only():
+    w = FakeWorker()
+    assert isinstance(w, AdaptiveSpecWorker)
+    ctl = make(worker=w, **EXAMPLE_CFG)
+    assert w.built == [1, 3, 7]
+    built_states = dict(w.states)
+    # the initial state is installed once at construction
+    assert len(w.applied) == 1 and w.applied[0] is built_states[3]
+    assert ctl.pool.nbytes == 10 + 30 + 70
+
+    applied_at = []
+    for r, (n, accepts, *_ ) in enumerate(EXAMPLE):
+        before = len(w.applied)
+        p = ctl.begin_round(n)
+        if len(w.applied) != before:
+            assert len(w.applied) == before + 1
+            applied_at.append((r, w.applied[-1]))
+        ctl.end_round(accepts)
+        assert len(w.applied) == before + (1 if p.switched else 0)
+    assert w.built == [1, 3, 7]  # nothing built during rounds
+    assert [r for r, _ in applied_at] == [3, 5, 10]
+    assert applied_at[0][1] is built_states[7]
+    assert applied_at[1][1] is built_states[3]
+    assert applied_at[2][1] is built_states[1]
+
+
+def test_worker_static_no_apply_during_rounds():
+    w = FakeWorker()
+    ctl = make("static", worker=w, candidate_steps=[2, 4], initial_steps=4, warmup_batches=0,
+               update_interval=1, ema_alpha=1.0)
+    for _ in range(4):
+        ctl.begin_round(1)
+        ctl.end_round([0])
+    assert w.built == [2, 4]
+    assert w.applied == [w.states[4]]
+
+
+def test_worker_wrong_state_refused():
+    class Bad(FakeWorker):
+        def build_runtime_state(self, steps):
+            return SpecRuntimeState(steps=steps + 1)
+
+    with pytest.raises(ValueError, match="steps"):
+        make(worker=Bad())
+
+
+# --------------------------------------------------------------------------- graph / eager
+def test_can_graph_false_means_eager():
+    ctl = make()
+    p = ctl.begin_round(4, num_tokens=40, can_graph=False)
+    assert p.use_graph is False and p.batch_bucket is None
+    assert p.padded_tokens == 40 and p.cluster_requests == 4
+
+
+@pytest.mark.parametrize("batch,bucket", [(1, 1), (3, 4), (5, 8), (8, 8), (17, 32), (64, 64)])
+def test_bucket_smallest_at_least_batch(batch, bucket):
+    ctl = make()
+    p = ctl.begin_round(batch, num_tokens=batch)
+    assert p.use_graph is True and p.batch_bucket == bucket
+
+
+def test_batch_above_largest_bucket_is_eager():
+    ctl = make()
+    p = ctl.begin_round(65, num_tokens=65)
+    assert p.use_graph is False and p.batch_bucket is None
+    ctl.end_round([1] * 65)
+    p = ctl.begin_round(64)
+    assert p.use_graph is True and p.batch_bucket == 64
+
+
+def test_custom_buckets():
+    ctl = make(graph_buckets=[12, 4])
+    assert ctl.begin_round(5).batch_bucket == 12
+    ctl.end_round([0] * 5)
+    assert ctl.begin_round(4).batch_bucket == 4
+    ctl.end_round([0] * 4)
+    p = ctl.begin_round(13)
+    assert p.use_graph is False and p.batch_bucket is None
+
+
+def test_done_flag():
+    ctl = make()
+    assert ctl.begin_round(0, done=True).all_done is True
+    ctl.end_round([])
+    assert ctl.begin_round(0, done=False).all_done is False
