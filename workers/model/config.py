@@ -185,8 +185,8 @@ class LlamaConfig(_DecoderDims):
     def from_hf(raw: Mapping[str, Any]) -> LlamaConfig:
         """Build from a parsed Hugging Face ``config.json``; ``ValueError`` on anything unsupported."""
         _check_architecture(raw, LLAMA_ARCHITECTURE)
-        _check_unsupported(raw)
         kwargs = _dims_kwargs(raw, _REQUIRED, _OPTIONAL)
+        _check_unsupported(raw)
         for key in ("tie_word_embeddings", "bos_token_id"):
             if key in raw:
                 kwargs[key] = raw[key]
@@ -249,8 +249,8 @@ class EagleConfig(_DecoderDims):
     def from_hf(raw: Mapping[str, Any]) -> EagleConfig:
         """Build from a parsed ``config.json`` of an EAGLE head; ``ValueError`` on anything unsupported."""
         _check_architecture(raw, EAGLE_ARCHITECTURE)
-        _check_unsupported(raw)
         kwargs = _dims_kwargs(raw, _REQUIRED, _OPTIONAL)
+        _check_unsupported(raw)
         kwargs["fc_bias"] = raw.get("fc_bias", True)
         return EagleConfig(**kwargs)
 
