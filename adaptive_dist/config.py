@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 REDUCERS = ("weighted_mean", "min", "max")
+FLOAT_KEYS = ("ema_alpha", "up_hysteresis", "down_hysteresis")
+HYSTERESIS_LIMIT = 1000.0
 POLICIES = ("static", "ema")
 
 
@@ -48,7 +50,8 @@ class AdaptiveConfig:
     down_hysteresis: float = -0.25
     """Added to the drop threshold ``c[i-1] - 0.5``."""
     min_dwell_rounds: int = 0
-    """No switch within this many counted rounds of the previous switch (>= 0)."""
+    """No switch within this many counted rounds of the previous switch: a switch at counted
+    round c needs c - (counted round of the last switch) >= min_dwell_rounds (>= 0)."""
     reducer: str = "weighted_mean"
     """How ranks' EMAs combine: ``weighted_mean``, ``min`` or ``max``."""
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
@@ -59,6 +62,10 @@ class AdaptiveConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidate_steps", _as_int_tuple("candidate_steps", self.candidate_steps))
         object.__setattr__(self, "graph_buckets", _as_int_tuple("graph_buckets", self.graph_buckets))
+        for key in FLOAT_KEYS:  # 0 and 0.0 are the same setting and must hash the same
+            v = getattr(self, key)
+            if _is_number(v):
+                object.__setattr__(self, key, float(v))
         _validate(self)
 
     # ---- derived -----------------------------------------------------------------------------
@@ -83,7 +90,12 @@ class AdaptiveConfig:
                 f"{source}: unknown key(s) {', '.join(repr(k) for k in unknown)}; "
                 f"allowed keys: {', '.join(sorted(known))}"
             )
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ConfigError as exc:
+            if source == "config":
+                raise
+            raise ConfigError(f"{source}: {exc}") from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> "AdaptiveConfig":
@@ -131,7 +143,7 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 
 def _validate(c: AdaptiveConfig) -> None:
     _check(len(c.candidate_steps) >= 2, "candidate_steps", list(c.candidate_steps),
-           "needs at least two distinct candidates")
+           "needs at least two distinct candidates (duplicates removed)")
     _check(_is_int(c.initial_steps), "initial_steps", c.initial_steps, "must be an integer")
     _check(c.initial_steps in c.candidate_steps, "initial_steps", c.initial_steps,
            f"must be one of candidate_steps {list(c.candidate_steps)}")
@@ -145,7 +157,8 @@ def _validate(c: AdaptiveConfig) -> None:
         _check(_is_int(v) and v >= 1, key, v, "must be an integer >= 1")
     for key in ("up_hysteresis", "down_hysteresis"):
         v = getattr(c, key)
-        _check(_is_number(v) and -1000 < v < 1000, key, v, "must be a finite number")
+        _check(_is_number(v) and -HYSTERESIS_LIMIT < v < HYSTERESIS_LIMIT, key, v,
+               f"must be a finite number in ({-HYSTERESIS_LIMIT:g}, {HYSTERESIS_LIMIT:g})")
     _check(c.reducer in REDUCERS, "reducer", c.reducer, f"allowed: {', '.join(REDUCERS)}")
 
 

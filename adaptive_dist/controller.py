@@ -165,7 +165,7 @@ class AdaptiveController:
         """Record this rank's accept lengths (draft tokens accepted, bonus excluded). Local only."""
         steps = self._prev_plan.steps if self._prev_plan is not None else self.steps
         for a in accepts:
-            if not isinstance(a, int) or not 0 <= a <= steps:
+            if not isinstance(a, int) or isinstance(a, bool) or not 0 <= a <= steps:
                 raise ValueError(f"accept length {a!r} outside [0, {steps}] (steps in force)")
         self.ema = ema_update(self.ema, accepts, self.config.ema_alpha)
         self.weight += len(accepts)

@@ -50,7 +50,8 @@ def consensus_cli_job(rank: int, trace_dir: str, config_path: Optional[str], pol
 
 
 def divergence_job(rank: int, mode: str, rounds: int = 12, bad_round: int = 5,
-                   backend: Optional[str] = None, timeout: float = 3.0) -> dict:
+                   backend: Optional[str] = None, timeout: float = 3.0,
+                   watchdog_exit: bool = False) -> dict:
     """Run rounds with one model-style all-reduce each; rank 1 misbehaves at ``bad_round``.
 
     modes: ``skip_consensus`` (rank 1 skips a round's consensus collective), ``skip_op``
@@ -62,7 +63,7 @@ def divergence_job(rank: int, mode: str, rounds: int = 12, bad_round: int = 5,
     world, dp = layout.group("world"), layout.group("dp")
     cfg = AdaptiveConfig(lockstep_check_every=2)
     guard = ctx.guard(world, check_every=cfg.lockstep_check_every)
-    guard.exit_on_watchdog = False
+    guard.exit_on_watchdog = watchdog_exit
     ctrl = AdaptiveController(cfg, dp, policy="ema", guard=guard)
     t0 = time.monotonic()
     bad = rank == 1

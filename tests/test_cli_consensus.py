@@ -1,0 +1,72 @@
+"""The consensus command end to end under torchrun, as a user runs it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from collectives import free_port
+from consensus_reference import adversarial_traces, simulate, write_traces
+from adaptive_dist.config import AdaptiveConfig
+
+pytestmark = pytest.mark.multirank
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), "-m", "adaptive_dist", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_help_lists_subcommands():
+    out = subprocess.run([sys.executable, "-m", "adaptive_dist", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0
+    assert "consensus" in out.stdout and "config" in out.stdout
+
+
+def test_consensus_three_ranks_matches_reference(tmp_path):
+    traces = adversarial_traces(3, rounds=150, seed=11)
+    write_traces(traces, tmp_path / "tr")
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(json.dumps({"reducer": "min", "min_dwell_rounds": 4, "warmup_batches": 4}))
+    out_file = tmp_path / "out.jsonl"
+    res = torchrun(3, "consensus", "--trace", str(tmp_path / "tr"), "--policy", "ema",
+                   "--config", str(cfg_file), "--out", str(out_file), "--no-progress")
+    assert res.returncode == 0, res.stderr[-3000:]
+    last = [ln for ln in res.stdout.splitlines() if ln.strip()][-1]
+    assert last.startswith("lockstep OK"), res.stdout
+    lines = [json.loads(ln) for ln in out_file.read_text().splitlines()]
+    assert set(lines[0]) == {"round", "rank", "steps", "local_ema", "global_ema", "switched", "graph"}
+    cfg = AdaptiveConfig.from_file(cfg_file).to_dict()
+    assert lines == simulate(traces, cfg, "ema")
+
+
+def test_unknown_config_key_refused_on_every_rank(tmp_path):
+    write_traces(adversarial_traces(2, rounds=20, seed=1), tmp_path / "tr")
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(json.dumps({"ema_alfa": 0.3}))
+    res = torchrun(2, "consensus", "--trace", str(tmp_path / "tr"), "--config", str(cfg_file))
+    assert res.returncode != 0
+    msgs = [ln for ln in res.stderr.splitlines() if "error:" in ln and "ema_alfa" in ln]
+    assert len(msgs) == 2, res.stderr[-3000:]          # one line from each rank
+    assert len({m.split("] ", 1)[1] for m in msgs}) == 1  # the same message
+
+
+def test_missing_trace_for_a_rank_refused(tmp_path):
+    write_traces(adversarial_traces(1, rounds=20, seed=1), tmp_path / "tr")
+    res = torchrun(2, "consensus", "--trace", str(tmp_path / "tr"))
+    assert res.returncode != 0
+    assert "rank1.jsonl" in res.stderr
+
+
+def test_config_given_with_static_policy_refused(tmp_path):
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text("{}")
+    res = subprocess.run([sys.executable, "-m", "adaptive_dist", "config", "--policy", "static",
+                          "--config", str(cfg_file)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "adaptive mode is off" in res.stderr

@@ -1,0 +1,54 @@
+"""The multi-rank consensus checks on 2 GPUs with NCCL device groups (skipped without them)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from collectives import EXIT_DIVERGENCE
+from consensus_reference import adversarial_traces, simulate, write_traces
+from multirank import format_results, run_ranks
+from adaptive_dist.config import AdaptiveConfig
+import rank_jobs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for NCCL"),
+]
+
+
+@pytest.mark.parametrize("cfg_over", [{}, {"reducer": "max", "min_dwell_rounds": 5}])
+def test_nccl_decisions_match_reference(tmp_path, cfg_over):
+    traces = adversarial_traces(2, rounds=200, seed=3)
+    write_traces(traces, tmp_path)
+    cfg = AdaptiveConfig.from_dict(cfg_over).to_dict()
+    results = run_ranks(rank_jobs.replay_job, 2, str(tmp_path), cfg, "ema", "nccl", timeout=180)
+    merged = sorted((rec for r in results for rec in r.value["records"]),
+                    key=lambda x: (x["round"], x["rank"]))
+    assert merged == simulate(traces, cfg, "ema")
+    assert results[0].value["log"] == results[1].value["log"]
+
+
+def test_nccl_static_policy(tmp_path):
+    traces = adversarial_traces(2, rounds=80, seed=4)
+    traces[0][7] = {"accept": [2], "can_graph": False}
+    write_traces(traces, tmp_path)
+    results = run_ranks(rank_jobs.static_job, 2, str(tmp_path), 3, "nccl", timeout=180)
+    recs = [rec for r in results for rec in r.value["records"]]
+    assert {rec["steps"] for rec in recs} == {3} and not any(rec["switched"] for rec in recs)
+    assert not any(rec["graph"] for rec in recs if rec["round"] == 7)
+
+
+@pytest.mark.parametrize("mode", ["state", "reshape"])
+def test_nccl_divergence_raises_before_issuing(mode):
+    results = run_ranks(rank_jobs.divergence_job, 2, mode, 12, 5, "nccl", 5.0, timeout=120)
+    for r in results:
+        assert r.value["raised"] == "DivergenceError", format_results(results)
+    assert results[0].value["message"] == results[1].value["message"]
+
+
+def test_nccl_skipped_collective_exits_with_divergence():
+    """A skipped NCCL collective never raises on the host: the watchdog names the divergence
+    and ends every rank with EXIT_DIVERGENCE within the timeout plus a few seconds."""
+    results = run_ranks(rank_jobs.divergence_job, 2, "skip_op", 12, 5, "nccl", 5.0, True,
+                        timeout=60, check=False)
+    assert [r.exitcode for r in results] == [EXIT_DIVERGENCE, EXIT_DIVERGENCE], format_results(results)
