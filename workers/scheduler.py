@@ -1,0 +1,135 @@
+"""Requests and continuous batching.
+
+A `Request` carries its prompt, its sampling parameters, its generated tokens and its own seeded
+`torch.Generator`; `Request.commit` appends tokens and stops at a stop token or `max_new_tokens`
+(tokens past the stop are dropped). The `Scheduler` keeps a FIFO of waiting requests and the
+running batch: between rounds it admits waiting requests while the batch has room and the KV pool
+can reserve their worst case, and retires finished ones (their KV pages go back to the pool).
+
+Under tensor parallelism every TP rank runs the same scheduler over the same requests, so the
+batches agree without communication.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from workers.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    """One generation request and everything it produced so far."""
+
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None       # "stop" (a stop token) or "length" (max_new_tokens)
+    accept_lengths: list[int] = field(default_factory=list)  # per speculative round
+    generator: torch.Generator | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the request stopped."""
+        return self.finish_reason is not None
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt followed by the generated tokens."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of `tokens`."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def make_generator(self, device: torch.device) -> None:
+        """Create this request's generator (seeded with `seed`) on `device`, if it samples."""
+        if not self.params.greedy:
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+
+    def commit(self, tokens: list[int]) -> None:
+        """Append generated `tokens`, stopping at a stop token or at `max_new_tokens`."""
+        for token in tokens:
+            if self.finished:
+                return
+            self.output_ids.append(int(token))
+            if token in self.params.stop_token_ids:
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+
+
+class KVAdmission(Protocol):
+    """What the scheduler asks of the worker about KV memory."""
+
+    def check_fits(self, req: Request) -> None: ...
+    def can_admit(self, req: Request) -> bool: ...
+    def admit(self, req: Request) -> None: ...
+    def release(self, req: Request) -> None: ...
+
+
+class Scheduler:
+    """FIFO admission into a running batch of at most `max_batch_size` requests."""
+
+    def __init__(self, kv: KVAdmission, max_batch_size: int, max_context_len: int) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
+        self.kv = kv
+        self.max_batch_size = max_batch_size
+        self.max_context_len = max_context_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+
+    def validate(self, req: Request) -> None:
+        """Raise `ValueError` naming what is wrong if `req` can never run."""
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.rid}: the prompt is empty; give at least one token")
+        total = len(req.prompt_ids) + req.params.max_new_tokens
+        if len(req.prompt_ids) >= self.max_context_len:
+            raise ValueError(
+                f"request {req.rid}: prompt of {len(req.prompt_ids)} tokens is longer than the "
+                f"context length ({self.max_context_len} tokens, room for at least one new token)")
+        if total > self.max_context_len:
+            raise ValueError(
+                f"request {req.rid}: prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
+                f"({req.params.max_new_tokens}) = {total} exceeds the context length "
+                f"({self.max_context_len} tokens)")
+        self.kv.check_fits(req)
+
+    def add(self, req: Request) -> None:
+        """Queue `req` (validated first: an impossible request is refused, never queued)."""
+        self.validate(req)
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def admit(self) -> list[Request]:
+        """Move waiting requests into the batch, in arrival order, while they fit; return them."""
+        admitted = []
+        while self.waiting and len(self.running) < self.max_batch_size \
+                and self.kv.can_admit(self.waiting[0]):
+            req = self.waiting.popleft()
+            self.kv.admit(req)
+            self.running.append(req)
+            admitted.append(req)
+        return admitted
+
+    def retire(self) -> list[Request]:
+        """Remove finished requests from the batch and release their KV; return them."""
+        done = [r for r in self.running if r.finished]
+        if done:
+            self.running = [r for r in self.running if not r.finished]
+            for req in done:
+                self.kv.release(req)
+            self.finished.extend(done)
+        return done
