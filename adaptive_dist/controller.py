@@ -145,7 +145,12 @@ class AdaptiveController:
             config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash,
         )
         matrix = consensus.gather(vec, self.group)
-        consensus.preflight(matrix, self.group)
+        try:
+            consensus.preflight(matrix, self.group)
+        except Exception:
+            if self.guard is not None:
+                self.guard.publish_log()  # let peers stuck elsewhere name the divergence
+            raise
         self.last_outcome = self._decide_previous(matrix)
         switched = bool(self.last_outcome and self.last_outcome.decision.switched)
         plan = self._plan(matrix, switched)

@@ -93,7 +93,7 @@ class LockstepGuard:
         self.store = store
         self.exit_on_watchdog = exit_on_watchdog
         self.checks = 0
-        self._diagnoses = 0
+        self._published = False  # one diagnosis per job: after a divergence the job ends
         self._deadline: Optional[float] = None
         self._round: Optional[int] = None
         self._stop = threading.Event()
@@ -202,14 +202,23 @@ class LockstepGuard:
     def _grace_s(self) -> float:
         return min(10.0, max(2.0, self.timeout_s / 2))
 
+    def _prefix(self) -> str:
+        return f"adaptive_dist/guard/{self.group.name}/"
+
+    def publish_log(self) -> None:
+        """Post this rank's recent collective log to the store, so that peers stuck in another
+        collective can still name the divergence after this rank has raised and left."""
+        if self.store is not None and not self._published:
+            payload = json.dumps([e.to_json() for e in self.recorder.window])
+            self.store.set(self._prefix() + str(self.group.global_rank), payload)
+            self._published = True
+
     def _exchange_logs_via_store(self) -> Optional[dict[int, list[CollectiveEntry]]]:
         store = self.store
         if store is None:
             return None
-        self._diagnoses += 1
-        prefix = f"adaptive_dist/guard/{self.group.name}/{self._diagnoses}/"
-        payload = json.dumps([e.to_json() for e in self.recorder.window])
-        store.set(prefix + str(self.group.global_rank), payload)
+        self.publish_log()
+        prefix = self._prefix()
         logs: dict[int, list[CollectiveEntry]] = {}
         deadline = time.monotonic() + self._grace_s()
         pending = list(self.group.ranks)

@@ -1,6 +1,8 @@
 """The multi-rank consensus checks on 2 GPUs with NCCL device groups (skipped without them)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -47,8 +49,13 @@ def test_nccl_divergence_raises_before_issuing(mode):
 
 
 def test_nccl_skipped_collective_exits_with_divergence():
-    """A skipped NCCL collective never raises on the host: the watchdog names the divergence
-    and ends every rank with EXIT_DIVERGENCE within the timeout plus a few seconds."""
+    """A skipped NCCL collective may never raise on the host: each rank either raises
+    DivergenceError (pre-flight saw the corrupted consensus) or its watchdog names the divergence
+    and ends it with EXIT_DIVERGENCE, within the timeout plus a few seconds."""
+    t0 = time.monotonic()
     results = run_ranks(rank_jobs.divergence_job, 2, "skip_op", 12, 5, "nccl", 5.0, True,
                         timeout=60, check=False)
-    assert [r.exitcode for r in results] == [EXIT_DIVERGENCE, EXIT_DIVERGENCE], format_results(results)
+    for r in results:
+        raised = r.ok and r.value["raised"] == "DivergenceError"
+        assert raised or r.exitcode == EXIT_DIVERGENCE, format_results(results)
+    assert time.monotonic() - t0 < 45
