@@ -1,0 +1,78 @@
+"""Tiny random-init model pairs and engines for the engine tests (CPU, seconds).
+
+`tiny_pair` builds a target whose attention and MLP branches are scaled by `eps` (so it is close
+to a bigram model of its embedding) and an EAGLE head that is exactly that bigram model
+(`fc` passes the token embedding, its decoder layer adds nothing). The head is right where the
+target's context matters little and wrong elsewhere, which gives every accept length from 0 to
+`steps` without training: the accept and reject paths both run.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from adaptive_dist.config import AdaptiveConfig, load_config
+from workers.eagle_worker import WorkerConfig
+from workers.engine import Engine, make_engine
+from workers.model import EagleConfig, EagleHead, LlamaConfig, LlamaForCausalLM, save_pretrained
+
+# NOTE: these models are tiny; with more than one thread, OpenMP spin-waits dominate (and on a
+# shared 2-core machine make every forward ~50x slower). Tests that import this module run on one.
+torch.set_num_threads(1)
+
+
+def tiny_config(vocab: int = 64, hidden: int = 64, layers: int = 2, max_pos: int = 512,
+                eos: int | None = None) -> LlamaConfig:
+    """A small Llama config with grouped-query attention (4 query heads, 2 KV heads)."""
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=max_pos, eos_token_id=eos)
+
+
+@torch.no_grad()
+def tiny_pair(seed: int = 0, eps: float = 0.1, dtype: torch.dtype = torch.float64,
+              cfg: LlamaConfig | None = None) -> tuple[LlamaForCausalLM, EagleHead]:
+    """A random target and a bigram-copy EAGLE head (see the module docstring)."""
+    cfg = cfg or tiny_config()
+    torch.manual_seed(seed)
+    target = LlamaForCausalLM(cfg)
+    head = EagleHead(EagleConfig.for_target(cfg), target)
+    for layer in target.model.layers:
+        layer.self_attn.o_proj.weight.mul_(eps)
+        layer.mlp.down_proj.weight.mul_(eps)
+    d = cfg.hidden_size
+    head.fc.weight.zero_()
+    head.fc.bias.zero_()
+    head.fc.weight[:, :d] = torch.eye(d)
+    for layer in head.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    head.norm.weight.copy_(target.model.norm.weight)
+    return target.to(dtype).eval(), head.to(dtype).eval()
+
+
+def save_pair(target: LlamaForCausalLM, head: EagleHead, root: Path) -> Path:
+    """Write the pair as `root/target` and `root/eagle` (float32, Hugging Face layout)."""
+    save_pretrained(target, root / "target", dtype=torch.float32)
+    save_pretrained(head, root / "eagle", dtype=torch.float32)
+    return root
+
+
+def random_prompts(n: int, vocab: int, seed: int, lo: int = 1, hi: int = 24) -> list[list[int]]:
+    """`n` prompts of random token ids with lengths in [lo, hi]."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def engine_for(target: LlamaForCausalLM, head: EagleHead | None, mode: str = "static",
+               steps: int = 3, config: AdaptiveConfig | None = None, max_batch: int = 4,
+               num_pages: int | None = None, page_size: int = 4) -> Engine:
+    """An engine in `mode` "nospec", "static" (at `steps`) or "ema" (adaptive, `config`)."""
+    wcfg = WorkerConfig(max_batch_size=max_batch, page_size=page_size, num_pages=num_pages,
+                        max_context_len=target.config.max_position_embeddings)
+    if mode == "nospec":
+        return make_engine(target, None, adaptive_config=None, worker_config=wcfg)
+    cfg = config if mode == "ema" else load_config(None, adaptive=False, initial_steps=steps)
+    return make_engine(target, head, adaptive_config=cfg, policy=mode, worker_config=wcfg)

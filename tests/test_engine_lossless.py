@@ -1,0 +1,156 @@
+"""Greedy speculative decoding is lossless: token for token the output of plain greedy decoding.
+
+Checked with continuous batching (more prompts than the batch holds, so requests join and leave
+between rounds), stop tokens (accepted tokens past the stop are dropped), at every candidate tier,
+in adaptive mode, and with a different tier forced on every round. The tiny random pair (float64,
+so no near-tie can flip an argmax) accepts every length from 0 to steps; the bundled pair (float32,
+as a user runs it) is checked on prompts that are not in the repository.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaptive_dist.config import AdaptiveConfig
+from engine_fixtures import engine_for, random_prompts, tiny_pair
+from workers.engine import Engine
+from workers.sampling import SamplingParams
+
+STOP = 45  # a token the tiny target emits often, so stop handling inside accepted runs is exercised
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair(seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(16, vocab=64, seed=7)
+
+
+def _params(n: int) -> list[SamplingParams]:
+    """Varied lengths; every third request stops at STOP."""
+    return [SamplingParams(max_new_tokens=8 + 7 * (i % 5),
+                           stop_token_ids=(STOP,) if i % 3 == 0 else ()) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(pair, prompts) -> list[list[int]]:
+    engine = engine_for(pair[0], None, "nospec")
+    return [r.output_ids for r in engine.generate(prompts, _params(len(prompts)))]
+
+
+def _check_pages_back(engine: Engine) -> None:
+    engine.worker.target_cache.check_empty()
+    if engine.worker.draft_cache is not None:
+        engine.worker.draft_cache.check_empty()
+
+
+def test_reference_exercises_stops_and_lengths(reference) -> None:
+    stopped = [out for out in reference if out[-1] == STOP]
+    assert stopped and any(len(out) < 8 + 7 * 4 for out in stopped)
+
+
+@pytest.mark.parametrize("steps", [1, 3, 7])
+def test_static_tier_equals_plain_greedy(pair, prompts, reference, steps: int) -> None:
+    engine = engine_for(*pair, "static", steps=steps)
+    out = engine.generate(prompts, _params(len(prompts)))
+    assert [r.output_ids for r in out] == reference
+    hist = engine.stats.accept_histogram
+    assert hist[0] > 0 and hist[steps] > 0, f"accept paths not all exercised: {hist}"
+    assert set(engine.stats.steps_timeline) == {(0, steps)} and engine.stats.switches == 0
+    _check_pages_back(engine)
+
+
+def test_adaptive_equals_plain_greedy_and_switches(pair, prompts, reference) -> None:
+    config = AdaptiveConfig(warmup_batches=1, update_interval=1, ema_alpha=0.6, initial_steps=7)
+    engine = engine_for(*pair, "ema", config=config)
+    out = engine.generate(prompts, _params(len(prompts)))
+    assert [r.output_ids for r in out] == reference
+    assert engine.stats.switches >= 1
+    assert engine.planner.stats.switches == engine.stats.switches
+    _check_pages_back(engine)
+
+
+class RandomTierPlanner:
+    """Applies a random pre-built tier (different from the last) before every round."""
+
+    def __init__(self, worker, candidates: tuple[int, ...], seed: int) -> None:
+        self.worker, self.rng = worker, random.Random(seed)
+        self.states = {s: worker.build_runtime_state(s) for s in candidates}
+        self.steps = candidates[0]
+        worker.apply_runtime_state(self.states[self.steps])
+        self.seen: Counter = Counter()
+
+    def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True):
+        others = [s for s in self.states if s != self.steps]
+        self.steps = self.rng.choice(others)
+        self.worker.apply_runtime_state(self.states[self.steps])
+        self.seen[self.steps] += 1
+        return _Plan(self.steps, True)
+
+    def end_round(self, accepts) -> None:
+        assert all(0 <= a <= self.steps for a in accepts)
+
+
+class _Plan:
+    def __init__(self, steps: int, switched: bool) -> None:
+        self.steps, self.switched = steps, switched
+
+
+def test_forced_random_tier_switch_every_round(pair, prompts, reference) -> None:
+    engine = engine_for(*pair, "static", steps=7)
+    planner = RandomTierPlanner(engine.worker, (1, 2, 3, 5, 7), seed=3)
+    engine.planner = planner
+    out = engine.generate(prompts, _params(len(prompts)))
+    assert [r.output_ids for r in out] == reference
+    assert engine.stats.switches == engine.stats.rounds > 20
+    assert set(planner.seen) == {1, 2, 3, 5, 7}
+    _check_pages_back(engine)
+
+
+def test_switch_is_a_reference_swap(pair) -> None:
+    """Applying a pre-built state allocates nothing: the buffers in force are the pre-built ones."""
+    engine = engine_for(*pair, "static", steps=7)
+    pool = engine.planner.pool
+    for steps, state in pool.states.items():
+        pool.apply(steps)
+        assert engine.worker.state is state
+        assert engine.worker.state.payload.verify_meta.out_slots.numel() == 4 * (steps + 1)
+    assert pool.nbytes == sum(s.nbytes for s in pool.states.values()) > 0
+
+
+# ---- the bundled pair, float32, prompts not in the repository -------------------------------
+
+BUNDLED = Path(__file__).resolve().parents[1] / "workers" / "assets" / "tiny_pair"
+FRESH_PROMPTS = [
+    "def merge_intervals(spans):\n    ",
+    "class LRUCache:\n    def __init__(self, capacity):\n",
+    "    checksum = \"9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+    "The lighthouse keeper wrote in her log that the storm",
+    "for idx, (name, val) in enumerate(sorted(table.items())):\n",
+    "KEY = \"QmFzZTY0IGlzIG5vdCBlbmNyeXB0aW9uLg==",
+]
+
+
+@pytest.mark.skipif(not (BUNDLED / "target" / "config.json").is_file(),
+                    reason="bundled pair not present")
+def test_bundled_pair_float32_lossless_at_every_tier_and_adaptive() -> None:
+    from workers.cli import encode_prompt, load_pair
+
+    target, head = load_pair(BUNDLED)
+    prompts = [encode_prompt(p, target.config) for p in FRESH_PROMPTS]
+    params = SamplingParams(max_new_tokens=48, stop_token_ids=target.config.eos_token_ids)
+    reference = [r.output_ids for r in engine_for(target, None, "nospec").generate(prompts, params)]
+    for steps in (1, 3, 7):
+        out = engine_for(target, head, "static", steps=steps).generate(prompts, params)
+        assert [r.output_ids for r in out] == reference, f"steps={steps}"
+    config = AdaptiveConfig(warmup_batches=2, update_interval=2)
+    out = engine_for(target, head, "ema", config=config).generate(prompts, params)
+    assert [r.output_ids for r in out] == reference, "adaptive"
+    assert torch.get_num_threads() == 1
