@@ -211,7 +211,7 @@ def test_torch_backend_with_fragmented_pages() -> None:
 def test_unknown_backend_and_flashinfer_without_gpu_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="unknown attention backend 'paged'.*torch, flashinfer"):
         make_backend("paged", "cpu")
-    with pytest.raises(RuntimeError, match="flashinfer' needs a CUDA GPU"):
+    with pytest.raises(ValueError, match="flashinfer' needs a CUDA GPU"):
         make_backend("flashinfer", "cpu")
 
 

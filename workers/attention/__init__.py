@@ -25,13 +25,13 @@ def make_backend(name: str, device: "object") -> AttentionBackend:
 
         return TorchBackend()
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        raise RuntimeError(
+        raise ValueError(
             "backend: 'flashinfer' needs a CUDA GPU, and none is available here "
             f"(device {device!s}); use --backend torch")
     try:
         from workers.attention.flashinfer_backend import FlashInferBackend  # type: ignore
     except ImportError as err:
-        raise RuntimeError(f"backend: 'flashinfer' is not available ({err}); use --backend torch") from err
+        raise ValueError(f"backend: 'flashinfer' is not available ({err}); use --backend torch") from err
     return FlashInferBackend()
 
 
