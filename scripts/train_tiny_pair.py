@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import random
+import sys
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -217,6 +218,7 @@ def train_target(model: LlamaForCausalLM, stream: torch.Tensor, args: argparse.N
     gen = torch.Generator().manual_seed(args.seed)
     model.train()
     bar = tqdm(range(args.steps), desc="target", mininterval=2.0)
+    total, count = torch.zeros((), device=args.device), 0
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr)
@@ -225,11 +227,13 @@ def train_target(model: LlamaForCausalLM, stream: torch.Tensor, args: argparse.N
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        total, count = total + loss.detach(), count + 1
         if step % args.log_every == 0 or step == args.steps - 1:
-            bpb = loss.item() / math.log(2)
-            log.append({"phase": "target", "step": step, "loss": loss.item(), "bpb": bpb,
+            mean = total.item() / count  # mean since the previous record
+            total, count = torch.zeros((), device=args.device), 0
+            log.append({"phase": "target", "step": step, "loss": mean, "bpb": mean / math.log(2),
                         "lr": opt.param_groups[0]["lr"]})
-            bar.set_postfix(bpb=f"{bpb:.3f}")
+            bar.set_postfix(bpb=f"{mean / math.log(2):.3f}")
 
 
 def eagle_losses(head: EagleHead, target: LlamaForCausalLM, xy: torch.Tensor, device: str,
@@ -426,7 +430,9 @@ def evaluate(args: argparse.Namespace, corpus: Corpus, held: torch.Tensor, times
         accept = eval_acceptance(target, head, prompts, args.eval_new_tokens, args.device)
     samples = {r: greedy_sample(target, p[0], 64, args.device) for r, p in prompts.items()}
     times["eval_s"] = time.time() - t
-    result = {"heldout_bpb": bpb, "accept": accept,
+    env = {"torch": torch.__version__, "python": sys.version.split()[0],
+           "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
+    result = {"env": env, "heldout_bpb": bpb, "accept": accept,
               "params": {"target": facts["target"], "eagle": facts["eagle"]},
               "final_target_bpb": facts["final_target_bpb"],
               "train_files": corpus.num_train_files, "train_ids": int(corpus.train.size), "args": {k: str(v) for k, v in vars(args).items()}, "times_s": times,
