@@ -103,6 +103,7 @@ def _foreign_arch(model_dir: Path, tmp_path: Path) -> Path:
     (["--prompt", "a", "--temperature", "-1"], "temperature=-1.0: must be a finite number >= 0"),
     (["--prompt", "a", "--top-p", "0"], r"top_p=0.0: must be in \(0, 1\]"),
     (["--prompt", "a", "--top-p", "1.5"], r"top_p=1.5: must be in \(0, 1\]"),
+    (["--prompt", "a", "--steps", "0"], "initial_steps=0: must be an integer >= 1"),
     (["--prompt", "a", "--steps", "3", "--config", "c.json"], "adaptive mode is off"),
     (["--prompt", "a", "--no-spec", "--config", "c.json"], "--config applies to --adaptive only"),
     (["--prompt", "a", "--tp", "2"], "--tp 2 needs 2 processes, but this job has 1"),

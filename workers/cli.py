@@ -161,7 +161,6 @@ def _distributed(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Handler of `generate`."""
     from workers.attention import make_backend
-    from workers.eagle_worker import WorkerConfig
     from workers.engine import make_engine
 
     device = args.device or ("cuda" if args.backend == "flashinfer" else "cpu")
@@ -173,12 +172,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         target, head = load_pair(args.model, tp_group, device, with_head=config is not None)
         params = _sampling(args, target.config.eos_token_ids)
-        wcfg = WorkerConfig(max_batch_size=args.max_batch_size,
-                            max_context_len=target.config.max_position_embeddings)
+        prompts = [encode_prompt(t, target.config) for t in texts]
+        wcfg = _worker_config(args, target.config, prompts, config)
         engine = make_engine(target, head, adaptive_config=config,
                              policy="ema" if args.adaptive else "static", backend=args.backend,
                              device=device, worker_config=wcfg, dp_group=dp_group)
-        prompts = [encode_prompt(t, target.config) for t in texts]
         reqs = engine.generate(prompts, params, seed=args.seed)
         if ctx is None or ctx.rank == 0:
             _report(args, texts, reqs, engine, config)
@@ -186,6 +184,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if ctx is not None:
             ctx.shutdown()
     return 0
+
+
+def _worker_config(args: argparse.Namespace, model_config: Any, prompts: list[list[int]],
+                   config: Any) -> Any:
+    """Sizes for this run: a KV pool just large enough for `max_batch_size` of the longest request."""
+    from workers.eagle_worker import WorkerConfig
+    from workers.kv_cache import pages_for
+
+    page_size, max_steps = 16, (config.max_steps if config is not None else 1)
+    longest = max(len(p) for p in prompts) + args.max_new_tokens + max_steps + 1
+    batch = max(1, min(args.max_batch_size, len(prompts)))
+    return WorkerConfig(max_batch_size=args.max_batch_size, page_size=page_size,
+                        max_context_len=model_config.max_position_embeddings, max_steps=max_steps,
+                        num_pages=batch * pages_for(longest, page_size))
 
 
 def _mode(args: argparse.Namespace, config: Any) -> str:

@@ -113,16 +113,17 @@ class EagleWorker:
                  device: torch.device | str = "cpu") -> None:
         self.target, self.head, self.backend = target, head, backend
         self.config, self.device = config, torch.device(device)
-        self.target_cache = self._make_cache(target)
-        self.draft_cache = self._make_cache(head) if head is not None else None
+        tp_size = target.tp_group.size
+        self.target_cache = self._make_cache(target, tp_size)
+        self.draft_cache = self._make_cache(head, tp_size) if head is not None else None
         self.features: dict[int, torch.Tensor] = {}  # rid -> g_n, the head's last output [d]
         self.state: SpecRuntimeState | None = None
 
-    def _make_cache(self, model: torch.nn.Module) -> KVCache:
-        cfg, tp = model.config, model.target.tp_group if hasattr(model, "target") else model.tp_group
-        dtype = next(model.parameters()).dtype
+    def _make_cache(self, model: torch.nn.Module, tp_size: int) -> KVCache:
+        """A pool for `model`'s layers holding this TP rank's KV heads."""
+        cfg, dtype = model.config, next(model.parameters()).dtype
         return KVCache(model.num_layers, self.config.pool_pages, self.config.page_size,
-                       cfg.num_key_value_heads // tp.size, cfg.head_dim, dtype=dtype,
+                       cfg.num_key_value_heads // tp_size, cfg.head_dim, dtype=dtype,
                        device=self.device)
 
     @property
@@ -227,12 +228,12 @@ class EagleWorker:
         for req, row in zip(reqs, logits):
             req.commit([sample_token(row, req.params, req.generator)])
         if self.head is not None:
-            self._draft_extend(reqs, [[r.tokens[i + 1] for i in range(n)] for r, n in zip(reqs, lens)],
-                               hidden, cached=[0] * len(reqs), out=None)
+            shifted = [r.tokens[1:n + 1] for r, n in zip(reqs, lens)]  # x_1 .. x_P
+            self._draft_extend(reqs, shifted, hidden, [0] * len(reqs), ForwardMode.EXTEND)
 
     def _draft_extend(self, reqs: list[Request], new_tokens: list[list[int]],
-                      features: torch.Tensor, cached: list[int],
-                      out: MetadataBuffers | None, bufs: "StepBuffers | None" = None) -> None:
+                      features: torch.Tensor, cached: list[int], mode: ForwardMode,
+                      bufs: StepBuffers | None = None) -> None:
         """Head over `new_tokens[b]` (positions `cached[b]+1 ..`) with target `features` [T, d].
 
         Afterwards `self.features[rid]` is the head's output at the request's last position.
@@ -241,8 +242,8 @@ class EagleWorker:
         ids = self._ids(bufs.input_ids if bufs else None, [t for toks in new_tokens for t in toks])
         pos = self._ids(bufs.positions if bufs else None,
                         [c + 1 + i for c, n in zip(cached, lens) for i in range(n)])
-        out_feat = self._forward(self.head, self.draft_cache, ForwardMode.DRAFT_EXTEND, reqs, lens,
-                                 ids, pos, features=features, out=out)
+        out_feat = self._forward(self.head, self.draft_cache, mode, reqs, lens, ids, pos,
+                                 features=features, out=bufs.extend_meta if bufs else None)
         ends = torch.tensor(lens, device=self.device).cumsum(0) - 1
         for req, g in zip(reqs, out_feat[ends]):
             self.features[req.rid] = g
@@ -284,7 +285,7 @@ class EagleWorker:
         for req, n, a in zip(reqs, base, accepts):
             self.target_cache.truncate(req.rid, n + a + 1)
             self.draft_cache.truncate(req.rid, n)
-        self._draft_extend(reqs, committed, features, cached=base, out=bufs.extend_meta, bufs=bufs)
+        self._draft_extend(reqs, committed, features, base, ForwardMode.DRAFT_EXTEND, bufs)
         for req, a, toks in zip(reqs, accepts, committed):
             req.accept_lengths.append(a)
             req.commit(toks)
