@@ -68,11 +68,12 @@ def random_prompts(n: int, vocab: int, seed: int, lo: int = 1, hi: int = 24) -> 
 
 def engine_for(target: LlamaForCausalLM, head: EagleHead | None, mode: str = "static",
                steps: int = 3, config: AdaptiveConfig | None = None, max_batch: int = 4,
-               num_pages: int | None = None, page_size: int = 4) -> Engine:
+               num_pages: int | None = None, page_size: int = 4, device: str = "cpu") -> Engine:
     """An engine in `mode` "nospec", "static" (at `steps`) or "ema" (adaptive, `config`)."""
     wcfg = WorkerConfig(max_batch_size=max_batch, page_size=page_size, num_pages=num_pages,
                         max_context_len=target.config.max_position_embeddings)
     if mode == "nospec":
-        return make_engine(target, None, adaptive_config=None, worker_config=wcfg)
+        return make_engine(target, None, adaptive_config=None, worker_config=wcfg, device=device)
     cfg = config if mode == "ema" else load_config(None, adaptive=False, initial_steps=steps)
-    return make_engine(target, head, adaptive_config=cfg, policy=mode, worker_config=wcfg)
+    return make_engine(target, head, adaptive_config=cfg, policy=mode, worker_config=wcfg,
+                       device=device)

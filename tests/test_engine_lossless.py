@@ -125,6 +125,24 @@ def test_switch_is_a_reference_swap(pair) -> None:
     assert pool.nbytes == sum(s.nbytes for s in pool.states.values()) > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_torch_backend_on_gpu_is_lossless_and_matches_cpu(pair, prompts, reference) -> None:
+    target, head = (m.to("cuda") for m in tiny_pair(seed=0))
+    plain = engine_for(target, None, "nospec", device="cuda").generate(prompts, _params(len(prompts)))
+    assert [r.output_ids for r in plain] == reference
+    for steps in (1, 3, 7):
+        engine = engine_for(target, head, "static", steps=steps, device="cuda")
+        out = engine.generate(prompts, _params(len(prompts)))
+        assert [r.output_ids for r in out] == reference, f"steps={steps}"
+        assert engine.worker.target_cache.k[0].is_cuda
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=20)
+    engine = engine_for(target, head, "ema", config=AdaptiveConfig(warmup_batches=1, update_interval=1),
+                        device="cuda")
+    assert all(len(r.output_ids) == 20 for r in engine.generate(prompts, sampled, seed=1))
+    _check_pages_back(engine)
+
+
 # ---- the bundled pair, float32, prompts not in the repository -------------------------------
 
 BUNDLED = Path(__file__).resolve().parents[1] / "workers" / "assets" / "tiny_pair"
