@@ -76,6 +76,7 @@ def cmd_consensus(args) -> int:
                              args.out, show_progress=not args.no_progress)
     except BaseException:
         _dump_log(ctx, args)
+        ctx.shutdown(aborted=True)
         raise
     _dump_log(ctx, args)
     if text:

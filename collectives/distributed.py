@@ -66,6 +66,7 @@ class DistContext:
     timeout_s: float
     recorder: Optional[CollectiveRecorder] = None
     _layouts: list = field(default_factory=list, repr=False)
+    _guards: list = field(default_factory=list, repr=False)
 
     @property
     def distributed(self) -> bool:
@@ -102,15 +103,22 @@ class DistContext:
         if self.recorder is None:
             raise ValueError("the lockstep guard needs init_distributed(record=True)")
         watchdog_s = self.timeout_s if self.backend == "nccl" else self.timeout_s * 1.5 + 5.0
-        return LockstepGuard(group, self.recorder, check_every=check_every,
-                             timeout_s=self.timeout_s, watchdog_s=watchdog_s, store=self.store())
+        guard = LockstepGuard(group, self.recorder, check_every=check_every,
+                              timeout_s=self.timeout_s, watchdog_s=watchdog_s, store=self.store())
+        self._guards.append(guard)
+        return guard
 
     def shutdown(self, aborted: bool = False) -> None:
         """Destroy the process groups. After a failure (``aborted``) skip the teardown, which is
         collective for some backends, so a stuck peer cannot hang this process."""
-        if aborted or not self.distributed or not dist.is_initialized():
+        if not self.distributed or not dist.is_initialized():
             return
-        dist.destroy_process_group()
+        for guard in self._guards:
+            guard.close()
+            if aborted and guard.published:
+                guard.linger()  # peers stuck in a collective may still need this rank's store
+        if not aborted:
+            dist.destroy_process_group()
 
 
 def init_distributed(

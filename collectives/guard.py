@@ -46,6 +46,13 @@ class CollectiveTimeoutError(RuntimeError):
     """A collective did not complete in time, and the ranks' logs do not show a divergence."""
 
 
+def is_prefix_gap(logs: dict[int, list[CollectiveEntry]]) -> bool:
+    """True if the logs differ only in length (some ranks are behind, none issued a different
+    collective): a stalled rank, not a divergence — when observed while ranks are stuck."""
+    longest = max(logs.values(), key=len, default=[])
+    return all(v == longest[: len(v)] for v in logs.values())
+
+
 def first_difference(logs: dict[int, list[CollectiveEntry]]) -> Optional[str]:
     """Describe the first position at which the ranks' logs differ, or None if they agree."""
     ranks = sorted(logs)
@@ -126,6 +133,7 @@ class LockstepGuard:
                                group=self.group.control_pg)
         logs = {self.group.ranks[i]: [CollectiveEntry.from_json(d) for d in w]
                 for i, w in enumerate(windows)}
+        self.publish_log()
         raise DivergenceError(self._mismatch_message(rows, logs))
 
     def _gather_control(self, mine: torch.Tensor) -> torch.Tensor:
@@ -169,6 +177,7 @@ class LockstepGuard:
         dist.all_gather_object(seen, entry.to_json(), group=group.control_pg)
         logs = {group.ranks[i]: [CollectiveEntry.from_json(d)] for i, d in enumerate(seen)}
         desc = "; ".join(f"rank {r}: {v[0].describe()}" for r, v in logs.items())
+        self.publish_log()
         raise DivergenceError(f"strict lockstep: ranks are about to issue different "
                               f"collectives on group {group.name!r}: {desc}")
 
@@ -182,6 +191,8 @@ class LockstepGuard:
         here = entry.describe() if entry is not None else "the lockstep check (control group)"
         cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if exc else where
         logs = self._exchange_logs_via_store()
+        if self.store is not None:
+            self.store.set(self._prefix() + f"ack/{self.group.global_rank}", "1")
         me = self.group.global_rank
         if logs is None:
             return CollectiveTimeoutError(
@@ -189,8 +200,13 @@ class LockstepGuard:
                 f"compare logs")
         missing = [r for r in self.group.ranks if r not in logs]
         diff = first_difference(logs)
-        if diff is not None:
+        if diff is not None and not is_prefix_gap(logs):
             return DivergenceError(f"collectives diverged: {diff}")
+        if diff is not None:
+            counts = {r: (v[-1].seq + 1 if v else "none since the last check") for r, v in logs.items()}
+            return CollectiveTimeoutError(
+                f"rank {me}: {here} did not complete ({cause}); some ranks stopped issuing "
+                f"collectives (stalled, not diverged): {diff}; collectives issued per rank: {counts}")
         if missing:
             return CollectiveTimeoutError(
                 f"rank {me}: {here} did not complete ({cause}); ranks {missing} did not report "
@@ -201,6 +217,11 @@ class LockstepGuard:
 
     def _grace_s(self) -> float:
         return min(10.0, max(2.0, self.timeout_s / 2))
+
+    @property
+    def published(self) -> bool:
+        """This rank posted its log after a failure (see ``linger``)."""
+        return self._published
 
     def _prefix(self) -> str:
         return f"adaptive_dist/guard/{self.group.name}/"
@@ -255,14 +276,35 @@ class LockstepGuard:
             deadline = self._deadline
             if deadline is None or time.monotonic() < deadline:
                 continue
-            err = self._diagnose(None, None, where=f"round {self._round} exceeded "
-                                                  f"{self.watchdog_s:.1f} s")
+            where = f"round {self._round} exceeded {self.watchdog_s:.1f} s"
+            try:
+                err = self._diagnose(None, None, where=where)
+            except Exception as exc:  # the store itself is gone: still never hang
+                err = CollectiveTimeoutError(
+                    f"rank {self.group.global_rank}: {where}; the rendezvous store is unreachable "
+                    f"({type(exc).__name__}), so the logs could not be compared")
             code = EXIT_DIVERGENCE if isinstance(err, DivergenceError) else EXIT_TIMEOUT
             print(f"[rank {self.group.global_rank}] {type(err).__name__}: {err}",
                   file=sys.stderr, flush=True)
             if self.exit_on_watchdog:
+                self.linger()
                 os._exit(code)
             self._deadline = None
+
+    def linger(self) -> None:
+        """After a failure: post this rank's log, then wait (bounded) until every rank has
+        diagnosed, so a rank that hosts the store does not take it away from stuck peers."""
+        if self.store is None or self.group.size == 1:
+            return
+        try:
+            self.publish_log()
+            self.store.set(self._prefix() + f"ack/{self.group.global_rank}", "1")
+            keys = [self._prefix() + f"ack/{r}" for r in self.group.ranks]
+            deadline = time.monotonic() + self.watchdog_s + self._grace_s()
+            while time.monotonic() < deadline and not self.store.check(keys):
+                time.sleep(0.05)
+        except Exception:
+            pass  # the store is gone; nothing left to wait for
 
     def close(self) -> None:
         self._stop.set()

@@ -70,6 +70,8 @@ def divergence_job(rank: int, mode: str, rounds: int = 12, bad_round: int = 5,
     try:
         for r in range(rounds):
             with guard.round(r):
+                if mode == "stall" and bad and r == bad_round:
+                    time.sleep(60)  # stuck outside any collective: only the watchdog sees it
                 if mode == "state" and bad and r == bad_round:
                     from dataclasses import replace
                     ctrl.state = replace(ctrl.state, index=0)

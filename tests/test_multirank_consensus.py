@@ -68,6 +68,22 @@ def test_injected_divergence_raises_on_every_rank(mode, expect):
     assert results[0].value["message"] == results[1].value["message"]
 
 
+def test_stuck_rank_ends_the_job_with_timeout_errors():
+    """Rank 1 stalls outside any collective: rank 0's collective times out and raises; rank 1's
+    watchdog reports and exits with EXIT_TIMEOUT. Nobody hangs."""
+    import time
+    from collectives import EXIT_TIMEOUT
+
+    t0 = time.monotonic()
+    results = run_ranks(rank_jobs.divergence_job, 2, "stall", 12, 5, None, 3.0, True,
+                        timeout=60, check=False)
+    assert results[0].ok and results[0].value["raised"] == "CollectiveTimeoutError", \
+        format_results(results)
+    assert "did not complete" in results[0].value["message"]
+    assert results[1].exitcode == EXIT_TIMEOUT, format_results(results)
+    assert time.monotonic() - t0 < 40
+
+
 def test_no_divergence_without_injection():
     results = run_ranks(rank_jobs.divergence_job, 2, "none", timeout=60)
     assert all(r.value["raised"] is None for r in results)
