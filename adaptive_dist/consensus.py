@@ -49,32 +49,58 @@ class RoundVector:
     config_hash: int
     prev_plan_hash: int
 
-    def encode(self, device: torch.device) -> torch.Tensor:
-        values = [float(MAGIC)] + [float(getattr(self, f)) for f in FIELDS[1:]]
-        return torch.tensor(values, dtype=torch.float64, device=device)
+    def values(self) -> list[float]:
+        return [float(MAGIC)] + [float(getattr(self, f)) for f in FIELDS[1:]]
 
 
-def gather(vec: RoundVector, group: Group) -> torch.Tensor:
-    """All-gather every member's vector over ``group``: a [group.size, len(FIELDS)] float64 CPU
-    matrix, identical on every member (a single collective on the group's device group)."""
-    local = vec.encode(group.device)
-    out = ops.all_gather(local, group)
-    return out.view(group.size, len(FIELDS)).cpu()
+class ConsensusChannel:
+    """Pre-allocated buffers for the per-round all-gather over ``group`` (pinned host staging on
+    CUDA), so a round allocates nothing and reads the result back with one copy."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        n = len(FIELDS)
+        cuda = group.device.type == "cuda"
+        self.host_in = torch.zeros(n, dtype=torch.float64, pin_memory=cuda)
+        self.dev_in = self.host_in.to(group.device) if cuda else self.host_in
+        self.host_out = torch.zeros(group.size * n, dtype=torch.float64, pin_memory=cuda)
+        self.cuda = cuda
+
+    def gather(self, vec: "RoundVector") -> list[list[float]]:
+        """All-gather every member's vector (one collective on the group's device group) and
+        return the [size][len(FIELDS)] matrix as Python floats, identical on every member."""
+        self.host_in.copy_(torch.tensor(vec.values(), dtype=torch.float64))
+        if self.cuda:
+            self.dev_in.copy_(self.host_in, non_blocking=True)
+        out = ops.all_gather(self.dev_in, self.group)
+        if self.cuda:
+            self.host_out.copy_(out, non_blocking=True)
+            torch.cuda.current_stream(self.group.device).synchronize()
+            flat = self.host_out.tolist()
+        else:
+            flat = out.tolist()
+        n = len(FIELDS)
+        return [flat[i * n:(i + 1) * n] for i in range(self.group.size)]
 
 
-def preflight(matrix: torch.Tensor, group: Group) -> None:
+def gather(vec: RoundVector, group: Group) -> list[list[float]]:
+    """One-off version of ``ConsensusChannel.gather`` (allocates its buffers)."""
+    return ConsensusChannel(group).gather(vec)
+
+
+def preflight(matrix: list[list[float]], group: Group) -> None:
     """Raise ``DivergenceError`` (the same on every rank) if the must-agree columns differ."""
     bad = []
     for name in MUST_AGREE:
-        col = matrix[:, COL[name]]
-        if not bool(torch.all(col == col[0])):
+        col = column(matrix, name)
+        if any(v != col[0] for v in col):
             values: dict[float, list[int]] = {}
-            for i, v in enumerate(col.tolist()):
+            for i, v in enumerate(col):
                 values.setdefault(v, []).append(group.ranks[i])
             shown = ", ".join(f"ranks {rs} have {_fmt(name, v)}" for v, rs in values.items())
             bad.append(f"{name} ({shown})")
     if bad:
-        rnd = int(matrix[0, COL["round"]])
+        rnd = int(matrix[0][COL["round"]])
         raise DivergenceError(
             f"pre-flight lockstep check failed at round {rnd} on group {group.name!r}: "
             f"ranks disagree on " + "; ".join(bad)
@@ -87,8 +113,9 @@ def _fmt(name: str, v: float) -> str:
     return str(int(v)) if float(v).is_integer() else repr(v)
 
 
-def column(matrix: torch.Tensor, name: str) -> list[float]:
-    return matrix[:, COL[name]].tolist()
+def column(matrix: list[list[float]], name: str) -> list[float]:
+    i = COL[name]
+    return [row[i] for row in matrix]
 
 
 def plan_hash(steps: int, use_graph: bool, bucket: int | None, padded_tokens: int,

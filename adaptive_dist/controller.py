@@ -124,6 +124,7 @@ class AdaptiveController:
         self._prev_plan_hash = 0
         self._digest = 0
         self.stats = ControllerStats()
+        self._channel = consensus.ConsensusChannel(group)
         self.pool.apply(self.steps)
         self.stats.steps_timeline.append((0, self.steps))
 
@@ -144,7 +145,7 @@ class AdaptiveController:
             steps=self.steps, counted=self.state.counted, last_switch=self.state.last_switch,
             config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash,
         )
-        matrix = consensus.gather(vec, self.group)
+        matrix = self._channel.gather(vec)
         try:
             consensus.preflight(matrix, self.group)
         except Exception:

@@ -57,8 +57,10 @@ def main() -> None:
     vec = consensus.RoundVector(0, 4, 16, True, False, 4, 2.5, 4, 3, 0, -1, 7, 9)
     ctrl = AdaptiveController(AdaptiveConfig(), dp, policy="ema")
 
+    channel = consensus.ConsensusChannel(dp)
+
     def gather_read():
-        consensus.gather(vec, dp)  # all-gather + copy to host (blocks until done)
+        channel.gather(vec)  # all-gather + copy to host (blocks until done)
 
     def ctrl_round():
         ctrl.begin_round(4, 16, True)
