@@ -79,11 +79,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=3000, help="target training steps")
     p.add_argument("--eagle-steps", type=int, default=1500)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--eagle-lr", type=float, default=2e-3)
-    p.add_argument("--secret-fraction", type=float, default=0.3)
+    p.add_argument("--secret-fraction", type=float, default=0.3,
+                   help="probability of 1-4 secrets after each --secret-every-lines lines and at file end")
+    p.add_argument("--secret-every-lines", type=int, default=200)
+    p.add_argument("--data-file-fraction", type=float, default=0.05,
+                   help="random base64/hex data files added, as a fraction of the code files")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
@@ -110,20 +114,42 @@ def stdlib_files() -> list[Path]:
     return files
 
 
-def secret_line(rng: random.Random) -> str:
-    """One ``    NAME = "<random base64 or hex>"`` line."""
+def random_blob(rng: random.Random, lo: int, hi: int) -> str:
+    """``lo..hi`` random base64 or (half the time) hex characters."""
     alphabet = B64 if rng.random() < 0.5 else HEX
-    blob = "".join(rng.choice(alphabet) for _ in range(rng.randint(64, 1500)))
-    return f'    {rng.choice(SECRET_NAMES)} = "{blob}"\n'
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(lo, hi)))
 
 
-def with_secrets(text: bytes, rng: random.Random, fraction: float) -> bytes:
-    """``text``, followed by 1-4 secret lines with probability ``fraction``."""
-    if rng.random() >= fraction:
-        return text
-    sep = b"" if text.endswith(b"\n") else b"\n"
-    lines = "".join(secret_line(rng) for _ in range(rng.randint(1, 4)))
-    return text + sep + b"\n" + lines.encode()
+def secret_lines(rng: random.Random) -> str:
+    """One secret: ``    NAME = "<blob>"`` on one line (70%), or wrapped in 64-char string lines."""
+    name, blob = rng.choice(SECRET_NAMES), random_blob(rng, 64, 1500)
+    if rng.random() < 0.7:
+        return f'    {name} = "{blob}"\n'
+    body = "".join(f'        "{blob[i:i + 64]}"\n' for i in range(0, len(blob), 64))
+    return f"    {name} = (\n{body}    )\n"
+
+
+def with_secrets(text: bytes, rng: random.Random, fraction: float, every_lines: int) -> bytes:
+    """``text`` with 1-4 secrets, each with probability ``fraction``, after every ``every_lines``
+    lines and at the end of the file (so ``fraction`` of the files end with secrets)."""
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith(b"\n"):
+        lines[-1] += b"\n"
+    out = []
+    for start in range(0, len(lines), every_lines):
+        out += lines[start:start + every_lines]
+        if rng.random() < fraction:
+            out.append(b"\n" + "".join(secret_lines(rng) for _ in range(rng.randint(1, 4))).encode())
+    return b"".join(out)
+
+
+def data_file(rng: random.Random) -> bytes:
+    """A whole file of random base64/hex: one long line or lines of 64 or 76 characters."""
+    blob = random_blob(rng, 256, 4096)
+    if rng.random() < 0.3:
+        return blob.encode() + b"\n"
+    width = rng.choice((64, 76))
+    return "".join(blob[i:i + width] + "\n" for i in range(0, len(blob), width)).encode()
 
 
 def to_stream(docs: list[bytes]) -> np.ndarray:
@@ -135,13 +161,15 @@ def to_stream(docs: list[bytes]) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def build_corpus(secret_fraction: float, seed: int) -> Corpus:
-    """Read the stdlib, hold out every 40th file, add secret lines to the training files."""
-    rng = random.Random(seed)
+def build_corpus(args: argparse.Namespace) -> Corpus:
+    """Read the stdlib, hold out every 40th file, add secrets and random data files to the rest."""
+    rng = random.Random(args.seed)
     texts = [f.read_bytes() for f in stdlib_files()]
     texts = [t for t in texts if len(t) >= 256]
     heldout = [t for i, t in enumerate(texts) if i % 40 == 7]
-    train = [with_secrets(t, rng, secret_fraction) for i, t in enumerate(texts) if i % 40 != 7]
+    train = [with_secrets(t, rng, args.secret_fraction, args.secret_every_lines)
+             for i, t in enumerate(texts) if i % 40 != 7]
+    train += [data_file(rng) for _ in range(int(args.data_file_fraction * len(train)))]
     rng.shuffle(train)
     return Corpus(to_stream(train), to_stream(heldout), heldout, len(train))
 
@@ -346,7 +374,8 @@ def spec_accepts(target: LlamaForCausalLM, head: EagleHead, prompt: list[int], s
 
 
 def eval_prompts(corpus: Corpus, count: int, seed: int) -> dict[str, list[str]]:
-    """Prompts per regime: held-out code, high-entropy (random base64 / opened TOKEN blob), prose."""
+    """Prompts per regime: held-out code; high-entropy (random base64 / an opened TOKEN blob);
+    repetitive prose (a sentence said three times); plain prose paragraphs."""
     rng = random.Random(seed + 2)
     code = []
     for text in rng.sample(corpus.heldout_texts, count):
@@ -355,21 +384,25 @@ def eval_prompts(corpus: Corpus, count: int, seed: int) -> dict[str, list[str]]:
         code.append("".join(lines[start:])[:192])
     entropy = ["".join(rng.choice(B64) for _ in range(192)) if i % 2 == 0 else
                '    TOKEN = "' + "".join(rng.choice(B64) for _ in range(48)) for i in range(count)]
-    prose = [PROSE[i % len(PROSE)] for i in range(count)]
-    return {"code": code, "high_entropy": entropy, "repetitive": prose}
+    sentences = [PROSE[i % len(PROSE)].split(". ")[0] + ". " for i in range(count)]
+    return {"code": code, "high_entropy": entropy, "repetitive": [s * 3 for s in sentences],
+            "prose": [PROSE[i % len(PROSE)] for i in range(count)]}
 
 
 def eval_acceptance(target: LlamaForCausalLM, head: EagleHead, prompts: dict[str, list[str]],
-                    new_tokens: int, device: str) -> dict[str, dict[str, float]]:
-    """Mean accepted draft tokens per round at steps 1, 3, 7 for each regime."""
-    out: dict[str, dict[str, float]] = {}
+                    new_tokens: int, device: str) -> tuple[dict, dict]:
+    """Mean accepted draft tokens per round at steps 1, 3, 7 for each regime (all rounds of all
+    its prompts), and the same per prompt."""
+    means: dict[str, dict[str, float]] = {}
+    per_prompt: dict[str, dict[str, list[float]]] = {}
     jobs = [(r, s) for r in prompts for s in (1, 3, 7)]
     for regime, steps in tqdm(jobs, desc="accept eval"):
-        accepts = []
-        for text in prompts[regime]:
-            accepts += spec_accepts(target, head, tok.encode(text, add_bos=True), steps, new_tokens, device)
-        out.setdefault(regime, {})[f"steps_{steps}"] = sum(accepts) / len(accepts)
-    return out
+        runs = [spec_accepts(target, head, tok.encode(text, add_bos=True), steps, new_tokens, device)
+                for text in prompts[regime]]
+        rounds = [a for run in runs for a in run]
+        means.setdefault(regime, {})[f"steps_{steps}"] = sum(rounds) / len(rounds)
+        per_prompt.setdefault(regime, {})[f"steps_{steps}"] = [round(sum(r) / len(r), 3) for r in runs]
+    return means, per_prompt
 
 
 @torch.no_grad()
@@ -393,7 +426,7 @@ def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
     t0 = time.time()
-    corpus = build_corpus(args.secret_fraction, args.seed)
+    corpus = build_corpus(args)
     print(f"data: {corpus.num_train_files} train files, {corpus.train.size} train ids, "
           f"{corpus.heldout.size} held-out ids ({time.time() - t0:.1f}s)")
     dev = args.device
@@ -427,12 +460,12 @@ def evaluate(args: argparse.Namespace, corpus: Corpus, held: torch.Tensor, times
     prompts = eval_prompts(corpus, args.eval_prompts, args.seed)
     with torch.no_grad():
         bpb = heldout_bpb(target, held, args.eval_windows, args.seq, args.device)
-        accept = eval_acceptance(target, head, prompts, args.eval_new_tokens, args.device)
-    samples = {r: greedy_sample(target, p[0], 64, args.device) for r, p in prompts.items()}
+        accept, accept_per_prompt = eval_acceptance(target, head, prompts, args.eval_new_tokens, args.device)
+    samples = {r: [greedy_sample(target, p, 64, args.device) for p in ps] for r, ps in prompts.items()}
     times["eval_s"] = time.time() - t
     env = {"torch": torch.__version__, "python": sys.version.split()[0],
            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
-    result = {"env": env, "heldout_bpb": bpb, "accept": accept,
+    result = {"env": env, "heldout_bpb": bpb, "accept": accept, "accept_per_prompt": accept_per_prompt,
               "params": {"target": facts["target"], "eagle": facts["eagle"]},
               "final_target_bpb": facts["final_target_bpb"],
               "train_files": corpus.num_train_files, "train_ids": int(corpus.train.size), "args": {k: str(v) for k, v in vars(args).items()}, "times_s": times,
