@@ -12,8 +12,6 @@ of every prefix.
 """
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -172,4 +170,3 @@ def test_all_triples_enumerated() -> None:
     """Guard for the exact-distribution helper: it sums to one."""
     target, _ = tiny_pair(seed=2, eps=1.0, cfg=tiny_config(vocab=VOCAB, hidden=32))
     assert abs(_exact_joint(target, 1.0, 1.0).sum().item() - 1.0) < 1e-6  # float32 probs
-    assert len(list(itertools.product(range(VOCAB), repeat=3))) == VOCAB ** 3
