@@ -74,10 +74,14 @@ def cmd_consensus(args) -> int:
     try:
         text = run_consensus(ctx, args.trace, args.policy, args.config, args.initial_steps,
                              args.out, show_progress=not args.no_progress)
-    except BaseException:
+    except Exception as exc:
         _dump_log(ctx, args)
+        code = report_failure(exc)
         ctx.shutdown(aborted=True)
-        raise
+        if ctx.distributed:
+            # NOTE: the process-group teardown can block on a stuck peer; leave without it.
+            os._exit(code)
+        return code
     _dump_log(ctx, args)
     if text:
         print(text, flush=True)
@@ -109,21 +113,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not getattr(args, "handler", None):
         parser.print_help()
         return EXIT_CONFIG
-    rank = os.environ.get("RANK", "0")
     try:
         return args.handler(args)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        return _fail(rank, "error", exc, EXIT_CONFIG)
-    except DivergenceError as exc:
-        return _fail(rank, "DivergenceError", exc, EXIT_DIVERGENCE)
-    except CollectiveTimeoutError as exc:
-        return _fail(rank, "CollectiveTimeoutError", exc, EXIT_TIMEOUT)
+    except Exception as exc:
+        return report_failure(exc)
 
 
-def _fail(rank: str, kind: str, exc: BaseException, code: int) -> int:
-    print(f"[rank {rank}] {kind}: {exc}", file=sys.stderr, flush=True)
-    if "WORLD_SIZE" in os.environ and os.environ.get("WORLD_SIZE") != "1":
-        # NOTE: after a failure the process-group teardown can block on a stuck peer; leave now.
-        sys.stdout.flush()
-        os._exit(code)
-    return code
+def report_failure(exc: BaseException) -> int:
+    """Print a known failure as one line naming the rank; return its exit code. Anything else
+    is a bug and propagates with its traceback."""
+    for kinds, label, code in (
+        ((DivergenceError,), "DivergenceError", EXIT_DIVERGENCE),
+        ((CollectiveTimeoutError,), "CollectiveTimeoutError", EXIT_TIMEOUT),
+        ((ConfigError, ValueError, FileNotFoundError), "error", EXIT_CONFIG),
+    ):
+        if isinstance(exc, kinds):
+            rank = os.environ.get("RANK", "0")
+            print(f"[rank {rank}] {label}: {exc}", file=sys.stderr, flush=True)
+            return code
+    raise exc

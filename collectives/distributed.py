@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
@@ -117,8 +118,25 @@ class DistContext:
             guard.close()
             if aborted and guard.published:
                 guard.linger()  # peers stuck in a collective may still need this rank's store
-        if not aborted:
+        if aborted:
+            self._leave_together()
+        else:
             dist.destroy_process_group()
+
+    def _leave_together(self, wait_s: float = 5.0) -> None:
+        """Bounded wait until every rank reached its exit path, so that every rank's error
+        message is printed before a launcher tears the job down on the first exit."""
+        store = self.store()
+        if store is None:
+            return
+        try:
+            store.set(f"adaptive_dist/leaving/{self.rank}", "1")
+            keys = [f"adaptive_dist/leaving/{r}" for r in range(self.world_size)]
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and not store.check(keys):
+                time.sleep(0.02)
+        except Exception:
+            pass  # the store is gone: nobody is left to wait for
 
 
 def init_distributed(
