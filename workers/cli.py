@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda for flashinfer, else cpu")
     p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--eager", action="store_true",
+                   help="no CUDA graphs (on a CUDA device speculative rounds replay graphs "
+                        "per tier and batch bucket by default)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a collective may take under torchrun")
 
@@ -169,6 +172,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _sampling(args, ())                  # fail early: temperature, top-p, max-new-tokens
     config = _adaptive_config(args)
     ctx, tp_group, dp_group = _distributed(args)
+    engine = None
     try:
         target, head = load_pair(args.model, tp_group, device, with_head=config is not None)
         params = _sampling(args, target.config.eos_token_ids)
@@ -176,11 +180,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         wcfg = _worker_config(args, target.config, prompts, config)
         engine = make_engine(target, head, adaptive_config=config,
                              policy="ema" if args.adaptive else "static", backend=args.backend,
-                             device=device, worker_config=wcfg, dp_group=dp_group)
+                             device=device, worker_config=wcfg, dp_group=dp_group,
+                             cuda_graphs=torch.device(device).type == "cuda" and not args.eager)
         reqs = engine.generate(prompts, params, seed=args.seed)
         if ctx is None or ctx.rank == 0:
             _report(args, texts, reqs, engine, config)
     finally:
+        if engine is not None:
+            engine.close()  # NOTE: CUDA graphs go before the process group
         if ctx is not None:
             ctx.shutdown()
     return 0
@@ -215,6 +222,7 @@ def summary(args: argparse.Namespace, reqs: list, engine: Any, config: Any) -> d
     stats = engine.stats.to_dict()
     spec = config is not None
     pool = engine.planner.pool.nbytes if spec else 0
+    per_tier = {str(s): st.nbytes for s, st in engine.planner.pool.states.items()} if spec else {}
     return {
         "outputs": [{"text": tokenizer.decode(r.output_ids), "token_ids": r.output_ids,
                      "finish_reason": r.finish_reason} for r in reqs],
@@ -225,6 +233,7 @@ def summary(args: argparse.Namespace, reqs: list, engine: Any, config: Any) -> d
         "mode": _mode(args, config), "steps_timeline": stats["steps_timeline"],
         "rounds": stats["rounds"], "generated_tokens": stats["generated_tokens"],
         "elapsed_s": stats["elapsed_s"], "runtime_state_bytes": pool,
+        "runtime_state_bytes_per_tier": per_tier, "graph_rounds": stats["graph_rounds"],
     }
 
 
@@ -249,7 +258,11 @@ def stats_table(out: dict[str, Any]) -> str:
              f"{mean:.2f} (accepted draft tokens per request per round, bonus excluded)"),
             ("tier switches", str(out["switches"])),
             ("steps timeline", ", ".join(f"round {r}: {s}" for r, s in out["steps_timeline"]) or "-"),
-            ("runtime states", f"{out['runtime_state_bytes'] / 1024:.1f} KiB")]
+            ("runtime states", f"{out['runtime_state_bytes'] / 1024:.1f} KiB" + (
+                " (" + ", ".join(f"steps {s}: {b / 1024:.1f} KiB" for s, b in
+                                 out["runtime_state_bytes_per_tier"].items()) + ")"
+                if out["runtime_state_bytes_per_tier"] else "")),
+            ("CUDA-graph rounds", f"{out['graph_rounds']} of {out['rounds']}")]
     lines = ["--- stats ---"] + [f"{k:<20}{v}" for k, v in rows]
     hist = {int(k): v for k, v in out["accept_histogram"].items()}
     if hist:

@@ -25,7 +25,7 @@ every rank, so sampled tokens agree (same seeded generators).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -110,21 +110,46 @@ class EagleWorker:
 
     def __init__(self, target: torch.nn.Module, head: torch.nn.Module | None,
                  backend: AttentionBackend, config: WorkerConfig,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu",
+                 graph_buckets: Sequence[int] | None = None) -> None:
         self.target, self.head, self.backend = target, head, backend
         self.config, self.device = config, torch.device(device)
         tp_size = target.tp_group.size
-        self.target_cache = self._make_cache(target, tp_size)
-        self.draft_cache = self._make_cache(head, tp_size) if head is not None else None
+        use_graphs = bool(graph_buckets) and head is not None
+        spare = 1 if use_graphs else 0  # the CUDA-graph runner's dummy page
+        self.target_cache = self._make_cache(target, tp_size, spare)
+        self.draft_cache = self._make_cache(head, tp_size, spare) if head is not None else None
         self.features: dict[int, torch.Tensor] = {}  # rid -> g_n, the head's last output [d]
         self.state: SpecRuntimeState | None = None
+        self.graphs = None     # CudaGraphRunner: graphs per (steps, bucket), built per tier
+        self._graph_bucket: int | None = None  # set during a graph round
+        if use_graphs:
+            from workers.cuda_graphs import CudaGraphRunner
 
-    def _make_cache(self, model: torch.nn.Module, tp_size: int) -> KVCache:
-        """A pool for `model`'s layers holding this TP rank's KV heads."""
+            self.graphs = CudaGraphRunner(self, graph_buckets)
+
+    def _make_cache(self, model: torch.nn.Module, tp_size: int, spare: int = 0) -> KVCache:
+        """A pool for `model`'s layers holding this TP rank's KV heads (in the backend's format)."""
         cfg, dtype = model.config, next(model.parameters()).dtype
-        return KVCache(model.num_layers, self.config.pool_pages, self.config.page_size,
-                       cfg.num_key_value_heads // tp_size, cfg.head_dim, dtype=dtype,
+        head_dim = cfg.head_dim
+        kv_format = getattr(self.backend, "kv_format", None)
+        if kv_format is not None:  # flashinfer: padded head dim, float16/bfloat16
+            head_dim, dtype = kv_format(head_dim, dtype)
+        return KVCache(model.num_layers, self.config.pool_pages + spare, self.config.page_size,
+                       cfg.num_key_value_heads // tp_size, head_dim, dtype=dtype,
                        device=self.device)
+
+    def can_use_graph(self, reqs: Sequence[Request]) -> bool:
+        """Whether this rank could run a round over `reqs` with CUDA graphs (before padding)."""
+        if self.graphs is None or not reqs:
+            return False
+        longest = max(r.num_tokens for r in reqs) + self.config.max_steps
+        return self.graphs.can_use_graph(len(reqs), longest)
+
+    def close(self) -> None:
+        """Release the CUDA graphs (before the process group goes; idempotent)."""
+        if self.graphs is not None:
+            self.graphs.close()
 
     @property
     def speculative(self) -> bool:
@@ -152,7 +177,11 @@ class EagleWorker:
             extend_meta=MetadataBuffers.allocate(batch, batch * width, pages, self.device),
             input_ids=torch.zeros(batch * width, dtype=torch.int64, device=self.device),
             positions=torch.zeros(batch * width, dtype=torch.int64, device=self.device))
-        return SpecRuntimeState(steps=steps, payload=bufs, nbytes=bufs.nbytes)
+        nbytes = bufs.nbytes
+        if self.graphs is not None:
+            tier = self.graphs.capture_tier(steps)
+            bufs.graphs, nbytes = tier.entries, nbytes + tier.nbytes
+        return SpecRuntimeState(steps=steps, payload=bufs, nbytes=nbytes)
 
     def apply_runtime_state(self, state: SpecRuntimeState) -> None:
         """Make `state` the one in force (a reference swap: nothing is built or allocated)."""
@@ -199,6 +228,10 @@ class EagleWorker:
         cached = [cache.seq_len(r.rid) for r in reqs]
         for req, n in zip(reqs, qo_lens):
             cache.extend(req.rid, n)
+        if self._graph_bucket is not None:
+            return self.graphs.forward(self.state.payload.graphs, self._graph_bucket, mode, cache,
+                                       [r.rid for r in reqs], cached, qo_lens, input_ids,
+                                       positions, features)
         meta = build_metadata(mode, [cache.page_table(r.rid) for r in reqs], cached, qo_lens,
                               cache.page_size, self.device, out=out)
         attn = self.backend.plan(meta, cache)
@@ -265,11 +298,23 @@ class EagleWorker:
 
     # ---- speculative round --------------------------------------------------------------------
     @torch.inference_mode()
-    def spec_round(self, reqs: list[Request]) -> list[int]:
+    def spec_round(self, reqs: list[Request], graph_bucket: int | None = None) -> list[int]:
         """One draft/verify/accept/draft-extend round at the steps in force; accept length per request.
 
         Accept lengths (accepted draft tokens, bonus excluded) are in the order of `reqs`.
+        `graph_bucket` (the plan's padded batch, agreed across ranks) runs the round's forwards
+        through the CUDA graphs of that bucket; None runs them eagerly.
         """
+        if graph_bucket is not None and self.graphs is None:
+            raise RuntimeError(f"the plan says CUDA graphs at bucket {graph_bucket}, but this "
+                               "worker has none (can_use_graph was not honest)")
+        self._graph_bucket = graph_bucket
+        try:
+            return self._spec_round(reqs)
+        finally:
+            self._graph_bucket = None
+
+    def _spec_round(self, reqs: list[Request]) -> list[int]:
         if self.head is None:
             raise RuntimeError("spec_round needs a draft head; this worker decodes without one")
         if not reqs:

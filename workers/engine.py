@@ -45,6 +45,7 @@ class EngineStats:
     generated_tokens: int = 0
     elapsed_s: float = 0.0
     switches: int = 0
+    graph_rounds: int = 0       # rounds that ran through CUDA graphs
     steps_timeline: list[tuple[int, int]] = field(default_factory=list)  # (round, steps) on change
 
     @property
@@ -70,7 +71,8 @@ class EngineStats:
         return {"mean_accept_length": self.mean_accept_length,
                 "accept_histogram": {str(k): v for k, v in sorted(self.accept_histogram.items())},
                 "tokens_per_second": self.tokens_per_second, "switches": self.switches,
-                "rounds": self.rounds, "generated_tokens": self.generated_tokens,
+                "rounds": self.rounds, "graph_rounds": self.graph_rounds,
+                "generated_tokens": self.generated_tokens,
                 "elapsed_s": self.elapsed_s,
                 "steps_timeline": [list(x) for x in self.steps_timeline]}
 
@@ -106,15 +108,21 @@ class Engine:
             self.worker.decode_round(batch)
         else:
             plan = self.planner.begin_round(num_requests=len(batch), num_tokens=len(batch),
-                                            can_graph=False)
+                                            can_graph=self.worker.can_use_graph(batch))
             if plan.steps != self.worker.steps:
                 raise RuntimeError(f"plan says steps={plan.steps} but the worker runs "
                                    f"steps={self.worker.steps}: the runtime state was not applied")
             self.stats.record_plan(plan.steps, bool(getattr(plan, "switched", False)))
-            accepts = self.worker.spec_round(batch)
+            bucket = plan.batch_bucket if getattr(plan, "use_graph", False) else None
+            accepts = self.worker.spec_round(batch, graph_bucket=bucket)
+            self.stats.graph_rounds += bucket is not None
             self.planner.end_round(accepts)
             self.stats.accept_histogram.update(accepts)
         self.stats.rounds += 1
+
+    def close(self) -> None:
+        """Release the worker's CUDA graphs. # NOTE: before the process group is destroyed."""
+        self.worker.close()
 
     def run(self) -> None:
         """Step until every request has finished."""
@@ -144,13 +152,16 @@ class Engine:
 def make_engine(target: torch.nn.Module, head: torch.nn.Module | None, *,
                 adaptive_config: AdaptiveConfig | None, policy: str = "static",
                 backend: str = "torch", device: torch.device | str = "cpu",
-                worker_config: WorkerConfig | None = None, dp_group: Group | None = None) -> Engine:
+                worker_config: WorkerConfig | None = None, dp_group: Group | None = None,
+                cuda_graphs: bool = False) -> Engine:
     """The engine stack for a loaded `target` (and `head`).
 
     `adaptive_config` None means no speculation (plain decoding with the target; `head` unused).
     Otherwise `policy` is `"static"` (stay at `initial_steps`) or `"ema"` (adaptive), and the
     controller runs its consensus over `dp_group` (size 1 when omitted). The worker's
-    `max_steps` becomes the config's deepest candidate.
+    `max_steps` becomes the config's deepest candidate. `cuda_graphs` captures the round's
+    forwards per tier and batch bucket (`workers.cuda_graphs`; the `generate` command turns it on
+    for CUDA); on a CPU it runs the same padded static forwards without capture (a test mode).
     """
     wcfg = worker_config or WorkerConfig(max_context_len=target.config.max_position_embeddings)
     attn = make_backend(backend, device)
@@ -161,7 +172,8 @@ def make_engine(target: torch.nn.Module, head: torch.nn.Module | None, *,
         if head is None:
             raise ValueError("speculative decoding needs a draft head; use --no-spec without one")
         worker = EagleWorker(target, head, attn, replace(wcfg, max_steps=adaptive_config.max_steps),
-                             device)
+                             device,
+                             graph_buckets=adaptive_config.graph_buckets if cuda_graphs else None)
         group = dp_group if dp_group is not None else Group.single(device, name="dp")
         planner = AdaptiveController(adaptive_config, group, policy=policy, worker=worker)
     scheduler = Scheduler(worker, wcfg.max_batch_size, wcfg.max_context_len)

@@ -1,7 +1,8 @@
 """Attention backends over the paged KV cache.
 
 `base` holds the backend-neutral per-forward metadata (`AttnMetadata`, built by `build_metadata`)
-and the `AttentionBackend` protocol; `torch_backend` is the plain-torch reference (CPU and GPU).
+and the `AttentionBackend` protocol; `torch_backend` is the plain-torch reference (CPU and GPU),
+`flashinfer_backend` the GPU one (imported only when asked for).
 """
 from workers.attention.base import (
     AttentionBackend,
@@ -29,10 +30,11 @@ def make_backend(name: str, device: "object") -> AttentionBackend:
             "backend: 'flashinfer' needs a CUDA GPU, and none is available here "
             f"(device {device!s}); use --backend torch")
     try:
-        from workers.attention.flashinfer_backend import FlashInferBackend  # type: ignore
+        from workers.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(device)  # imports flashinfer itself
     except ImportError as err:
         raise ValueError(f"backend: 'flashinfer' is not available ({err}); use --backend torch") from err
-    return FlashInferBackend()
 
 
 __all__ = ["AttentionBackend", "AttnMetadata", "ForwardMode", "MetadataBuffers", "build_metadata",

@@ -1,0 +1,137 @@
+"""flashinfer attention backend (CUDA only): paged decode for one-token forwards, paged prefill
+(causal) for extend, verify and draft-extend.
+
+Which kernel runs which forward:
+- `ForwardMode.DECODE` (draft steps, plain decoding; one new token per request):
+  `BatchDecodeWithPagedKVCacheWrapper`;
+- `EXTEND`, `VERIFY`, `DRAFT_EXTEND` (several new tokens per request, causal among them, after the
+  cached prefix): `BatchPrefillWithPagedKVCacheWrapper` with `causal=True`. flashinfer aligns a
+  request's queries with the end of its KV, so new token `i` sees KV `0 .. cached + i`: exactly
+  the contract of `workers.attention.base`.
+
+Both wrappers read the KV cache in place (`NHD` layout: `[pages, page_size, kv_heads, head_dim]`,
+the layout of `workers.kv_cache.KVCache`) through the metadata's CSR page table; the new K/V are
+written with the same `index_copy_` the torch backend uses.
+
+Storage format. flashinfer's kernels take float16/bfloat16 only, and its prefill kernels need a
+head dim of at least 64 (fa2 refuses smaller, fa3 takes 64/128/256). So the backend asks the
+worker (`kv_format`) for caches of `max(64, head_dim)` zero-padded channels in the model's dtype
+(float16 when the model runs in float32/float64). Zero channels change nothing: `q·k` is the same,
+the padded channels of the output are zero and dropped, and `sm_scale` is that of the real head
+dim. The prefill kernels are pinned to fa2 (fa3 on an H200 would JIT-compile a second family).
+
+flashinfer is imported when the backend is built, never at module import of `workers`: the CPU
+suite does not need it. The first use JIT-compiles the kernels (about 10 s decode, 80 s prefill on
+an H200) into `$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from workers.attention.base import AttnMetadata, ForwardMode
+from workers.kv_cache import KVCache, pages_for
+
+MIN_HEAD_DIM = 64
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def storage_head_dim(head_dim: int) -> int:
+    """Channels per KV head in a flashinfer cache: `head_dim` padded up to a supported size."""
+    for size in (64, 128, 256):
+        if head_dim <= size:
+            return size
+    raise ValueError(f"flashinfer backend: head_dim={head_dim} is larger than 256; use --backend torch")
+
+
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The KV (and kernel) dtype: the model's when flashinfer takes it, else float16."""
+    return dtype if dtype in KERNEL_DTYPES else torch.float16
+
+
+def pad_heads(x: torch.Tensor, size: int) -> torch.Tensor:
+    """`x` [T, H, D] with zero channels appended up to `size`."""
+    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
+
+
+class FlashInferBackend:
+    """Holds the workspace and one decode and one prefill wrapper, shared by every forward."""
+
+    name = "flashinfer"
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        import flashinfer  # lazily: only GPU runs need it
+
+        self.device = torch.device(device)
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD",
+                                                                      backend="fa2")
+
+    @staticmethod
+    def kv_format(head_dim: int, dtype: torch.dtype) -> tuple[int, torch.dtype]:
+        """(channels per KV head, dtype) the worker must give this backend's caches."""
+        return storage_head_dim(head_dim), storage_dtype(dtype)
+
+    def plan(self, meta: AttnMetadata, cache: KVCache) -> "FlashInferAttention":
+        """Prepare one forward over `cache` described by `meta` (planned at its first layer)."""
+        if cache.head_dim < MIN_HEAD_DIM or cache.k[0].dtype not in KERNEL_DTYPES:
+            raise ValueError(
+                f"flashinfer backend: the KV cache has head_dim={cache.head_dim} and dtype "
+                f"{cache.k[0].dtype}; it needs the format of FlashInferBackend.kv_format "
+                "(build the worker with this backend)")
+        return FlashInferAttention(self, meta, cache)
+
+
+def _host_i32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+class FlashInferAttention:
+    """The per-forward attention callable (`attn.forward(layer_id, q, k, v)`)."""
+
+    def __init__(self, backend: FlashInferBackend, meta: AttnMetadata, cache: KVCache) -> None:
+        self.backend, self.meta, self.cache = backend, meta, cache
+        self.decode = meta.mode is ForwardMode.DECODE
+        if self.decode and any(n != 1 for n in meta.host_qo_lens):
+            raise ValueError(f"decode forward with {meta.host_qo_lens} new tokens per request")
+        self.wrapper = backend.decode if self.decode else backend.prefill
+        self._planned_for: tuple[int, int] | None = None
+
+    def _plan(self, num_q_heads: int, head_dim: int) -> None:
+        """Plan the wrapper (host-side indptrs, so no device-to-host sync)."""
+        meta, cache = self.meta, self.cache
+        ps, seq = meta.page_size, meta.host_seq_lens
+        kv_indptr = [0]
+        for s in seq:
+            kv_indptr.append(kv_indptr[-1] + pages_for(s, ps))
+        last = [(s - 1) % ps + 1 for s in seq]
+        indices = meta.kv_page_indices[:kv_indptr[-1]]
+        dtype = cache.k[0].dtype
+        common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=head_dim ** -0.5)
+        if self.decode:
+            self.wrapper.plan(_host_i32(kv_indptr), indices, _host_i32(last), num_q_heads,
+                              cache.num_kv_heads, cache.head_dim, ps, **common)
+        else:
+            qo_indptr = [0]
+            for n in meta.host_qo_lens:
+                qo_indptr.append(qo_indptr[-1] + n)
+            self.wrapper.plan(_host_i32(qo_indptr), _host_i32(kv_indptr), indices, _host_i32(last),
+                              num_q_heads, cache.num_kv_heads, cache.head_dim, ps, causal=True,
+                              **common)
+        self._planned_for = (num_q_heads, head_dim)
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        """Store this layer's new K/V, then attention of `q` [T, Hq, D] -> [T, Hq, D]."""
+        cache, size = self.cache, self.cache.head_dim
+        head_dim = q.shape[-1]
+        cache.write(layer_id, self.meta.out_slots, pad_heads(k, size), pad_heads(v, size))
+        if self._planned_for != (q.shape[1], head_dim):
+            # NOTE: one plan per forward (the first layer); the wrapper is shared, so a forward's
+            # layers must run before the next forward is planned (the worker runs them in order).
+            self._plan(q.shape[1], head_dim)
+        query = pad_heads(q, size).to(cache.k[layer_id].dtype).contiguous()
+        out = self.wrapper.run(query, (cache.k[layer_id], cache.v[layer_id]))
+        return out[..., :head_dim].to(q.dtype)
