@@ -98,6 +98,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-windows", type=int, default=256, help="held-out windows for bits per byte")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-only", action="store_true",
+                   help="skip training; evaluate the pair already in --out and rewrite its eval.json")
     return p.parse_args()
 
 
@@ -430,8 +432,11 @@ def main() -> None:
     print(f"data: {corpus.num_train_files} train files, {corpus.train.size} train ids, "
           f"{corpus.heldout.size} held-out ids ({time.time() - t0:.1f}s)")
     dev = args.device
-    stream = torch.from_numpy(corpus.train).to(dev)
     held = torch.from_numpy(corpus.heldout).to(dev)
+    if args.eval_only:
+        evaluate_saved(args, corpus, held)
+        return
+    stream = torch.from_numpy(corpus.train).to(dev)
     log: list[dict] = []
     cfg = target_config(args)
     target = LlamaForCausalLM(cfg).to(dev)
@@ -449,6 +454,16 @@ def main() -> None:
     final_bpb = next(r["bpb"] for r in reversed(log) if r["phase"] == "target")
     evaluate(args, corpus, held, {"data_s": t1 - t0, "target_s": t2 - t1, "eagle_s": t3 - t2},
              {"target": count_params(target), "eagle": count_params(head), "final_target_bpb": final_bpb})
+
+
+def evaluate_saved(args: argparse.Namespace, corpus: Corpus, held: torch.Tensor) -> None:
+    """``--eval-only``: evaluate the pair already in ``--out`` (its train_log.json gives the final loss)."""
+    log = json.loads((args.out / "train_log.json").read_text())
+    target = load_llama(args.out / "target")
+    head = load_eagle(args.out / "eagle", target)
+    final_bpb = next(r["bpb"] for r in reversed(log) if r["phase"] == "target")
+    evaluate(args, corpus, held, {}, {"target": count_params(target), "eagle": count_params(head),
+                                      "final_target_bpb": final_bpb})
 
 
 def evaluate(args: argparse.Namespace, corpus: Corpus, held: torch.Tensor, times: dict[str, float],

@@ -153,3 +153,21 @@ def test_resave_replaces_old_layout(tmp_path):
     save_pretrained(target, tmp_path / "t", max_shard_bytes=20_000)
     save_pretrained(target, tmp_path / "t")
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_bundled_pair_loads_and_fits_the_tokenizer():
+    from workers.model import tokenizer as tok
+
+    root = Path(__file__).resolve().parents[1] / "workers" / "assets" / "tiny_pair"
+    target = load_llama(root / "target")
+    head = load_eagle(root / "eagle", target)
+    cfg = target.config
+    assert (cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids) == (tok.VOCAB_SIZE, tok.BOS_ID, (tok.EOS_ID,))
+    assert all(p.stat().st_size < 14 * 2**20 for p in root.rglob("*.safetensors"))
+    ids = torch.tensor(tok.encode("def f(x):\n    return x", add_bos=True))
+    logits, _ = outputs(target, head)
+    assert torch.isfinite(logits).all()
+    with torch.no_grad():
+        hidden = target(ids, torch.arange(len(ids)), DenseCausalAttention([len(ids)]))
+    next_id = int(target.compute_logits(hidden[-1:]).argmax())
+    assert next_id < tok.NUM_BYTES or next_id == tok.EOS_ID
