@@ -1,0 +1,305 @@
+"""The engine's GPU paths: CUDA-graph rounds, tier switches without capture, the flashinfer backend.
+
+Three tiers of checks:
+- everywhere (CPU too): the graph path's padded static forwards (`workers.cuda_graphs`, run
+  without capture on a CPU) give exactly the eager greedy outputs, batches that do not fit a bucket
+  fall back to eager, and every KV page comes back;
+- `gpu` (skipped without CUDA): graph replay equals eager (the float64 tiny pair, so no near-tie
+  can flip an argmax), a tier switch captures and allocates nothing;
+- `gpu` + flashinfer (skipped when it is not importable): its attention equals the torch
+  backend's on every forward mode, and greedy outputs agree with the torch backend's (the bundled
+  pair in float16, flashinfer's dtype; two float16 backends sum in different orders, so outputs may
+  part only where the float32 target sees a near-tie: the test says where and how near).
+"""
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaptive_dist.config import AdaptiveConfig, load_config
+from engine_fixtures import random_prompts, tiny_pair
+from workers.attention import ForwardMode, build_metadata
+from workers.attention.torch_backend import TorchBackend
+from workers.cuda_graphs import capture_buckets
+from workers.eagle_worker import WorkerConfig
+from workers.engine import Engine, make_engine
+from workers.kv_cache import KVCache
+from workers.model import DenseCausalAttention
+from workers.sampling import SamplingParams
+
+CUDA = torch.cuda.is_available()
+HAS_FLASHINFER = CUDA and importlib.util.find_spec("flashinfer") is not None
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+needs_flashinfer = pytest.mark.skipif(not HAS_FLASHINFER, reason="needs CUDA and flashinfer")
+BUNDLED = Path(__file__).resolve().parents[1] / "workers" / "assets" / "tiny_pair"
+
+
+def _params(n: int) -> list[SamplingParams]:
+    return [SamplingParams(max_new_tokens=8 + 7 * (i % 5)) for i in range(n)]
+
+
+def _engine(target, head, mode: str, steps: int = 3, *, graphs: bool = False,
+            backend: str = "torch", device: str = "cpu", max_batch: int = 4,
+            page_size: int = 4, config: AdaptiveConfig | None = None,
+            max_context: int | None = None) -> Engine:
+    wcfg = WorkerConfig(max_batch_size=max_batch, page_size=page_size,
+                        max_context_len=max_context or target.config.max_position_embeddings)
+    if mode == "nospec":
+        return make_engine(target, None, adaptive_config=None, worker_config=wcfg,
+                           backend=backend, device=device)
+    cfg = config if mode == "ema" else load_config(None, adaptive=False, initial_steps=steps)
+    return make_engine(target, head, adaptive_config=cfg, policy=mode, worker_config=wcfg,
+                       backend=backend, device=device, cuda_graphs=graphs)
+
+
+def _outputs(engine: Engine, prompts, params) -> list[list[int]]:
+    return [r.output_ids for r in engine.generate(prompts, params)]
+
+
+def _close_and_check_pages(engine: Engine) -> None:
+    engine.close()
+    engine.worker.target_cache.check_empty()
+    if engine.worker.draft_cache is not None:
+        engine.worker.draft_cache.check_empty()
+
+
+# ---- everywhere: the padded static path the graphs capture ------------------------------------
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair(seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(10, vocab=64, seed=7)
+
+
+@pytest.fixture(scope="module")
+def reference(pair, prompts) -> list[list[int]]:
+    return _outputs(_engine(pair[0], None, "nospec"), prompts, _params(len(prompts)))
+
+
+def test_capture_buckets_cover_the_max_batch() -> None:
+    assert capture_buckets((1, 2, 4, 8, 16, 32, 64), 16) == (1, 2, 4, 8, 16)
+    assert capture_buckets((1, 2, 4, 8, 16, 32, 64), 10) == (1, 2, 4, 8, 16)
+    assert capture_buckets((1, 2, 4), 16) == (1, 2, 4)
+
+
+@pytest.mark.parametrize("steps", [1, 3, 7])
+def test_static_graph_path_equals_eager(pair, prompts, reference, steps: int) -> None:
+    engine = _engine(*pair, "static", steps, graphs=True)
+    assert _outputs(engine, prompts, _params(len(prompts))) == reference
+    assert engine.stats.graph_rounds == engine.stats.rounds > 0
+    hist = engine.stats.accept_histogram
+    assert hist[0] > 0 and hist[steps] > 0, f"accept paths not all exercised: {hist}"
+    _close_and_check_pages(engine)
+
+
+def test_graph_path_adaptive_with_switches_equals_eager(pair, prompts, reference) -> None:
+    config = AdaptiveConfig(warmup_batches=1, update_interval=1, ema_alpha=0.6, initial_steps=7)
+    engine = _engine(*pair, "ema", graphs=True, config=config)
+    assert _outputs(engine, prompts, _params(len(prompts))) == reference
+    assert engine.stats.switches >= 1 and engine.stats.graph_rounds == engine.stats.rounds
+    _close_and_check_pages(engine)
+
+
+def test_batches_beyond_the_buckets_or_the_reach_run_eager(pair, prompts, reference) -> None:
+    """Buckets (1, 2) with up to 4 requests in flight: graph rounds once the batch has shrunk to
+    two, eager rounds before; the same tokens either way."""
+    config = AdaptiveConfig(graph_buckets=(1, 2), warmup_batches=1, update_interval=1)
+    engine = _engine(*pair, "ema", graphs=True, config=config)
+    assert engine.worker.graphs.buckets == (1, 2)
+    assert _outputs(engine, prompts, _params(len(prompts))) == reference
+    assert 0 < engine.stats.graph_rounds < engine.stats.rounds
+    _close_and_check_pages(engine)
+
+
+def test_graph_bucket_without_graphs_is_an_error(pair) -> None:
+    engine = _engine(*pair, "static", 3)
+    assert not engine.worker.can_use_graph([])
+    with pytest.raises(RuntimeError, match="has none"):
+        engine.worker.spec_round([], graph_bucket=4)
+
+
+# ---- GPU: capture and replay ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpu_pair():
+    return tuple(m.to("cuda") for m in tiny_pair(seed=0))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("steps", [1, 3, 7])
+def test_cuda_graph_replay_equals_eager(gpu_pair, prompts, reference, steps: int) -> None:
+    engine = _engine(*gpu_pair, "static", steps, graphs=True, device="cuda")
+    runner = engine.worker.graphs
+    assert runner.capture and runner.num_captures == 3 * len(runner.buckets) * 3  # tiers 1, 3, 7
+    assert _outputs(engine, prompts, _params(len(prompts))) == reference
+    assert engine.stats.graph_rounds == engine.stats.rounds > 0
+    _close_and_check_pages(engine)
+
+
+@gpu
+@needs_cuda
+def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference) -> None:
+    config = AdaptiveConfig(warmup_batches=1, update_interval=1, ema_alpha=0.6, initial_steps=7)
+    engine = _engine(*gpu_pair, "ema", graphs=True, device="cuda", config=config)
+    runner, pool = engine.worker.graphs, engine.planner.pool
+    captured = runner.num_captures
+    assert captured == len(pool.states) * len(runner.buckets) * 3
+    for steps, state in pool.states.items():
+        graph_bytes = state.nbytes - state.payload.nbytes
+        assert graph_bytes > 0, f"steps={steps}: the graphs' memory is not reported"
+        assert all(e.graph is not None for e in state.payload.graphs.values())
+    for steps in list(pool.states) * 2:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        pool.apply(steps)
+        assert torch.cuda.memory_allocated() == before
+        assert engine.worker.state is pool.states[steps]
+        assert runner.num_captures == captured
+    assert _outputs(engine, prompts, _params(len(prompts))) == reference
+    assert engine.stats.switches >= 1 and engine.stats.graph_rounds == engine.stats.rounds
+    assert runner.num_captures == captured, "a tier switch captured a graph"
+    _close_and_check_pages(engine)
+
+
+# ---- flashinfer ---------------------------------------------------------------------------------
+
+def _caches(backend, num_kv_heads: int, head_dim: int, pages: int, page_size: int,
+            dtype: torch.dtype) -> KVCache:
+    fmt = getattr(backend, "kv_format", None)
+    dim, dt = fmt(head_dim, dtype) if fmt else (head_dim, dtype)
+    return KVCache(1, pages, page_size, num_kv_heads, dim, dtype=dt, device="cuda")
+
+
+@gpu
+@needs_flashinfer
+@pytest.mark.parametrize("mode", list(ForwardMode))
+def test_flashinfer_attention_matches_torch(mode: ForwardMode) -> None:
+    """Two forwards per mode (a prefix, then `mode`'s new tokens) through both backends."""
+    from workers.attention.flashinfer_backend import FlashInferBackend
+
+    rng = random.Random(mode.value)
+    torch.manual_seed(0)
+    hq, hkv, d, ps, dtype = 8, 4, 32, 16, torch.float16
+    backends = {"torch": TorchBackend(), "flashinfer": FlashInferBackend("cuda")}
+    caches = {n: _caches(b, hkv, d, 64, ps, dtype) for n, b in backends.items()}
+    batch = 5
+    prefix = [rng.randint(1, 70) for _ in range(batch)]
+    new = {ForwardMode.DECODE: [1] * batch, ForwardMode.VERIFY: [4] * batch}.get(
+        mode, [rng.randint(1, 8) for _ in range(batch)])
+    for c in caches.values():
+        for rid in range(batch):
+            c.admit(rid, 100)
+    outs = {}
+    for step_mode, lens in ((ForwardMode.EXTEND, prefix), (mode, new)):
+        q = torch.randn(sum(lens), hq, d, dtype=dtype, device="cuda")
+        k = torch.randn(sum(lens), hkv, d, dtype=dtype, device="cuda")
+        v = torch.randn(sum(lens), hkv, d, dtype=dtype, device="cuda")
+        for name, backend in backends.items():
+            cache = caches[name]
+            cached = [cache.seq_len(r) for r in range(batch)]
+            for r, n in enumerate(lens):
+                cache.extend(r, n)
+            meta = build_metadata(step_mode, [cache.page_table(r) for r in range(batch)], cached,
+                                  lens, ps, "cuda")
+            outs[name] = backend.plan(meta, cache).forward(0, q, k, v)
+        torch.testing.assert_close(outs["flashinfer"], outs["torch"], atol=2e-3, rtol=2e-3)
+
+
+def _pair_in(dtype: torch.dtype):
+    """The bundled pair (else the tiny random one) on the GPU in `dtype`."""
+    if (BUNDLED / "target" / "config.json").is_file():
+        from workers.model import load_eagle, load_llama
+
+        target = load_llama(BUNDLED / "target", dtype=dtype, device="cuda")
+        return target, load_eagle(BUNDLED / "eagle", target)
+    target, head = (m.to("cuda") for m in tiny_pair(seed=0, dtype=dtype))
+    target.reset_buffers()
+    head.reset_buffers()
+    return target, head
+
+
+def _fresh_prompts(config) -> list[list[int]]:
+    """Prompts not in the repository (byte ids for the bundled pair, random ids otherwise)."""
+    from workers.cli import encode_prompt
+
+    if config.vocab_size == 64:
+        return random_prompts(6, vocab=64, seed=7)
+    texts = ["def merge_intervals(spans):\n    ", "class LRUCache:\n    def __init__(self, ",
+             "    for idx, (name, val) in enumerate(sorted(table.items())):\n",
+             'KEY = "QmFzZTY0IGlzIG5vdCBlbmNyeXB0aW9uLg==',
+             "The lighthouse keeper wrote in her log that the storm",
+             "import os\nimport sys\n\ndef main(argv):\n"]
+    return [encode_prompt(t, config) for t in texts]
+
+
+def _near_tie_or_equal(ref: list[int], out: list[int], prompt: list[int], target32) -> str | None:
+    """None when equal, or when they first part where the float32 target's two candidates are
+    within 0.05 logits of each other; else a description of the divergence."""
+    if ref == out:
+        return None
+    i = next((j for j, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+    if i == min(len(ref), len(out)):
+        return f"lengths differ ({len(ref)} vs {len(out)}) with equal prefixes"
+    ids = torch.tensor(prompt + ref[:i], device="cuda")
+    with torch.inference_mode():
+        hidden = target32(ids, torch.arange(len(ids), device="cuda"),
+                          DenseCausalAttention([len(ids)]))
+        logits = target32.compute_logits(hidden[-1:]).float()[0]
+    gap = (logits[ref[i]] - logits[out[i]]).abs().item()
+    return None if gap < 0.05 else f"token {i}: {ref[i]} vs {out[i]}, float32 logit gap {gap:.3f}"
+
+
+@gpu
+@needs_flashinfer
+def test_flashinfer_greedy_equals_torch_backend() -> None:
+    target, head = _pair_in(torch.float16)
+    target32, _ = _pair_in(torch.float32)
+    prompts = _fresh_prompts(target.config)
+    params = [SamplingParams(max_new_tokens=40) for _ in prompts]
+    kw = dict(device="cuda", max_batch=8, page_size=16)
+    ref = _outputs(_engine(target, None, "nospec", **kw), prompts, params)
+    runs = {"flashinfer nospec": _engine(target, None, "nospec", backend="flashinfer", **kw)}
+    for steps in (1, 3, 7):
+        runs[f"flashinfer steps={steps}"] = _engine(target, head, "static", steps,
+                                                    backend="flashinfer", **kw)
+    runs["flashinfer steps=3 + CUDA graphs"] = _engine(target, head, "static", 3, graphs=True,
+                                                       backend="flashinfer", **kw)
+    exact, problems = 0, []
+    for name, engine in runs.items():
+        outs = _outputs(engine, prompts, params)
+        for p, r, o in zip(prompts, ref, outs):
+            exact += r == o
+            why = _near_tie_or_equal(r, o, p, target32)
+            if why:
+                problems.append(f"{name}: {why}")
+        if engine.planner is not None:
+            assert engine.stats.accept_histogram, name
+        _close_and_check_pages(engine)
+    assert not problems, "\n".join(problems)
+    assert exact >= 0.8 * len(runs) * len(prompts), f"only {exact} outputs equal exactly"
+    assert runs["flashinfer steps=3 + CUDA graphs"].stats.graph_rounds > 0
+
+
+@gpu
+@needs_flashinfer
+@pytest.mark.skipif(not (BUNDLED / "target" / "config.json").is_file(), reason="no bundled pair")
+def test_generate_command_with_flashinfer_and_graphs(capsys) -> None:
+    import json
+
+    from workers.cli import main
+
+    assert main(["generate", "--prompt", "def fib(n):", "--steps", "3", "--backend",
+                 "flashinfer", "--max-new-tokens", "32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["outputs"][0]["token_ids"]) == 32
+    assert out["graph_rounds"] > 0 and set(out["runtime_state_bytes_per_tier"]) == {"1", "3", "7"}
