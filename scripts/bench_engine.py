@@ -125,9 +125,15 @@ def measure(engine: Engine, prompts: list[list[int]], new_tokens: int, device: s
 
 
 def state_bytes(engine: Engine) -> dict[str, int]:
+    """Bytes per tier of the runtime-state pool (buffers, graph inputs, graph-pool growth)."""
     if engine.planner is None:
         return {}
     return {str(s): st.nbytes for s, st in engine.planner.pool.states.items()}
+
+
+def graph_pool_bytes(engine: Engine) -> int:
+    runner = engine.worker.graphs
+    return runner.pool_bytes() if runner is not None else 0
 
 
 # ---- run -----------------------------------------------------------------------------------------
@@ -199,13 +205,16 @@ def main(argv: list[str] | None = None) -> int:
         engine = build_engine(target, head, mode, backend, graphs, args.device, max_context,
                               max(BATCHES))
         build_s = time.perf_counter() - t_build
-        measure(engine, prompts["code"][:2], 8, args.device)  # warm-up
+        for batch in BATCHES:  # warm-up: lazy kernel loading, allocator, every batch shape
+            measure(engine, prompts["code"][:batch], 8, args.device)
+        memory = {"runtime_state_bytes": state_bytes(engine),
+                  "graph_pool_bytes": graph_pool_bytes(engine)}
         for kind in KINDS:
             for batch in BATCHES:
                 rec = measure(engine, prompts[kind][:batch], new_tokens, args.device)
                 rec.update(variant=variant, backend=backend, graphs=graphs, mode=str(mode),
                            batch=batch, prompts=kind, engine_build_s=build_s,
-                           runtime_state_bytes=state_bytes(engine))
+                           **memory)
                 results.append(rec)
                 bar.set_postfix_str(f"{variant} {mode} {kind} b{batch}: "
                                     f"{rec['tokens_per_second']:.0f} tok/s")

@@ -158,6 +158,10 @@ def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference
         graph_bytes = state.nbytes - state.payload.nbytes
         assert graph_bytes > 0, f"steps={steps}: the graphs' memory is not reported"
         assert all(e.graph is not None for e in state.payload.graphs.values())
+    pool_bytes = runner.pool_bytes()
+    print(f"graph pool {pool_bytes} B; per tier (inputs + pool growth): "
+          f"{ {s: st.nbytes - st.payload.nbytes for s, st in pool.states.items()} }")
+    assert 0 < pool_bytes <= sum(st.nbytes for st in pool.states.values())
     for steps in list(pool.states) * 2:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -285,6 +289,7 @@ def test_flashinfer_greedy_equals_torch_backend() -> None:
         if engine.planner is not None:
             assert engine.stats.accept_histogram, name
         _close_and_check_pages(engine)
+    print(f"{exact} of {len(runs) * len(prompts)} outputs equal exactly; near-ties: {problems}")
     assert not problems, "\n".join(problems)
     assert exact >= 0.8 * len(runs) * len(prompts), f"only {exact} outputs equal exactly"
     assert runs["flashinfer steps=3 + CUDA graphs"].stats.graph_rounds > 0

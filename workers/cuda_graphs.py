@@ -162,11 +162,17 @@ class GraphEntry:
 
 @dataclass
 class TierGraphs:
-    """What `capture_tier` returns for one tier: its entries and the bytes they added."""
+    """What `capture_tier` returns for one tier: its entries and the bytes they added
+    (`nbytes` = static inputs + the growth of the shared graph pool while capturing this tier)."""
 
     steps: int
     entries: dict[tuple[str, int], GraphEntry] = field(default_factory=dict)
-    nbytes: int = 0
+    input_bytes: int = 0
+    pool_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.input_bytes + self.pool_bytes
 
 
 class CudaGraphRunner:
@@ -190,6 +196,9 @@ class CudaGraphRunner:
             cache.extend(DUMMY_RID, cache.page_size)
             self.dummy_page[name] = cache.page_table(DUMMY_RID)[0]
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # NOTE: one side stream for every warm-up and capture: each new stream would get its own
+        # cuBLAS workspace (tens of MiB apiece).
+        self.stream = torch.cuda.Stream(device=worker.device) if self.capture else None
         self.num_captures = 0
         self.entries: list[GraphEntry] = []
         self.closed = False
@@ -216,7 +225,7 @@ class CudaGraphRunner:
         """Capture draft, verify and draft-extend at every bucket for tier `steps` (start-up only)."""
         if self.closed:
             raise RuntimeError("CUDA graph runner is closed")
-        before = self._reserved()
+        pool_before = self.pool_bytes()
         w = self.worker
         width, top = steps + 1, self.max_bucket
         dim = w.target.config.hidden_size
@@ -228,13 +237,13 @@ class CudaGraphRunner:
 
         inputs = GraphInputs(input_ids=zeros(top * width), positions=zeros(top * width),
                              features=zeros(top * width, dim, dt=dtype), meta=zeros(meta_len))
-        tier = TierGraphs(steps)
+        tier = TierGraphs(steps, input_bytes=inputs.nbytes)
         for bucket in sorted(self.buckets, reverse=True):  # largest first into the shared pool
             for phase, phase_width in (("verify", width), ("extend", width), ("draft", 1)):
                 entry = self._make_entry(phase, bucket, phase_width, inputs)
                 self._capture(entry)
                 tier.entries[(phase, bucket)] = entry
-        tier.nbytes = max(self._reserved() - before, 0) if self.capture else inputs.nbytes
+        tier.pool_bytes = self.pool_bytes() - pool_before
         return tier
 
     def _make_entry(self, phase: str, bucket: int, width: int, inputs: GraphInputs) -> GraphEntry:
@@ -264,7 +273,7 @@ class CudaGraphRunner:
         self.entries.append(entry)
         if not self.capture:
             return
-        stream = torch.cuda.Stream(device=self.worker.device)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.worker.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
@@ -272,17 +281,19 @@ class CudaGraphRunner:
         torch.cuda.current_stream(self.worker.device).wait_stream(stream)
         torch.cuda.synchronize(self.worker.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             entry.output = entry.body()
         entry.graph = graph
         self.num_captures += 1
 
-    def _reserved(self) -> int:
-        if not self.capture:
+    def pool_bytes(self) -> int:
+        """Device bytes held by the shared graph memory pool (its cudaMalloc'd segments)."""
+        if not self.capture or self.pool is None:
             return 0
         torch.cuda.synchronize(self.worker.device)
-        torch.cuda.empty_cache()
-        return torch.cuda.memory_reserved(self.worker.device)
+        pool = tuple(self.pool)
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id", ())) == pool)
 
     # ---- replay -------------------------------------------------------------------------------
     def forward(self, entries: dict[tuple[str, int], GraphEntry], bucket: int, mode: ForwardMode,
@@ -349,7 +360,7 @@ class CudaGraphRunner:
                 entry.graph.reset()
             entry.graph, entry.output, entry.closed = None, None, True
         self.entries.clear()
-        self.pool = None
+        self.pool, self.stream = None, None
         for cache in self.caches.values():
             if cache.has(DUMMY_RID):
                 cache.free(DUMMY_RID)
