@@ -377,7 +377,8 @@ def spec_accepts(target: LlamaForCausalLM, head: EagleHead, prompt: list[int], s
 
 def eval_prompts(corpus: Corpus, count: int, seed: int) -> dict[str, list[str]]:
     """Prompts per regime: held-out code; high-entropy (random base64 / an opened TOKEN blob);
-    repetitive prose (a sentence said three times); plain prose paragraphs."""
+    repetitive (runs of one character and ruler lines, as code's separators and padding are);
+    a sentence said three times; plain prose paragraphs."""
     rng = random.Random(seed + 2)
     code = []
     for text in rng.sample(corpus.heldout_texts, count):
@@ -387,7 +388,11 @@ def eval_prompts(corpus: Corpus, count: int, seed: int) -> dict[str, list[str]]:
     entropy = ["".join(rng.choice(B64) for _ in range(192)) if i % 2 == 0 else
                '    TOKEN = "' + "".join(rng.choice(B64) for _ in range(48)) for i in range(count)]
     sentences = [PROSE[i % len(PROSE)].split(". ")[0] + ". " for i in range(count)]
-    return {"code": code, "high_entropy": entropy, "repetitive": [s * 3 for s in sentences],
+    runs = ["#" * 120, "*" * 100, " " * 100, ("# " + "-" * 70 + "\n") * 3, "0" * 150,
+            ("#" + "=" * 70 + "\n") * 2]
+    return {"code": code, "high_entropy": entropy,
+            "repetitive": [runs[i % len(runs)] for i in range(count)],
+            "repeated_sentence": [s * 3 for s in sentences],
             "prose": [PROSE[i % len(PROSE)] for i in range(count)]}
 
 
