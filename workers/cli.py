@@ -3,11 +3,13 @@
     python -m adaptive_dist generate (--prompt TEXT | --prompts FILE.jsonl) \
         [--steps K | --adaptive [--config FILE] | --no-spec] [--temperature T] [--top-p P] \
         [--max-new-tokens N] [--backend torch|flashinfer] [--seed S] [--json] [--tp N] [--model DIR]
+        [--device cpu|cuda] [--eager]
 
 Reached through the `adaptive_dist.commands` entry point (`generate = "workers.cli:register"`) or
 as `python -m workers generate`. Without `--steps`, `--adaptive` or `--no-spec` it runs the static
 policy at the default `initial_steps` (3). Under torchrun, `--tp N` splits the model over N ranks
-(the world); every rank runs the same requests and rank 0 prints.
+(the world); every rank runs the same requests and rank 0 prints. On a CUDA device the
+speculative rounds replay CUDA graphs per tier and batch bucket (`--eager` turns them off).
 """
 from __future__ import annotations
 
