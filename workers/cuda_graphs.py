@@ -33,6 +33,11 @@ a tier switch is a reference swap (`num_captures` does not move). `close()` rele
 the pool and the dummy pages.
 # NOTE: close() must run before the process group is destroyed (graphs with tensor-parallel
 # collectives hold NCCL resources); the CLI and the engine call it before `ctx.shutdown()`.
+# NOTE: under tensor parallelism the graphs hold the layers' all-reduces; a replay issues them
+# without passing through `collectives.ops`, so a recording lockstep guard logs them only at
+# capture. The graph path itself is agreed per round by the controller (`plan.use_graph`).
+
+Not graphed: prefill, plain decoding (`--no-spec`), logits and sampling.
 
 Without CUDA (`capture=False`) the runner executes the same padded static forwards eagerly: the
 CPU tests check the padding and layout logic that the GPU graphs replay.
