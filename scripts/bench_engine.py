@@ -70,14 +70,13 @@ def high_entropy_prompts(n: int, rng: random.Random) -> list[str]:
 
 
 def repetitive_prompts(n: int, rng: random.Random) -> list[str]:
-    """One plain sentence said three times (small models fall into repeating it)."""
-    subjects = ["The old ferry", "A quiet student", "The night train", "Our neighbour's dog"]
-    verbs = ["crossed the river", "read the letter", "left the station", "waited by the gate"]
-    times = ["at dawn", "after the storm", "every Sunday", "before the bell rang"]
+    """Runs of one character and ruler lines, as code's separators and padding are (the bundled
+    pair continues these and its head predicts them: the saturated regime, see its model card)."""
+    chars = "#*= -0_~"
     out = []
     for i in range(n):
-        sentence = f"{subjects[i % 4]} {verbs[(i // 4) % 4]} {times[(i + i // 4) % 4]}. "
-        out.append(sentence * 3)
+        c = chars[i % len(chars)]
+        out.append(c * rng.randint(80, 140) if i % 3 else ("#" + c * 70 + "\n") * 2)
     rng.shuffle(out)
     return out
 
