@@ -145,8 +145,9 @@ def _adaptive_config(args: argparse.Namespace) -> Any:
 
 # ---- run --------------------------------------------------------------------------------------
 
-def _distributed(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(context, tp group, dp group); a single process unless launched by torchrun."""
+def _distributed(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """(context, tp group, dp group, lockstep guard); a single process unless launched by
+    torchrun."""
     from collectives import init_distributed
 
     if args.tp < 1:
@@ -157,14 +158,15 @@ def _distributed(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise ValueError(f"--tp {args.tp} needs {args.tp} processes, but this job has {world}; "
                          f"launch with: {how}")
     if world == 1:
-        return None, None, None
-    ctx = init_distributed(timeout_s=args.timeout, record=False)
+        return None, None, None, None
+    ctx = init_distributed(timeout_s=args.timeout, record=True)
     layout = ctx.layout(dp=1, tp=world)
-    return ctx, layout.group("tp"), layout.group("dp")
+    return ctx, layout.group("tp"), layout.group("dp"), layout.group("world")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Handler of `generate`."""
+    from adaptive_dist.startup import agree_config
     from workers.attention import make_backend
     from workers.engine import make_engine
 
@@ -173,9 +175,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     texts = read_prompts(args)
     _sampling(args, ())                  # fail early: temperature, top-p, max-new-tokens
     config = _adaptive_config(args)
-    ctx, tp_group, dp_group = _distributed(args)
+    ctx, tp_group, dp_group, world = _distributed(args)
     engine = None
+    guard = None
+    failed = True
     try:
+        if ctx is not None and config is not None:
+            # every rank must run the same effective configuration, or none runs
+            mine = config
+            config = agree_config(lambda: mine, world, {"adaptive": args.adaptive})
+            guard = ctx.guard(world, check_every=config.lockstep_check_every)
         target, head = load_pair(args.model, tp_group, device, with_head=config is not None)
         params = _sampling(args, target.config.eos_token_ids)
         prompts = [encode_prompt(t, target.config) for t in texts]
@@ -183,15 +192,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         engine = make_engine(target, head, adaptive_config=config,
                              policy="ema" if args.adaptive else "static", backend=args.backend,
                              device=device, worker_config=wcfg, dp_group=dp_group,
-                             cuda_graphs=torch.device(device).type == "cuda" and not args.eager)
+                             cuda_graphs=torch.device(device).type == "cuda" and not args.eager,
+                             guard=guard)
         reqs = engine.generate(prompts, params, seed=args.seed)
         if ctx is None or ctx.rank == 0:
             _report(args, texts, reqs, engine, config)
+        failed = False
     finally:
         if engine is not None:
             engine.close()  # NOTE: CUDA graphs go before the process group
         if ctx is not None:
-            ctx.shutdown()
+            # after a failure skip the collective teardown: a stuck peer must not hang us
+            ctx.shutdown(aborted=failed)
     return 0
 
 

@@ -20,7 +20,7 @@ import torch
 
 from adaptive_dist.config import AdaptiveConfig
 from adaptive_dist.controller import AdaptiveController
-from collectives import Group
+from collectives import Group, LockstepGuard
 from workers.attention import make_backend
 from workers.eagle_worker import EagleWorker, WorkerConfig
 from workers.sampling import SamplingParams
@@ -81,10 +81,11 @@ class Engine:
     """Continuous batching over one `EagleWorker`; speculative when a `planner` is given."""
 
     def __init__(self, worker: EagleWorker, scheduler: Scheduler,
-                 planner: RoundPlanner | None) -> None:
+                 planner: RoundPlanner | None, guard: LockstepGuard | None = None) -> None:
         if planner is not None and not worker.speculative:
             raise ValueError("a speculative engine needs a worker with a draft head")
         self.worker, self.scheduler, self.planner = worker, scheduler, planner
+        self.guard = guard
         self.stats = EngineStats()
         self.requests: list[Request] = []
 
@@ -100,7 +101,11 @@ class Engine:
         self.worker.prefill(self.scheduler.admit())
         done = self.scheduler.retire()
         if self.scheduler.running:
-            self._round(self.scheduler.running)
+            if self.guard is None:
+                self._round(self.scheduler.running)
+            else:
+                with self.guard.round(self.stats.rounds):  # a hung round becomes an error
+                    self._round(self.scheduler.running)
         return done + self.scheduler.retire()
 
     def _round(self, batch: list[Request]) -> None:
@@ -153,7 +158,7 @@ def make_engine(target: torch.nn.Module, head: torch.nn.Module | None, *,
                 adaptive_config: AdaptiveConfig | None, policy: str = "static",
                 backend: str = "torch", device: torch.device | str = "cpu",
                 worker_config: WorkerConfig | None = None, dp_group: Group | None = None,
-                cuda_graphs: bool = False) -> Engine:
+                cuda_graphs: bool = False, guard: LockstepGuard | None = None) -> Engine:
     """The engine stack for a loaded `target` (and `head`).
 
     `adaptive_config` None means no speculation (plain decoding with the target; `head` unused).
@@ -162,6 +167,8 @@ def make_engine(target: torch.nn.Module, head: torch.nn.Module | None, *,
     `max_steps` becomes the config's deepest candidate. `cuda_graphs` captures the round's
     forwards per tier and batch bucket (`workers.cuda_graphs`; the `generate` command turns it on
     for CUDA); on a CPU it runs the same padded static forwards without capture (a test mode).
+    `guard` (multi-rank runs) checks the ranks' collective logs and plans every
+    `lockstep_check_every` rounds and arms its watchdog around every round.
     """
     wcfg = worker_config or WorkerConfig(max_context_len=target.config.max_position_embeddings)
     attn = make_backend(backend, device)
@@ -175,6 +182,7 @@ def make_engine(target: torch.nn.Module, head: torch.nn.Module | None, *,
                              device,
                              graph_buckets=adaptive_config.graph_buckets if cuda_graphs else None)
         group = dp_group if dp_group is not None else Group.single(device, name="dp")
-        planner = AdaptiveController(adaptive_config, group, policy=policy, worker=worker)
+        planner = AdaptiveController(adaptive_config, group, policy=policy, worker=worker,
+                                     guard=guard)
     scheduler = Scheduler(worker, wcfg.max_batch_size, wcfg.max_context_len)
-    return Engine(worker, scheduler, planner)
+    return Engine(worker, scheduler, planner, guard=guard)
