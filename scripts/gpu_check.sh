@@ -18,9 +18,14 @@ step() {  # step NAME CMD... : run, log, remember the exit status
   local rc=${PIPESTATUS[0]}
   STATUS[$name]="rc=$rc $((SECONDS - t0))s"
 }
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  # flashinfer kernels built ahead (nvcc, sm_90a) skip its ~90 s JIT compile on first use
+  if [ -d .whl/aot ] && [ -d /tmp/site/flashinfer ]; then
+    mkdir -p /tmp/site/flashinfer/data/aot && cp -r .whl/aot/* /tmp/site/flashinfer/data/aot/
+  fi
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
   || export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -35,8 +40,17 @@ step bench_consensus_nccl torchrun --nproc-per-node 2 scripts/bench_consensus.py
   --out "$OUTDIR/res/consensus_nccl"
 step bench_consensus_gloo torchrun --nproc-per-node 2 scripts/bench_consensus.py --rounds 3000 \
   --backend gloo --out "$OUTDIR/res/consensus_gloo"
-if [ -f scripts/bench_engine.py ] && [ "${SKIP_ENGINE:-0}" != 1 ]; then
-  step bench_engine python3 scripts/bench_engine.py --device cuda --out "$OUTDIR/res/engine"
+if [ "${SKIP_ENGINE:-0}" != 1 ]; then
+  step bench_engine timeout 300 python3 scripts/bench_engine.py --device cuda \
+    --out "$OUTDIR/res/engine" --max-seconds "${BENCH_SECONDS:-150}"
+  P='def parse_config(path):\n'
+  step tp2_graphs_vs_tp1 bash -c "python3 -m workers generate --device cuda --eager --prompt '$P' \
+      --steps 3 --max-new-tokens 40 --json | tail -1 > /tmp/tp1.json && \
+    torchrun --nproc-per-node 2 -m workers generate --tp 2 --device cuda --adaptive --prompt '$P' \
+      --max-new-tokens 40 --json | tail -1 > /tmp/tp2.json && \
+    python3 -c \"import json,sys; a=json.load(open('/tmp/tp1.json')); b=json.load(open('/tmp/tp2.json')); \
+ok=a['outputs'][0]['token_ids']==b['outputs'][0]['token_ids']; \
+print('tp1 eager == tp2 adaptive graphs:', ok, 'graph rounds', b['graph_rounds'], '/', b['rounds']); sys.exit(0 if ok else 1)\""
 fi
 rm -rf "$OUTDIR/res/traces"
 tar -czf "$OUTDIR/gpu_results.tar.gz" -C "$OUTDIR" res && rm -rf "$OUTDIR/res"
