@@ -119,14 +119,15 @@ class ParallelLayout:
         ``device_backend`` None means no torch.distributed at all (a single process).
         """
         layout = cls(world_size=world_size, rank=rank, dp=dp, tp=tp, device=device)
+        made: dict[tuple[int, ...], tuple] = {}  # groups with the same members share their pgs
         for name in GROUP_NAMES:
             layout.groups[name] = _make_group(
-                name, layout, device_backend, recorder, timeout
+                name, layout, device_backend, recorder, timeout, made
             )
         return layout
 
 
-def _make_group(name, layout, device_backend, recorder, timeout) -> Group:
+def _make_group(name, layout, device_backend, recorder, timeout, made) -> Group:
     mine = member_ranks(name, layout.rank, layout.world_size, layout.dp, layout.tp)
     device_pg = control_pg = None
     # NOTE: new_group is collective over the whole world and must run in the same order on every
@@ -134,10 +135,13 @@ def _make_group(name, layout, device_backend, recorder, timeout) -> Group:
     for members in all_member_sets(name, layout.world_size, layout.dp, layout.tp):
         if device_backend is None or len(members) == 1:
             continue
-        dpg = dist.new_group(list(members), backend=device_backend, timeout=timeout)
-        cpg = dist.new_group(list(members), backend="gloo", timeout=timeout)
+        if members not in made:
+            made[members] = (
+                dist.new_group(list(members), backend=device_backend, timeout=timeout),
+                dist.new_group(list(members), backend="gloo", timeout=timeout),
+            )
         if members == mine:
-            device_pg, control_pg = dpg, cpg
+            device_pg, control_pg = made[members]
     return Group(
         name=name,
         ranks=mine,

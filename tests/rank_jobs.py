@@ -118,3 +118,26 @@ def static_job(rank: int, trace_dir: str, initial_steps: int, backend: Optional[
     result = replay(load_trace(trace_dir, rank), cfg, "static", layout.group("dp"))
     ctx.shutdown()
     return {"records": result.records}
+
+
+def layout_ops_job(rank: int, dp: int) -> dict:
+    """Run every typed op on every named group of a (dp, tp=world) layout; return the results."""
+    ctx = _ctx(None)
+    layout = ctx.layout(dp=dp)
+    out = {"attn_tp_degree": layout.attn_tp}
+    for name in C.GROUP_NAMES:
+        g = layout.group(name)
+        x = torch.full((2, 4), float(rank + 1))
+        out[name] = {
+            "ranks": list(g.ranks), "index": g.rank,
+            "all_reduce": C.ops.all_reduce(x.clone(), g)[0, 0].item(),
+            "all_reduce_max": C.ops.all_reduce(x.clone(), g, op="max")[0, 0].item(),
+            "all_gather0": C.ops.all_gather(x, g)[:, 0].tolist(),
+            "all_gather1": C.ops.all_gather(x, g, dim=1)[0].tolist(),
+            "reduce_scatter": C.ops.reduce_scatter(
+                torch.arange(4.0 * g.size).reshape(2 * g.size, 2) * (rank + 1), g).tolist(),
+            "broadcast": C.ops.broadcast(x.clone(), g, src=g.size - 1)[0, 0].item(),
+        }
+    out["log"] = [e.signature() for e in ctx.recorder.log]
+    ctx.shutdown()
+    return out
