@@ -113,7 +113,9 @@ class AdaptiveController:
         self.group = group
         self.policy = policy
         self.guard = guard
-        self.pool = RuntimeStatePool(worker, config.candidate_steps)
+        # a static run never leaves its depth: build only that state
+        tiers = config.candidate_steps if policy == "ema" else (config.initial_steps,)
+        self.pool = RuntimeStatePool(worker, tiers)
         self.state = PolicyState.initial(config)
         self.ema = float(config.initial_steps - 1)
         self.weight = 0

@@ -284,7 +284,7 @@ def test_worker_static_no_apply_during_rounds():
     for _ in range(4):
         ctl.begin_round(1)
         ctl.end_round([0])
-    assert w.built == [2, 4]
+    assert w.built == [4]  # a static run builds only the depth it keeps
     assert w.applied == [w.states[4]]
 
 
