@@ -129,6 +129,8 @@ def report_failure(exc: BaseException) -> int:
     ):
         if isinstance(exc, kinds):
             rank = os.environ.get("RANK", "0")
-            print(f"[rank {rank}] {label}: {exc}", file=sys.stderr, flush=True)
+            # one write per line: ranks share stderr, and print() writes the newline apart
+            sys.stderr.write(f"[rank {rank}] {label}: {exc}\n")
+            sys.stderr.flush()
             return code
     raise exc

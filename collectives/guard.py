@@ -284,8 +284,8 @@ class LockstepGuard:
                     f"rank {self.group.global_rank}: {where}; the rendezvous store is unreachable "
                     f"({type(exc).__name__}), so the logs could not be compared")
             code = EXIT_DIVERGENCE if isinstance(err, DivergenceError) else EXIT_TIMEOUT
-            print(f"[rank {self.group.global_rank}] {type(err).__name__}: {err}",
-                  file=sys.stderr, flush=True)
+            sys.stderr.write(f"[rank {self.group.global_rank}] {type(err).__name__}: {err}\n")
+            sys.stderr.flush()
             if self.exit_on_watchdog:
                 self.linger()
                 os._exit(code)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from adaptive_dist.config import AdaptiveConfig
+from adaptive_dist.controller import RoundPlan
 from engine_fixtures import engine_for, random_prompts, tiny_pair
 from workers.engine import Engine
 from workers.sampling import SamplingParams
@@ -87,20 +88,18 @@ class RandomTierPlanner:
         worker.apply_runtime_state(self.states[self.steps])
         self.seen: Counter = Counter()
 
-    def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True):
+    def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
+                    done: bool = False) -> RoundPlan:
         others = [s for s in self.states if s != self.steps]
         self.steps = self.rng.choice(others)
         self.worker.apply_runtime_state(self.states[self.steps])
         self.seen[self.steps] += 1
-        return _Plan(self.steps, True)
+        return RoundPlan(round=0, steps=self.steps, use_graph=False, batch_bucket=None,
+                         padded_tokens=num_tokens, cluster_requests=num_requests, switched=True,
+                         all_done=done)
 
     def end_round(self, accepts) -> None:
         assert all(0 <= a <= self.steps for a in accepts)
-
-
-class _Plan:
-    def __init__(self, steps: int, switched: bool) -> None:
-        self.steps, self.switched = steps, switched
 
 
 def test_forced_random_tier_switch_every_round(pair, prompts, reference) -> None:

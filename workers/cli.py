@@ -161,7 +161,9 @@ def _distributed(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         return None, None, None, None
     ctx = init_distributed(timeout_s=args.timeout, record=True)
     layout = ctx.layout(dp=1, tp=world)
-    return ctx, layout.group("tp"), layout.group("dp"), layout.group("world")
+    # NOTE: with dp=1 the DP group has size 1; the consensus runs over every rank instead, so TP
+    # peers (which share the batch) still pre-flight-check their plans every round.
+    return ctx, layout.group("tp"), layout.group("world"), layout.group("world")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -199,24 +201,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
             _report(args, texts, reqs, engine, config)
         failed = False
     finally:
-        if engine is not None:
-            engine.close()  # NOTE: CUDA graphs go before the process group
-        if ctx is not None:
-            # after a failure skip the collective teardown: a stuck peer must not hang us
-            ctx.shutdown(aborted=failed)
+        try:
+            if engine is not None:
+                engine.close()  # NOTE: CUDA graphs go before the process group
+        finally:
+            if ctx is not None:
+                # after a failure skip the collective teardown: a stuck peer must not hang us
+                ctx.shutdown(aborted=failed)
     return 0
 
 
 def _worker_config(args: argparse.Namespace, model_config: Any, prompts: list[list[int]],
                    config: Any) -> Any:
-    """Sizes for this run: a KV pool just large enough for `max_batch_size` of the longest request."""
+    """Sizes for this run: a batch no larger than the prompts need (so no CUDA graphs are
+    captured for buckets it can never fill) and a KV pool just large enough for that many of the
+    longest request."""
     from workers.eagle_worker import WorkerConfig
     from workers.kv_cache import pages_for
 
     page_size, max_steps = 16, (config.max_steps if config is not None else 1)
     longest = max(len(p) for p in prompts) + args.max_new_tokens + max_steps + 1
     batch = max(1, min(args.max_batch_size, len(prompts)))
-    return WorkerConfig(max_batch_size=args.max_batch_size, page_size=page_size,
+    return WorkerConfig(max_batch_size=batch, page_size=page_size,
                         max_context_len=model_config.max_position_embeddings, max_steps=max_steps,
                         num_pages=batch * pages_for(longest, page_size))
 
@@ -298,5 +304,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return args.handler(args)
     except (ValueError, FileNotFoundError) as err:
         rank = os.environ.get("RANK", "0")
-        print(f"[rank {rank}] error: {err}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"[rank {rank}] error: {err}\n")  # one write: ranks share stderr
+        sys.stderr.flush()
         return 2

@@ -317,14 +317,14 @@ class CudaGraphRunner:
                                f"(captured buckets {list(self.buckets)})")
         batch, width, bp = len(rids), entry.width, entry.bucket
         if batch > bp or any(n > width for n in qo_lens):
-            raise ValueError(f"{batch} requests with {list(qo_lens)} new tokens do not fit the "
+            raise RuntimeError(f"{batch} requests with {list(qo_lens)} new tokens do not fit the "
                              f"{phase} graph of {bp} x {width}")
         dummy_page = self.dummy_page[_cache_name(phase)]
         table: list[int] = []
         for rid in rids:
             pages = cache.page_table(rid)
             if len(pages) > self.max_pages:
-                raise ValueError(f"request {rid} holds {len(pages)} pages; graphs reach "
+                raise RuntimeError(f"request {rid} holds {len(pages)} pages; graphs reach "
                                  f"{self.max_pages} (can_use_graph should have said no)")
             table += pages + [dummy_page] * (self.max_pages - len(pages))
         pad = bp - batch

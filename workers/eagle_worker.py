@@ -323,7 +323,7 @@ class EagleWorker:
         if bufs is None:
             raise RuntimeError("no runtime state applied; call apply_runtime_state first")
         if len(reqs) > bufs.max_batch:
-            raise ValueError(f"batch of {len(reqs)} exceeds max_batch_size {bufs.max_batch}")
+            raise RuntimeError(f"batch of {len(reqs)} exceeds max_batch_size {bufs.max_batch}")
         base = [r.num_tokens - 1 for r in reqs]  # n: tokens in each cache
         drafts, draft_probs = self._draft(reqs, base, bufs)
         features, accepts, committed = self._verify(reqs, base, drafts, draft_probs, bufs)

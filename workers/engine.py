@@ -19,7 +19,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from adaptive_dist.config import AdaptiveConfig
-from adaptive_dist.controller import AdaptiveController
+from adaptive_dist.controller import AdaptiveController, RoundPlan
 from collectives import Group, LockstepGuard
 from workers.attention import make_backend
 from workers.eagle_worker import EagleWorker, WorkerConfig
@@ -30,10 +30,12 @@ from workers.scheduler import Request, Scheduler
 class RoundPlanner(Protocol):
     """What the engine asks before and tells after every round (`AdaptiveController` is one)."""
 
-    def begin_round(self, num_requests: int, num_tokens: int = 0,
-                    can_graph: bool = True) -> Any: ...
+    def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
+                    done: bool = False) -> RoundPlan:
+        """Agree this round's plan with the other ranks (every rank, every round, idle too)."""
 
-    def end_round(self, accepts: Sequence[int]) -> None: ...
+    def end_round(self, accepts: Sequence[int]) -> None:
+        """Report this rank's accept lengths of the round (local only)."""
 
 
 @dataclass
@@ -97,33 +99,51 @@ class Engine:
         return req
 
     def step(self) -> list[Request]:
-        """Admit + prefill, one round, retire; returns the requests that finished."""
+        """Admit + prefill, one round, retire; returns the requests that finished.
+
+        With a planner every rank joins the round's consensus even with nothing to run (an idle
+        rank reports zero requests), so ranks with different workloads stay in lockstep.
+        """
         self.worker.prefill(self.scheduler.admit())
         done = self.scheduler.retire()
-        if self.scheduler.running:
-            if self.guard is None:
-                self._round(self.scheduler.running)
-            else:
-                with self.guard.round(self.stats.rounds):  # a hung round becomes an error
-                    self._round(self.scheduler.running)
+        batch = self.scheduler.running
+        if not batch and self.scheduler.waiting:
+            self._refuse_stuck()
+        if self.planner is None:
+            if batch:
+                self.worker.decode_round(batch)
+                self.stats.rounds += 1
+        elif self.guard is None:
+            self._spec_round(batch)
+        else:
+            with self.guard.round(self.stats.rounds):  # a hung round becomes an error
+                self._spec_round(batch)
         return done + self.scheduler.retire()
 
-    def _round(self, batch: list[Request]) -> None:
-        if self.planner is None:
-            self.worker.decode_round(batch)
-        else:
-            plan = self.planner.begin_round(num_requests=len(batch), num_tokens=len(batch),
-                                            can_graph=self.worker.can_use_graph(batch))
-            if plan.steps != self.worker.steps:
-                raise RuntimeError(f"plan says steps={plan.steps} but the worker runs "
-                                   f"steps={self.worker.steps}: the runtime state was not applied")
-            self.stats.record_plan(plan.steps, bool(getattr(plan, "switched", False)))
-            bucket = plan.batch_bucket if getattr(plan, "use_graph", False) else None
+    def _refuse_stuck(self) -> None:
+        """Nothing runs and the next waiting request cannot be admitted: it never will be."""
+        req = self.scheduler.waiting[0]
+        raise RuntimeError(f"request {req.rid} cannot be admitted into an empty KV pool "
+                           f"(needs {self.worker.max_kv_tokens(req)} tokens)")
+
+    def _spec_round(self, batch: list[Request]) -> None:
+        plan = self.planner.begin_round(
+            num_requests=len(batch), num_tokens=len(batch),
+            can_graph=self.worker.can_use_graph(batch) if batch else True,
+            done=not self.scheduler.has_work)
+        self._all_done = plan.all_done
+        if plan.steps != self.worker.steps:
+            raise RuntimeError(f"plan says steps={plan.steps} but the worker runs "
+                               f"steps={self.worker.steps}: the runtime state was not applied")
+        accepts: list[int] = []
+        if batch:
+            self.stats.record_plan(plan.steps, plan.switched)
+            bucket = plan.batch_bucket if plan.use_graph else None
             accepts = self.worker.spec_round(batch, graph_bucket=bucket)
             self.stats.graph_rounds += bucket is not None
-            self.planner.end_round(accepts)
             self.stats.accept_histogram.update(accepts)
-        self.stats.rounds += 1
+            self.stats.rounds += 1
+        self.planner.end_round(accepts)
 
     def close(self) -> None:
         """Release the worker's CUDA graphs. # NOTE: before the process group is destroyed."""
@@ -132,8 +152,13 @@ class Engine:
     def run(self) -> None:
         """Step until every request has finished."""
         start = time.perf_counter()
-        while self.scheduler.has_work:
+        self._all_done = False
+        while True:
+            if self.planner is None and not self.scheduler.has_work:
+                break
             self.step()
+            if self.planner is not None and self._all_done:
+                break  # every rank reported it had no work left
         self.stats.elapsed_s += time.perf_counter() - start
         self.stats.generated_tokens = sum(len(r.output_ids) for r in self.requests)
 
@@ -178,7 +203,9 @@ def make_engine(target: torch.nn.Module, head: torch.nn.Module | None, *,
     else:
         if head is None:
             raise ValueError("speculative decoding needs a draft head; use --no-spec without one")
-        worker = EagleWorker(target, head, attn, replace(wcfg, max_steps=adaptive_config.max_steps),
+        # a static run never goes deeper than its depth: reserve KV and size buffers for it alone
+        depth = adaptive_config.max_steps if policy == "ema" else adaptive_config.initial_steps
+        worker = EagleWorker(target, head, attn, replace(wcfg, max_steps=depth),
                              device,
                              graph_buckets=adaptive_config.graph_buckets if cuda_graphs else None)
         group = dp_group if dp_group is not None else Group.single(device, name="dp")

@@ -95,14 +95,21 @@ class KVCache:
         """Whether a request that may grow to `max_tokens` tokens can be admitted now."""
         return pages_for(max_tokens, self.page_size) <= self.num_available_pages
 
+    @property
+    def usable_pages(self) -> int:
+        """Pages requests can ever hold: all but those of internal entries (rid < 0, such as
+        the CUDA-graph runner's dummy page), which are never given back while the pool lives."""
+        return self.num_pages - sum(e.reserved for rid, e in self._entries.items() if rid < 0)
+
     def check_fits(self, max_tokens: int) -> None:
         """Raise `RequestTooLargeError` if `max_tokens` could never fit, even in an empty pool."""
         need = pages_for(max_tokens, self.page_size)
-        if need > self.num_pages:
+        usable = self.usable_pages
+        if need > usable:
             raise RequestTooLargeError(
                 f"request needs up to {max_tokens} tokens of KV cache ({need} pages of "
-                f"{self.page_size}), but the pool holds only {self.capacity_tokens} tokens "
-                f"({self.num_pages} pages); shorten the prompt or max_new_tokens, or enlarge the pool")
+                f"{self.page_size}), but the pool holds only {usable * self.page_size} tokens "
+                f"({usable} usable pages); shorten the prompt or max_new_tokens, or enlarge the pool")
 
     # ---- per request ----------------------------------------------------------------------
     def admit(self, rid: int, max_tokens: int) -> None:
@@ -146,7 +153,7 @@ class KVCache:
         """Shrink request `rid` to its first `new_len` tokens; pages past them go back to the pool."""
         entry = self._entries[rid]
         if not 0 <= new_len <= entry.length:
-            raise ValueError(f"request {rid}: truncate to {new_len} outside [0, {entry.length}]")
+            raise RuntimeError(f"request {rid}: truncate to {new_len} outside [0, {entry.length}]")
         keep = pages_for(new_len, self.page_size)
         released = entry.pages[keep:]
         del entry.pages[keep:]

@@ -107,7 +107,7 @@ def _put(buf: torch.Tensor | None, values: list[int], dtype: torch.dtype,
     if buf is None:
         return host.to(device)
     if len(values) > buf.numel():
-        raise ValueError(f"metadata buffer too small: need {len(values)}, have {buf.numel()}")
+        raise RuntimeError(f"metadata buffer too small: need {len(values)}, have {buf.numel()}")
     view = buf[:len(values)]
     view.copy_(host, non_blocking=True)
     return view
@@ -126,7 +126,7 @@ def build_metadata(mode: ForwardMode, page_tables: Sequence[Sequence[int]],
     used = [list(table[:-(-s // page_size)]) for table, s in zip(page_tables, seq_lens)]
     for b, (table, s) in enumerate(zip(used, seq_lens)):
         if len(table) * page_size < s:
-            raise ValueError(f"request {b}: {len(table)} pages cannot hold {s} tokens")
+            raise RuntimeError(f"request {b}: {len(table)} pages cannot hold {s} tokens")
     slots = [table[i // page_size] * page_size + i % page_size
              for table, c, n in zip(used, cached_lens, qo_lens) for i in range(c, c + n)]
     i32, i64 = torch.int32, torch.int64
