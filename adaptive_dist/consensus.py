@@ -118,6 +118,6 @@ def column(matrix: list[list[float]], name: str) -> list[float]:
     return [row[i] for row in matrix]
 
 
-def plan_hash(steps: int, use_graph: bool, bucket: int | None, padded_tokens: int,
-              mode: str) -> int:
-    return hash48(steps, use_graph, bucket, padded_tokens, mode)
+def plan_hash(steps: int, use_graph: bool, bucket: int | None, mode: str) -> int:
+    """Hash of what a rank runs in a round: depth, graph or eager, padded bucket, forward mode."""
+    return hash48(int(steps), bool(use_graph), bucket, mode)

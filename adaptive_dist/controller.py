@@ -62,6 +62,9 @@ class RuntimeStatePool:
             self.worker.apply_runtime_state(self.states[steps])
 
 
+Executed = tuple  # (steps, use_graph, batch_bucket or None, forward mode) a worker ran
+
+
 @dataclass(frozen=True)
 class RoundPlan:
     """What every rank runs this round (identical on every rank)."""
@@ -125,6 +128,7 @@ class AdaptiveController:
         self._prev_plan: Optional[RoundPlan] = None
         self._prev_plan_hash = 0
         self._digest = 0
+        self.last_outcome: Optional[RoundOutcome] = None
         self.stats = ControllerStats()
         self._channel = consensus.ConsensusChannel(group)
         self.pool.apply(self.steps)
@@ -158,10 +162,10 @@ class AdaptiveController:
         switched = bool(self.last_outcome and self.last_outcome.decision.switched)
         plan = self._plan(matrix, switched)
         self._prev_plan = plan
+        # until end_round reports what this rank actually ran, assume it followed the plan
         self._prev_plan_hash = consensus.plan_hash(plan.steps, plan.use_graph, plan.batch_bucket,
-                                                   plan.padded_tokens, "spec")
-        self._digest = consensus.hash48(self._digest, plan.round, plan.steps, plan.use_graph,
-                                        plan.batch_bucket)
+                                                   "spec")
+        self._digest = consensus.hash48(self._digest, plan.round, self._prev_plan_hash)
         if self.guard is not None:
             self.guard.maybe_check(plan.round, self._digest)
         self.round += 1
@@ -169,8 +173,15 @@ class AdaptiveController:
         self.stats.rounds_at_steps[plan.steps] += 1
         return plan
 
-    def end_round(self, accepts: Sequence[int]) -> None:
-        """Record this rank's accept lengths (draft tokens accepted, bonus excluded). Local only."""
+    def end_round(self, accepts: Sequence[int], executed: Optional[Executed] = None) -> None:
+        """Record this rank's accept lengths (draft tokens accepted, bonus excluded). Local only.
+
+        ``executed`` is what this rank's worker actually ran (its applied depth, graph or eager,
+        bucket, forward mode); its hash travels in the next round's vector, so the next
+        pre-flight check catches a rank whose worker strayed from the agreed plan.
+        """
+        if executed is not None:
+            self._prev_plan_hash = consensus.plan_hash(*executed)
         steps = self._prev_plan.steps if self._prev_plan is not None else self.steps
         for a in accepts:
             if not isinstance(a, int) or isinstance(a, bool) or not 0 <= a <= steps:

@@ -81,7 +81,10 @@ def divergence_job(rank: int, mode: str, rounds: int = 12, bad_round: int = 5,
                 x = torch.ones(n, device=ctx.device)
                 if not (mode == "skip_op" and bad and r == bad_round):
                     C.ops.all_reduce(x, dp)
-                ctrl.end_round([1, 2])
+                if mode == "executed" and bad and r == bad_round:
+                    ctrl.end_round([1, 2], executed=(7, plan.use_graph, plan.batch_bucket, "spec"))
+                else:
+                    ctrl.end_round([1, 2])
         return {"raised": None, "elapsed": time.monotonic() - t0}
     except (C.DivergenceError, C.CollectiveTimeoutError) as exc:
         return {"raised": type(exc).__name__, "message": str(exc),

@@ -98,7 +98,7 @@ class RandomTierPlanner:
                          padded_tokens=num_tokens, cluster_requests=num_requests, switched=True,
                          all_done=done)
 
-    def end_round(self, accepts) -> None:
+    def end_round(self, accepts, executed=None) -> None:
         assert all(0 <= a <= self.steps for a in accepts)
 
 

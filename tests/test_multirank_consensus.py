@@ -56,6 +56,7 @@ def test_decisions_identical_and_match_reference(tmp_path, world, name):
     ("state", "steps"),
     ("reshape", "shape=[8]"),
     ("skip_op", "first differing collective"),
+    ("executed", "pre-flight lockstep check failed at round 6"),  # a worker ran another depth
 ])
 def test_injected_divergence_raises_on_every_rank(mode, expect):
     timeout = 3.0

@@ -34,8 +34,8 @@ class RoundPlanner(Protocol):
                     done: bool = False) -> RoundPlan:
         """Agree this round's plan with the other ranks (every rank, every round, idle too)."""
 
-    def end_round(self, accepts: Sequence[int]) -> None:
-        """Report this rank's accept lengths of the round (local only)."""
+    def end_round(self, accepts: Sequence[int], executed: tuple | None = None) -> None:
+        """Report this rank's accept lengths of the round and what it ran (local only)."""
 
 
 @dataclass
@@ -143,7 +143,10 @@ class Engine:
             self.stats.graph_rounds += bucket is not None
             self.stats.accept_histogram.update(accepts)
             self.stats.rounds += 1
-        self.planner.end_round(accepts)
+        # what this rank ran (an idle rank stands by on the agreed shape): its worker's applied
+        # depth is rank-local state, checked against every other rank before the next round
+        executed = (self.worker.steps, plan.use_graph, plan.batch_bucket, "spec")
+        self.planner.end_round(accepts, executed)
 
     def close(self) -> None:
         """Release the worker's CUDA graphs. # NOTE: before the process group is destroyed."""
