@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 from importlib.metadata import entry_points
 from typing import Optional, Sequence
 
@@ -15,6 +16,7 @@ from collectives import EXIT_DIVERGENCE, EXIT_TIMEOUT, CollectiveTimeoutError, D
 from adaptive_dist.config import POLICIES, AdaptiveConfig, ConfigError, load_config
 
 EXIT_CONFIG = 2
+EXIT_INTERNAL = 1
 log = logging.getLogger("adaptive_dist")
 
 
@@ -64,7 +66,7 @@ def start_distributed(args):
 
     backend = None if args.backend == "auto" else args.backend
     return init_distributed(timeout_s=args.timeout, backend=backend, record=True,
-                            strict=args.strict_lockstep)
+                            strict=args.strict_lockstep, keep_log=bool(args.record_dir))
 
 
 def cmd_consensus(args) -> int:
@@ -76,7 +78,11 @@ def cmd_consensus(args) -> int:
                              args.out, show_progress=not args.no_progress)
     except Exception as exc:
         _dump_log(ctx, args)
-        code = report_failure(exc)
+        try:
+            code = report_failure(exc)
+        except Exception:  # a bug: show it, but still leave in bounded time
+            traceback.print_exc()
+            code = EXIT_INTERNAL
         ctx.shutdown(aborted=True)
         if ctx.distributed:
             # NOTE: the process-group teardown can block on a stuck peer; leave without it.

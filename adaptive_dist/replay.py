@@ -16,6 +16,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from collectives import DistContext, DivergenceError, Group, LockstepGuard
+from adaptive_dist import consensus
 from adaptive_dist.config import AdaptiveConfig
 from adaptive_dist.controller import AdaptiveController, RoundOutcome
 from adaptive_dist.trace import TraceRound
@@ -147,8 +148,12 @@ def run_consensus(ctx: DistContext, trace_dir: str, policy: str, config_path: Op
 
     layout = ctx.layout(dp=ctx.world_size, tp=ctx.world_size)
     world, dp = layout.group("world"), layout.group("dp")
+    # everything that changes the sequence of collectives must agree, not only the config
+    settings = {"policy": policy, "progress": show_progress, "timeout_s": ctx.timeout_s,
+                "strict": bool(ctx.recorder and ctx.recorder.strict),
+                "vector": [consensus.MAGIC, len(consensus.FIELDS)]}
     config = agree_config(lambda: load_config(config_path, policy == "ema", initial_steps),
-                          world, extra={"policy": policy})
+                          world, extra=settings)
     trace = all_ranks_or_none(lambda: load_trace(trace_dir, ctx.rank), world, "loading traces")
     guard = ctx.guard(world, check_every=config.lockstep_check_every) if ctx.recorder else None
     bar = _progress(trace, world) if show_progress else None

@@ -23,6 +23,7 @@ class TraceRound:
 
 
 ALLOWED_KEYS = ("accept", "num_tokens", "can_graph")
+MAX_COUNT = 2 ** 53  # counts travel in float64 consensus vectors: exact below this
 
 
 def trace_path(trace_dir: str | Path, rank: int) -> Path:
@@ -60,8 +61,11 @@ def parse_round(line: str, where: str) -> TraceRound:
     if not isinstance(acc, list) or any(not _is_int(a) or a < 0 for a in acc):
         raise TraceError(f"{where}: 'accept'={acc!r} must be a list of integers >= 0")
     num_tokens = obj.get("num_tokens")
-    if num_tokens is not None and (not _is_int(num_tokens) or num_tokens < 0):
-        raise TraceError(f"{where}: 'num_tokens'={num_tokens!r} must be an integer >= 0")
+    if num_tokens is not None and (not _is_int(num_tokens) or not 0 <= num_tokens < MAX_COUNT):
+        raise TraceError(f"{where}: 'num_tokens'={num_tokens!r} must be an integer in "
+                         f"[0, 2**53) (the consensus carries it exactly as a float64)")
+    if any(a >= MAX_COUNT for a in acc) or len(acc) >= MAX_COUNT:
+        raise TraceError(f"{where}: 'accept' values must be below 2**53")
     can_graph = obj.get("can_graph", True)
     if not isinstance(can_graph, bool):
         raise TraceError(f"{where}: 'can_graph'={can_graph!r} must be true or false")

@@ -80,6 +80,7 @@ class DistContext:
             world_size=self.world_size, rank=self.rank, dp=dp, tp=tp, device=self.device,
             device_backend=self.backend, recorder=self.recorder,
             timeout=timedelta(seconds=self.pg_timeout_s) if self.distributed else None,
+            control_timeout=timedelta(seconds=self.timeout_s) if self.distributed else None,
         )
         self._layouts.append(layout)
         return layout
@@ -144,13 +145,15 @@ def init_distributed(
     backend: Optional[str] = None,
     record: bool = True,
     strict: bool = False,
+    keep_log: bool = False,
 ) -> DistContext:
     """Initialise torch.distributed from the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Without them, a single-process context.
 
     ``timeout_s`` bounds every collective. ``record`` turns on the per-rank collective log;
     ``strict`` (a debug mode, one extra host exchange per collective) compares every collective
-    across its group before issuing it.
+    across its group before issuing it. ``keep_log`` keeps every entry (to dump it); otherwise
+    only the rolling hash and the entries since the last lockstep check are kept.
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s} must be > 0")
@@ -160,7 +163,8 @@ def init_distributed(
     local_world = _env_int("LOCAL_WORLD_SIZE", world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
-    recorder = CollectiveRecorder(rank, strict=strict) if (record or strict) else None
+    recorder = (CollectiveRecorder(rank, keep_log=keep_log, strict=strict)
+                if (record or strict or keep_log) else None)
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
         return DistContext(rank, 1, 0, device, None, timeout_s, recorder)

@@ -46,24 +46,43 @@ class CollectiveTimeoutError(RuntimeError):
     """A collective did not complete in time, and the ranks' logs do not show a divergence."""
 
 
+def _aligned(logs: dict[int, list[CollectiveEntry]]) -> tuple[int, int]:
+    """The range of sequence numbers every log can be compared over: from the latest first
+    entry (windows are truncated) to the end of the longest log."""
+    starts = [v[0].seq for v in logs.values() if v]
+    ends = [v[-1].seq + 1 for v in logs.values() if v]
+    return (max(starts) if starts else 0), (max(ends) if ends else 0)
+
+
+def _by_seq(logs: dict[int, list[CollectiveEntry]]) -> dict[int, dict[int, CollectiveEntry]]:
+    return {r: {e.seq: e for e in v} for r, v in logs.items()}
+
+
 def is_prefix_gap(logs: dict[int, list[CollectiveEntry]]) -> bool:
     """True if the logs differ only in length (some ranks are behind, none issued a different
-    collective): a stalled rank, not a divergence — when observed while ranks are stuck."""
-    longest = max(logs.values(), key=len, default=[])
-    return all(v == longest[: len(v)] for v in logs.values())
+    collective at the same sequence number): a stalled rank, not a divergence."""
+    start, end = _aligned(logs)
+    table = _by_seq(logs)
+    for seq in range(start, end):
+        sigs = {t[seq].signature() for t in table.values() if seq in t}
+        if len(sigs) > 1:
+            return False
+    return True
 
 
 def first_difference(logs: dict[int, list[CollectiveEntry]]) -> Optional[str]:
-    """Describe the first position at which the ranks' logs differ, or None if they agree."""
+    """Describe the first sequence number at which the ranks' logs differ (a different
+    collective, or none at all), or None if they agree. Logs are aligned by sequence number."""
     ranks = sorted(logs)
-    longest = max((len(v) for v in logs.values()), default=0)
-    for i in range(longest):
-        at = {r: (logs[r][i] if i < len(logs[r]) else None) for r in ranks}
+    start, end = _aligned(logs)
+    table = _by_seq(logs)
+    for seq in range(start, end):
+        at = {r: table[r].get(seq) for r in ranks}
         sigs = {r: (e.signature() if e is not None else None) for r, e in at.items()}
         if len(set(sigs.values())) > 1:
-            seq = next(e.seq for e in at.values() if e is not None)
             parts = [
-                f"rank {r}: " + (at[r].describe() if at[r] is not None else "nothing (issued no collective here)")
+                f"rank {r}: " + (at[r].describe() if at[r] is not None
+                                 else "nothing (issued no collective here)")
                 for r in ranks
             ]
             return f"first differing collective is #{seq}: " + "; ".join(parts)
@@ -190,10 +209,15 @@ class LockstepGuard:
         """Exchange recent logs through the store (not the stuck group) and name the difference."""
         here = entry.describe() if entry is not None else "the lockstep check (control group)"
         cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if exc else where
-        logs = self._exchange_logs_via_store()
-        if self.store is not None:
-            self.store.set(self._prefix() + f"ack/{self.group.global_rank}", "1")
         me = self.group.global_rank
+        try:
+            logs = self._exchange_logs_via_store()
+            if self.store is not None:
+                self.store.set(self._prefix() + f"ack/{me}", "1")
+        except Exception as store_exc:  # the store's host is gone: still an error, not a hang
+            return CollectiveTimeoutError(
+                f"rank {me}: {here} failed ({cause}); the rendezvous store is unreachable "
+                f"({type(store_exc).__name__}), so the logs could not be compared")
         if logs is None:
             return CollectiveTimeoutError(
                 f"rank {me}: {here} failed ({cause}) and no rendezvous store is available to "
@@ -300,6 +324,8 @@ class LockstepGuard:
             self.publish_log()
             self.store.set(self._prefix() + f"ack/{self.group.global_rank}", "1")
             keys = [self._prefix() + f"ack/{r}" for r in self.group.ranks]
+            # NOTE: a peer stuck in a device collective only diagnoses when its watchdog fires,
+            # so wait that long (bounded) before taking the store away from it.
             deadline = time.monotonic() + self.watchdog_s + self._grace_s()
             while time.monotonic() < deadline and not self.store.check(keys):
                 time.sleep(0.05)

@@ -15,6 +15,7 @@ Groups, fetched by name:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -112,7 +113,8 @@ class ParallelLayout:
         device: torch.device,
         device_backend: str | None,
         recorder: CollectiveRecorder | None = None,
-        timeout=None,
+        timeout: timedelta | None = None,
+        control_timeout: timedelta | None = None,
     ) -> "ParallelLayout":
         """Create every group on every rank in the same order (a collective over the world).
 
@@ -122,12 +124,15 @@ class ParallelLayout:
         made: dict[tuple[int, ...], tuple] = {}  # groups with the same members share their pgs
         for name in GROUP_NAMES:
             layout.groups[name] = _make_group(
-                name, layout, device_backend, recorder, timeout, made
+                name, layout, device_backend, recorder, timeout, control_timeout or timeout, made
             )
         return layout
 
 
-def _make_group(name, layout, device_backend, recorder, timeout, made) -> Group:
+def _make_group(name: str, layout: "ParallelLayout", device_backend: str | None,
+                recorder: CollectiveRecorder | None, timeout: timedelta | None,
+                control_timeout: timedelta | None,
+                made: dict[tuple[int, ...], tuple]) -> Group:
     mine = member_ranks(name, layout.rank, layout.world_size, layout.dp, layout.tp)
     device_pg = control_pg = None
     # NOTE: new_group is collective over the whole world and must run in the same order on every
@@ -138,7 +143,7 @@ def _make_group(name, layout, device_backend, recorder, timeout, made) -> Group:
         if members not in made:
             made[members] = (
                 dist.new_group(list(members), backend=device_backend, timeout=timeout),
-                dist.new_group(list(members), backend="gloo", timeout=timeout),
+                dist.new_group(list(members), backend="gloo", timeout=control_timeout),
             )
         if members == mine:
             device_pg, control_pg = made[members]

@@ -81,6 +81,8 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Te
             f"group size {group.size} (group {group.name!r})"
         )
     src = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
+    if src.device.type == "cpu" and src.data_ptr() == tensor.data_ptr():
+        src = src.clone()  # the CPU path all-reduces in place: keep the caller's tensor intact
     out = torch.empty((src.shape[0] // group.size,) + tuple(src.shape[1:]),
                       dtype=src.dtype, device=src.device)
     if src.device.type == "cpu":

@@ -19,7 +19,8 @@ from adaptive_dist.trace import load_trace
 
 
 def _ctx(backend: Optional[str], timeout: float = 20.0, strict: bool = False) -> C.DistContext:
-    return C.init_distributed(timeout_s=timeout, backend=backend, record=True, strict=strict)
+    return C.init_distributed(timeout_s=timeout, backend=backend, record=True, strict=strict,
+                              keep_log=True)
 
 
 def replay_job(rank: int, trace_dir: str, cfg_dict: dict, policy: str,
@@ -131,14 +132,16 @@ def layout_ops_job(rank: int, dp: int) -> dict:
     for name in C.GROUP_NAMES:
         g = layout.group(name)
         x = torch.full((2, 4), float(rank + 1))
+        rs_in = torch.arange(4.0 * g.size).reshape(2 * g.size, 2) * (rank + 1)
+        rs_copy = rs_in.clone()
         out[name] = {
             "ranks": list(g.ranks), "index": g.rank,
             "all_reduce": C.ops.all_reduce(x.clone(), g)[0, 0].item(),
             "all_reduce_max": C.ops.all_reduce(x.clone(), g, op="max")[0, 0].item(),
             "all_gather0": C.ops.all_gather(x, g)[:, 0].tolist(),
             "all_gather1": C.ops.all_gather(x, g, dim=1)[0].tolist(),
-            "reduce_scatter": C.ops.reduce_scatter(
-                torch.arange(4.0 * g.size).reshape(2 * g.size, 2) * (rank + 1), g).tolist(),
+            "reduce_scatter": C.ops.reduce_scatter(rs_in, g).tolist(),
+            "reduce_scatter_input_kept": rs_in.tolist() == rs_copy.tolist(),
             "broadcast": C.ops.broadcast(x.clone(), g, src=g.size - 1)[0, 0].item(),
         }
     out["log"] = [e.signature() for e in ctx.recorder.log]
@@ -166,3 +169,17 @@ def dp_engine_job(rank: int, prompts_per_rank: list, new_tokens: list) -> dict:
     ctx.shutdown()
     return {"outputs": [r.output_ids for r in reqs], "rounds": ctrl.round,
             "timeline": ctrl.stats.steps_timeline, "digest": ctrl.decision_digest()}
+
+
+def progress_mismatch_job(rank: int, trace_dir: str) -> str:
+    """Rank 0 shows progress, rank 1 does not: start-up must refuse on both."""
+    from adaptive_dist.config import ConfigError
+
+    ctx = _ctx(None)
+    try:
+        run_consensus(ctx, trace_dir, "ema", None, None, None, show_progress=(rank == 0))
+        return "ran"
+    except ConfigError as exc:
+        return str(exc)
+    finally:
+        ctx.shutdown(aborted=True)

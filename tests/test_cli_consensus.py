@@ -70,3 +70,15 @@ def test_config_given_with_static_policy_refused(tmp_path):
     res = subprocess.run([sys.executable, "-m", "adaptive_dist", "config", "--policy", "static",
                           "--config", str(cfg_file)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "adaptive mode is off" in res.stderr
+
+
+def test_flags_that_change_the_collectives_must_agree(tmp_path):
+    """--no-progress on one rank only would change the sequence of collectives: refused by
+    name on every rank at start-up instead of hanging later."""
+    import rank_jobs
+    from multirank import run_ranks
+
+    write_traces(adversarial_traces(2, rounds=20, seed=3), tmp_path / "tr")
+    res = run_ranks(rank_jobs.progress_mismatch_job, 2, str(tmp_path / "tr"), timeout=60)
+    msgs = {r.value for r in res}
+    assert len(msgs) == 1 and "progress" in msgs.pop()

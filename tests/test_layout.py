@@ -68,5 +68,6 @@ def test_every_op_on_every_group_with_four_ranks():
             full = torch.arange(4.0 * n).reshape(2 * n, 2) * sum(vals)
             assert g["reduce_scatter"] == full[2 * g["index"]: 2 * g["index"] + 2].tolist()
             assert g["broadcast"] == vals[-1]
+            assert g["reduce_scatter_input_kept"]  # the caller's tensor is not overwritten
     assert all(r["log"] == res[0]["log"] for r in res)  # the same collective history everywhere
     assert {tuple(r["dp"]["ranks"]) for r in res} == {(0, 2), (1, 3)}
