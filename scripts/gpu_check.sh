@@ -3,6 +3,7 @@
 # GPU tests, multi-rank NCCL tests, the consensus benchmark on NCCL and gloo, a consensus-only
 # run on NCCL, and (when present) the engine's GPU benchmark. Prints a short table last.
 #   bash scripts/gpu_check.sh [OUTDIR]       (OUTDIR defaults to $OUT or runs/gpu)
+# SKIP_BENCH=1 runs only the tests and checks; SKIP_ENGINE=1 leaves out the engine's steps.
 # Wheels for packages the machine lacks (flashinfer, tvm-ffi) are taken from .whl/ if present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,13 +37,15 @@ python3 scripts/make_traces.py --ranks 2 --rounds 600 --out "$OUTDIR/res/traces"
 step gpu_tests python3 -m pytest -q -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider
 step consensus_nccl torchrun --nproc-per-node 2 -m adaptive_dist consensus \
   --trace "$OUTDIR/res/traces" --policy ema --out "$OUTDIR/res/decisions_nccl.jsonl" --no-progress
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
 step bench_consensus_nccl torchrun --nproc-per-node 2 scripts/bench_consensus.py --rounds 3000 \
   --out "$OUTDIR/res/consensus_nccl"
 step bench_consensus_gloo torchrun --nproc-per-node 2 scripts/bench_consensus.py --rounds 3000 \
   --backend gloo --out "$OUTDIR/res/consensus_gloo"
+fi
 if [ "${SKIP_ENGINE:-0}" != 1 ]; then
-  step bench_engine timeout 300 python3 scripts/bench_engine.py --device cuda \
-    --out "$OUTDIR/res/engine" --max-seconds "${BENCH_SECONDS:-150}"
+  [ "${SKIP_BENCH:-0}" != 1 ] && step bench_engine timeout 300 python3 scripts/bench_engine.py \
+    --device cuda --out "$OUTDIR/res/engine" --max-seconds "${BENCH_SECONDS:-150}"
   P='def parse_config(path):\n'
   step tp2_graphs_vs_tp1 bash -c "python3 -m workers generate --device cuda --eager --prompt '$P' \
       --steps 3 --max-new-tokens 40 --json | tail -1 > /tmp/tp1.json && \
