@@ -140,7 +140,8 @@ def gpu_pair():
 def test_cuda_graph_replay_equals_eager(gpu_pair, prompts, reference, steps: int) -> None:
     engine = _engine(*gpu_pair, "static", steps, graphs=True, device="cuda")
     runner = engine.worker.graphs
-    assert runner.capture and runner.num_captures == 3 * len(runner.buckets) * 3  # tiers 1, 3, 7
+    # a static run builds only its own tier: draft, verify, draft-extend per bucket
+    assert runner.capture and runner.num_captures == 3 * len(runner.buckets)
     assert _outputs(engine, prompts, _params(len(prompts))) == reference
     assert engine.stats.graph_rounds == engine.stats.rounds > 0
     _close_and_check_pages(engine)
@@ -307,4 +308,4 @@ def test_generate_command_with_flashinfer_and_graphs(capsys) -> None:
                  "flashinfer", "--max-new-tokens", "32", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["outputs"][0]["token_ids"]) == 32
-    assert out["graph_rounds"] > 0 and set(out["runtime_state_bytes_per_tier"]) == {"1", "3", "7"}
+    assert out["graph_rounds"] > 0 and set(out["runtime_state_bytes_per_tier"]) == {"3"}
