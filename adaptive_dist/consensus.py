@@ -83,11 +83,6 @@ class ConsensusChannel:
         return [flat[i * n:(i + 1) * n] for i in range(self.group.size)]
 
 
-def gather(vec: RoundVector, group: Group) -> list[list[float]]:
-    """One-off version of ``ConsensusChannel.gather`` (allocates its buffers)."""
-    return ConsensusChannel(group).gather(vec)
-
-
 def preflight(matrix: list[list[float]], group: Group) -> None:
     """Raise ``DivergenceError`` (the same on every rank) if the must-agree columns differ."""
     bad = []

@@ -8,6 +8,7 @@ starts ``lockstep OK`` — or every rank raises ``DivergenceError``.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -51,10 +52,7 @@ def replay(trace: list[TraceRound], config: AdaptiveConfig, policy: str, group: 
         tokens = item.num_tokens if item is not None and item.num_tokens is not None else len(full)
         can_graph = item.can_graph if item is not None else True
         t0 = time.perf_counter()
-        if guard is not None:
-            with guard.round(r):
-                plan = ctrl.begin_round(len(full), tokens, can_graph, done=item is None)
-        else:
+        with guard.round(r) if guard is not None else nullcontext():
             plan = ctrl.begin_round(len(full), tokens, can_graph, done=item is None)
         times.append((time.perf_counter() - t0) * 1e6)
         out = ctrl.last_outcome

@@ -66,7 +66,6 @@ class DistContext:
     backend: Optional[str]          # None: a single process without torch.distributed
     timeout_s: float
     recorder: Optional[CollectiveRecorder] = None
-    _layouts: list = field(default_factory=list, repr=False)
     _guards: list = field(default_factory=list, repr=False)
 
     @property
@@ -82,7 +81,6 @@ class DistContext:
             timeout=timedelta(seconds=self.pg_timeout_s) if self.distributed else None,
             control_timeout=timedelta(seconds=self.timeout_s) if self.distributed else None,
         )
-        self._layouts.append(layout)
         return layout
 
     @property

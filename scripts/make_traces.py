@@ -38,7 +38,7 @@ def make_phases(rng: random.Random, rounds: int) -> list[tuple[int, str]]:
     return phases
 
 
-def make_rank_trace(rng: random.Random, rounds: int, rank: int) -> list[dict]:
+def make_rank_trace(rng: random.Random, rounds: int) -> list[dict]:
     lines = []
     base_batch = rng.choice([2, 4, 8, 12])
     for length, regime in make_phases(rng, rounds):
@@ -69,15 +69,17 @@ def main() -> None:
     args = ap.parse_args()
     if args.ranks < 1 or args.rounds < 1:
         ap.error("--ranks and --rounds must be >= 1")
+    if not 0 < args.early_end <= 1:
+        ap.error(f"--early-end {args.early_end}: must be in (0, 1]")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for rank in range(args.ranks):
-        rng = random.Random(args.seed * 1000 + rank)
+        rng = random.Random(f"{args.seed}/{rank}")  # independent stream per (seed, rank)
         n = args.rounds
         if rank == args.ranks - 1 and args.ranks > 1:
             n = max(1, int(args.rounds * args.early_end))
         with (out / f"rank{rank}.jsonl").open("w") as f:
-            for line in make_rank_trace(rng, n, rank):
+            for line in make_rank_trace(rng, n):
                 f.write(json.dumps(line) + "\n")
     print(f"wrote {args.ranks} trace(s) of up to {args.rounds} rounds to {out}/")
 
