@@ -13,7 +13,7 @@ from importlib.metadata import entry_points
 from typing import Optional, Sequence
 
 from collectives import EXIT_DIVERGENCE, EXIT_TIMEOUT, CollectiveTimeoutError, DivergenceError
-from adaptive_dist.config import POLICIES, AdaptiveConfig, ConfigError, load_config
+from adaptive_dist.config import POLICIES, ConfigError, load_config
 
 EXIT_CONFIG = 2
 EXIT_INTERNAL = 1

@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Iterator, Optional
 
 import torch

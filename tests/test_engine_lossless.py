@@ -155,8 +155,6 @@ FRESH_PROMPTS = [
 ]
 
 
-@pytest.mark.skipif(not (BUNDLED / "target" / "config.json").is_file(),
-                    reason="bundled pair not present")
 def test_bundled_pair_float32_lossless_at_every_tier_and_adaptive() -> None:
     from workers.cli import encode_prompt, load_pair
 

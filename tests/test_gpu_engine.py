@@ -298,7 +298,6 @@ def test_flashinfer_greedy_equals_torch_backend() -> None:
 
 @gpu
 @needs_flashinfer
-@pytest.mark.skipif(not (BUNDLED / "target" / "config.json").is_file(), reason="no bundled pair")
 def test_generate_command_with_flashinfer_and_graphs(capsys) -> None:
     import json
 
