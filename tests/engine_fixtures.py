@@ -23,6 +23,11 @@ from workers.model import EagleConfig, EagleHead, LlamaConfig, LlamaForCausalLM,
 torch.set_num_threads(1)
 
 
+# A tiny byte-level config (the bundled tokenizer's vocabulary), as a Hugging Face-style dict.
+TINY = dict(vocab_size=264, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, bos_token_id=256, eos_token_id=257)
+
+
 def tiny_config(vocab: int = 64, hidden: int = 64, layers: int = 2, max_pos: int = 512,
                 eos: int | None = None) -> LlamaConfig:
     """A small Llama config with grouped-query attention (4 query heads, 2 KV heads)."""

@@ -20,8 +20,7 @@ from workers.model import (
     save_pretrained,
 )
 
-TINY = dict(vocab_size=264, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, bos_token_id=256, eos_token_id=257)
+from engine_fixtures import TINY
 
 
 def make_pair(tie: bool = False) -> tuple[LlamaForCausalLM, EagleHead]:

@@ -17,8 +17,7 @@ from workers.model import tokenizer as tok
 from workers.model.config import RopeScaling
 from workers.model.layers import rope_inv_freq
 
-TINY = dict(vocab_size=264, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, bos_token_id=256, eos_token_id=257)
+from engine_fixtures import TINY
 
 
 def tiny_pair(seed: int = 0, **overrides) -> tuple[LlamaForCausalLM, EagleHead]:
