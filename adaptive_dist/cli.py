@@ -55,7 +55,7 @@ def register_config(sub) -> None:
 
 
 def cmd_config(args) -> int:
-    cfg = load_config(args.config, args.policy == "ema", args.initial_steps)
+    cfg = load_config(args.config, args.policy, args.initial_steps)
     print(json.dumps({**cfg.to_dict(), "digest": cfg.digest()}, indent=2))
     return 0
 

@@ -33,8 +33,10 @@ def _is_number(v: Any) -> bool:
 
 @dataclass(frozen=True)
 class AdaptiveConfig:
-    """Policy and consensus settings. Defaults follow DESIGN.md (SGLang-compatible ladder)."""
+    """Policy and consensus settings (rules in docs/policy.md; the ladder is SGLang-compatible)."""
 
+    policy: str = "ema"
+    """``ema`` (adaptive: the EMA ladder) or ``static`` (stay at ``initial_steps``)."""
     candidate_steps: tuple[int, ...] = (1, 3, 7)
     """Draft depths the policy may choose; sorted ascending, at least two distinct, each >= 1."""
     initial_steps: int = 3
@@ -74,8 +76,19 @@ class AdaptiveConfig:
         return self.candidate_steps.index(self.initial_steps)
 
     @property
+    def adaptive(self) -> bool:
+        """Whether the policy may change the depth."""
+        return self.policy != "static"
+
+    @property
+    def tiers(self) -> tuple[int, ...]:
+        """The depths a run may use: every candidate when adaptive, else ``initial_steps``."""
+        return self.candidate_steps if self.adaptive else (self.initial_steps,)
+
+    @property
     def max_steps(self) -> int:
-        return self.candidate_steps[-1]
+        """The deepest tier a run may use (what buffers and KV reservations are sized for)."""
+        return max(self.tiers)
 
     # ---- I/O ---------------------------------------------------------------------------------
     @classmethod
@@ -99,18 +112,8 @@ class AdaptiveConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "AdaptiveConfig":
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as exc:
-            raise ConfigError(f"config file {str(p)!r} cannot be read: {exc.strerror}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"config file {str(p)!r} is not valid JSON: {exc.msg} at line {exc.lineno}"
-            ) from None
-        return cls.from_dict(data, source=f"config file {str(p)!r}")
+        """Build from a JSON file (errors name the file)."""
+        return cls.from_dict(read_config_file(path), source=f"config file {str(path)!r}")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -125,6 +128,24 @@ class AdaptiveConfig:
 
     def replace(self, **changes: Any) -> "AdaptiveConfig":
         return dataclasses.replace(self, **changes)
+
+
+def read_config_file(path: str | Path) -> dict:
+    """The JSON object in ``path``; ``ConfigError`` naming the file when it is unreadable."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(p)!r} is not valid JSON: {exc.msg} at line {exc.lineno}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _as_int_tuple(key: str, value: Any) -> tuple[int, ...]:
@@ -142,6 +163,7 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 
 
 def _validate(c: AdaptiveConfig) -> None:
+    _check(c.policy in POLICIES, "policy", c.policy, f"allowed: {', '.join(POLICIES)}")
     _check(len(c.candidate_steps) >= 2, "candidate_steps", list(c.candidate_steps),
            "needs at least two distinct candidates (duplicates removed)")
     _check(_is_int(c.initial_steps), "initial_steps", c.initial_steps, "must be an integer")
@@ -163,29 +185,39 @@ def _validate(c: AdaptiveConfig) -> None:
 
 
 def load_config(
-    path: Optional[str], adaptive: bool, initial_steps: Optional[int] = None
+    path: Optional[str], policy: str = "ema", initial_steps: Optional[int] = None
 ) -> AdaptiveConfig:
-    """The effective configuration for a run.
+    """The effective configuration for a run of ``policy``.
 
-    ``adaptive`` False (static policy / fixed steps) with a config file is refused: the file
-    would silently do nothing. ``initial_steps`` overrides the file.
+    A config file with the static policy is refused: the file would silently do nothing.
+    ``initial_steps`` overrides the file; a static run may use any depth (it becomes a candidate
+    that is never left).
     """
-    if path is not None and not adaptive:
+    if policy not in POLICIES:
+        raise ConfigError(f"policy={policy!r}: allowed: {', '.join(POLICIES)}")
+    if path is not None and policy == "static":
         raise ConfigError(
             f"--config {path!r} was given but adaptive mode is off (static policy); "
             f"a config file only applies to the adaptive policy"
         )
-    cfg = AdaptiveConfig.from_file(path) if path is not None else AdaptiveConfig()
+    if path is None:
+        cfg = AdaptiveConfig(policy=policy)
+    else:
+        data = read_config_file(path)
+        if data.get("policy", policy) != policy:
+            raise ConfigError(f"config file {path!r} sets policy={data['policy']!r} but the run "
+                              f"asks for {policy!r}; drop the key or change the flag")
+        cfg = AdaptiveConfig.from_dict({**data, "policy": policy}, source=f"config file {path!r}")
     if initial_steps is not None:
         if not _is_int(initial_steps) or initial_steps < 1:
             raise ConfigError(f"initial_steps={initial_steps!r}: must be an integer >= 1")
         if initial_steps not in cfg.candidate_steps:
-            if adaptive:
+            if cfg.adaptive:
                 raise ConfigError(
                     f"initial_steps={initial_steps}: must be one of candidate_steps "
                     f"{list(cfg.candidate_steps)}"
                 )
-            # A static run may use any depth: it becomes a candidate that is never left.
             cfg = cfg.replace(candidate_steps=tuple(sorted(set(cfg.candidate_steps) | {initial_steps})))
         cfg = cfg.replace(initial_steps=initial_steps)
     return cfg
+

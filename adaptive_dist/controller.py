@@ -1,65 +1,27 @@
-"""The adaptive controller: per-rank EMA, the per-round consensus, the agreed plan, and the pool
-of pre-built runtime states that makes a tier switch a reference swap.
+"""The adaptive controller: per-rank EMA, the per-round consensus and the agreed plan.
 
 Round protocol (every rank of the group, idle ones too):
 
     plan = controller.begin_round(num_requests, num_tokens, can_graph)   # the one collective
-    ... run the round with plan.steps / plan.use_graph / plan.batch_bucket ...
-    controller.end_round(accepts)                                         # local only
+    ... apply plan.steps if plan.switched, run the round with plan.steps / plan.use_graph /
+        plan.batch_bucket / plan.padded_tokens ...
+    controller.end_round(accepts, executed)                               # local only
 
 ``begin_round`` first decides on the previous round's statistics (that decision belongs to the
-previous round: "made at round r, applied between r and r+1"), applies a switch by swapping the
-pre-built state, then agrees the graph path and padded shapes of the new round.
+previous round: "made at round r, applied between r and r+1"), then agrees the graph path and
+padded shapes of the new round. The controller decides; whoever runs the model applies the
+depth (a worker swaps a pre-built runtime state) and reports what it ran.
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import Optional, Sequence
 
 from collectives import Group, LockstepGuard
 from adaptive_dist import consensus
-from adaptive_dist.config import POLICIES, AdaptiveConfig, ConfigError
+from adaptive_dist.config import AdaptiveConfig
 from adaptive_dist.policy import Decision, PolicyState, decide, ema_update, pick_bucket
-
-
-@dataclass
-class SpecRuntimeState:
-    """Everything whose shape depends on ``steps`` (buffers, CUDA graphs per batch bucket)."""
-
-    steps: int
-    payload: Any = None
-    nbytes: int = 0
-
-
-@runtime_checkable
-class AdaptiveSpecWorker(Protocol):
-    def build_runtime_state(self, steps: int) -> SpecRuntimeState: ...
-
-    def apply_runtime_state(self, state: SpecRuntimeState) -> None: ...
-
-
-class RuntimeStatePool:
-    """One pre-built state per candidate; ``apply`` is a reference swap in the worker."""
-
-    def __init__(self, worker: Optional[AdaptiveSpecWorker], candidates: Sequence[int]) -> None:
-        self.worker = worker
-        self.states: dict[int, SpecRuntimeState] = {}
-        if worker is not None:
-            for steps in candidates:
-                state = worker.build_runtime_state(steps)
-                if state.steps != steps:
-                    raise ValueError(f"build_runtime_state({steps}) returned a state for "
-                                     f"steps={state.steps}")
-                self.states[steps] = state
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.states.values())
-
-    def apply(self, steps: int) -> None:
-        if self.worker is not None:
-            self.worker.apply_runtime_state(self.states[steps])
 
 
 Executed = tuple  # (steps, use_graph, batch_bucket or None, forward mode) a worker ran
@@ -107,23 +69,16 @@ class ControllerStats:
 class AdaptiveController:
     """Per-rank controller; ``group`` is the DP group the consensus runs over."""
 
-    def __init__(self, config: AdaptiveConfig, group: Group, *, policy: str = "ema",
-                 worker: Optional[AdaptiveSpecWorker] = None,
+    def __init__(self, config: AdaptiveConfig, group: Group, *,
                  guard: Optional[LockstepGuard] = None) -> None:
-        if policy not in POLICIES:
-            raise ConfigError(f"policy={policy!r}; allowed: {', '.join(POLICIES)}")
         self.config = config
         self.group = group
-        self.policy = policy
         self.guard = guard
-        # a static run never leaves its depth: build only that state
-        tiers = config.candidate_steps if policy == "ema" else (config.initial_steps,)
-        self.pool = RuntimeStatePool(worker, tiers)
         self.state = PolicyState.initial(config)
         self.ema = float(config.initial_steps - 1)
         self.weight = 0
         self.round = 0
-        self._config_hash = consensus.hash48(policy, config.digest())
+        self._config_hash = consensus.hash48(config.digest())
         self._prev_n_req = 0
         self._prev_plan: Optional[RoundPlan] = None
         self._prev_plan_hash = 0
@@ -131,7 +86,6 @@ class AdaptiveController:
         self.last_outcome: Optional[RoundOutcome] = None
         self.stats = ControllerStats()
         self._channel = consensus.ConsensusChannel(group)
-        self.pool.apply(self.steps)
         self.stats.steps_timeline.append((0, self.steps))
 
     @property
@@ -198,7 +152,7 @@ class AdaptiveController:
         cluster = int(sum(consensus.column(matrix, "prev_n_req")))
         local_ema = self.ema
         self.state, decision = decide(
-            self.config, self.policy, self.state, cluster,
+            self.config, self.state, cluster,
             consensus.column(matrix, "ema"), consensus.column(matrix, "weight"),
         )
         if decision.decision_point:
@@ -207,7 +161,6 @@ class AdaptiveController:
             self.stats.counted_rounds += 1
         if decision.switched:
             self.stats.switches += 1
-            self.pool.apply(self.steps)
             self.stats.steps_timeline.append((self.round, self.steps))
         return RoundOutcome(prev.round, prev.steps, prev.use_graph, local_ema, decision)
 

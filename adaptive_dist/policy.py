@@ -84,9 +84,10 @@ class Decision:
         return self.new_index != self.old_index
 
 
-def decide(cfg: AdaptiveConfig, policy: str, state: PolicyState, cluster_requests: int,
+def decide(cfg: AdaptiveConfig, state: PolicyState, cluster_requests: int,
            emas: Sequence[float], weights: Sequence[float]) -> tuple[PolicyState, Decision]:
-    """One round's decision from cluster-wide values (identical on every rank)."""
+    """One round's decision under ``cfg.policy`` from cluster-wide values (identical on every
+    rank)."""
     if cluster_requests <= 0:
         return state, Decision(False, False, None, state.index, state.index)
     counted = state.counted + 1
@@ -95,7 +96,7 @@ def decide(cfg: AdaptiveConfig, policy: str, state: PolicyState, cluster_request
     point = is_decision_point(counted, cfg.warmup_batches, cfg.update_interval)
     new_index = state.index
     dwell_ok = state.last_switch < 0 or counted - state.last_switch >= cfg.min_dwell_rounds
-    if policy == "ema" and point and global_ema is not None and dwell_ok:
+    if cfg.adaptive and point and global_ema is not None and dwell_ok:
         new_index = ladder_walk(cfg.candidate_steps, state.index, global_ema,
                                 cfg.up_hysteresis, cfg.down_hysteresis)
     decision = Decision(True, point, global_ema, state.index, new_index)

@@ -39,10 +39,10 @@ def outcome_record(outcome: RoundOutcome, rank: int) -> dict:
             "switched": d.switched, "graph": outcome.use_graph}
 
 
-def replay(trace: list[TraceRound], config: AdaptiveConfig, policy: str, group: Group,
+def replay(trace: list[TraceRound], config: AdaptiveConfig, group: Group,
            guard: Optional[LockstepGuard] = None, progress=None) -> ReplayResult:
     """Replay ``trace`` on this rank in lockstep with the other members of ``group``."""
-    ctrl = AdaptiveController(config, group, policy=policy, guard=guard)
+    ctrl = AdaptiveController(config, group, guard=guard)
     records: list[dict] = []
     times: list[float] = []
     r = 0
@@ -94,15 +94,14 @@ def verify_lockstep(result: ReplayResult, group: Group) -> None:
         raise DivergenceError(f"ranks finished with different decision histories: {detail}")
 
 
-def summary(records: list[dict], result: ReplayResult, world: int, policy: str,
-            config: AdaptiveConfig, guard: Optional[LockstepGuard], recorded: int) -> str:
+def summary(records: list[dict], result: ReplayResult, world: int, config: AdaptiveConfig, guard: Optional[LockstepGuard], recorded: int) -> str:
     """Human-readable summary (rank 0); the last line starts with 'lockstep OK'."""
     rank0 = [r for r in records if r["rank"] == 0]
     counted = len(rank0)
     switches = sum(1 for r in rank0 if r["switched"])
     ctrl = result.controller
     lines = [
-        f"consensus-only replay: {world} rank(s), policy {policy}, reducer {config.reducer}, "
+        f"consensus-only replay: {world} rank(s), policy {config.policy}, reducer {config.reducer}, "
         f"candidates {list(config.candidate_steps)}, initial steps {config.initial_steps}",
         f"rounds {result.rounds}, counted {counted}, switches {switches}",
     ]
@@ -147,16 +146,16 @@ def run_consensus(ctx: DistContext, trace_dir: str, policy: str, config_path: Op
     layout = ctx.layout(dp=ctx.world_size, tp=ctx.world_size)
     world, dp = layout.group("world"), layout.group("dp")
     # everything that changes the sequence of collectives must agree, not only the config
-    settings = {"policy": policy, "progress": show_progress, "timeout_s": ctx.timeout_s,
+    settings = {"progress": show_progress, "timeout_s": ctx.timeout_s,
                 "strict": bool(ctx.recorder and ctx.recorder.strict),
                 "vector": [consensus.MAGIC, len(consensus.FIELDS)]}
-    config = agree_config(lambda: load_config(config_path, policy == "ema", initial_steps),
+    config = agree_config(lambda: load_config(config_path, policy, initial_steps),
                           world, extra=settings)
     trace = all_ranks_or_none(lambda: load_trace(trace_dir, ctx.rank), world, "loading traces")
     guard = ctx.guard(world, check_every=config.lockstep_check_every) if ctx.recorder else None
     bar = _progress(trace, world) if show_progress else None
     try:
-        result = replay(trace, config, policy, dp, guard, bar)
+        result = replay(trace, config, dp, guard, bar)
     finally:
         if bar is not None:
             bar.close()
@@ -169,7 +168,7 @@ def run_consensus(ctx: DistContext, trace_dir: str, policy: str, config_path: Op
     if out:
         write_records(out, merged)
     recorded = ctx.recorder.count if ctx.recorder else 0
-    return summary(merged, result, ctx.world_size, policy, config, guard, recorded)
+    return summary(merged, result, ctx.world_size, config, guard, recorded)
 
 
 def _progress(trace: list[TraceRound], world: Group):

@@ -55,7 +55,7 @@ def main() -> None:
     dp = layout.group("dp")
     sync = ctx.device.type == "cuda"
     vec = consensus.RoundVector(0, 4, 16, True, False, 4, 2.5, 4, 3, 0, -1, 7, 9)
-    ctrl = AdaptiveController(AdaptiveConfig(), dp, policy="ema")
+    ctrl = AdaptiveController(AdaptiveConfig(), dp)
 
     channel = consensus.ConsensusChannel(dp)
 

@@ -97,8 +97,8 @@ def build_engine(target, head, mode, backend: str, graphs: bool, device: str,
     if mode == "nospec":
         return make_engine(target, None, adaptive_config=None, backend=backend, device=device,
                            worker_config=wcfg)
-    config = load_config(None, adaptive=False, initial_steps=mode)
-    return make_engine(target, head, adaptive_config=config, policy="static", backend=backend,
+    config = load_config(None, "static", initial_steps=mode)
+    return make_engine(target, head, adaptive_config=config, backend=backend,
                        device=device, worker_config=wcfg, cuda_graphs=graphs)
 
 
@@ -127,7 +127,7 @@ def state_bytes(engine: Engine) -> dict[str, int]:
     """Bytes per tier of the runtime-state pool (buffers, graph inputs, graph-pool growth)."""
     if engine.planner is None:
         return {}
-    return {str(s): st.nbytes for s, st in engine.planner.pool.states.items()}
+    return {str(s): st.nbytes for s, st in engine.pool.states.items()}
 
 
 def graph_pool_bytes(engine: Engine) -> int:

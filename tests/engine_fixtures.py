@@ -79,6 +79,6 @@ def engine_for(target: LlamaForCausalLM, head: EagleHead | None, mode: str = "st
                         max_context_len=target.config.max_position_embeddings)
     if mode == "nospec":
         return make_engine(target, None, adaptive_config=None, worker_config=wcfg, device=device)
-    cfg = config if mode == "ema" else load_config(None, adaptive=False, initial_steps=steps)
-    return make_engine(target, head, adaptive_config=cfg, policy=mode, worker_config=wcfg,
+    cfg = config if mode == "ema" else load_config(None, "static", initial_steps=steps)
+    return make_engine(target, head, adaptive_config=cfg, worker_config=wcfg,
                        device=device)

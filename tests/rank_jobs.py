@@ -29,9 +29,9 @@ def replay_job(rank: int, trace_dir: str, cfg_dict: dict, policy: str,
     ctx = _ctx(backend)
     layout = ctx.layout(dp=ctx.world_size)
     world = layout.group("world")
-    cfg = agree_config(lambda: AdaptiveConfig.from_dict(cfg_dict), world, {"policy": policy})
+    cfg = agree_config(lambda: AdaptiveConfig.from_dict({**cfg_dict, "policy": policy}), world)
     guard = ctx.guard(world, check_every=cfg.lockstep_check_every)
-    result = replay(load_trace(trace_dir, rank), cfg, policy, layout.group("dp"), guard)
+    result = replay(load_trace(trace_dir, rank), cfg, layout.group("dp"), guard)
     guard.close()
     log = [e.signature() for e in ctx.recorder.log]
     ctx.shutdown()
@@ -65,7 +65,7 @@ def divergence_job(rank: int, mode: str, rounds: int = 12, bad_round: int = 5,
     cfg = AdaptiveConfig(lockstep_check_every=2)
     guard = ctx.guard(world, check_every=cfg.lockstep_check_every)
     guard.exit_on_watchdog = watchdog_exit
-    ctrl = AdaptiveController(cfg, dp, policy="ema", guard=guard)
+    ctrl = AdaptiveController(cfg, dp, guard=guard)
     t0 = time.monotonic()
     bad = rank == 1
     try:
@@ -103,10 +103,10 @@ def config_job(rank: int, per_rank: dict, policy: str = "ema") -> dict:
     spec = per_rank[rank]
     try:
         if "path" in spec:
-            build = lambda: load_config(spec["path"], policy == "ema", spec.get("initial_steps"))
+            build = lambda: load_config(spec["path"], policy, spec.get("initial_steps"))
         else:
-            build = lambda: AdaptiveConfig.from_dict(spec["dict"])
-        cfg = agree_config(build, world, {"policy": policy})
+            build = lambda: AdaptiveConfig.from_dict({**spec["dict"], "policy": policy})
+        cfg = agree_config(build, world)
         return {"ok": True, "digest": cfg.digest()}
     except ValueError as exc:
         return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
@@ -118,8 +118,8 @@ def static_job(rank: int, trace_dir: str, initial_steps: int, backend: Optional[
     ctx = _ctx(backend)
     layout = ctx.layout(dp=ctx.world_size)
     world = layout.group("world")
-    cfg = agree_config(lambda: load_config(None, False, initial_steps), world, {"policy": "static"})
-    result = replay(load_trace(trace_dir, rank), cfg, "static", layout.group("dp"))
+    cfg = agree_config(lambda: load_config(None, "static", initial_steps), world)
+    result = replay(load_trace(trace_dir, rank), cfg, layout.group("dp"))
     ctx.shutdown()
     return {"records": result.records}
 
@@ -162,7 +162,7 @@ def dp_engine_job(rank: int, prompts_per_rank: list, new_tokens: list) -> dict:
     target, head = tiny_pair(seed=0)
     cfg = AdaptiveConfig(warmup_batches=2, update_interval=2)
     wcfg = WorkerConfig(max_batch_size=4, page_size=4, max_context_len=512)
-    engine = make_engine(target, head, adaptive_config=cfg, policy="ema", worker_config=wcfg,
+    engine = make_engine(target, head, adaptive_config=cfg, worker_config=wcfg,
                          dp_group=layout.group("dp"))
     reqs = engine.generate(prompts_per_rank[rank], SamplingParams(max_new_tokens=new_tokens[rank]))
     ctrl = engine.planner

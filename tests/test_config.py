@@ -33,8 +33,22 @@ def test_defaults_match_design():
 
 
 def test_load_config_without_file_is_defaults():
-    assert load_config(None, adaptive=True) == AdaptiveConfig()
-    assert load_config(None, adaptive=False) == AdaptiveConfig()
+    assert load_config(None, policy="ema") == AdaptiveConfig()
+    assert load_config(None, policy="static") == AdaptiveConfig(policy="static")
+    assert AdaptiveConfig(policy="static").tiers == (3,)
+    assert AdaptiveConfig().tiers == (1, 3, 7) and AdaptiveConfig().max_steps == 7
+
+
+def test_policy_is_validated_and_part_of_the_digest(tmp_path):
+    with pytest.raises(ConfigError, match="policy='min_vote'"):
+        AdaptiveConfig(policy="min_vote")
+    assert AdaptiveConfig(policy="static").digest() != AdaptiveConfig().digest()
+    p = tmp_path / "cfg.json"
+    p.write_text('{"policy": "static"}')
+    with pytest.raises(ConfigError, match="sets policy='static'"):
+        load_config(str(p), policy="ema")
+    p.write_text('{"policy": "ema", "reducer": "min"}')
+    assert load_config(str(p), policy="ema").reducer == "min"
 
 
 def test_candidates_sorted_and_deduplicated():
@@ -175,7 +189,7 @@ def test_from_file_good(tmp_path):
     p = tmp_path / "cfg.json"
     p.write_text(json.dumps({"candidate_steps": [1, 2, 4, 8], "initial_steps": 4,
                              "min_dwell_rounds": 3}))
-    c = load_config(str(p), adaptive=True)
+    c = load_config(str(p), policy="ema")
     assert c.candidate_steps == (1, 2, 4, 8) and c.initial_steps == 4
     assert c.min_dwell_rounds == 3
 
@@ -184,7 +198,7 @@ def test_bad_json_file(tmp_path):
     p = tmp_path / "bad.json"
     p.write_text('{"ema_alpha": 0.3,,}\n')
     with pytest.raises(ConfigError) as ei:
-        load_config(str(p), adaptive=True)
+        load_config(str(p), policy="ema")
     msg = str(ei.value)
     assert str(p) in msg and "JSON" in msg
 
@@ -200,7 +214,7 @@ def test_json_file_not_object(tmp_path):
 def test_missing_file(tmp_path):
     p = tmp_path / "nope.json"
     with pytest.raises(ConfigError) as ei:
-        load_config(str(p), adaptive=True)
+        load_config(str(p), policy="ema")
     assert str(p) in str(ei.value)
 
 
@@ -208,7 +222,7 @@ def test_file_unknown_key_names_file_and_key(tmp_path):
     p = tmp_path / "cfg.json"
     p.write_text('{"ema_alfa": 0.3}')
     with pytest.raises(ConfigError) as ei:
-        load_config(str(p), adaptive=True)
+        load_config(str(p), policy="ema")
     assert str(p) in str(ei.value) and "'ema_alfa'" in str(ei.value)
 
 
@@ -216,7 +230,7 @@ def test_file_bad_value(tmp_path):
     p = tmp_path / "cfg.json"
     p.write_text('{"ema_alpha": 2}')
     with pytest.raises(ConfigError) as ei:
-        load_config(str(p), adaptive=True)
+        load_config(str(p), policy="ema")
     assert "ema_alpha=2" in str(ei.value)
 
 
@@ -224,25 +238,25 @@ def test_config_file_with_adaptive_off(tmp_path):
     p = tmp_path / "cfg.json"
     p.write_text("{}")  # even a valid, empty file is refused
     with pytest.raises(ConfigError) as ei:
-        load_config(str(p), adaptive=False)
+        load_config(str(p), policy="static")
     msg = str(ei.value)
     assert str(p) in msg and "adaptive" in msg
 
 
 def test_initial_steps_override():
-    assert load_config(None, adaptive=True, initial_steps=7).initial_steps == 7
+    assert load_config(None, policy="ema", initial_steps=7).initial_steps == 7
     with pytest.raises(ConfigError) as ei:
-        load_config(None, adaptive=True, initial_steps=5)
+        load_config(None, policy="ema", initial_steps=5)
     assert "initial_steps=5" in str(ei.value)
     with pytest.raises(ConfigError) as ei:
-        load_config(None, adaptive=True, initial_steps=0)
+        load_config(None, policy="ema", initial_steps=0)
     assert "initial_steps=0" in str(ei.value)
 
 
 def test_initial_steps_override_beats_file(tmp_path):
     p = tmp_path / "cfg.json"
     p.write_text('{"initial_steps": 1}')
-    assert load_config(str(p), adaptive=True, initial_steps=7).initial_steps == 7
+    assert load_config(str(p), policy="ema", initial_steps=7).initial_steps == 7
 
 
 # ---------------------------------------------------------------------------------- digest

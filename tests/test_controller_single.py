@@ -6,11 +6,12 @@ import pytest
 
 from collectives import Group
 from adaptive_dist.config import AdaptiveConfig, ConfigError
-from adaptive_dist.controller import AdaptiveController, AdaptiveSpecWorker, SpecRuntimeState
+from adaptive_dist.controller import AdaptiveController
+from workers.runtime_state import AdaptiveSpecWorker, RuntimeStatePool, SpecRuntimeState
 
 
-def make(policy="ema", worker=None, **kw) -> AdaptiveController:
-    return AdaptiveController(AdaptiveConfig(**kw), Group.single(), policy=policy, worker=worker)
+def make(policy="ema", **kw) -> AdaptiveController:
+    return AdaptiveController(AdaptiveConfig(policy=policy, **kw), Group.single())
 
 
 class FakeWorker:
@@ -146,8 +147,7 @@ def test_weights_reset_at_decision_points():
 
 
 def test_static_policy_same_inputs_never_switches():
-    w = FakeWorker()
-    ctl = make("static", worker=w, **EXAMPLE_CFG)
+    ctl = make("static", **EXAMPLE_CFG)
     # same rows, accepts capped at the 3 steps that static keeps running
     rows = [(n, [min(a, 3) for a in acc], *rest) for n, acc, *rest in EXAMPLE]
     plans, emas = run_example(ctl, rows)
@@ -158,7 +158,6 @@ def test_static_policy_same_inputs_never_switches():
     assert emas == [2.5, 2.75, 2.875, 2.9375, 1.46875, 1.46875, 0.734375, 0.3671875,
                     0.18359375, 0.091796875, 0.091796875, 0.091796875]
     assert ctl.stats.switches == 0
-    assert w.applied == [w.states[3]]  # only the initial installation
 
 
 def test_round_own_statistics_in_its_decision():
@@ -252,19 +251,23 @@ def test_unknown_policy_raises():
 
 # ------------------------------------------------------------------------ runtime-state pool
 def test_worker_build_once_per_candidate_apply_on_switch_only():
+    """The driver pattern an engine follows: build every tier once, apply on a switch only."""
     w = FakeWorker()
     assert isinstance(w, AdaptiveSpecWorker)
-    ctl = make(worker=w, **EXAMPLE_CFG)
+    ctl = make(**EXAMPLE_CFG)
+    pool = RuntimeStatePool(w, ctl.config.tiers)
+    pool.apply(ctl.steps)
     assert w.built == [1, 3, 7]
     built_states = dict(w.states)
-    # the initial state is installed once at construction
     assert len(w.applied) == 1 and w.applied[0] is built_states[3]
-    assert ctl.pool.nbytes == 10 + 30 + 70
+    assert pool.nbytes == 10 + 30 + 70
 
     applied_at = []
     for r, (n, accepts, *_ ) in enumerate(EXAMPLE):
         before = len(w.applied)
         p = ctl.begin_round(n)
+        if p.switched:
+            pool.apply(p.steps)
         if len(w.applied) != before:
             assert len(w.applied) == before + 1
             applied_at.append((r, w.applied[-1]))
@@ -279,13 +282,17 @@ def test_worker_build_once_per_candidate_apply_on_switch_only():
 
 def test_worker_static_no_apply_during_rounds():
     w = FakeWorker()
-    ctl = make("static", worker=w, candidate_steps=[2, 4], initial_steps=4, warmup_batches=0,
+    ctl = make("static", candidate_steps=[2, 4], initial_steps=4, warmup_batches=0,
                update_interval=1, ema_alpha=1.0)
+    pool = RuntimeStatePool(w, ctl.config.tiers)
+    pool.apply(ctl.steps)
     for _ in range(4):
-        ctl.begin_round(1)
+        assert not ctl.begin_round(1).switched
         ctl.end_round([0])
     assert w.built == [4]  # a static run builds only the depth it keeps
     assert w.applied == [w.states[4]]
+    with pytest.raises(RuntimeError, match="no runtime state was built for steps=2"):
+        pool.apply(2)
 
 
 def test_worker_wrong_state_refused():
@@ -294,7 +301,7 @@ def test_worker_wrong_state_refused():
             return SpecRuntimeState(steps=steps + 1)
 
     with pytest.raises(ValueError, match="steps"):
-        make(worker=Bad())
+        RuntimeStatePool(Bad(), (1, 3))
 
 
 # --------------------------------------------------------------------------- graph / eager

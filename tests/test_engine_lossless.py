@@ -19,6 +19,7 @@ from adaptive_dist.config import AdaptiveConfig
 from adaptive_dist.controller import RoundPlan
 from engine_fixtures import engine_for, random_prompts, tiny_pair
 from workers.engine import Engine
+from workers.runtime_state import RuntimeStatePool
 from workers.sampling import SamplingParams
 
 STOP = 45  # a token the tiny target emits often, so stop handling inside accepted runs is exercised
@@ -79,20 +80,17 @@ def test_adaptive_equals_plain_greedy_and_switches(pair, prompts, reference) -> 
 
 
 class RandomTierPlanner:
-    """Applies a random pre-built tier (different from the last) before every round."""
+    """Plans a random tier (different from the last) for every round; the engine applies it."""
 
-    def __init__(self, worker, candidates: tuple[int, ...], seed: int) -> None:
-        self.worker, self.rng = worker, random.Random(seed)
-        self.states = {s: worker.build_runtime_state(s) for s in candidates}
+    def __init__(self, candidates: tuple[int, ...], seed: int) -> None:
+        self.candidates, self.rng = candidates, random.Random(seed)
         self.steps = candidates[0]
-        worker.apply_runtime_state(self.states[self.steps])
         self.seen: Counter = Counter()
 
     def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
                     done: bool = False) -> RoundPlan:
-        others = [s for s in self.states if s != self.steps]
+        others = [s for s in self.candidates if s != self.steps]
         self.steps = self.rng.choice(others)
-        self.worker.apply_runtime_state(self.states[self.steps])
         self.seen[self.steps] += 1
         return RoundPlan(round=0, steps=self.steps, use_graph=False, batch_bucket=None,
                          padded_tokens=num_tokens, cluster_requests=num_requests, switched=True,
@@ -104,8 +102,9 @@ class RandomTierPlanner:
 
 def test_forced_random_tier_switch_every_round(pair, prompts, reference) -> None:
     engine = engine_for(*pair, "static", steps=7)
-    planner = RandomTierPlanner(engine.worker, (1, 2, 3, 5, 7), seed=3)
+    planner = RandomTierPlanner((1, 2, 3, 5, 7), seed=3)
     engine.planner = planner
+    engine.pool = RuntimeStatePool(engine.worker, planner.candidates)
     out = engine.generate(prompts, _params(len(prompts)))
     assert [r.output_ids for r in out] == reference
     assert engine.stats.switches == engine.stats.rounds > 20
@@ -116,7 +115,7 @@ def test_forced_random_tier_switch_every_round(pair, prompts, reference) -> None
 def test_switch_is_a_reference_swap(pair) -> None:
     """Applying a pre-built state allocates nothing: the buffers in force are the pre-built ones."""
     engine = engine_for(*pair, "static", steps=7)
-    pool = engine.planner.pool
+    pool = engine.pool
     for steps, state in pool.states.items():
         pool.apply(steps)
         assert engine.worker.state is state

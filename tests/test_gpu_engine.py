@@ -52,8 +52,8 @@ def _engine(target, head, mode: str, steps: int = 3, *, graphs: bool = False,
     if mode == "nospec":
         return make_engine(target, None, adaptive_config=None, worker_config=wcfg,
                            backend=backend, device=device)
-    cfg = config if mode == "ema" else load_config(None, adaptive=False, initial_steps=steps)
-    return make_engine(target, head, adaptive_config=cfg, policy=mode, worker_config=wcfg,
+    cfg = config if mode == "ema" else load_config(None, "static", initial_steps=steps)
+    return make_engine(target, head, adaptive_config=cfg, worker_config=wcfg,
                        backend=backend, device=device, cuda_graphs=graphs)
 
 
@@ -152,7 +152,7 @@ def test_cuda_graph_replay_equals_eager(gpu_pair, prompts, reference, steps: int
 def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference) -> None:
     config = AdaptiveConfig(warmup_batches=1, update_interval=1, ema_alpha=0.6, initial_steps=7)
     engine = _engine(*gpu_pair, "ema", graphs=True, device="cuda", config=config)
-    runner, pool = engine.worker.graphs, engine.planner.pool
+    runner, pool = engine.worker.graphs, engine.pool
     captured = runner.num_captures
     assert captured == len(pool.states) * len(runner.buckets) * 3
     for steps, state in pool.states.items():

@@ -92,7 +92,7 @@ class TestReducers:
     ])
     def test_reducer_drives_decision(self, reducer, expected_ema, expected_index):
         c = cfg(warmup_batches=0, update_interval=1, reducer=reducer)
-        st, d = decide(c, "ema", PolicyState(index=1), 2, [0.0, 6.0], [1, 1])
+        st, d = decide(c, PolicyState(index=1), 2, [0.0, 6.0], [1, 1])
         assert d.global_ema == expected_ema
         assert st.index == expected_index
 
@@ -115,7 +115,7 @@ class TestDecisionPoints:
     def test_zero_request_round_not_counted(self):
         c = cfg(warmup_batches=0, update_interval=1)
         st0 = PolicyState(index=1, counted=4, last_switch=-1)
-        st, d = decide(c, "ema", st0, 0, [100.0], [5])
+        st, d = decide(c, st0, 0, [100.0], [5])
         assert st == st0
         assert d.counted is False and d.decision_point is False
         assert d.global_ema is None
@@ -133,7 +133,7 @@ class TestDecisionPoints:
         counted, points = [], []
         for r, n in enumerate(reqs):
             # EMA 2.0 with weight 1 never moves [1,3,7] from index 1 (0.25 < 2.0 <= 2.5)
-            st, d = decide(c, "ema", st, n, [2.0], [1])
+            st, d = decide(c, st, n, [2.0], [1])
             counted.append(st.counted)
             if d.decision_point:
                 points.append(r)
@@ -144,25 +144,25 @@ class TestDecisionPoints:
 
     def test_warmup_zero_interval_one_first_counted_round_decides(self):
         c = cfg(warmup_batches=0, update_interval=1)
-        st, d = decide(c, "ema", PolicyState(index=1), 1, [6.0], [1])
+        st, d = decide(c, PolicyState(index=1), 1, [6.0], [1])
         assert d.decision_point and st.counted == 1
         assert st.index == 2 and d.switched and st.last_switch == 1
 
     def test_no_decision_before_warmup(self):
         c = cfg(warmup_batches=2, update_interval=1)
         st = PolicyState(index=1)
-        st, d1 = decide(c, "ema", st, 1, [6.0], [1])
-        st, d2 = decide(c, "ema", st, 1, [6.0], [1])
+        st, d1 = decide(c, st, 1, [6.0], [1])
+        st, d2 = decide(c, st, 1, [6.0], [1])
         assert not d1.decision_point and not d2.decision_point and st.index == 1
         assert d1.global_ema == 6.0  # computed (for the trace) but not acted on
-        st, d3 = decide(c, "ema", st, 1, [6.0], [1])
+        st, d3 = decide(c, st, 1, [6.0], [1])
         assert d3.decision_point and st.index == 2 and st.counted == 3 and st.last_switch == 3
 
     def test_round_own_statistics_included(self):
         # The emas/weights passed in for a round are the ones the decision of that round uses:
         # a rank whose only contribution is this round (w=1) drives the switch at once.
         c = cfg(warmup_batches=0, update_interval=1)
-        st, d = decide(c, "ema", PolicyState(index=1), 3, [0.0], [3])
+        st, d = decide(c, PolicyState(index=1), 3, [0.0], [3])
         assert d.global_ema == 0.0 and st.index == 0
 
 
@@ -241,15 +241,15 @@ class TestLadder:
 
     def test_decide_uses_config_hysteresis(self):
         c = cfg(warmup_batches=0, update_interval=1, up_hysteresis=0.5, down_hysteresis=0.25)
-        st, _ = decide(c, "ema", PolicyState(index=1), 1, [3.0], [1])
+        st, _ = decide(c, PolicyState(index=1), 1, [3.0], [1])
         assert st.index == 1  # 3.0 not > 3.0
-        st, _ = decide(c, "ema", PolicyState(index=1), 1, [0.75], [1])
+        st, _ = decide(c, PolicyState(index=1), 1, [0.75], [1])
         assert st.index == 0  # 0.75 <= 0.75
 
     def test_decide_several_tiers(self):
         c = cfg(candidate_steps=[1, 2, 3, 5, 8], initial_steps=8, warmup_batches=0,
                 update_interval=1)
-        st, d = decide(c, "ema", PolicyState.initial(c), 1, [0.0], [1])
+        st, d = decide(c, PolicyState.initial(c), 1, [0.0], [1])
         assert d.old_index == 4 and d.new_index == 0 and st.index == 0 and d.switched
 
 
@@ -258,22 +258,22 @@ class TestDwell:
     def test_dwell_blocks_then_allows(self):
         c = cfg(warmup_batches=0, update_interval=1, min_dwell_rounds=3)
         st = PolicyState(index=1)
-        st, d = decide(c, "ema", st, 1, [6.0], [1])          # counted 1: up to 7
+        st, d = decide(c, st, 1, [6.0], [1])          # counted 1: up to 7
         assert st.index == 2 and st.last_switch == 1 and d.switched
-        st, d = decide(c, "ema", st, 1, [0.0], [1])          # counted 2: 1 round since -> blocked
+        st, d = decide(c, st, 1, [0.0], [1])          # counted 2: 1 round since -> blocked
         assert d.decision_point and not d.switched and st.index == 2
-        st, d = decide(c, "ema", st, 1, [0.0], [1])          # counted 3: 2 rounds -> blocked
+        st, d = decide(c, st, 1, [0.0], [1])          # counted 3: 2 rounds -> blocked
         assert d.decision_point and not d.switched and st.index == 2
-        st, d = decide(c, "ema", st, 0, [0.0], [1])          # idle: not counted, nothing
+        st, d = decide(c, st, 0, [0.0], [1])          # idle: not counted, nothing
         assert not d.counted and st.index == 2 and st.counted == 3
-        st, d = decide(c, "ema", st, 1, [0.0], [1])          # counted 4: 3 rounds -> allowed
+        st, d = decide(c, st, 1, [0.0], [1])          # counted 4: 3 rounds -> allowed
         assert d.switched and st.index == 0 and st.last_switch == 4
 
     def test_dwell_one_is_like_zero_for_consecutive_points(self):
         c = cfg(warmup_batches=0, update_interval=1, min_dwell_rounds=1)
         st = PolicyState(index=1)
-        st, _ = decide(c, "ema", st, 1, [6.0], [1])
-        st, d = decide(c, "ema", st, 1, [0.0], [1])
+        st, _ = decide(c, st, 1, [6.0], [1])
+        st, d = decide(c, st, 1, [0.0], [1])
         assert st.index == 0 and d.switched
 
     def test_dwell_zero(self):
@@ -282,7 +282,7 @@ class TestDwell:
         seq = [6.0, 0.0, 6.0, 0.0]
         got = []
         for e in seq:
-            st, _ = decide(c, "ema", st, 1, [e], [1])
+            st, _ = decide(c, st, 1, [e], [1])
             got.append(st.index)
         # 6 -> up (2); 0 from 2: drops 2.25, 0.25 -> 0; 6 from 0: rises 0.5, 2.5 -> 2; 0 -> 0
         assert got == [2, 0, 2, 0]
@@ -295,7 +295,7 @@ class TestDwell:
         emas = [6.0, 6.0, 0.0, 0.0, 0.0, 0.0]
         idx, pts = [], []
         for e in emas:
-            st, d = decide(c, "ema", st, 1, [e], [1])
+            st, d = decide(c, st, 1, [e], [1])
             idx.append(st.index)
             pts.append(d.decision_point)
         assert pts == [False, True, False, True, False, True]
@@ -308,7 +308,7 @@ class TestZeroWeight:
     @pytest.mark.parametrize("reducer", ["weighted_mean", "min", "max"])
     def test_sum_w_zero_no_change(self, reducer):
         c = cfg(warmup_batches=0, update_interval=1, reducer=reducer)
-        st, d = decide(c, "ema", PolicyState(index=1), 2, [100.0, 0.0], [0, 0])
+        st, d = decide(c, PolicyState(index=1), 2, [100.0, 0.0], [0, 0])
         assert d.counted and d.decision_point
         assert d.global_ema is None
         assert d.new_index == d.old_index == 1 and st.index == 1 and not d.switched
@@ -321,14 +321,14 @@ class TestStatic:
         c = cfg(warmup_batches=0, update_interval=1)
         st = PolicyState(index=1)
         for e in [6.0, 0.0, 100.0, -1.0, 0.0]:
-            st, d = decide(c, "static", st, 1, [e], [1])
+            st, d = decide(c.replace(policy="static"), st, 1, [e], [1])
             assert d.decision_point and not d.switched and st.index == 1
             assert d.global_ema == e
         assert st.counted == 5 and st.last_switch == -1
 
     def test_ema_would_have_switched(self):
         c = cfg(warmup_batches=0, update_interval=1)
-        st, d = decide(c, "ema", PolicyState(index=1), 1, [6.0], [1])
+        st, d = decide(c, PolicyState(index=1), 1, [6.0], [1])
         assert d.switched  # same input as above: only the policy name differs
 
 

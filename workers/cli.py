@@ -140,7 +140,7 @@ def _adaptive_config(args: argparse.Namespace) -> Any:
         if args.config is not None:
             raise ValueError("--config applies to --adaptive only, not to --no-spec")
         return None
-    return load_config(args.config, adaptive=args.adaptive, initial_steps=args.steps)
+    return load_config(args.config, "ema" if args.adaptive else "static", initial_steps=args.steps)
 
 
 # ---- run --------------------------------------------------------------------------------------
@@ -185,14 +185,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if ctx is not None and config is not None:
             # every rank must run the same effective configuration, or none runs
             mine = config
-            config = agree_config(lambda: mine, world, {"adaptive": args.adaptive})
+            config = agree_config(lambda: mine, world)
             guard = ctx.guard(world, check_every=config.lockstep_check_every)
         target, head = load_pair(args.model, tp_group, device, with_head=config is not None)
         params = _sampling(args, target.config.eos_token_ids)
         prompts = [encode_prompt(t, target.config) for t in texts]
         wcfg = _worker_config(args, target.config, prompts, config)
         engine = make_engine(target, head, adaptive_config=config,
-                             policy="ema" if args.adaptive else "static", backend=args.backend,
+                             backend=args.backend,
                              device=device, worker_config=wcfg, dp_group=dp_group,
                              cuda_graphs=torch.device(device).type == "cuda" and not args.eager,
                              guard=guard)
@@ -241,8 +241,8 @@ def summary(args: argparse.Namespace, reqs: list, engine: Any, config: Any) -> d
 
     stats = engine.stats.to_dict()
     spec = config is not None
-    pool = engine.planner.pool.nbytes if spec else 0
-    per_tier = {str(s): st.nbytes for s, st in engine.planner.pool.states.items()} if spec else {}
+    pool = engine.pool.nbytes if spec else 0
+    per_tier = {str(s): st.nbytes for s, st in engine.pool.states.items()} if spec else {}
     return {
         "outputs": [{"text": tokenizer.decode(r.output_ids), "token_ids": r.output_ids,
                      "finish_reason": r.finish_reason} for r in reqs],

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from adaptive_dist.controller import SpecRuntimeState
+from workers.runtime_state import SpecRuntimeState
 from workers.attention.base import AttentionBackend, ForwardMode, MetadataBuffers, build_metadata
 from workers.kv_cache import KVCache, pages_for
 from workers.sampling import (
@@ -105,7 +105,7 @@ def _fill(buf: torch.Tensor, values: list[int]) -> torch.Tensor:
 class EagleWorker:
     """Runs the target (and the EAGLE head, unless `head` is None: plain decoding only).
 
-    Implements `adaptive_dist.controller.AdaptiveSpecWorker`.
+    Implements `workers.runtime_state.AdaptiveSpecWorker`.
     """
 
     def __init__(self, target: torch.nn.Module, head: torch.nn.Module | None,

@@ -23,6 +23,7 @@ from adaptive_dist.controller import AdaptiveController, RoundPlan
 from collectives import Group, LockstepGuard
 from workers.attention import make_backend
 from workers.eagle_worker import EagleWorker, WorkerConfig
+from workers.runtime_state import RuntimeStatePool
 from workers.sampling import SamplingParams
 from workers.scheduler import Request, Scheduler
 
@@ -83,10 +84,15 @@ class Engine:
     """Continuous batching over one `EagleWorker`; speculative when a `planner` is given."""
 
     def __init__(self, worker: EagleWorker, scheduler: Scheduler,
-                 planner: RoundPlanner | None, guard: LockstepGuard | None = None) -> None:
+                 planner: RoundPlanner | None, guard: LockstepGuard | None = None,
+                 tiers: Sequence[int] = (), initial_steps: int | None = None) -> None:
         if planner is not None and not worker.speculative:
             raise ValueError("a speculative engine needs a worker with a draft head")
         self.worker, self.scheduler, self.planner = worker, scheduler, planner
+        # the engine applies the tier the controller decides: one pre-built state per depth
+        self.pool = RuntimeStatePool(worker, tiers) if planner is not None else None
+        if self.pool is not None:
+            self.pool.apply(initial_steps)
         self.guard = guard
         self.stats = EngineStats()
         self.requests: list[Request] = []
@@ -132,6 +138,8 @@ class Engine:
             can_graph=self.worker.can_use_graph(batch) if batch else True,
             done=not self.scheduler.has_work)
         self._all_done = plan.all_done
+        if plan.switched:
+            self.pool.apply(plan.steps)
         if plan.steps != self.worker.steps:
             raise RuntimeError(f"plan says steps={plan.steps} but the worker runs "
                                f"steps={self.worker.steps}: the runtime state was not applied")
@@ -183,15 +191,15 @@ class Engine:
 
 
 def make_engine(target: torch.nn.Module, head: torch.nn.Module | None, *,
-                adaptive_config: AdaptiveConfig | None, policy: str = "static",
+                adaptive_config: AdaptiveConfig | None,
                 backend: str = "torch", device: torch.device | str = "cpu",
                 worker_config: WorkerConfig | None = None, dp_group: Group | None = None,
                 cuda_graphs: bool = False, guard: LockstepGuard | None = None) -> Engine:
     """The engine stack for a loaded `target` (and `head`).
 
     `adaptive_config` None means no speculation (plain decoding with the target; `head` unused).
-    Otherwise `policy` is `"static"` (stay at `initial_steps`) or `"ema"` (adaptive), and the
-    controller runs its consensus over `dp_group` (size 1 when omitted). The worker's
+    Otherwise the config's policy is `"static"` (stay at `initial_steps`) or `"ema"` (adaptive),
+    and the controller runs its consensus over `dp_group` (size 1 when omitted). The worker's
     `max_steps` becomes the config's deepest candidate. `cuda_graphs` captures the round's
     forwards per tier and batch bucket (`workers.cuda_graphs`; the `generate` command turns it on
     for CUDA); on a CPU it runs the same padded static forwards without capture (a test mode).
@@ -207,12 +215,13 @@ def make_engine(target: torch.nn.Module, head: torch.nn.Module | None, *,
         if head is None:
             raise ValueError("speculative decoding needs a draft head; use --no-spec without one")
         # a static run never goes deeper than its depth: reserve KV and size buffers for it alone
-        depth = adaptive_config.max_steps if policy == "ema" else adaptive_config.initial_steps
-        worker = EagleWorker(target, head, attn, replace(wcfg, max_steps=depth),
+        worker = EagleWorker(target, head, attn, replace(wcfg, max_steps=adaptive_config.max_steps),
                              device,
                              graph_buckets=adaptive_config.graph_buckets if cuda_graphs else None)
         group = dp_group if dp_group is not None else Group.single(device, name="dp")
-        planner = AdaptiveController(adaptive_config, group, policy=policy, worker=worker,
-                                     guard=guard)
+        planner = AdaptiveController(adaptive_config, group, guard=guard)
     scheduler = Scheduler(worker, wcfg.max_batch_size, wcfg.max_context_len)
-    return Engine(worker, scheduler, planner, guard=guard)
+    if planner is None:
+        return Engine(worker, scheduler, None, guard=guard)
+    return Engine(worker, scheduler, planner, guard=guard, tiers=adaptive_config.tiers,
+                  initial_steps=adaptive_config.initial_steps)
