@@ -4,7 +4,7 @@ Data: the Python standard library sources of the interpreter running this script
 (``sysconfig.get_paths()["stdlib"]``, site-packages excluded); every 40th file is held out. Each
 file becomes ``BOS + bytes + EOS``; 30% of training files are followed by 1-4 lines such as
 ``    TOKEN = "<64-1500 random base64 or hex chars>"`` so the model learns to stay inside
-high-entropy content (see DESIGN "Acceptance regimes").
+high-entropy content (see MODEL_CARD.md, "Data").
 
 Then: the target (next-byte cross-entropy), the EAGLE head by self-distillation on the frozen
 target (smooth-L1 regression on the target's post-norm features + cross-entropy to the target's

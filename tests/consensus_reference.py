@@ -1,7 +1,7 @@
-"""An independent single-process reference of DESIGN's policy, used to check multi-rank runs.
+"""An independent single-process reference of the policy (docs/policy.md), used to check multi-rank runs.
 
 Written separately from ``adaptive_dist.policy`` on purpose: it simulates every rank's EMA and the
-cluster-wide decision from all ranks' traces in one loop, straight from the rules in DESIGN.md.
+cluster-wide decision from all ranks' traces in one loop, straight from the rules in docs/policy.md.
 """
 from __future__ import annotations
 

@@ -65,6 +65,24 @@ def save_pair(target: LlamaForCausalLM, head: EagleHead, root: Path) -> Path:
     return root
 
 
+LOSSLESS_STOP = 45  # a token the tiny target emits often: stops inside accepted runs are exercised
+
+
+def lossless_params(n: int) -> list:
+    """Varied lengths; every third request stops at `LOSSLESS_STOP`."""
+    from workers.sampling import SamplingParams
+
+    return [SamplingParams(max_new_tokens=8 + 7 * (i % 5),
+                           stop_token_ids=(LOSSLESS_STOP,) if i % 3 == 0 else ()) for i in range(n)]
+
+
+def check_pages_back(engine: Engine) -> None:
+    """Every KV page of every pool is back (nothing leaked)."""
+    engine.worker.target_cache.check_empty()
+    if engine.worker.draft_cache is not None:
+        engine.worker.draft_cache.check_empty()
+
+
 def random_prompts(n: int, vocab: int, seed: int, lo: int = 1, hi: int = 24) -> list[list[int]]:
     """`n` prompts of random token ids with lengths in [lo, hi]."""
     rng = random.Random(seed)

@@ -1,10 +1,7 @@
 """The engine's GPU paths: CUDA-graph rounds, tier switches without capture, the flashinfer backend.
 
-Three tiers of checks:
-- everywhere (CPU too): the graph path's padded static forwards (`workers.cuda_graphs`, run
-  without capture on a CPU) give exactly the eager greedy outputs, batches that do not fit a bucket
-  fall back to eager, and every KV page comes back;
-- `gpu` (skipped without CUDA): graph replay equals eager (the float64 tiny pair, so no near-tie
+Two tiers of checks (the CPU-emulated graph path is in `tests/unit/test_graph_path.py`):
+- CUDA: graph replay equals eager (the float64 tiny pair, so no near-tie
   can flip an argmax), a tier switch captures and allocates nothing;
 - `gpu` + flashinfer (skipped when it is not importable): its attention equals the torch
   backend's on every forward mode, and greedy outputs agree with the torch backend's (the bundled
@@ -36,7 +33,7 @@ HAS_FLASHINFER = CUDA and importlib.util.find_spec("flashinfer") is not None
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 needs_flashinfer = pytest.mark.skipif(not HAS_FLASHINFER, reason="needs CUDA and flashinfer")
-BUNDLED = Path(__file__).resolve().parents[1] / "workers" / "assets" / "tiny_pair"
+BUNDLED = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny_pair"
 
 
 def _params(n: int) -> list[SamplingParams]:
@@ -84,50 +81,6 @@ def prompts() -> list[list[int]]:
 def reference(pair, prompts) -> list[list[int]]:
     return _outputs(_engine(pair[0], None, "nospec"), prompts, _params(len(prompts)))
 
-
-def test_capture_buckets_cover_the_max_batch() -> None:
-    assert capture_buckets((1, 2, 4, 8, 16, 32, 64), 16) == (1, 2, 4, 8, 16)
-    assert capture_buckets((1, 2, 4, 8, 16, 32, 64), 10) == (1, 2, 4, 8, 16)
-    assert capture_buckets((1, 2, 4), 16) == (1, 2, 4)
-
-
-@pytest.mark.parametrize("steps", [1, 3, 7])
-def test_static_graph_path_equals_eager(pair, prompts, reference, steps: int) -> None:
-    engine = _engine(*pair, "static", steps, graphs=True)
-    assert _outputs(engine, prompts, _params(len(prompts))) == reference
-    assert engine.stats.graph_rounds == engine.stats.rounds > 0
-    hist = engine.stats.accept_histogram
-    assert hist[0] > 0 and hist[steps] > 0, f"accept paths not all exercised: {hist}"
-    _close_and_check_pages(engine)
-
-
-def test_graph_path_adaptive_with_switches_equals_eager(pair, prompts, reference) -> None:
-    config = AdaptiveConfig(warmup_batches=1, update_interval=1, ema_alpha=0.6, initial_steps=7)
-    engine = _engine(*pair, "ema", graphs=True, config=config)
-    assert _outputs(engine, prompts, _params(len(prompts))) == reference
-    assert engine.stats.switches >= 1 and engine.stats.graph_rounds == engine.stats.rounds
-    _close_and_check_pages(engine)
-
-
-def test_batches_beyond_the_buckets_or_the_reach_run_eager(pair, prompts, reference) -> None:
-    """Buckets (1, 2) with up to 4 requests in flight: graph rounds once the batch has shrunk to
-    two, eager rounds before; the same tokens either way."""
-    config = AdaptiveConfig(graph_buckets=(1, 2), warmup_batches=1, update_interval=1)
-    engine = _engine(*pair, "ema", graphs=True, config=config)
-    assert engine.worker.graphs.buckets == (1, 2)
-    assert _outputs(engine, prompts, _params(len(prompts))) == reference
-    assert 0 < engine.stats.graph_rounds < engine.stats.rounds
-    _close_and_check_pages(engine)
-
-
-def test_graph_bucket_without_graphs_is_an_error(pair) -> None:
-    engine = _engine(*pair, "static", 3)
-    assert not engine.worker.can_use_graph([])
-    with pytest.raises(RuntimeError, match="has none"):
-        engine.worker.spec_round([], graph_bucket=4)
-
-
-# ---- GPU: capture and replay ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def gpu_pair():

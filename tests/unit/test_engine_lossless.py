@@ -17,12 +17,13 @@ import torch
 
 from adaptive_dist.config import AdaptiveConfig
 from adaptive_dist.controller import RoundPlan
-from engine_fixtures import engine_for, random_prompts, tiny_pair
+from engine_fixtures import (LOSSLESS_STOP, check_pages_back, engine_for, lossless_params,
+                             random_prompts, tiny_pair)
 from workers.engine import Engine
 from workers.runtime_state import RuntimeStatePool
 from workers.sampling import SamplingParams
 
-STOP = 45  # a token the tiny target emits often, so stop handling inside accepted runs is exercised
+STOP = LOSSLESS_STOP
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +36,7 @@ def prompts() -> list[list[int]]:
     return random_prompts(16, vocab=64, seed=7)
 
 
-def _params(n: int) -> list[SamplingParams]:
-    """Varied lengths; every third request stops at STOP."""
-    return [SamplingParams(max_new_tokens=8 + 7 * (i % 5),
-                           stop_token_ids=(STOP,) if i % 3 == 0 else ()) for i in range(n)]
+_params = lossless_params
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +45,7 @@ def reference(pair, prompts) -> list[list[int]]:
     return [r.output_ids for r in engine.generate(prompts, _params(len(prompts)))]
 
 
-def _check_pages_back(engine: Engine) -> None:
-    engine.worker.target_cache.check_empty()
-    if engine.worker.draft_cache is not None:
-        engine.worker.draft_cache.check_empty()
+_check_pages_back = check_pages_back
 
 
 def test_reference_exercises_stops_and_lengths(reference) -> None:
@@ -123,27 +118,9 @@ def test_switch_is_a_reference_swap(pair) -> None:
     assert pool.nbytes == sum(s.nbytes for s in pool.states.values()) > 0
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_torch_backend_on_gpu_is_lossless_and_matches_cpu(pair, prompts, reference) -> None:
-    target, head = (m.to("cuda") for m in tiny_pair(seed=0))
-    plain = engine_for(target, None, "nospec", device="cuda").generate(prompts, _params(len(prompts)))
-    assert [r.output_ids for r in plain] == reference
-    for steps in (1, 3, 7):
-        engine = engine_for(target, head, "static", steps=steps, device="cuda")
-        out = engine.generate(prompts, _params(len(prompts)))
-        assert [r.output_ids for r in out] == reference, f"steps={steps}"
-        assert engine.worker.target_cache.k[0].is_cuda
-    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=20)
-    engine = engine_for(target, head, "ema", config=AdaptiveConfig(warmup_batches=1, update_interval=1),
-                        device="cuda")
-    assert all(len(r.output_ids) == 20 for r in engine.generate(prompts, sampled, seed=1))
-    _check_pages_back(engine)
-
-
 # ---- the bundled pair, float32, prompts not in the repository -------------------------------
 
-BUNDLED = Path(__file__).resolve().parents[1] / "workers" / "assets" / "tiny_pair"
+BUNDLED = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny_pair"
 FRESH_PROMPTS = [
     "def merge_intervals(spans):\n    ",
     "class LRUCache:\n    def __init__(self, capacity):\n",

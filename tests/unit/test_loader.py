@@ -157,7 +157,7 @@ def test_resave_replaces_old_layout(tmp_path):
 def test_bundled_pair_loads_and_fits_the_tokenizer():
     from workers.model import tokenizer as tok
 
-    root = Path(__file__).resolve().parents[1] / "workers" / "assets" / "tiny_pair"
+    root = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny_pair"
     target = load_llama(root / "target")
     head = load_eagle(root / "eagle", target)
     cfg = target.config

@@ -15,7 +15,7 @@ import torch
 from engine_fixtures import save_pair, tiny_config, tiny_pair
 from workers.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Unit tests for trace parsing (adaptive_dist.trace), DESIGN.md "Consensus-only mode"."""
+"""Unit tests for trace parsing (adaptive_dist.trace), docs/policy.md "Consensus-only mode"."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,5 @@
 """AdaptiveController on a size-1 group: whole round sequences against hand-worked examples
-(DESIGN.md "The adaptive layer"), the runtime-state pool contract and the graph/eager plan."""
+(docs/policy.md), the runtime-state pool contract and the graph/eager plan."""
 from __future__ import annotations
 
 import pytest

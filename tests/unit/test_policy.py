@@ -1,4 +1,4 @@
-"""Unit tests for the pure policy functions (adaptive_dist.policy) against DESIGN.md,
+"""Unit tests for the pure policy functions (adaptive_dist.policy) against docs/policy.md,
 "The adaptive layer". Every expected value is worked out by hand in the test."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tests for adaptive_dist.config against DESIGN.md ("Defaults", "Configuration errors")."""
+"""Unit tests for adaptive_dist.config against docs/policy.md ("Defaults", "Configuration errors")."""
 from __future__ import annotations
 
 import json
@@ -165,7 +165,7 @@ def test_allowed_stated_in_messages():
 
 def test_hysteresis_out_of_range_message_states_allowed_range():
     # The code refuses |hysteresis| >= 1000, but says "must be a finite number" for a value that
-    # *is* finite, so the message does not state what is allowed (DESIGN: messages name the key,
+    # *is* finite, so the message does not state what is allowed (docs/policy.md: messages name the key,
     # the value and what is allowed).
     msg = raises(["up_hysteresis", "5000.0"], up_hysteresis=5000.0)
     assert "1000" in msg, f"message does not state the allowed range: {msg!r}"
