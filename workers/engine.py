@@ -104,6 +104,19 @@ class Engine:
         self.requests.append(req)
         return req
 
+    def abort(self, rid: int) -> bool:
+        """Finish request `rid` now with reason "abort" (a client went away). A waiting request
+        leaves the queue; a running one is retired at the next round boundary, which gives its KV
+        back. Returns whether the request was still unfinished."""
+        req = next((r for r in self.requests if r.rid == rid), None)
+        if req is None or req.finished:
+            return False
+        req.finish_reason = "abort"
+        if req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
+            self.scheduler.finished.append(req)
+        return True
+
     def step(self) -> list[Request]:
         """Admit + prefill, one round, retire; returns the requests that finished.
 

@@ -144,3 +144,21 @@ def test_bundled_pair_float32_lossless_at_every_tier_and_adaptive() -> None:
     config = AdaptiveConfig(warmup_batches=2, update_interval=2)
     out = engine_for(target, head, "ema", config=config).generate(prompts, params)
     assert [r.output_ids for r in out] == reference, "adaptive"
+
+
+def test_abort_frees_kv_and_leaves_the_others_intact(pair, prompts, reference) -> None:
+    engine = engine_for(*pair, "static", steps=3)
+    reqs = [engine.add(p, sp) for p, sp in zip(prompts, _params(len(prompts)))]
+    engine.step()
+    engine.step()
+    running, waiting = engine.scheduler.running[0], engine.scheduler.waiting[0]
+    assert engine.abort(running.rid) and engine.abort(waiting.rid)
+    assert not engine.abort(running.rid)  # already finished
+    while engine.scheduler.has_work:
+        engine.step()
+    for req, ref in zip(reqs, reference):
+        if req in (running, waiting):
+            assert req.finish_reason == "abort" and ref[:len(req.output_ids)] == req.output_ids
+        else:
+            assert req.output_ids == ref
+    _check_pages_back(engine)
