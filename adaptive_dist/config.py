@@ -62,7 +62,8 @@ class AdaptiveConfig:
     """Rounds between lockstep hash checks across ranks (>= 1)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "candidate_steps", _as_int_tuple("candidate_steps", self.candidate_steps))
+        object.__setattr__(self, "candidate_steps",
+                           _as_int_tuple("candidate_steps", self.candidate_steps, minimum=0))
         object.__setattr__(self, "graph_buckets", _as_int_tuple("graph_buckets", self.graph_buckets))
         for key in FLOAT_KEYS:  # 0 and 0.0 are the same setting and must hash the same
             v = getattr(self, key)
@@ -148,12 +149,13 @@ def read_config_file(path: str | Path) -> dict:
     return data
 
 
-def _as_int_tuple(key: str, value: Any) -> tuple[int, ...]:
+def _as_int_tuple(key: str, value: Any, minimum: int = 1) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not value:
         raise ConfigError(f"{key}={value!r}: must be a non-empty list of integers")
     for v in value:
-        if not _is_int(v) or v < 1:
-            raise ConfigError(f"{key}={list(value)!r}: every entry must be an integer >= 1, got {v!r}")
+        if not _is_int(v) or v < minimum:
+            raise ConfigError(f"{key}={list(value)!r}: every entry must be an integer >= "
+                              f"{minimum}, got {v!r}")
     return tuple(sorted(set(value)))
 
 
@@ -166,6 +168,9 @@ def _validate(c: AdaptiveConfig) -> None:
     _check(c.policy in POLICIES, "policy", c.policy, f"allowed: {', '.join(POLICIES)}")
     _check(len(c.candidate_steps) >= 2, "candidate_steps", list(c.candidate_steps),
            "needs at least two distinct candidates (duplicates removed)")
+    _check(c.candidate_steps[0] > 0 or not c.adaptive, "candidate_steps", list(c.candidate_steps),
+           "0 (no speculation) is a candidate of the static policy only: an adaptive policy "
+           "has no acceptance signal at depth 0")
     _check(_is_int(c.initial_steps), "initial_steps", c.initial_steps, "must be an integer")
     _check(c.initial_steps in c.candidate_steps, "initial_steps", c.initial_steps,
            f"must be one of candidate_steps {list(c.candidate_steps)}")
@@ -209,8 +214,9 @@ def load_config(
                               f"asks for {policy!r}; drop the key or change the flag")
         cfg = AdaptiveConfig.from_dict({**data, "policy": policy}, source=f"config file {path!r}")
     if initial_steps is not None:
-        if not _is_int(initial_steps) or initial_steps < 1:
-            raise ConfigError(f"initial_steps={initial_steps!r}: must be an integer >= 1")
+        if not _is_int(initial_steps) or initial_steps < (1 if policy != "static" else 0):
+            raise ConfigError(f"initial_steps={initial_steps!r}: must be an integer >= "
+                              f"{1 if policy != 'static' else 0}")
         if initial_steps not in cfg.candidate_steps:
             if cfg.adaptive:
                 raise ConfigError(

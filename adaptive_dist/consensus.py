@@ -2,7 +2,8 @@
 group, so every rank holds the same matrix and reduces it in the same order.
 
 The vector carries the rank's statistics (from the round that just ended), its view of the
-upcoming round (requests, tokens, CUDA-graph eligibility), and the state every rank must share
+upcoming round (requests, the tokens and requests of its extend/prefill forward, CUDA-graph
+eligibility, whether it is done), and the state every rank must share
 (steps in force, counted rounds, last switch, config hash, hash of the previous round's plan).
 The shared-state columns are the pre-flight lockstep check: a mismatch raises ``DivergenceError``
 on every rank, naming ranks and fields, before any device collective of the round is issued.
@@ -15,9 +16,9 @@ import torch
 
 from collectives import DivergenceError, Group, ops
 
-MAGIC = 0x5AD7  # vector format version
+MAGIC = 0x5AD8  # vector format version
 FIELDS = (
-    "magic", "round", "n_req", "num_tokens", "can_graph", "done",       # the upcoming round
+    "magic", "round", "n_req", "num_tokens", "n_extend", "can_graph", "done",  # the upcoming round
     "prev_n_req", "ema", "weight",                                      # the round that ended
     "steps", "counted", "last_switch", "config_hash", "prev_plan_hash",  # must agree
 )
@@ -38,6 +39,7 @@ class RoundVector:
     round: int
     n_req: int
     num_tokens: int
+    n_extend: int
     can_graph: bool
     done: bool
     prev_n_req: int
@@ -53,26 +55,39 @@ class RoundVector:
         return [float(MAGIC)] + [float(getattr(self, f)) for f in FIELDS[1:]]
 
 
-class ConsensusChannel:
-    """Pre-allocated buffers for the per-round all-gather over ``group`` (pinned host staging on
-    CUDA), so a round allocates nothing and reads the result back with one copy."""
+CHANNELS = ("control", "device")
 
-    def __init__(self, group: Group) -> None:
-        self.group = group
+
+class ConsensusChannel:
+    """Pre-allocated buffers for the per-round all-gather over ``group``, so a round allocates
+    nothing.
+
+    ``channel="control"`` (what the engine uses) all-gathers host memory over the group's gloo
+    control group: the planning channel is separate from the device group that carries the
+    model's collectives, so a rank that strays from the plan (skips a forward, say) leaves its
+    peers waiting in *different* process groups — a timeout the guard diagnoses — instead of
+    meeting them inside one group with mismatched tensors (gloo aborts the process; NCCL can
+    complete with garbage). ``channel="device"`` uses the device group (pinned host staging and
+    one stream synchronisation on CUDA)."""
+
+    def __init__(self, group: Group, channel: str = "control") -> None:
+        if channel not in CHANNELS:
+            raise ValueError(f"consensus channel={channel!r}; allowed: {', '.join(CHANNELS)}")
+        self.group, self.channel = group, channel
         n = len(FIELDS)
-        cuda = group.device.type == "cuda"
+        cuda = group.device.type == "cuda" and channel == "device"
         self.host_in = torch.zeros(n, dtype=torch.float64, pin_memory=cuda)
         self.dev_in = self.host_in.to(group.device) if cuda else self.host_in
         self.host_out = torch.zeros(group.size * n, dtype=torch.float64, pin_memory=cuda)
         self.cuda = cuda
 
     def gather(self, vec: "RoundVector") -> list[list[float]]:
-        """All-gather every member's vector (one collective on the group's device group) and
-        return the [size][len(FIELDS)] matrix as Python floats, identical on every member."""
+        """All-gather every member's vector (one collective) and return the [size][len(FIELDS)]
+        matrix as Python floats, identical on every member."""
         self.host_in.copy_(torch.tensor(vec.values(), dtype=torch.float64))
         if self.cuda:
             self.dev_in.copy_(self.host_in, non_blocking=True)
-        out = ops.all_gather(self.dev_in, self.group)
+        out = ops.all_gather(self.dev_in, self.group, control=self.channel == "control")
         if self.cuda:
             self.host_out.copy_(out, non_blocking=True)
             torch.cuda.current_stream(self.group.device).synchronize()

@@ -4,7 +4,7 @@ Round protocol (every rank of the group, idle ones too):
 
     plan = controller.begin_round(num_requests, num_tokens, can_graph)   # the one collective
     ... apply plan.steps if plan.switched, run the round with plan.steps / plan.use_graph /
-        plan.batch_bucket / plan.padded_tokens ...
+        plan.batch_bucket / plan.batch_pad / plan.extend_tokens ...
     controller.end_round(accepts, executed)                               # local only
 
 ``begin_round`` first decides on the previous round's statistics (that decision belongs to the
@@ -35,10 +35,13 @@ class RoundPlan:
     steps: int
     use_graph: bool
     batch_bucket: Optional[int]   # padded batch when use_graph, else None
-    padded_tokens: int            # cluster-wide max tokens (DP attention pads to it)
+    batch_pad: int                # rows of every forward of the round: the bucket, or the
+                                  # cluster-wide largest batch when eager
+    extend_tokens: int            # cluster-wide largest extend (prefill) forward, in tokens
+    extend_requests: int          # cluster-wide most requests in an extend forward
     cluster_requests: int
     switched: bool                # the steps changed before this round
-    all_done: bool                # every rank reported done (consensus-only replay)
+    all_done: bool                # every rank reported done
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class AdaptiveController:
     """Per-rank controller; ``group`` is the DP group the consensus runs over."""
 
     def __init__(self, config: AdaptiveConfig, group: Group, *,
-                 guard: Optional[LockstepGuard] = None) -> None:
+                 guard: Optional[LockstepGuard] = None, channel: str = "control") -> None:
         self.config = config
         self.group = group
         self.guard = guard
@@ -85,7 +88,7 @@ class AdaptiveController:
         self._digest = 0
         self.last_outcome: Optional[RoundOutcome] = None
         self.stats = ControllerStats()
-        self._channel = consensus.ConsensusChannel(group)
+        self._channel = consensus.ConsensusChannel(group, channel)
         self.stats.steps_timeline.append((0, self.steps))
 
     @property
@@ -93,14 +96,19 @@ class AdaptiveController:
         return self.config.candidate_steps[self.state.index]
 
     def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
-                    done: bool = False) -> RoundPlan:
-        """Agree this round's plan (one all-gather over the DP group) after deciding on the
-        previous round's statistics. Every member must call it every round."""
-        if num_requests < 0 or num_tokens < 0:
-            raise ValueError(f"begin_round: num_requests={num_requests}, num_tokens={num_tokens} "
-                             f"must be >= 0")
+                    done: bool = False, num_extend: int = 0) -> RoundPlan:
+        """Agree this round's plan (one all-gather over the group) after deciding on the previous
+        round's statistics. Every member must call it every round.
+
+        ``num_requests``: requests this rank runs this round; ``num_tokens`` / ``num_extend``:
+        tokens and requests of its extend (prefill) forward; ``can_graph``: whether it could run
+        the round through CUDA graphs; ``done``: it has no work now and will get none."""
+        if min(num_requests, num_tokens, num_extend) < 0:
+            raise ValueError(f"begin_round: num_requests={num_requests}, num_tokens={num_tokens}, "
+                             f"num_extend={num_extend} must be >= 0")
         vec = consensus.RoundVector(
-            round=self.round, n_req=num_requests, num_tokens=num_tokens, can_graph=can_graph,
+            round=self.round, n_req=num_requests, num_tokens=num_tokens, n_extend=num_extend,
+            can_graph=can_graph,
             done=done, prev_n_req=self._prev_n_req, ema=self.ema, weight=self.weight,
             steps=self.steps, counted=self.state.counted, last_switch=self.state.last_switch,
             config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash,
@@ -121,7 +129,15 @@ class AdaptiveController:
                                                    "spec")
         self._digest = consensus.hash48(self._digest, plan.round, self._prev_plan_hash)
         if self.guard is not None:
-            self.guard.maybe_check(plan.round, self._digest)
+            # NOTE: a decision is compared across the ranks before it takes effect: every
+            # decision point is also a lockstep check (one small control-group exchange every
+            # update_interval counted rounds), so a rank whose decision strays (a policy that
+            # reads only its own EMA, say) is an error before the forwards of the round diverge.
+            point = self.last_outcome is not None and self.last_outcome.decision.decision_point
+            if point:
+                self.guard.check(plan.round, self._digest)
+            else:
+                self.guard.maybe_check(plan.round, self._digest)
         self.round += 1
         self.stats.rounds += 1
         self.stats.rounds_at_steps[plan.steps] += 1
@@ -166,13 +182,15 @@ class AdaptiveController:
 
     def _plan(self, matrix, switched: bool) -> RoundPlan:
         n_req = [int(v) for v in consensus.column(matrix, "n_req")]
-        tokens = [int(v) for v in consensus.column(matrix, "num_tokens")]
         eligible = all(v != 0 for v in consensus.column(matrix, "can_graph"))
         bucket = pick_bucket(max(n_req), self.config.graph_buckets) if eligible else None
         use_graph = bucket is not None
         return RoundPlan(
             round=self.round, steps=self.steps, use_graph=use_graph,
-            batch_bucket=bucket if use_graph else None, padded_tokens=max(tokens),
+            batch_bucket=bucket if use_graph else None,
+            batch_pad=bucket if use_graph else max(n_req),
+            extend_tokens=int(max(consensus.column(matrix, "num_tokens"))),
+            extend_requests=int(max(consensus.column(matrix, "n_extend"))),
             cluster_requests=sum(n_req), switched=switched,
             all_done=all(v != 0 for v in consensus.column(matrix, "done")),
         )

@@ -54,16 +54,21 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Ten
     return tensor
 
 
-def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Concatenate every member's ``tensor`` along ``dim`` in group order (a new tensor)."""
+def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0,
+               control: bool = False) -> torch.Tensor:
+    """Concatenate every member's ``tensor`` along ``dim`` in group order (a new tensor).
+
+    ``control`` sends a host tensor over the group's gloo control group instead of its device
+    group (small host-side agreements: a separate channel from the model's collectives)."""
     if group.size == 1:
         return tensor
     _check_group(group, "all_gather")
     src = tensor.contiguous() if tensor.dim() > 0 else tensor.reshape(1)
     out = torch.empty((group.size * src.shape[0],) + tuple(src.shape[1:]),
                       dtype=src.dtype, device=src.device)
-    _run("all_gather", group, src,
-         lambda: gather_into(out, src, group=group.device_pg))
+    pg = group.control_pg if control else group.device_pg
+    _run("all_gather.control" if control else "all_gather", group, src,
+         lambda: gather_into(out, src, group=pg))
     if dim == 0:
         return out
     parts = out.chunk(group.size, dim=0)

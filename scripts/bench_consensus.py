@@ -47,6 +47,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    ap.add_argument("--channel", choices=consensus.CHANNELS, default="control",
+                    help="control: the gloo control group (what the engine uses); device: the "
+                         "device group (NCCL on GPUs)")
     ap.add_argument("--out", default="runs/consensus")
     args = ap.parse_args()
     ctx = C.init_distributed(timeout_s=60, backend=None if args.backend == "auto" else args.backend,
@@ -54,10 +57,10 @@ def main() -> None:
     layout = ctx.layout(dp=ctx.world_size)
     dp = layout.group("dp")
     sync = ctx.device.type == "cuda"
-    vec = consensus.RoundVector(0, 4, 16, True, False, 4, 2.5, 4, 3, 0, -1, 7, 9)
-    ctrl = AdaptiveController(AdaptiveConfig(), dp)
+    vec = consensus.RoundVector(0, 4, 16, 0, True, False, 4, 2.5, 4, 3, 0, -1, 7, 9)
+    ctrl = AdaptiveController(AdaptiveConfig(), dp, channel=args.channel)
 
-    channel = consensus.ConsensusChannel(dp)
+    channel = consensus.ConsensusChannel(dp, args.channel)
 
     def gather_read():
         channel.gather(vec)  # all-gather + copy to host (blocks until done)
@@ -79,7 +82,7 @@ def main() -> None:
     if ctx.rank == 0:
         backend = ctx.backend or "none"
         res = {
-            "backend": backend, "world_size": ctx.world_size, "device": str(ctx.device),
+            "backend": backend, "channel": args.channel, "world_size": ctx.world_size, "device": str(ctx.device),
             "gpu": torch.cuda.get_device_name(0) if sync else None,
             "torch": torch.__version__, "host": platform.node(),
             "vector_fields": len(consensus.FIELDS),
@@ -88,7 +91,8 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(res, f, indent=2)
-        plot(raw, full, backend, os.path.join(args.out, "consensus_cost.png"))
+        plot(raw, full, f"{backend}, {args.channel} channel",
+             os.path.join(args.out, "consensus_cost.png"))
         print(json.dumps({k: res[k] for k in ("backend", "world_size", "gather_and_read",
                                                "begin_round_full")}))
     ctx.shutdown()

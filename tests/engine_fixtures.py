@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from adaptive_dist.config import AdaptiveConfig, load_config
-from workers.eagle_worker import WorkerConfig
-from workers.engine import Engine, make_engine
+from workers.config import EngineConfig, no_spec
+from workers.engine import Engine, build_engine
 from workers.model import EagleConfig, EagleHead, LlamaConfig, LlamaForCausalLM, save_pretrained
 
 # NOTE: these models are tiny; with more than one thread, OpenMP spin-waits dominate (and on a
@@ -77,10 +77,9 @@ def lossless_params(n: int) -> list:
 
 
 def check_pages_back(engine: Engine) -> None:
-    """Every KV page of every pool is back (nothing leaked)."""
-    engine.worker.target_cache.check_empty()
-    if engine.worker.draft_cache is not None:
-        engine.worker.draft_cache.check_empty()
+    """Every KV page is back and every batch slot free (nothing leaked)."""
+    engine.scheduler.allocator.check_empty()
+    assert len(engine.scheduler._free_slots) == engine.config.max_batch_size
 
 
 def random_prompts(n: int, vocab: int, seed: int, lo: int = 1, hi: int = 24) -> list[list[int]]:
@@ -89,14 +88,25 @@ def random_prompts(n: int, vocab: int, seed: int, lo: int = 1, hi: int = 24) -> 
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+def engine_config(mode: str = "static", steps: int = 3, config: AdaptiveConfig | None = None,
+                  max_batch: int = 4, num_pages: int | None = None, page_size: int = 4,
+                  device: str = "cpu", max_context: int = 512, **kw) -> EngineConfig:
+    """An `EngineConfig` in `mode` "nospec", "static" (at `steps`) or "ema" (adaptive, `config`)."""
+    if mode == "nospec":
+        spec = no_spec()
+    elif mode == "ema":
+        spec = config if config is not None else AdaptiveConfig()
+    else:
+        spec = load_config(None, "static", initial_steps=steps)
+    return EngineConfig(spec=spec, max_batch_size=max_batch, page_size=page_size,
+                        num_pages=num_pages, max_context_len=max_context, device=device, **kw)
+
+
 def engine_for(target: LlamaForCausalLM, head: EagleHead | None, mode: str = "static",
                steps: int = 3, config: AdaptiveConfig | None = None, max_batch: int = 4,
-               num_pages: int | None = None, page_size: int = 4, device: str = "cpu") -> Engine:
+               num_pages: int | None = None, page_size: int = 4, device: str = "cpu",
+               **kw) -> Engine:
     """An engine in `mode` "nospec", "static" (at `steps`) or "ema" (adaptive, `config`)."""
-    wcfg = WorkerConfig(max_batch_size=max_batch, page_size=page_size, num_pages=num_pages,
-                        max_context_len=target.config.max_position_embeddings)
-    if mode == "nospec":
-        return make_engine(target, None, adaptive_config=None, worker_config=wcfg, device=device)
-    cfg = config if mode == "ema" else load_config(None, "static", initial_steps=steps)
-    return make_engine(target, head, adaptive_config=cfg, worker_config=wcfg,
-                       device=device)
+    cfg = engine_config(mode, steps, config, max_batch, num_pages, page_size, device,
+                        max_context=target.config.max_position_embeddings, **kw)
+    return build_engine(cfg, target, head)

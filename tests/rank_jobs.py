@@ -149,28 +149,6 @@ def layout_ops_job(rank: int, dp: int) -> dict:
     return out
 
 
-def dp_engine_job(rank: int, prompts_per_rank: list, new_tokens: list) -> dict:
-    """Pure data parallelism: each rank its own copy of a tiny pair and its own requests, one
-    adaptive controller agreeing over the DP group. Ranks have different amounts of work."""
-    from engine_fixtures import tiny_pair
-    from workers.eagle_worker import WorkerConfig
-    from workers.engine import make_engine
-    from workers.sampling import SamplingParams
-
-    ctx = _ctx(None)
-    layout = ctx.layout(dp=ctx.world_size)
-    target, head = tiny_pair(seed=0)
-    cfg = AdaptiveConfig(warmup_batches=2, update_interval=2)
-    wcfg = WorkerConfig(max_batch_size=4, page_size=4, max_context_len=512)
-    engine = make_engine(target, head, adaptive_config=cfg, worker_config=wcfg,
-                         dp_group=layout.group("dp"))
-    reqs = engine.generate(prompts_per_rank[rank], SamplingParams(max_new_tokens=new_tokens[rank]))
-    ctrl = engine.planner
-    ctx.shutdown()
-    return {"outputs": [r.output_ids for r in reqs], "rounds": ctrl.round,
-            "timeline": ctrl.stats.steps_timeline, "digest": ctrl.decision_digest()}
-
-
 def progress_mismatch_job(rank: int, trace_dir: str) -> str:
     """Rank 0 shows progress, rank 1 does not: start-up must refuse on both."""
     from adaptive_dist.config import ConfigError

@@ -1,160 +1,111 @@
-"""The EAGLE worker of one rank: prefill, speculative rounds, plain decode; one KV pool per model.
+"""The EAGLE worker of one rank: prefill and the speculative round, on shapes the plan fixes.
 
-Token and cache bookkeeping of a running request with tokens `x_0 .. x_n` (prompt + generated):
-- target cache: KV of positions `0 .. n-1`; `x_n` (the last committed token) is not in it yet;
-- draft cache: the head's KV of positions `1 .. n` (KV index `j` is position `j+1`: the head's input
-  at position `p` is token `x_p` with the target feature `f_{p-1}`, see `workers.model.eagle`);
-- `features[rid]`: the head's last output `g_n`, whose logits draft `x_{n+1}`.
-So both caches hold `n` tokens between rounds.
+Per request the worker keeps, on the device, in the request's batch slot: its page table (given by
+the scheduler at admission, fixed while it runs), `n` (tokens in each cache), its last committed
+token `x_n` (not in the caches yet) and the head's last output `g_n`. Caches, for tokens
+`x_0 .. x_n`: the target holds the KV of positions `0 .. n-1`; the draft head holds positions
+`1 .. n` (KV index `j` is position `j+1`: the head's input at position `p` is `x_p` with the target
+feature `f_{p-1}`, see `workers.model.eagle`).
 
-One round at `steps = s` over a batch:
-1. draft: `d_1` from `g_n`; for k = 2..s one head forward (DECODE) of `d_{k-1}` at position `n+k-1`
-   with the head's previous output as feature;
-2. verify: one target forward (VERIFY) of `[x_n, d_1 .. d_s]` at positions `n .. n+s`;
-3. accept (greedy exact match, or rejection sampling) -> `a` draft tokens and a bonus token;
-4. commit `d_1 .. d_a, bonus`; truncate the target cache to `n+a+1`;
-5. draft-extend: truncate the draft cache to `n`, run the head (DRAFT_EXTEND) on the committed
-   tokens at positions `n+1 .. n+a+1` with the target features `f_n .. f_{n+a}`.
+One round at depth `S` over `B` requests, padded to `Bp` rows (the plan's batch: the agreed
+CUDA-graph bucket, or the cluster's largest batch when eager; rows beyond `B` are dummy rows in a
+dummy slot whose pages are the dummy page):
+1. draft: `d_1` from `g_n`; for k = 2..S one head forward of `d_{k-1}` at position `n+k-1`;
+2. verify: one target forward of `[x_n, d_1 .. d_S]` at positions `n .. n+S`;
+3. accept (greedy: exact match on the device; sampling: rejection sampling) -> `a` drafts + bonus;
+4. draft-extend: the head over the `a+1` committed tokens at positions `n+1 .. n+a+1` with the
+   target features `f_n .. f_{n+a}` (verify rows `0..a`); its row `a` becomes `g_{n+a+1}`;
+5. the slots advance on the device (`n += a+1`, last token, feature); the host reads the accepted
+   lengths and tokens once and commits them to the requests.
+Rejected tokens need no cleanup: their KV slots are past `n` and the next round overwrites them.
+At `S = 0` (no speculation) the round is one target forward of `x_n` and a sampled token.
 
-Everything whose shape depends on `steps` lives in a `SpecRuntimeState` whose payload is a
-`StepBuffers` (metadata, input and position buffers for `max_batch x (steps+1)` tokens); the
-controller pre-builds one per candidate tier and switching is `apply_runtime_state` (a reference
-swap). Under tensor parallelism every TP rank runs the same batch; logits are full and identical on
-every rank, so sampled tokens agree (same seeded generators).
+Every forward of the round is padded (`attention.static_backend`), so the eager path and the CUDA
+graph path run the same code; under DP attention every rank runs the same forwards with the same
+row counts (an idle rank: all dummy rows), which is what keeps the collectives inside them in
+lockstep. Prefill (ragged, `attention_backend`) is padded to the round's agreed token count.
+Everything whose shape depends on `S` lives in a `SpecRuntimeState` (one per tier, pre-built).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from workers.attention import ForwardMode, PaddedBatch, StaticBackend, build_metadata
+from workers.attention.base import AttentionBackend
+from workers.config import EngineConfig
+from workers.cuda_graphs import CudaGraphRunner, GraphEntry
+from workers.kv_cache import DUMMY_PAGE, KVPool, pages_for
 from workers.runtime_state import SpecRuntimeState
-from workers.attention.base import AttentionBackend, ForwardMode, MetadataBuffers, build_metadata
-from workers.kv_cache import KVCache, pages_for
-from workers.sampling import (
-    accept_greedy,
-    accept_rejection,
-    sample,
-    sample_token,
-    target_probs,
-)
+from workers.sampling import accept_rejection, sample, target_probs
 from workers.scheduler import Request
 
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Sizes of one rank's worker (host values, identical on every TP rank)."""
-
-    max_batch_size: int = 16
-    max_context_len: int = 2048
-    max_steps: int = 7          # the deepest tier; KV reservations include this overshoot
-    page_size: int = 16
-    num_pages: int | None = None  # None: room for max_batch_size full-context requests
-
-    def __post_init__(self) -> None:
-        for key in ("max_batch_size", "max_context_len", "max_steps", "page_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}={getattr(self, key)}: must be >= 1")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError(f"num_pages={self.num_pages}: must be >= 1")
-
-    @property
-    def pages_per_request(self) -> int:
-        """Pages one request of full context (plus speculative overshoot) can hold."""
-        return pages_for(self.max_context_len + self.max_steps + 1, self.page_size)
-
-    @property
-    def pool_pages(self) -> int:
-        """Pages in each KV pool."""
-        return self.num_pages or self.max_batch_size * self.pages_per_request
+PHASES = ("logits", "draft", "verify", "extend")
 
 
 @dataclass
 class StepBuffers:
-    """Everything a round at one `steps` needs whose shape depends on `steps` (pre-allocated).
-
-    `graphs` is the place for CUDA graphs (draft, verify, draft-extend per batch bucket), keyed
-    by `(phase, bucket)`; the CPU reference leaves it empty.
-    """
+    """The static inputs of one tier's padded forwards (fixed addresses), and its graphs."""
 
     steps: int
-    max_batch: int
-    draft_meta: MetadataBuffers    # one draft step: max_batch tokens
-    verify_meta: MetadataBuffers   # max_batch * (steps + 1) tokens
-    extend_meta: MetadataBuffers   # draft-extend: up to max_batch * (steps + 1) tokens
-    input_ids: torch.Tensor        # [max_batch * (steps + 1)] int64
-    positions: torch.Tensor        # [max_batch * (steps + 1)] int64
-    graphs: dict[tuple[str, int], Any] = field(default_factory=dict)
+    rows: torch.Tensor       # [Bmax] slot of each batch row
+    ids: torch.Tensor        # [Bmax * W] token ids
+    pos: torch.Tensor        # [Bmax * W] positions
+    feats: torch.Tensor      # [Bmax * W, d] head feature inputs
+    page_tab: torch.Tensor   # [Bmax, P] page table of each row
+    cached: torch.Tensor     # [Bmax] KV tokens before the forward
+    qo_len: torch.Tensor     # [Bmax] real new tokens of each row (0: a dummy row)
+    graphs: dict[tuple[str, int], GraphEntry] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the buffers (graphs' pools are accounted by whoever captures them)."""
-        tensors = (self.input_ids, self.positions)
-        return sum(t.numel() * t.element_size() for t in tensors) + self.draft_meta.nbytes \
-            + self.verify_meta.nbytes + self.extend_meta.nbytes
-
-
-def _fill(buf: torch.Tensor, values: list[int]) -> torch.Tensor:
-    """Copy host `values` into the front of `buf`; return that view."""
-    view = buf[:len(values)]
-    view.copy_(torch.tensor(values, dtype=buf.dtype), non_blocking=True)
-    return view
+        tensors = (self.rows, self.ids, self.pos, self.feats, self.page_tab, self.cached,
+                   self.qo_len)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class EagleWorker:
-    """Runs the target (and the EAGLE head, unless `head` is None: plain decoding only).
+    """Runs the target (and the EAGLE head, unless `head` is None) of one rank.
 
     Implements `workers.runtime_state.AdaptiveSpecWorker`.
     """
 
     def __init__(self, target: torch.nn.Module, head: torch.nn.Module | None,
-                 backend: AttentionBackend, config: WorkerConfig,
-                 device: torch.device | str = "cpu",
-                 graph_buckets: Sequence[int] | None = None) -> None:
-        self.target, self.head, self.backend = target, head, backend
-        self.config, self.device = config, torch.device(device)
-        tp_size = target.tp_group.size
-        use_graphs = bool(graph_buckets) and head is not None
-        spare = 1 if use_graphs else 0  # the CUDA-graph runner's dummy page
-        self.target_cache = self._make_cache(target, tp_size, spare)
-        self.draft_cache = self._make_cache(head, tp_size, spare) if head is not None else None
-        self.features: dict[int, torch.Tensor] = {}  # rid -> g_n, the head's last output [d]
+                 config: EngineConfig, backend: AttentionBackend) -> None:
+        if config.speculative and head is None:
+            raise ValueError("speculative decoding needs a draft head; use --no-spec without one")
+        self.target, self.head, self.backend, self.config = target, head, backend, config
+        self.device = torch.device(config.device)
+        self.static = StaticBackend()
+        attn_tp = target.par.attn.size
+        self.target_kv = self._pool(target, attn_tp)
+        self.draft_kv = self._pool(head, attn_tp) if config.speculative else None
+        slots, reach = config.max_batch_size + 1, config.pages_per_request
+        self.dummy_slot = config.max_batch_size
+        dim, dtype = target.config.hidden_size, next(target.parameters()).dtype
+        self.slot_pages = torch.full((slots, reach), DUMMY_PAGE, dtype=torch.int64, device=self.device)
+        self.slot_len = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self.slot_last = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self.slot_feature = torch.zeros(slots, dim, dtype=dtype, device=self.device)
+        self.graphs = CudaGraphRunner(self.device) if config.graph_buckets else None
+        self.buckets = config.graph_buckets
         self.state: SpecRuntimeState | None = None
-        self.graphs = None     # CudaGraphRunner: graphs per (steps, bucket), built per tier
-        self._graph_bucket: int | None = None  # set during a graph round
-        if use_graphs:
-            from workers.cuda_graphs import CudaGraphRunner
 
-            self.graphs = CudaGraphRunner(self, graph_buckets)
-
-    def _make_cache(self, model: torch.nn.Module, tp_size: int, spare: int = 0) -> KVCache:
-        """A pool for `model`'s layers holding this TP rank's KV heads (in the backend's format)."""
+    def _pool(self, model: torch.nn.Module, attn_tp: int) -> KVPool:
+        """A pool for `model`'s layers holding this rank's KV heads (in the backend's format)."""
         cfg, dtype = model.config, next(model.parameters()).dtype
         head_dim = cfg.head_dim
         kv_format = getattr(self.backend, "kv_format", None)
         if kv_format is not None:  # flashinfer: padded head dim, float16/bfloat16
             head_dim, dtype = kv_format(head_dim, dtype)
-        return KVCache(model.num_layers, self.config.pool_pages + spare, self.config.page_size,
-                       cfg.num_key_value_heads // tp_size, head_dim, dtype=dtype,
-                       device=self.device)
-
-    def can_use_graph(self, reqs: Sequence[Request]) -> bool:
-        """Whether this rank could run a round over `reqs` with CUDA graphs (before padding)."""
-        if self.graphs is None or not reqs:
-            return False
-        longest = max(r.num_tokens for r in reqs) + self.config.max_steps
-        return self.graphs.can_use_graph(len(reqs), longest)
-
-    def close(self) -> None:
-        """Release the CUDA graphs (before the process group goes; idempotent)."""
-        if self.graphs is not None:
-            self.graphs.close()
+        return KVPool(model.num_layers, self.config.pool_pages, self.config.page_size,
+                      cfg.num_key_value_heads // attn_tp, head_dim, dtype=dtype, device=self.device)
 
     @property
     def speculative(self) -> bool:
-        """Whether this worker has a draft head."""
-        return self.head is not None
+        return self.head is not None and self.config.speculative
 
     @property
     def steps(self) -> int:
@@ -163,228 +114,277 @@ class EagleWorker:
             raise RuntimeError("no runtime state applied; call apply_runtime_state first")
         return self.state.steps
 
+    def can_use_graph(self, reqs: Sequence[Request]) -> bool:
+        """Whether this rank could run a round over `reqs` through the CUDA graphs (an idle rank
+        always can: it runs dummy rows). The controller ANDs this over the ranks."""
+        return bool(self.buckets) and not self.graphs.closed and len(reqs) <= self.buckets[-1]
+
+    def close(self) -> None:
+        """Release the CUDA graphs (before the process group goes; idempotent)."""
+        if self.graphs is not None:
+            self.graphs.close()
+
     # ---- AdaptiveSpecWorker -----------------------------------------------------------------
     def build_runtime_state(self, steps: int) -> SpecRuntimeState:
-        """Pre-allocate everything a round at `steps` needs (called once per tier at start-up)."""
-        if not 1 <= steps <= self.config.max_steps:
-            raise ValueError(f"steps={steps}: must be in [1, max_steps={self.config.max_steps}]")
-        batch, width = self.config.max_batch_size, steps + 1
-        pages = batch * self.config.pages_per_request
-        bufs = StepBuffers(
-            steps=steps, max_batch=batch,
-            draft_meta=MetadataBuffers.allocate(batch, batch, pages, self.device),
-            verify_meta=MetadataBuffers.allocate(batch, batch * width, pages, self.device),
-            extend_meta=MetadataBuffers.allocate(batch, batch * width, pages, self.device),
-            input_ids=torch.zeros(batch * width, dtype=torch.int64, device=self.device),
-            positions=torch.zeros(batch * width, dtype=torch.int64, device=self.device))
+        """Pre-allocate (and capture, with graphs) everything a round at `steps` needs."""
+        if not 0 <= steps <= self.config.max_steps:
+            raise ValueError(f"steps={steps}: must be in [0, max_steps={self.config.max_steps}]")
+        width, dim = steps + 1, self.target.config.hidden_size
+        top = max([self.config.max_batch_size, *self.buckets])
+        dtype = self.slot_feature.dtype
+
+        def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dt, device=self.device)
+
+        bufs = StepBuffers(steps=steps, rows=zeros(top), ids=zeros(top * width),
+                           pos=zeros(top * width), feats=zeros(top * width, dim, dt=dtype),
+                           page_tab=zeros(top, self.config.pages_per_request), cached=zeros(top),
+                           qo_len=zeros(top))
         nbytes = bufs.nbytes
         if self.graphs is not None:
-            tier = self.graphs.capture_tier(steps)
-            bufs.graphs, nbytes = tier.entries, nbytes + tier.nbytes
+            before = self.graphs.pool_bytes()
+            self._capture(bufs)
+            nbytes += self.graphs.pool_bytes() - before
         return SpecRuntimeState(steps=steps, payload=bufs, nbytes=nbytes)
 
     def apply_runtime_state(self, state: SpecRuntimeState) -> None:
         """Make `state` the one in force (a reference swap: nothing is built or allocated)."""
         self.state = state
 
-    # ---- KV admission (the scheduler's view) --------------------------------------------------
-    def max_kv_tokens(self, req: Request) -> int:
-        """The most tokens `req` can ever hold in either cache (speculative overshoot included)."""
-        extra = self.config.max_steps + 1 if self.speculative else 0
-        return len(req.prompt_ids) + req.params.max_new_tokens + extra
+    def _phases(self, steps: int) -> list[tuple[str, int]]:
+        """(phase, width) of every padded forward a round at `steps` runs."""
+        if steps == 0:
+            return [("verify", 1)]
+        out = [("verify", steps + 1), ("extend", steps + 1), ("logits", 1)]
+        return out + ([("draft", 1)] if steps > 1 else [])
 
-    def check_fits(self, req: Request) -> None:
-        """Raise `RequestTooLargeError` if `req` could never fit the KV pool."""
-        self.target_cache.check_fits(self.max_kv_tokens(req))
+    def _capture(self, bufs: StepBuffers) -> None:
+        """Capture every phase at every bucket, largest bucket first (start-up only)."""
+        bufs.rows.fill_(self.dummy_slot)
+        bufs.page_tab.fill_(DUMMY_PAGE)
+        bufs.cached.zero_()
+        bufs.qo_len.zero_()
+        reach = bufs.page_tab.shape[1]
+        for bucket in sorted(self.buckets, reverse=True):
+            for phase, width in self._phases(bufs.steps):
+                body = self._body(bufs, phase, bucket, width, reach)
+                name = f"{phase}/steps={bufs.steps}/bucket={bucket}"
+                bufs.graphs[(phase, bucket)] = self.graphs.capture_body(name, body)
 
-    def can_admit(self, req: Request) -> bool:
-        """Whether the pools can reserve `req`'s worst case now."""
-        need = self.max_kv_tokens(req)
-        caches = [self.target_cache] + ([self.draft_cache] if self.draft_cache else [])
-        return all(c.can_admit(need) for c in caches)
+    # ---- the padded forwards ------------------------------------------------------------------
+    def _body(self, bufs: StepBuffers, phase: str, rows: int, width: int,
+              reach: int) -> Callable[[], Any]:
+        """One padded forward of `rows` rows by `width` tokens over `bufs` (what a graph holds)."""
+        n = rows * width
 
-    def admit(self, req: Request) -> None:
-        """Reserve `req`'s KV in both pools and create its generator."""
-        for cache in self._caches():
-            cache.admit(req.rid, self.max_kv_tokens(req))
-        req.make_generator(self.device)
+        def attn(pool: KVPool) -> Any:
+            meta = PaddedBatch(bufs.page_tab[:rows, :reach], bufs.cached[:rows],
+                               bufs.qo_len[:rows], width)
+            return self.static.plan(meta, pool)
 
-    def release(self, req: Request) -> None:
-        """Give back everything `req` holds."""
-        for cache in self._caches():
-            if cache.has(req.rid):
-                cache.free(req.rid)
-        self.features.pop(req.rid, None)
+        def verify() -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = self.target(bufs.ids[:n], bufs.pos[:n], attn(self.target_kv))
+            return hidden, self.target.compute_logits(hidden)
 
-    def _caches(self) -> list[KVCache]:
-        return [self.target_cache] + ([self.draft_cache] if self.draft_cache is not None else [])
+        def extend() -> torch.Tensor:
+            return self.head(bufs.ids[:n], bufs.feats[:n], bufs.pos[:n], attn(self.draft_kv))
 
-    # ---- forwards ---------------------------------------------------------------------------
-    def _forward(self, model: torch.nn.Module, cache: KVCache, mode: ForwardMode,
-                 reqs: list[Request], qo_lens: list[int], input_ids: torch.Tensor,
-                 positions: torch.Tensor, features: torch.Tensor | None = None,
-                 out: MetadataBuffers | None = None) -> torch.Tensor:
-        """Grow each request's pages by its `qo_lens`, then one forward of `model` over `cache`."""
-        cached = [cache.seq_len(r.rid) for r in reqs]
-        for req, n in zip(reqs, qo_lens):
-            cache.extend(req.rid, n)
-        if self._graph_bucket is not None:
-            return self.graphs.forward(self.state.payload.graphs, self._graph_bucket, mode, cache,
-                                       [r.rid for r in reqs], cached, qo_lens, input_ids,
-                                       positions, features)
-        meta = build_metadata(mode, [cache.page_table(r.rid) for r in reqs], cached, qo_lens,
-                              cache.page_size, self.device, out=out)
-        attn = self.backend.plan(meta, cache)
-        if features is None:
-            return model(input_ids, positions, attn)
-        return model(input_ids, features, positions, attn)
+        def draft() -> tuple[torch.Tensor, torch.Tensor]:
+            g = extend()
+            return g, self.head.compute_logits(g)
 
-    def _ids(self, buf: torch.Tensor | None, values: list[int]) -> torch.Tensor:
-        if buf is None:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
-        return _fill(buf, values)
+        def logits() -> torch.Tensor:
+            return self.head.compute_logits(bufs.feats[:rows])
 
-    # ---- prefill ----------------------------------------------------------------------------
+        return {"verify": verify, "extend": extend, "draft": draft, "logits": logits}[phase]
+
+    def _run(self, phase: str, width: int, bp: int, bucket: int | None, reach: int) -> Any:
+        """Replay the graph of `phase` at `bucket`, or run the same body eagerly at `bp` rows."""
+        bufs: StepBuffers = self.state.payload
+        if bucket is None:
+            return self._body(bufs, phase, bp, width, reach)()
+        entry = bufs.graphs.get((phase, bucket))
+        if entry is None:
+            raise RuntimeError(f"no CUDA graph for {phase} at steps={bufs.steps}, bucket {bucket} "
+                               f"(captured buckets {list(self.buckets)})")
+        return entry.replay()
+
+    # ---- prefill ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, reqs: list[Request]) -> None:
-        """Run new requests' prompts through the target (and the head); commit their first token."""
-        if not reqs:
-            return
-        prompts = [r.prompt_ids for r in reqs]
-        lens = [len(p) for p in prompts]
-        ids = self._ids(None, [t for p in prompts for t in p])
-        pos = self._ids(None, [i for n in lens for i in range(n)])
-        hidden = self._forward(self.target, self.target_cache, ForwardMode.EXTEND, reqs, lens,
-                               ids, pos)
-        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+    def prefill(self, reqs: list[Request], pad_tokens: int, pad_requests: int) -> None:
+        """Run new requests' prompts through the target (and the head) and commit their first
+        token. Every rank calls it when any rank prefills: `pad_tokens` / `pad_requests` are the
+        round's agreed sizes (this rank's rows beyond its own are padding)."""
+        lens = [len(r.prompt_ids) for r in reqs]
+        total = sum(lens)
+        if total > pad_tokens or len(reqs) > pad_requests:
+            raise RuntimeError(f"prefill of {len(reqs)} requests / {total} tokens exceeds the "
+                               f"agreed {pad_requests} / {pad_tokens}")
+        for req in reqs:
+            self.slot_pages[req.slot].fill_(DUMMY_PAGE)
+            self.slot_pages[req.slot, :len(req.pages)] = torch.tensor(req.pages)
+        ps = self.config.page_size
+        ids = self._tensor([t for r in reqs for t in r.prompt_ids], pad_tokens)
+        pos = self._tensor([i for n in lens for i in range(n)], pad_tokens)
+        meta = build_metadata(ForwardMode.EXTEND, [r.pages for r in reqs], [0] * len(reqs), lens,
+                              ps, self.device)
+        hidden = self.target(ids, pos, self.backend.plan(meta, self.target_kv))
+        ends = [sum(lens[:i + 1]) - 1 for i in range(len(reqs))]
+        last = self._tensor(ends, pad_requests)
         logits = self.target.compute_logits(hidden[last])
-        for req, row in zip(reqs, logits):
-            req.commit([sample_token(row, req.params, req.generator)])
-        if self.head is not None:
-            shifted = [r.tokens[1:n + 1] for r, n in zip(reqs, lens)]  # x_1 .. x_P
-            self._draft_extend(reqs, shifted, hidden, [0] * len(reqs), ForwardMode.EXTEND)
+        first = self._pick(logits, reqs)
+        slots = self._tensor([r.slot for r in reqs])
+        firsts = self._tensor(first)
+        for req, token in zip(reqs, first):
+            req.commit([token])
+        if self.speculative:
+            shifted = [t for r, n in zip(reqs, lens) for t in r.prompt_ids[1:n] + [r.output_ids[0]]]
+            ids2 = self._tensor(shifted, pad_tokens)
+            pos2 = self._tensor([i + 1 for n in lens for i in range(n)], pad_tokens)
+            out = self.head(ids2, hidden, pos2, self.backend.plan(meta, self.draft_kv))
+            self.slot_feature.index_copy_(0, slots, out[last[:len(reqs)]])
+        self.slot_len.index_copy_(0, slots, self._tensor(lens))
+        self.slot_last.index_copy_(0, slots, firsts)
 
-    def _draft_extend(self, reqs: list[Request], new_tokens: list[list[int]],
-                      features: torch.Tensor, cached: list[int], mode: ForwardMode,
-                      bufs: StepBuffers | None = None) -> None:
-        """Head over `new_tokens[b]` (positions `cached[b]+1 ..`) with target `features` [T, d].
+    def _tensor(self, values: list[int], pad_to: int | None = None) -> torch.Tensor:
+        """`values` (zero-padded to `pad_to`) as an int64 device tensor."""
+        pad = [] if pad_to is None else [0] * (pad_to - len(values))
+        return torch.tensor(values + pad, dtype=torch.int64).to(self.device)
 
-        Afterwards `self.features[rid]` is the head's output at the request's last position.
-        """
-        lens = [len(t) for t in new_tokens]
-        ids = self._ids(bufs.input_ids if bufs else None, [t for toks in new_tokens for t in toks])
-        pos = self._ids(bufs.positions if bufs else None,
-                        [c + 1 + i for c, n in zip(cached, lens) for i in range(n)])
-        out_feat = self._forward(self.head, self.draft_cache, mode, reqs, lens, ids, pos,
-                                 features=features, out=bufs.extend_meta if bufs else None)
-        ends = torch.tensor(lens, device=self.device).cumsum(0) - 1
-        for req, g in zip(reqs, out_feat[ends]):
-            self.features[req.rid] = g
+    def _pick(self, logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
+        """The next token of each request from its row of `logits` (argmax, or a sample)."""
+        tokens = logits.argmax(-1)[:len(reqs)].tolist()
+        for b, req in enumerate(reqs):
+            if not req.params.greedy:
+                p = target_probs(logits[b][None], req.params.temperature, req.params.top_p)
+                tokens[b] = int(sample(p, req.generator))
+        return tokens
 
-    # ---- plain decoding -----------------------------------------------------------------------
+    # ---- the speculative round ------------------------------------------------------------------
     @torch.inference_mode()
-    def decode_round(self, reqs: list[Request]) -> None:
-        """One token per request from the target alone (the `--no-spec` path)."""
-        if not reqs:
-            return
-        n = [r.num_tokens - 1 for r in reqs]
-        ids = self._ids(None, [r.tokens[-1] for r in reqs])
-        pos = self._ids(None, n)
-        hidden = self._forward(self.target, self.target_cache, ForwardMode.DECODE, reqs,
-                               [1] * len(reqs), ids, pos)
-        logits = self.target.compute_logits(hidden)
-        for req, row in zip(reqs, logits):
-            req.commit([sample_token(row, req.params, req.generator)])
-
-    # ---- speculative round --------------------------------------------------------------------
-    @torch.inference_mode()
-    def spec_round(self, reqs: list[Request], graph_bucket: int | None = None) -> list[int]:
-        """One draft/verify/accept/draft-extend round at the steps in force; accept length per request.
-
-        Accept lengths (accepted draft tokens, bonus excluded) are in the order of `reqs`.
-        `graph_bucket` (the plan's padded batch, agreed across ranks) runs the round's forwards
-        through the CUDA graphs of that bucket; None runs them eagerly.
-        """
-        if graph_bucket is not None and self.graphs is None:
+    def spec_round(self, reqs: list[Request], batch_pad: int,
+                   graph_bucket: int | None = None) -> list[int]:
+        """One round at the depth in force over `reqs`, padded to `batch_pad` rows (the plan's
+        batch); `graph_bucket` replays the CUDA graphs of that bucket (None: eager). Returns the
+        accept lengths (draft tokens accepted, bonus excluded) in the order of `reqs`."""
+        steps, width = self.steps, self.steps + 1
+        bp = graph_bucket if graph_bucket is not None else batch_pad
+        if len(reqs) > bp:
+            raise RuntimeError(f"{len(reqs)} requests do not fit the agreed batch of {bp}")
+        if graph_bucket is not None and (self.graphs is None or graph_bucket not in self.buckets):
             raise RuntimeError(f"the plan says CUDA graphs at bucket {graph_bucket}, but this "
-                               "worker has none (can_use_graph was not honest)")
-        self._graph_bucket = graph_bucket
-        try:
-            return self._spec_round(reqs)
-        finally:
-            self._graph_bucket = None
+                               f"worker captured {list(self.buckets)}")
+        bufs: StepBuffers = self.state.payload
+        reach = self._reach(reqs, bufs, graph_bucket)
+        bufs.rows[:bp].copy_(self._tensor([r.slot for r in reqs]
+                                          + [self.dummy_slot] * (bp - len(reqs))))
+        rows = bufs.rows[:bp]
+        real = (rows != self.dummy_slot).to(torch.int64)
+        n = self.slot_len[rows]
+        bufs.page_tab[:bp].copy_(self.slot_pages[rows])
+        drafts, probs = self._draft(reqs, bufs, rows, n, real, bp, graph_bucket, reach)
+        tokens_in = torch.cat([self.slot_last[rows][:, None], drafts], dim=1)
+        self._fill(bufs, bp, width, tokens_in, n[:, None] + torch.arange(width, device=self.device),
+                   cached=n, qo_len=real * width)
+        hidden, logits = self._run("verify", width, bp, graph_bucket, reach)
+        accept, committed = self._accept(reqs, logits.view(bp, width, -1), drafts, probs, real)
+        row_idx = torch.arange(bp, device=self.device)
+        if steps > 0:
+            self._fill(bufs, bp, width, committed,
+                       n[:, None] + 1 + torch.arange(width, device=self.device),
+                       cached=n, qo_len=real * (accept + 1), feats=hidden)
+            out = self._run("extend", width, bp, graph_bucket, reach)
+            self.slot_feature.index_copy_(0, rows, out.view(bp, width, -1)[row_idx, accept])
+        self.slot_len.index_copy_(0, rows, n + accept + 1)
+        self.slot_last.index_copy_(0, rows, committed[row_idx, accept])
+        self.slot_len[self.dummy_slot] = 0
+        host = torch.cat([accept[:, None], committed], dim=1)[:len(reqs)].tolist()  # the one read
+        for req, row in zip(reqs, host):
+            req.accept_lengths.append(row[0])
+            req.commit(row[1:row[0] + 2])
+        return [row[0] for row in host]
 
-    def _spec_round(self, reqs: list[Request]) -> list[int]:
-        if self.head is None:
-            raise RuntimeError("spec_round needs a draft head; this worker decodes without one")
-        if not reqs:
-            return []
-        bufs: StepBuffers = self.state.payload if self.state is not None else None
-        if bufs is None:
-            raise RuntimeError("no runtime state applied; call apply_runtime_state first")
-        if len(reqs) > bufs.max_batch:
-            raise RuntimeError(f"batch of {len(reqs)} exceeds max_batch_size {bufs.max_batch}")
-        base = [r.num_tokens - 1 for r in reqs]  # n: tokens in each cache
-        drafts, draft_probs = self._draft(reqs, base, bufs)
-        features, accepts, committed = self._verify(reqs, base, drafts, draft_probs, bufs)
-        for req, n, a in zip(reqs, base, accepts):
-            self.target_cache.truncate(req.rid, n + a + 1)
-            self.draft_cache.truncate(req.rid, n)
-        self._draft_extend(reqs, committed, features, base, ForwardMode.DRAFT_EXTEND, bufs)
-        for req, a, toks in zip(reqs, accepts, committed):
-            req.accept_lengths.append(a)
-            req.commit(toks)
-        return accepts
+    def _reach(self, reqs: Sequence[Request], bufs: StepBuffers, bucket: int | None) -> int:
+        """Pages of KV each row may read: the captured reach for graphs, else what this batch
+        needs (attention is local to the rank, so eager ranks may differ)."""
+        if bucket is not None or not reqs:
+            return bufs.page_tab.shape[1] if bucket is not None else 1
+        longest = max(r.num_tokens for r in reqs) + self.steps
+        return min(pages_for(longest, self.config.page_size), bufs.page_tab.shape[1])
 
-    def _draft(self, reqs: list[Request], base: list[int],
-               bufs: StepBuffers) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """`steps` draft tokens per request (chain drafting), and their draft distributions."""
-        steps = bufs.steps
-        feats = torch.stack([self.features[r.rid] for r in reqs])
-        drafts: list[list[int]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+    def _fill(self, bufs: StepBuffers, bp: int, width: int, ids: torch.Tensor, pos: torch.Tensor,
+              cached: torch.Tensor, qo_len: torch.Tensor, feats: torch.Tensor | None = None) -> None:
+        """Write one padded forward's inputs into the tier's static buffers."""
+        rows = bp * width
+        bufs.ids[:rows].copy_(ids.reshape(-1))
+        bufs.pos[:rows].copy_(pos.reshape(-1))
+        bufs.cached[:bp].copy_(cached)
+        bufs.qo_len[:bp].copy_(qo_len)
+        if feats is not None:
+            bufs.feats[:rows].copy_(feats.reshape(rows, -1))
+
+    def _draft(self, reqs: list[Request], bufs: StepBuffers, rows: torch.Tensor, n: torch.Tensor,
+               real: torch.Tensor, bp: int, bucket: int | None, reach: int,
+               ) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
+        """`steps` draft tokens per row [Bp, S] (chain drafting) and, for sampling requests, the
+        draft distributions they were drawn from (by row)."""
+        steps = self.steps
+        drafts: list[torch.Tensor] = []
+        probs: dict[int, list[torch.Tensor]] = {}
+        if steps == 0:
+            return torch.zeros(bp, 0, dtype=torch.int64, device=self.device), probs
+        g = self.slot_feature[rows]
+        bufs.feats[:bp].copy_(g)
+        logits = self._run("logits", 1, bp, bucket, reach)
         for k in range(1, steps + 1):
             if k > 1:
-                ids = _fill(bufs.input_ids, [d[-1] for d in drafts])
-                pos = _fill(bufs.positions, [n + k - 1 for n in base])
-                feats = self._forward(self.head, self.draft_cache, ForwardMode.DECODE, reqs,
-                                      [1] * len(reqs), ids, pos, features=feats,
-                                      out=bufs.draft_meta)
-            logits = self.head.compute_logits(feats)
-            for b, (req, row) in enumerate(zip(reqs, logits)):
-                token, q = self._draft_token(req, row)
-                drafts[b].append(token)
-                probs[b].append(q)
-        stacked = [None if req.params.greedy else torch.stack(p) for req, p in zip(reqs, probs)]
-        return drafts, stacked
+                self._fill(bufs, bp, 1, drafts[-1], n + k - 1, cached=n + k - 2, qo_len=real,
+                           feats=g)
+                g, logits = self._run("draft", 1, bp, bucket, reach)
+            drafts.append(self._draft_tokens(logits, reqs, probs))
+        return torch.stack(drafts, dim=1), probs
 
-    @staticmethod
-    def _draft_token(req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """A draft token (argmax, or sampled from q) and q itself when sampling."""
-        if req.params.greedy:
-            return int(logits.argmax()), None
-        q = target_probs(logits[None], req.params.temperature, req.params.top_p)
-        return int(sample(q, req.generator)), q[0]
+    def _draft_tokens(self, logits: torch.Tensor, reqs: list[Request],
+                      probs: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        """One draft token per row: argmax (on the device), or drawn from q for sampling rows."""
+        tokens = logits.argmax(-1)
+        sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
+        if not sampled:
+            return tokens
+        picks = tokens.tolist()
+        for b in sampled:
+            req = reqs[b]
+            q = target_probs(logits[b][None], req.params.temperature, req.params.top_p)
+            picks[b] = int(sample(q, req.generator))
+            probs.setdefault(b, []).append(q[0])
+        return torch.tensor(picks, dtype=torch.int64, device=self.device)
 
-    def _verify(self, reqs: list[Request], base: list[int], drafts: list[list[int]],
-                draft_probs: list[torch.Tensor | None], bufs: StepBuffers,
-                ) -> tuple[torch.Tensor, list[int], list[list[int]]]:
-        """Target over `[x_n, d_1..d_s]`; returns the features to feed draft-extend, accepts, commits."""
-        width = bufs.steps + 1
-        ids = _fill(bufs.input_ids, [t for r, d in zip(reqs, drafts) for t in [r.tokens[-1]] + d])
-        pos = _fill(bufs.positions, [n + i for n in base for i in range(width)])
-        hidden = self._forward(self.target, self.target_cache, ForwardMode.VERIFY, reqs,
-                               [width] * len(reqs), ids, pos, out=bufs.verify_meta)
-        logits = self.target.compute_logits(hidden).view(len(reqs), width, -1)
-        accepts, committed, keep = [], [], []
-        for b, req in enumerate(reqs):
-            if req.params.greedy:
-                a, toks = accept_greedy(drafts[b], logits[b].argmax(-1).tolist())
+    def _accept(self, reqs: list[Request], logits: torch.Tensor, drafts: torch.Tensor,
+                probs: dict[int, list[torch.Tensor]], real: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted drafts [Bp], committed tokens [Bp, W]): row b commits `committed[b, :a+1]`.
+        Greedy rows on the device: the target's argmax matches the drafts for `a` tokens, and the
+        committed tokens are exactly the argmax row. Sampling rows: rejection sampling."""
+        argmax = logits.argmax(-1)
+        steps = drafts.shape[1]
+        if steps:
+            accept = (drafts == argmax[:, :steps]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+        else:
+            accept = torch.zeros_like(real)
+        accept = accept * real
+        sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
+        if not sampled:
+            return accept, argmax
+        accept_host, committed_host = accept.tolist(), argmax.tolist()
+        draft_host = drafts.tolist()
+        for b in sampled:
+            req = reqs[b]
+            p = target_probs(logits[b], req.params.temperature, req.params.top_p)
+            if steps == 0:
+                a, toks = 0, [int(sample(p[:1], req.generator))]
             else:
-                p = target_probs(logits[b], req.params.temperature, req.params.top_p)
-                a, toks = accept_rejection(drafts[b], draft_probs[b], p, req.generator)
-            accepts.append(a)
-            committed.append(toks)
-            keep.extend(range(b * width, b * width + a + 1))
-        features = hidden.index_select(0, torch.tensor(keep, device=hidden.device))
-        return features, accepts, committed
+                a, toks = accept_rejection(draft_host[b], torch.stack(probs[b]), p, req.generator)
+            accept_host[b] = a
+            committed_host[b][:len(toks)] = toks
+        return (torch.tensor(accept_host, dtype=torch.int64, device=self.device),
+                torch.tensor(committed_host, dtype=torch.int64, device=self.device))

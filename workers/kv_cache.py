@@ -1,27 +1,25 @@
-"""Paged KV cache: a pool of fixed-size pages, per-request page tables, per-layer K/V tensors.
+"""The paged KV cache, in two parts with two owners.
 
-Layout of one layer: `k[layer]` and `v[layer]` are `[num_pages, page_size, num_kv_heads, head_dim]`.
-Token `i` of a request lives in slot `page_table[i // page_size] * page_size + i % page_size`
-of the flattened `[num_pages * page_size, num_kv_heads, head_dim]` view.
+- `PageAllocator` (host bookkeeping, owned by the scheduler: admission is a scheduling decision).
+  A request is given, at admission, every page it can ever need (its prompt, its `max_new_tokens`
+  and the deepest tier's speculative overshoot); they stay its own until it is retired. So a
+  running request never runs out of pages mid-round, the page table of a request never changes
+  while it runs (the device can keep it), and rejected draft tokens need no bookkeeping: the next
+  round overwrites their slots. Page 0 is never handed out: it is the dummy page that padded rows
+  (dummy requests of an agreed batch shape) write into.
+- `KVPool` (device tensors, owned by the worker): per layer `k[layer]`, `v[layer]` of shape
+  `[num_pages, page_size, num_kv_heads, head_dim]`. Token `i` of a request lives in flat slot
+  `pages[i // page_size] * page_size + i % page_size` of the `[num_pages * page_size, ...]` view.
+  The target and the draft head have a pool each, indexed by the same page tables.
 
-Admission reserves the worst case a request can ever hold (`admit(rid, max_tokens)`), so a running
-request never runs out of pages mid-round: the scheduler makes new requests wait while
-`can_admit` is false, and `admit` refuses one that could never fit with a clear error. Pages are
-allocated lazily inside that reservation (`extend`) and handed back by `truncate` (rejected draft
-tokens, every round) and `free` (finished requests).
-
-Under tensor parallelism every rank of the TP group holds a cache of its own KV heads with the same
-page tables (the same requests run on every TP rank); nothing here communicates.
+Under attention tensor parallelism every rank of a replica holds a pool of its own KV heads with
+the same page tables (its replica's requests); nothing here communicates.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-
-class KVCacheFullError(RuntimeError):
-    """An allocation went beyond a request's reservation (a bug in the caller, never user input)."""
+DUMMY_PAGE = 0
 
 
 class RequestTooLargeError(ValueError):
@@ -33,20 +31,74 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-@dataclass
-class _Entry:
-    """Host bookkeeping of one request: its pages, its length, its reservation (in pages)."""
+class PageAllocator:
+    """Hands out whole page tables at admission and takes them back at retirement (host only)."""
 
-    pages: list[int] = field(default_factory=list)
-    length: int = 0
-    reserved: int = 0
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        for key, value in (("num_pages", num_pages), ("page_size", page_size)):
+            if value < 1:
+                raise ValueError(f"PageAllocator {key}={value}: must be >= 1")
+        if num_pages < 2:
+            raise ValueError(f"PageAllocator num_pages={num_pages}: needs >= 2 (page "
+                             f"{DUMMY_PAGE} is the dummy page)")
+        self.num_pages, self.page_size = num_pages, page_size
+        # NOTE: pop() from the end hands out low page ids first, which keeps tests readable.
+        self._free: list[int] = [p for p in range(num_pages - 1, -1, -1) if p != DUMMY_PAGE]
+        self._tables: dict[int, list[int]] = {}
+
+    @property
+    def usable_pages(self) -> int:
+        """Pages requests can ever hold (all but the dummy page)."""
+        return self.num_pages - 1
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages no request holds."""
+        return len(self._free)
+
+    def check_fits(self, max_tokens: int) -> None:
+        """Raise `RequestTooLargeError` if `max_tokens` could never fit, even in an empty pool."""
+        need = pages_for(max_tokens, self.page_size)
+        if need > self.usable_pages:
+            raise RequestTooLargeError(
+                f"request needs up to {max_tokens} tokens of KV cache ({need} pages of "
+                f"{self.page_size}), but the pool holds only {self.usable_pages * self.page_size} "
+                f"tokens ({self.usable_pages} usable pages); shorten the prompt or max_new_tokens, "
+                f"or enlarge the pool")
+
+    def can_allocate(self, max_tokens: int) -> bool:
+        """Whether a request that may grow to `max_tokens` tokens can be admitted now."""
+        return pages_for(max_tokens, self.page_size) <= len(self._free)
+
+    def allocate(self, rid: int, max_tokens: int) -> list[int]:
+        """The page table of request `rid` (every page it may need); a copy is returned."""
+        if rid in self._tables:
+            raise KeyError(f"request {rid} already holds pages")
+        self.check_fits(max_tokens)
+        need = pages_for(max_tokens, self.page_size)
+        if need > len(self._free):
+            raise RuntimeError(f"request {rid}: {need} pages asked, {len(self._free)} free; "
+                               "check can_allocate() first")
+        self._tables[rid] = [self._free.pop() for _ in range(need)]
+        return list(self._tables[rid])
+
+    def holds(self, rid: int) -> bool:
+        """Whether request `rid` holds pages."""
+        return rid in self._tables
+
+    def free(self, rid: int) -> None:
+        """Give back every page request `rid` holds."""
+        self._free.extend(reversed(self._tables.pop(rid)))
+
+    def check_empty(self) -> None:
+        """Raise if any request still holds pages (a leak)."""
+        if self._tables or len(self._free) != self.usable_pages:
+            raise AssertionError(f"KV pages not all back: {len(self._tables)} requests hold "
+                                 f"{self.usable_pages - len(self._free)} pages")
 
 
-class KVCache:
-    """A paged K/V pool for `num_layers` attention layers (the target's, or the draft head's one).
-
-    All bookkeeping is on the host; only `k`/`v` live on `device`.
-    """
+class KVPool:
+    """K/V tensors of `num_layers` attention layers (the target's, or the draft head's)."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32,
@@ -55,135 +107,31 @@ class KVCache:
                            ("page_size", page_size), ("num_kv_heads", num_kv_heads),
                            ("head_dim", head_dim)):
             if value < 1:
-                raise ValueError(f"KVCache {key}={value}: must be >= 1")
-        self.num_layers = num_layers
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+                raise ValueError(f"KVPool {key}={value}: must be >= 1")
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.device = torch.device(device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        # NOTE: pop() from the end hands out low page ids first, which keeps tests readable.
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._entries: dict[int, _Entry] = {}
-        self._unused_reservation = 0  # reserved pages not yet allocated, summed over requests
-
-    # ---- capacity -------------------------------------------------------------------------
-    @property
-    def capacity_tokens(self) -> int:
-        """Tokens the whole pool holds."""
-        return self.num_pages * self.page_size
 
     @property
-    def num_free_pages(self) -> int:
-        """Pages on the free list (some may be promised to admitted requests)."""
-        return len(self._free)
-
-    @property
-    def num_available_pages(self) -> int:
-        """Pages neither allocated nor promised: what a new admission can reserve."""
-        return len(self._free) - self._unused_reservation
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
 
     @property
     def nbytes(self) -> int:
         """Bytes of the K and V tensors."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def can_admit(self, max_tokens: int) -> bool:
-        """Whether a request that may grow to `max_tokens` tokens can be admitted now."""
-        return pages_for(max_tokens, self.page_size) <= self.num_available_pages
-
-    @property
-    def usable_pages(self) -> int:
-        """Pages requests can ever hold: all but those of internal entries (rid < 0, such as
-        the CUDA-graph runner's dummy page), which are never given back while the pool lives."""
-        return self.num_pages - sum(e.reserved for rid, e in self._entries.items() if rid < 0)
-
-    def check_fits(self, max_tokens: int) -> None:
-        """Raise `RequestTooLargeError` if `max_tokens` could never fit, even in an empty pool."""
-        need = pages_for(max_tokens, self.page_size)
-        usable = self.usable_pages
-        if need > usable:
-            raise RequestTooLargeError(
-                f"request needs up to {max_tokens} tokens of KV cache ({need} pages of "
-                f"{self.page_size}), but the pool holds only {usable * self.page_size} tokens "
-                f"({usable} usable pages); shorten the prompt or max_new_tokens, or enlarge the pool")
-
-    # ---- per request ----------------------------------------------------------------------
-    def admit(self, rid: int, max_tokens: int) -> None:
-        """Reserve pages for request `rid`, which will never hold more than `max_tokens` tokens."""
-        if rid in self._entries:
-            raise KeyError(f"request {rid} is already in the KV cache")
-        self.check_fits(max_tokens)
-        if not self.can_admit(max_tokens):
-            raise KVCacheFullError(f"request {rid}: no room for {max_tokens} tokens now; "
-                                   "check can_admit() first")
-        reserved = pages_for(max_tokens, self.page_size)
-        self._entries[rid] = _Entry(reserved=reserved)
-        self._unused_reservation += reserved
-
-    def has(self, rid: int) -> bool:
-        """Whether request `rid` holds a reservation."""
-        return rid in self._entries
-
-    def seq_len(self, rid: int) -> int:
-        """Tokens request `rid` holds."""
-        return self._entries[rid].length
-
-    def page_table(self, rid: int) -> list[int]:
-        """Page ids of request `rid`, in token order (a copy)."""
-        return list(self._entries[rid].pages)
-
-    def extend(self, rid: int, num_tokens: int) -> None:
-        """Grow request `rid` by `num_tokens` tokens, allocating pages inside its reservation."""
-        entry = self._entries[rid]
-        need = pages_for(entry.length + num_tokens, self.page_size) - len(entry.pages)
-        if len(entry.pages) + need > entry.reserved:
-            raise KVCacheFullError(
-                f"request {rid}: growing to {entry.length + num_tokens} tokens needs "
-                f"{len(entry.pages) + need} pages, beyond its reservation of {entry.reserved}")
-        for _ in range(need):
-            entry.pages.append(self._free.pop())
-        self._unused_reservation -= need
-        entry.length += num_tokens
-
-    def truncate(self, rid: int, new_len: int) -> None:
-        """Shrink request `rid` to its first `new_len` tokens; pages past them go back to the pool."""
-        entry = self._entries[rid]
-        if not 0 <= new_len <= entry.length:
-            raise RuntimeError(f"request {rid}: truncate to {new_len} outside [0, {entry.length}]")
-        keep = pages_for(new_len, self.page_size)
-        released = entry.pages[keep:]
-        del entry.pages[keep:]
-        self._free.extend(reversed(released))
-        self._unused_reservation += len(released)  # still reserved for this request
-        entry.length = new_len
-
-    def free(self, rid: int) -> None:
-        """Release everything request `rid` holds: its pages and its reservation."""
-        entry = self._entries.pop(rid)
-        self._free.extend(reversed(entry.pages))
-        self._unused_reservation -= entry.reserved - len(entry.pages)
-
-    def slots(self, rid: int, start: int, end: int) -> list[int]:
-        """Flat slot ids of tokens `start..end-1` of request `rid`."""
-        pages, ps = self._entries[rid].pages, self.page_size
-        return [pages[i // ps] * ps + i % ps for i in range(start, end)]
-
-    # ---- data -----------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store `k`, `v` (`[T, Hkv, D]`) of layer `layer` into flat slots `slots` (`[T]`, int64)."""
+        """Store `k`, `v` (`[T, Hkv, D]`, D <= head_dim: a pool in a kernel's format may store
+        zero channels beyond the model's) of layer `layer` into flat slots `slots` (`[T]`)."""
         flat_k = self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
         flat_v = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
+        flat_k.index_copy_(0, slots, _pad_channels(k, self.head_dim).to(flat_k.dtype))
+        flat_v.index_copy_(0, slots, _pad_channels(v, self.head_dim).to(flat_v.dtype))
 
-    def check_empty(self) -> None:
-        """Raise if any request or page is still held (a leak)."""
-        if self._entries or len(self._free) != self.num_pages or self._unused_reservation:
-            raise AssertionError(
-                f"KV cache not empty: {len(self._entries)} requests, "
-                f"{self.num_pages - len(self._free)} pages in use, "
-                f"{self._unused_reservation} reserved")
+
+def _pad_channels(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x if x.shape[-1] == size else torch.nn.functional.pad(x, (0, size - x.shape[-1]))

@@ -75,13 +75,6 @@ def sample_token(logits: torch.Tensor, params: SamplingParams,
     return int(sample(target_probs(logits[None], params.temperature, params.top_p), generator))
 
 
-def accept_greedy_batch(draft: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
-    """Accept lengths [B] for drafts [B, s] against the target's argmax [B, s+1] (exact match)."""
-    steps = draft.shape[1]
-    matches = (draft == target_argmax[:, :steps]).int()
-    return matches.cumprod(dim=1).sum(dim=1)
-
-
 def accept_greedy(draft: list[int], target_argmax: list[int]) -> tuple[int, list[int]]:
     """(accepted draft tokens, tokens to commit = accepted + bonus) for one request."""
     accepted = 0

@@ -2,21 +2,24 @@
 
 A `Request` carries its prompt, its sampling parameters, its generated tokens and its own seeded
 `torch.Generator`; `Request.commit` appends tokens and stops at a stop token or `max_new_tokens`
-(tokens past the stop are dropped). The `Scheduler` keeps a FIFO of waiting requests and the
-running batch: between rounds it admits waiting requests while the batch has room and the KV pool
-can reserve their worst case, and retires finished ones (their KV pages go back to the pool).
+(tokens past the stop are dropped). The `Scheduler` owns KV admission: it keeps a FIFO of waiting
+requests and the running batch; between rounds it admits waiting requests while the batch has a
+free slot and the page allocator can give them their worst case (their page table and batch slot
+are theirs until they finish), and retires finished ones (pages and slot go back).
 
-Under tensor parallelism every TP rank runs the same scheduler over the same requests, so the
-batches agree without communication.
+Every rank of a DP replica (its attention-TP group) runs the same scheduler over the same requests,
+so their batches agree without communication; replicas schedule independently and the round's
+consensus agrees the padded shapes.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable
 
 import torch
 
+from workers.kv_cache import PageAllocator
 from workers.sampling import SamplingParams
 
 
@@ -32,6 +35,8 @@ class Request:
     finish_reason: str | None = None       # "stop" (a stop token) or "length" (max_new_tokens)
     accept_lengths: list[int] = field(default_factory=list)  # per speculative round
     generator: torch.Generator | None = None
+    slot: int | None = None                 # batch slot while admitted
+    pages: list[int] = field(default_factory=list)  # KV page table while admitted
 
     @property
     def finished(self) -> bool:
@@ -65,27 +70,22 @@ class Request:
                 self.finish_reason = "length"
 
 
-class KVAdmission(Protocol):
-    """What the scheduler asks of the worker about KV memory."""
-
-    def check_fits(self, req: Request) -> None: ...
-    def can_admit(self, req: Request) -> bool: ...
-    def admit(self, req: Request) -> None: ...
-    def release(self, req: Request) -> None: ...
-
-
 class Scheduler:
     """FIFO admission into a running batch of at most `max_batch_size` requests."""
 
-    def __init__(self, kv: KVAdmission, max_batch_size: int, max_context_len: int) -> None:
+    def __init__(self, allocator: PageAllocator, max_batch_size: int, max_context_len: int,
+                 kv_tokens: Callable[[Request], int], device: torch.device | str = "cpu") -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
-        self.kv = kv
+        self.allocator = allocator
         self.max_batch_size = max_batch_size
         self.max_context_len = max_context_len
+        self.kv_tokens = kv_tokens
+        self.device = torch.device(device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
+        self._free_slots = list(range(max_batch_size - 1, -1, -1))
 
     def validate(self, req: Request) -> None:
         """Raise `ValueError` naming what is wrong if `req` can never run."""
@@ -101,7 +101,7 @@ class Scheduler:
                 f"request {req.rid}: prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
                 f"({req.params.max_new_tokens}) = {total} exceeds the context length "
                 f"({self.max_context_len} tokens)")
-        self.kv.check_fits(req)
+        self.allocator.check_fits(self.kv_tokens(req))
 
     def add(self, req: Request) -> None:
         """Queue `req` (validated first: an impossible request is refused, never queued)."""
@@ -116,20 +116,32 @@ class Scheduler:
     def admit(self) -> list[Request]:
         """Move waiting requests into the batch, in arrival order, while they fit; return them."""
         admitted = []
-        while self.waiting and len(self.running) < self.max_batch_size \
-                and self.kv.can_admit(self.waiting[0]):
+        while self.waiting and self._free_slots \
+                and self.allocator.can_allocate(self.kv_tokens(self.waiting[0])):
             req = self.waiting.popleft()
-            self.kv.admit(req)
+            req.pages = self.allocator.allocate(req.rid, self.kv_tokens(req))
+            req.slot = self._free_slots.pop()
+            req.make_generator(self.device)
             self.running.append(req)
             admitted.append(req)
         return admitted
 
+    def abort(self, req: Request) -> None:
+        """Finish `req` with reason "abort": a waiting one leaves the queue at once, a running
+        one at the next `retire`."""
+        req.finish_reason = "abort"
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self.finished.append(req)
+
     def retire(self) -> list[Request]:
-        """Remove finished requests from the batch and release their KV; return them."""
+        """Remove finished requests from the batch, give back their pages and slot; return them."""
         done = [r for r in self.running if r.finished]
         if done:
             self.running = [r for r in self.running if not r.finished]
             for req in done:
-                self.kv.release(req)
+                self.allocator.free(req.rid)
+                self._free_slots.append(req.slot)
+                req.slot, req.pages = None, []
             self.finished.extend(done)
         return done

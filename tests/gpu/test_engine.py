@@ -17,14 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaptive_dist.config import AdaptiveConfig, load_config
-from engine_fixtures import random_prompts, tiny_pair
+from adaptive_dist.config import AdaptiveConfig
+from engine_fixtures import check_pages_back, engine_for, random_prompts, tiny_pair
 from workers.attention import ForwardMode, build_metadata
 from workers.attention.torch_backend import TorchBackend
-from workers.cuda_graphs import capture_buckets
-from workers.eagle_worker import WorkerConfig
-from workers.engine import Engine, make_engine
-from workers.kv_cache import KVCache
+from workers.engine import Engine
+from workers.kv_cache import KVPool, PageAllocator
 from workers.model import DenseCausalAttention
 from workers.sampling import SamplingParams
 
@@ -42,16 +40,10 @@ def _params(n: int) -> list[SamplingParams]:
 
 def _engine(target, head, mode: str, steps: int = 3, *, graphs: bool = False,
             backend: str = "torch", device: str = "cpu", max_batch: int = 4,
-            page_size: int = 4, config: AdaptiveConfig | None = None,
-            max_context: int | None = None) -> Engine:
-    wcfg = WorkerConfig(max_batch_size=max_batch, page_size=page_size,
-                        max_context_len=max_context or target.config.max_position_embeddings)
-    if mode == "nospec":
-        return make_engine(target, None, adaptive_config=None, worker_config=wcfg,
-                           backend=backend, device=device)
-    cfg = config if mode == "ema" else load_config(None, "static", initial_steps=steps)
-    return make_engine(target, head, adaptive_config=cfg, worker_config=wcfg,
-                       backend=backend, device=device, cuda_graphs=graphs)
+            page_size: int = 4, config: AdaptiveConfig | None = None) -> Engine:
+    return engine_for(target, head, mode, steps, config=config, max_batch=max_batch,
+                      page_size=page_size, device=device, cuda_graphs=graphs,
+                      attention_backend=backend)
 
 
 def _outputs(engine: Engine, prompts, params) -> list[list[int]]:
@@ -60,12 +52,14 @@ def _outputs(engine: Engine, prompts, params) -> list[list[int]]:
 
 def _close_and_check_pages(engine: Engine) -> None:
     engine.close()
-    engine.worker.target_cache.check_empty()
-    if engine.worker.draft_cache is not None:
-        engine.worker.draft_cache.check_empty()
+    check_pages_back(engine)
 
 
-# ---- everywhere: the padded static path the graphs capture ------------------------------------
+def _captures_per_bucket(steps: int) -> int:
+    """Forwards a tier captures per bucket: verify; plus draft-extend and the first draft logits
+    when speculating; plus the draft step from depth 2 on."""
+    return 1 if steps == 0 else (3 if steps == 1 else 4)
+
 
 @pytest.fixture(scope="module")
 def pair():
@@ -89,12 +83,16 @@ def gpu_pair():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("steps", [1, 3, 7])
+@pytest.mark.parametrize("steps", [0, 1, 3, 7])
 def test_cuda_graph_replay_equals_eager(gpu_pair, prompts, reference, steps: int) -> None:
-    engine = _engine(*gpu_pair, "static", steps, graphs=True, device="cuda")
+    if steps == 0:
+        engine = _engine(gpu_pair[0], None, "nospec", graphs=True, device="cuda")
+    else:
+        engine = _engine(*gpu_pair, "static", steps, graphs=True, device="cuda")
     runner = engine.worker.graphs
-    # a static run builds only its own tier: draft, verify, draft-extend per bucket
-    assert runner.capture and runner.num_captures == 3 * len(runner.buckets)
+    # a static run builds only its own tier
+    assert runner.capture and runner.num_captures == _captures_per_bucket(steps) * len(
+        engine.worker.buckets)
     assert _outputs(engine, prompts, _params(len(prompts))) == reference
     assert engine.stats.graph_rounds == engine.stats.rounds > 0
     _close_and_check_pages(engine)
@@ -107,7 +105,7 @@ def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference
     engine = _engine(*gpu_pair, "ema", graphs=True, device="cuda", config=config)
     runner, pool = engine.worker.graphs, engine.pool
     captured = runner.num_captures
-    assert captured == len(pool.states) * len(runner.buckets) * 3
+    assert captured == sum(_captures_per_bucket(s) for s in pool.states) * len(engine.worker.buckets)
     for steps, state in pool.states.items():
         graph_bytes = state.nbytes - state.payload.nbytes
         assert graph_bytes > 0, f"steps={steps}: the graphs' memory is not reported"
@@ -131,46 +129,44 @@ def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference
 
 # ---- flashinfer ---------------------------------------------------------------------------------
 
-def _caches(backend, num_kv_heads: int, head_dim: int, pages: int, page_size: int,
-            dtype: torch.dtype) -> KVCache:
+def _pool(backend, num_kv_heads: int, head_dim: int, pages: int, page_size: int,
+          dtype: torch.dtype) -> KVPool:
     fmt = getattr(backend, "kv_format", None)
     dim, dt = fmt(head_dim, dtype) if fmt else (head_dim, dtype)
-    return KVCache(1, pages, page_size, num_kv_heads, dim, dtype=dt, device="cuda")
+    return KVPool(1, pages, page_size, num_kv_heads, dim, dtype=dt, device="cuda")
 
 
 @gpu
 @needs_flashinfer
 @pytest.mark.parametrize("mode", list(ForwardMode))
 def test_flashinfer_attention_matches_torch(mode: ForwardMode) -> None:
-    """Two forwards per mode (a prefix, then `mode`'s new tokens) through both backends."""
+    """Two ragged forwards per mode (a prefix, then `mode`'s new tokens) through both backends,
+    the second one padded with extra rows as a DP-attention round pads it."""
     from workers.attention.flashinfer_backend import FlashInferBackend
 
     rng = random.Random(mode.value)
     torch.manual_seed(0)
     hq, hkv, d, ps, dtype = 8, 4, 32, 16, torch.float16
     backends = {"torch": TorchBackend(), "flashinfer": FlashInferBackend("cuda")}
-    caches = {n: _caches(b, hkv, d, 64, ps, dtype) for n, b in backends.items()}
+    pools = {n: _pool(b, hkv, d, 64, ps, dtype) for n, b in backends.items()}
+    alloc = PageAllocator(64, ps)
     batch = 5
+    tables = [alloc.allocate(rid, 100) for rid in range(batch)]
     prefix = [rng.randint(1, 70) for _ in range(batch)]
     new = {ForwardMode.DECODE: [1] * batch, ForwardMode.VERIFY: [4] * batch}.get(
         mode, [rng.randint(1, 8) for _ in range(batch)])
-    for c in caches.values():
-        for rid in range(batch):
-            c.admit(rid, 100)
-    outs = {}
-    for step_mode, lens in ((ForwardMode.EXTEND, prefix), (mode, new)):
-        q = torch.randn(sum(lens), hq, d, dtype=dtype, device="cuda")
-        k = torch.randn(sum(lens), hkv, d, dtype=dtype, device="cuda")
-        v = torch.randn(sum(lens), hkv, d, dtype=dtype, device="cuda")
-        for name, backend in backends.items():
-            cache = caches[name]
-            cached = [cache.seq_len(r) for r in range(batch)]
-            for r, n in enumerate(lens):
-                cache.extend(r, n)
-            meta = build_metadata(step_mode, [cache.page_table(r) for r in range(batch)], cached,
-                                  lens, ps, "cuda")
-            outs[name] = backend.plan(meta, cache).forward(0, q, k, v)
+    cached = [0] * batch
+    for step_mode, lens, pad in ((ForwardMode.EXTEND, prefix, 0), (mode, new, 3)):
+        rows = sum(lens) + pad
+        q = torch.randn(rows, hq, d, dtype=dtype, device="cuda")
+        k = torch.randn(rows, hkv, d, dtype=dtype, device="cuda")
+        v = torch.randn(rows, hkv, d, dtype=dtype, device="cuda")
+        meta = build_metadata(step_mode, tables, cached, lens, ps, "cuda")
+        outs = {name: backend.plan(meta, pools[name]).forward(0, q, k, v)
+                for name, backend in backends.items()}
         torch.testing.assert_close(outs["flashinfer"], outs["torch"], atol=2e-3, rtol=2e-3)
+        assert outs["flashinfer"][sum(lens):].abs().sum() == 0  # padding rows
+        cached = [c + n for c, n in zip(cached, lens)]
 
 
 def _pair_in(dtype: torch.dtype):
@@ -188,7 +184,7 @@ def _pair_in(dtype: torch.dtype):
 
 def _fresh_prompts(config) -> list[list[int]]:
     """Prompts not in the repository (byte ids for the bundled pair, random ids otherwise)."""
-    from workers.cli import encode_prompt
+    from workers.loading import encode_prompt
 
     if config.vocab_size == 64:
         return random_prompts(6, vocab=64, seed=7)
@@ -240,7 +236,7 @@ def test_flashinfer_greedy_equals_torch_backend() -> None:
             why = _near_tie_or_equal(r, o, p, target32)
             if why:
                 problems.append(f"{name}: {why}")
-        if engine.planner is not None:
+        if engine.config.speculative:
             assert engine.stats.accept_histogram, name
         _close_and_check_pages(engine)
     print(f"{exact} of {len(runs) * len(prompts)} outputs equal exactly; near-ties: {problems}")
@@ -256,7 +252,7 @@ def test_generate_command_with_flashinfer_and_graphs(capsys) -> None:
 
     from workers.cli import main
 
-    assert main(["generate", "--prompt", "def fib(n):", "--steps", "3", "--backend",
+    assert main(["generate", "--prompt", "def fib(n):", "--steps", "3", "--attention-backend",
                  "flashinfer", "--max-new-tokens", "32", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["outputs"][0]["token_ids"]) == 32

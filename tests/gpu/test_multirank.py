@@ -59,3 +59,38 @@ def test_nccl_skipped_collective_exits_with_divergence():
         raised = r.ok and r.value["raised"] == "DivergenceError"
         assert raised or r.exitcode == EXIT_DIVERGENCE, format_results(results)
     assert time.monotonic() - t0 < 45
+
+
+# ---- DP attention on NCCL with CUDA graphs -------------------------------------------------------
+
+def test_nccl_dp2_graphs_lossless_in_lockstep(tmp_path):
+    """Two H200s, --dp 2: the MLP's gather/scatter collectives inside the CUDA graphs, forced tier
+    switches every round, an idle replica running dummy rows; the same outputs as one CPU
+    process without speculation, every graph captured at start-up only."""
+    import dataclasses
+
+    import dp_jobs
+    from engine_fixtures import engine_for, random_prompts, save_pair, tiny_config, tiny_pair
+    from workers.model import load_llama
+    from workers.sampling import SamplingParams
+
+    cfg = dataclasses.replace(tiny_config(vocab=264, eos=257), bos_token_id=256)
+    save_pair(*tiny_pair(seed=3, cfg=cfg), tmp_path)
+    prompts = [random_prompts(1, 256, seed=21, lo=3, hi=5), random_prompts(5, 256, seed=22)]
+    new = [[3], [24, 9, 30, 16, 20]]
+    target = load_llama(tmp_path / "target", dtype=torch.float64)
+    want = [[r.output_ids for r in engine_for(target, None, "nospec").generate(
+        p, [SamplingParams(max_new_tokens=n) for n in lens])] for p, lens in zip(prompts, new)]
+    modes = ["static3", "ema", "forced"]
+    results = run_ranks(dp_jobs.generate_job, 2, str(tmp_path), 2, modes, prompts, new, 0.0, 0,
+                        True, timeout=400)
+    for res in results:
+        for mode in modes:
+            got = res.value[mode]
+            assert got["outputs"] == want[res.value["replica"]], mode
+            assert got["graph_rounds"] > 0 and got["captures"][0] == got["captures"][1] > 0, mode
+    for mode in modes:
+        a, b = results[0].value[mode], results[1].value[mode]
+        assert a["timeline"] == b["timeline"] and a["digest"] == b["digest"], mode
+        assert a["log"] == b["log"], mode
+    assert results[0].value["forced"]["switches"] >= 3

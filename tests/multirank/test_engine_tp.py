@@ -18,7 +18,7 @@ import torch
 from adaptive_dist.config import AdaptiveConfig
 from engine_fixtures import engine_for, random_prompts, save_pair, tiny_config, tiny_pair
 from multirank import run_ranks
-from workers.model import load_eagle, load_llama
+from workers.model import ModelParallel, load_eagle, load_llama
 from workers.sampling import SamplingParams
 
 pytestmark = pytest.mark.multirank
@@ -42,11 +42,12 @@ def tp_engine_job(rank: int, model_dir: str, prompts: list[list[int]]) -> dict:
     torch.set_num_threads(1)
     ctx = init_distributed(timeout_s=60.0, record=False)
     try:
-        tp = ctx.layout(dp=1, tp=ctx.world_size).group("tp")
-        target = load_llama(Path(model_dir) / "target", tp_group=tp, dtype=torch.float64)
+        par = ModelParallel.from_layout(ctx.layout(dp=1))
+        target = load_llama(Path(model_dir) / "target", par=par, dtype=torch.float64)
         head = load_eagle(Path(model_dir) / "eagle", target)
         local = target.model.layers[0].self_attn.q_proj.weight.shape[0]
-        return {"tp_size": tp.size, "q_rows": local, "outputs": _generate_all(target, head, prompts)}
+        return {"tp_size": par.attn.size, "q_rows": local,
+                "outputs": _generate_all(target, head, prompts)}
     finally:
         ctx.shutdown()
 

@@ -13,6 +13,7 @@ from workers.model import (
     EagleHead,
     LlamaConfig,
     LlamaForCausalLM,
+    ModelParallel,
     load_eagle,
     load_llama,
     save_pretrained,
@@ -43,8 +44,8 @@ def tp_job(rank: int, root: str) -> dict:
 
     ctx = init_distributed(timeout_s=30.0)
     try:
-        tp = ctx.layout(dp=1, tp=ctx.world_size).group("tp")
-        target = load_llama(Path(root) / "target", tp_group=tp)
+        par = ModelParallel.from_layout(ctx.layout(dp=1))
+        target = load_llama(Path(root) / "target", par=par)
         head = load_eagle(Path(root) / "eagle", target)
         logits, draft = logits_of(target, head)
         attn = target.model.layers[0].self_attn

@@ -309,7 +309,7 @@ def test_can_graph_false_means_eager():
     ctl = make()
     p = ctl.begin_round(4, num_tokens=40, can_graph=False)
     assert p.use_graph is False and p.batch_bucket is None
-    assert p.padded_tokens == 40 and p.cluster_requests == 4
+    assert p.extend_tokens == 40 and p.cluster_requests == 4 and p.batch_pad == 4
 
 
 @pytest.mark.parametrize("batch,bucket", [(1, 1), (3, 4), (5, 8), (8, 8), (17, 32), (64, 64)])

@@ -83,13 +83,14 @@ class RandomTierPlanner:
         self.seen: Counter = Counter()
 
     def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
-                    done: bool = False) -> RoundPlan:
+                    done: bool = False, num_extend: int = 0) -> RoundPlan:
         others = [s for s in self.candidates if s != self.steps]
         self.steps = self.rng.choice(others)
         self.seen[self.steps] += 1
         return RoundPlan(round=0, steps=self.steps, use_graph=False, batch_bucket=None,
-                         padded_tokens=num_tokens, cluster_requests=num_requests, switched=True,
-                         all_done=done)
+                         batch_pad=num_requests, extend_tokens=num_tokens,
+                         extend_requests=num_extend, cluster_requests=num_requests,
+                         switched=True, all_done=done)
 
     def end_round(self, accepts, executed=None) -> None:
         assert all(0 <= a <= self.steps for a in accepts)
@@ -114,7 +115,7 @@ def test_switch_is_a_reference_swap(pair) -> None:
     for steps, state in pool.states.items():
         pool.apply(steps)
         assert engine.worker.state is state
-        assert engine.worker.state.payload.verify_meta.out_slots.numel() == 4 * (steps + 1)
+        assert engine.worker.state.payload.ids.numel() == 4 * (steps + 1)
     assert pool.nbytes == sum(s.nbytes for s in pool.states.values()) > 0
 
 
@@ -132,7 +133,7 @@ FRESH_PROMPTS = [
 
 
 def test_bundled_pair_float32_lossless_at_every_tier_and_adaptive() -> None:
-    from workers.cli import encode_prompt, load_pair
+    from workers.loading import encode_prompt, load_pair
 
     target, head = load_pair(BUNDLED)
     prompts = [encode_prompt(p, target.config) for p in FRESH_PROMPTS]

@@ -102,11 +102,13 @@ def _foreign_arch(model_dir: Path, tmp_path: Path) -> Path:
     (["--prompt", "a", "--temperature", "-1"], "temperature=-1.0: must be a finite number >= 0"),
     (["--prompt", "a", "--top-p", "0"], r"top_p=0.0: must be in \(0, 1\]"),
     (["--prompt", "a", "--top-p", "1.5"], r"top_p=1.5: must be in \(0, 1\]"),
-    (["--prompt", "a", "--steps", "0"], "initial_steps=0: must be an integer >= 1"),
+    (["--prompt", "a", "--steps", "0"], "--steps 0: must be >= 1"),
+    (["--prompt", "a", "--max-batch-size", "0"], "--max-batch-size 0: must be >= 1"),
+    (["--prompt", "a", "--dp", "3"], "--dp 3 x --attn-tp 1 = 3 ranks, but this job has 1"),
     (["--prompt", "a", "--steps", "3", "--config", "c.json"], "adaptive mode is off"),
     (["--prompt", "a", "--no-spec", "--config", "c.json"], "--config applies to --adaptive only"),
-    (["--prompt", "a", "--tp", "2"], "--tp 2 needs 2 processes, but this job has 1"),
-    (["--prompts", "missing.jsonl"], "prompts file 'missing.jsonl' does not exist"),
+    (["--prompt", "a", "--tp", "2"], "--dp 1 x --attn-tp 2 = 2 ranks, but this job has 1"),
+    (["--prompts", "missing.jsonl"], "--prompts: file 'missing.jsonl' does not exist"),
 ])
 def test_bad_input_is_named(capsys, model_dir, argv: list[str], match: str) -> None:
     code, out, err = _run(capsys, *argv, "--model", str(model_dir))
@@ -137,24 +139,19 @@ def test_checkpoint_errors_are_named(capsys, model_dir, tmp_path) -> None:
 
 def test_unknown_backend_is_refused_by_the_parser(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
-        main(["generate", "--prompt", "a", "--backend", "paged"])
+        main(["generate", "--prompt", "a", "--attention-backend", "paged"])
     assert exc.value.code == 2
     assert "invalid choice: 'paged'" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_flashinfer_without_gpu_is_a_clear_error(capsys, model_dir) -> None:
-    code, _, err = _run(capsys, "--prompt", "a", "--backend", "flashinfer", "--model", str(model_dir))
-    assert code == 2 and "'flashinfer' needs a CUDA GPU" in err
-
-
-def test_python_dash_m_workers(model_dir) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "workers", "generate", "--prompt", "x = ",
-                           "--steps", "1", "--max-new-tokens", "6", "--json", "--model", str(model_dir)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert len(_json(proc.stdout)["outputs"][0]["token_ids"]) == 6
+    code, _, err = _run(capsys, "--prompt", "a", "--attention-backend", "flashinfer",
+                        "--model", str(model_dir))
+    assert code == 2 and "--device cuda: this torch build or machine has no CUDA device" in err
+    code, _, err = _run(capsys, "--prompt", "a", "--attention-backend", "flashinfer",
+                        "--device", "cpu", "--model", str(model_dir))
+    assert code == 2 and "--attention-backend flashinfer needs --device cuda" in err
 
 
 def test_python_dash_m_adaptive_dist_generate(model_dir) -> None:

@@ -1,8 +1,10 @@
-"""Paged KV cache bookkeeping and the torch reference attention backend over it.
+"""The page allocator, the KV pool, and the attention backends over them.
 
-The backend is checked against an independent dense computation (explicit softmax over each
-request's whole un-paged K/V history) through prefill, decode, multi-token verify with rejection
-(truncate), and interleaved requests whose pages are fragmented across the pool.
+Both backends are checked against an independent dense computation (explicit softmax over each
+request's whole un-paged K/V history): the ragged torch backend (prefill) and the padded static
+backend (the speculative round's forwards, eager and in CUDA graphs), through prefill, decode,
+multi-token verify with rejection (the next forward overwrites rejected slots), dummy rows and
+padding, and requests whose pages are fragmented across the pool.
 """
 from __future__ import annotations
 
@@ -11,88 +13,62 @@ import random
 import pytest
 import torch
 
-from workers.attention import ForwardMode, MetadataBuffers, build_metadata, make_backend
+from workers.attention import ForwardMode, PaddedBatch, StaticBackend, build_metadata, make_backend
 from workers.attention.torch_backend import TorchBackend
-from workers.kv_cache import KVCache, KVCacheFullError, RequestTooLargeError, pages_for
+from workers.kv_cache import DUMMY_PAGE, KVPool, PageAllocator, RequestTooLargeError, pages_for
 
 
-def _cache(num_pages: int = 32, page_size: int = 4, layers: int = 2, hkv: int = 2,
-           dim: int = 8, dtype: torch.dtype = torch.float64) -> KVCache:
-    return KVCache(layers, num_pages, page_size, hkv, dim, dtype=dtype)
+def _pool(num_pages: int = 32, page_size: int = 4, layers: int = 2, hkv: int = 2,
+          dim: int = 8, dtype: torch.dtype = torch.float64) -> KVPool:
+    return KVPool(layers, num_pages, page_size, hkv, dim, dtype=dtype)
 
 
 # ---- bookkeeping ---------------------------------------------------------------------------
 
-def test_extend_truncate_free_page_accounting() -> None:
-    cache = _cache(num_pages=8, page_size=4)
-    cache.admit(7, max_tokens=20)  # 5 pages reserved
-    assert cache.num_available_pages == 3 and cache.num_free_pages == 8
-    cache.extend(7, 9)             # 3 pages
-    assert cache.seq_len(7) == 9 and len(cache.page_table(7)) == 3
-    assert cache.num_free_pages == 5 and cache.num_available_pages == 3
-    cache.truncate(7, 4)           # back to 1 page; the other 2 stay reserved for request 7
-    assert len(cache.page_table(7)) == 1 and cache.num_free_pages == 7
-    assert cache.num_available_pages == 3
-    assert cache.slots(7, 0, 4) == [cache.page_table(7)[0] * 4 + i for i in range(4)]
-    with pytest.raises(KVCacheFullError, match="beyond its reservation"):
-        cache.extend(7, 17)
-    cache.free(7)
-    cache.check_empty()
-
-
-def test_admission_waits_when_full_and_refuses_what_never_fits() -> None:
-    cache = _cache(num_pages=4, page_size=4)
-    cache.admit(0, 12)
-    assert not cache.can_admit(5)   # 2 pages needed, 1 available
-    assert cache.can_admit(4)
-    with pytest.raises(KVCacheFullError, match="can_admit"):
-        cache.admit(1, 5)
-    with pytest.raises(RequestTooLargeError, match=r"17 tokens.*only 16 tokens"):
-        cache.check_fits(17)
-    cache.free(0)
-    assert cache.can_admit(16)
-
-
-def test_truncate_out_of_range_is_refused() -> None:
-    cache = _cache()
-    cache.admit(1, 8)
-    cache.extend(1, 3)
-    with pytest.raises(RuntimeError, match="outside"):
-        cache.truncate(1, 4)
+def test_allocation_holds_the_worst_case_and_never_the_dummy_page() -> None:
+    alloc = PageAllocator(num_pages=8, page_size=4)
+    assert alloc.usable_pages == 7 and alloc.num_free_pages == 7
+    pages = alloc.allocate(7, max_tokens=20)   # 5 pages
+    assert len(pages) == 5 and DUMMY_PAGE not in pages and alloc.num_free_pages == 2
+    assert not alloc.can_allocate(9) and alloc.can_allocate(8)
+    with pytest.raises(RuntimeError, match="can_allocate"):
+        alloc.allocate(8, 9)
+    with pytest.raises(KeyError, match="already holds"):
+        alloc.allocate(7, 1)
+    with pytest.raises(RequestTooLargeError, match=r"29 tokens.*only 28 tokens"):
+        alloc.check_fits(29)
+    alloc.free(7)
+    alloc.check_empty()
+    with pytest.raises(ValueError, match="dummy page"):
+        PageAllocator(num_pages=1, page_size=4)
 
 
 def test_every_page_back_after_random_requests() -> None:
     rng = random.Random(1234)
-    cache = _cache(num_pages=40, page_size=4, layers=1)
-    live: dict[int, int] = {}  # rid -> max tokens
-    next_rid = 0
-    for _ in range(3000):
-        action = rng.random()
-        if action < 0.25:
-            max_tokens = rng.randint(1, 60)
-            if cache.can_admit(max_tokens):
-                cache.admit(next_rid, max_tokens)
-                live[next_rid] = max_tokens
-                next_rid += 1
-        elif live and action < 0.7:
-            rid = rng.choice(sorted(live))
-            room = live[rid] - cache.seq_len(rid)
-            if room:
-                cache.extend(rid, rng.randint(1, room))
-        elif live and action < 0.9:
-            rid = rng.choice(sorted(live))
-            cache.truncate(rid, rng.randint(0, cache.seq_len(rid)))
+    alloc = PageAllocator(num_pages=40, page_size=4)
+    live: dict[int, list[int]] = {}
+    for rid in range(3000):
+        if rng.random() < 0.5 and alloc.can_allocate(n := rng.randint(1, 60)):
+            live[rid] = alloc.allocate(rid, n)
         elif live:
-            rid = rng.choice(sorted(live))
-            cache.free(rid)
-            del live[rid]
-        held = [p for rid in live for p in cache.page_table(rid)]
+            victim = rng.choice(sorted(live))
+            alloc.free(victim)
+            del live[victim]
+        held = [p for pages in live.values() for p in pages]
         assert len(held) == len(set(held)), "a page is owned twice"
-        assert len(held) + cache.num_free_pages == cache.num_pages
-    assert next_rid > 100
+        assert len(held) + alloc.num_free_pages == alloc.usable_pages
     for rid in list(live):
-        cache.free(rid)
-    cache.check_empty()
+        alloc.free(rid)
+    alloc.check_empty()
+
+
+def test_pool_write_pads_channels_to_the_stored_head_dim() -> None:
+    pool = KVPool(1, 4, 2, 1, 8, dtype=torch.float32)
+    k = torch.ones(2, 1, 5)
+    pool.write(0, torch.tensor([2, 3]), k, 2 * k)
+    flat = pool.k[0].view(-1, 1, 8)
+    assert flat[2, 0, :5].tolist() == [1.0] * 5 and flat[2, 0, 5:].tolist() == [0.0] * 3
+    assert pool.v[0].view(-1, 1, 8)[3, 0, 0] == 2.0
 
 
 # ---- metadata ------------------------------------------------------------------------------
@@ -109,16 +85,6 @@ def test_metadata_csr_layout() -> None:
     assert meta.num_tokens == 5 and meta.batch_size == 2
 
 
-def test_metadata_into_buffers_keeps_addresses() -> None:
-    bufs = MetadataBuffers.allocate(max_batch=4, max_tokens=16, max_pages=16, device="cpu")
-    first = build_metadata(ForwardMode.DECODE, [[0], [1, 2]], [2, 5], [1, 1], 4, out=bufs)
-    second = build_metadata(ForwardMode.DECODE, [[3, 4]], [6], [1], 4, out=bufs)
-    assert first.out_slots.data_ptr() == second.out_slots.data_ptr() == bufs.out_slots.data_ptr()
-    assert second.kv_page_indices.tolist() == [3, 4]
-    with pytest.raises(RuntimeError, match="buffer too small"):
-        build_metadata(ForwardMode.EXTEND, [[0, 1, 2, 3, 4]], [0], [17], 4, out=bufs)
-
-
 # ---- attention against a dense reference ---------------------------------------------------
 
 def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int) -> torch.Tensor:
@@ -132,32 +98,65 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int) -> to
 
 
 class _Harness:
-    """Requests with a dense K/V history each, run through the paged cache and the backend."""
+    """Requests with a dense K/V history each, run through the paged pool and a backend.
 
-    def __init__(self, cache: KVCache, hq: int, seed: int) -> None:
-        self.cache, self.hq = cache, hq
+    `static` runs every forward through the padded static backend (rows of `width` token slots,
+    plus `dummy_rows` dummy rows); otherwise the ragged torch backend. Padding rows carry random
+    q/k/v too: they must change nothing the real rows see.
+    """
+
+    def __init__(self, pool: KVPool, alloc: PageAllocator, hq: int, seed: int,
+                 static: bool = False, dummy_rows: int = 0) -> None:
+        self.pool, self.alloc, self.hq, self.static = pool, alloc, hq, static
+        self.dummy_rows = dummy_rows
         self.gen = torch.Generator().manual_seed(seed)
         self.hist: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.pages: dict[int, list[int]] = {}
 
     def new(self, rid: int, max_tokens: int) -> None:
-        self.cache.admit(rid, max_tokens)
-        self.hist[rid] = [(torch.empty(0, self.cache.num_kv_heads, self.cache.head_dim,
-                                       dtype=torch.float64),) * 2
-                          for _ in range(self.cache.num_layers)]
+        self.pages[rid] = self.alloc.allocate(rid, max_tokens)
+        empty = torch.empty(0, self.pool.num_kv_heads, self.pool.head_dim, dtype=torch.float64)
+        self.hist[rid] = [(empty, empty) for _ in range(self.pool.num_layers)]
+
+    def free(self, rid: int) -> None:
+        self.alloc.free(rid)
+        self.hist.pop(rid)
+
+    def length(self, rid: int) -> int:
+        return self.hist[rid][0][0].shape[0]
+
+    def _attn(self, mode: ForwardMode, rids: list[int], cached: list[int], qo_lens: list[int]):
+        if not self.static:
+            meta = build_metadata(mode, [self.pages[r] for r in rids], cached, qo_lens,
+                                  self.pool.page_size)
+            return TorchBackend().plan(meta, self.pool), None
+        width = max(qo_lens)
+        reach = max(len(self.pages[r]) for r in rids)
+        table = [self.pages[r] + [DUMMY_PAGE] * (reach - len(self.pages[r])) for r in rids]
+        table += [[DUMMY_PAGE] * reach] * self.dummy_rows
+        pad = [0] * self.dummy_rows
+        meta = PaddedBatch(torch.tensor(table), torch.tensor(cached + pad),
+                           torch.tensor(qo_lens + pad), width)
+        rows = [b * width + i for b, n in enumerate(qo_lens) for i in range(n)]
+        return StaticBackend().plan(meta, self.pool), (len(table) * width, rows)
 
     def forward(self, mode: ForwardMode, rids: list[int], qo_lens: list[int]) -> None:
-        cache, dim, hkv = self.cache, self.cache.head_dim, self.cache.num_kv_heads
-        cached = [cache.seq_len(r) for r in rids]
-        for rid, n in zip(rids, qo_lens):
-            cache.extend(rid, n)
-        meta = build_metadata(mode, [cache.page_table(r) for r in rids], cached, qo_lens,
-                              cache.page_size)
-        attn = TorchBackend().plan(meta, cache)
+        dim, hkv = self.pool.head_dim, self.pool.num_kv_heads
+        cached = [self.length(r) for r in rids]
+        attn, padded = self._attn(mode, rids, cached, qo_lens)
         total = sum(qo_lens)
-        for layer in range(cache.num_layers):
+        for layer in range(self.pool.num_layers):
             q, k, v = (torch.randn(total, h, dim, generator=self.gen, dtype=torch.float64)
                        for h in (self.hq, hkv, hkv))
-            out = attn.forward(layer, q, k, v)
+            if padded is None:
+                out = attn.forward(layer, q, k, v)
+            else:  # scatter the real tokens into the padded layout, random padding elsewhere
+                size, rows = padded
+                full = [torch.randn(size, h, dim, generator=self.gen, dtype=torch.float64)
+                        for h in (self.hq, hkv, hkv)]
+                for t, x in zip(full, (q, k, v)):
+                    t[rows] = x
+                out = attn.forward(layer, *full)[rows]
             start = 0
             for rid, c, n in zip(rids, cached, qo_lens):
                 hk, hv = self.hist[rid][layer]
@@ -167,16 +166,18 @@ class _Harness:
                 torch.testing.assert_close(out[start:start + n], want, rtol=1e-10, atol=1e-10)
                 start += n
 
-    def truncate(self, rid: int, new_len: int) -> None:
-        self.cache.truncate(rid, new_len)
+    def reject(self, rid: int, new_len: int) -> None:
+        """Keep the first `new_len` tokens (the rest are overwritten by the next forward)."""
         self.hist[rid] = [(k[:new_len], v[:new_len]) for k, v in self.hist[rid]]
 
 
+@pytest.mark.parametrize("static,dummy_rows", [(False, 0), (True, 0), (True, 2)])
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (2, 2)])
-def test_torch_backend_matches_dense_through_prefill_decode_verify(hq: int, hkv: int) -> None:
+def test_backends_match_dense_through_prefill_decode_verify(hq: int, hkv: int, static: bool,
+                                                            dummy_rows: int) -> None:
     rng = random.Random(hq)
-    cache = _cache(num_pages=64, page_size=4, layers=2, hkv=hkv)
-    h = _Harness(cache, hq, seed=hq)
+    pool = _pool(num_pages=64, page_size=4, layers=2, hkv=hkv)
+    h = _Harness(pool, PageAllocator(64, 4), hq, seed=hq, static=static, dummy_rows=dummy_rows)
     rids = [0, 1, 2]
     for rid in rids:
         h.new(rid, 60)
@@ -184,28 +185,41 @@ def test_torch_backend_matches_dense_through_prefill_decode_verify(hq: int, hkv:
     for _ in range(3):
         h.forward(ForwardMode.DECODE, rids, [1, 1, 1])
     for _ in range(4):                                        # verify 4, keep a random prefix
-        before = [cache.seq_len(r) for r in rids]
+        before = [h.length(r) for r in rids]
         h.forward(ForwardMode.VERIFY, rids, [4, 4, 4])
         for rid, b in zip(rids, before):
-            h.truncate(rid, b + rng.randint(1, 4))
+            h.reject(rid, b + rng.randint(1, 4))
     h.forward(ForwardMode.DRAFT_EXTEND, rids, [2, 3, 1])
 
 
-def test_torch_backend_with_fragmented_pages() -> None:
+@pytest.mark.parametrize("static", [False, True])
+def test_backends_with_fragmented_pages(static: bool) -> None:
     """Requests that come and go leave holes; a new request's pages are scattered."""
-    cache = _cache(num_pages=24, page_size=2, layers=1, hkv=1)
-    h = _Harness(cache, hq=2, seed=5)
+    pool = _pool(num_pages=24, page_size=2, layers=1, hkv=1)
+    alloc = PageAllocator(24, 2)
+    h = _Harness(pool, alloc, hq=2, seed=5, static=static)
     for rid in range(4):
         h.new(rid, 10)
         h.forward(ForwardMode.EXTEND, [rid], [3 + rid])
-    cache.free(1)
-    cache.free(3)
-    h.hist.pop(1)
-    h.hist.pop(3)
+    h.free(1)
+    h.free(3)
     h.new(9, 16)
     h.forward(ForwardMode.EXTEND, [9, 0, 2], [11, 2, 1])
-    assert cache.page_table(9) != sorted(cache.page_table(9)), "pages should be scattered"
+    assert h.pages[9] != sorted(h.pages[9]), "pages should be scattered"
     h.forward(ForwardMode.VERIFY, [9, 0, 2], [3, 3, 3])
+
+
+def test_extra_rows_beyond_the_metadata_return_zeros_and_write_nothing() -> None:
+    """A ragged forward padded to the round's agreed size (DP attention)."""
+    pool = _pool(num_pages=8, page_size=4, layers=1, hkv=1)
+    meta = build_metadata(ForwardMode.EXTEND, [[3, 5]], [0], [5], 4)
+    attn = TorchBackend().plan(meta, pool)
+    q, k, v = (torch.randn(9, h, 8, dtype=torch.float64) for h in (2, 1, 1))
+    before = pool.k[0].clone()
+    out = attn.forward(0, q, k, v)
+    assert out.shape == q.shape and out[5:].abs().sum() == 0
+    written = (pool.k[0] != before).flatten(1).any(1).nonzero().flatten().tolist()
+    assert written == [3, 5]  # only the real tokens' pages
 
 
 def test_unknown_backend_and_flashinfer_without_gpu_are_clear_errors() -> None:

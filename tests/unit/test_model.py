@@ -93,7 +93,7 @@ def test_config_missing_key_and_tp_split():
     del raw["hidden_size"]
     with pytest.raises(ValueError, match="lacks required keys \\['hidden_size'\\]"):
         LlamaConfig.from_hf(raw)
-    with pytest.raises(ValueError, match="'num_key_value_heads' is 2; tensor parallelism of 4"):
+    with pytest.raises(ValueError, match="'num_key_value_heads' is 2; attention tensor parallelism of 4"):
         LlamaConfig(**TINY).check_tp(4)
 
 

@@ -16,31 +16,13 @@ import pytest
 import torch
 
 from engine_fixtures import engine_for, tiny_config, tiny_pair
-from workers.model import DenseCausalAttention
+from sampling_reference import ALPHA, PROMPT, VOCAB, chi_square_pvalue, exact_joint
 from workers.sampling import (
     SamplingParams,
     accept_greedy,
-    accept_greedy_batch,
     accept_rejection,
     target_probs,
 )
-
-ALPHA = 1e-3
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """p-value of observed `counts` under `probs` (float64), pooling bins expected below 5."""
-    n = counts.sum().item()
-    expected = probs.double() * n
-    small = expected < 5
-    obs = torch.cat([counts[~small].double(), counts[small].sum().double().view(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    dof = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
-
 
 # ---- parameters and distributions ----------------------------------------------------------
 
@@ -72,8 +54,6 @@ def test_greedy_acceptance() -> None:
     assert accept_greedy([4, 5, 6], [4, 5, 9, 1]) == (2, [4, 5, 9])
     assert accept_greedy([4, 5, 6], [4, 5, 6, 1]) == (3, [4, 5, 6, 1])
     assert accept_greedy([4, 5, 6], [3, 5, 6, 1]) == (0, [3])
-    got = accept_greedy_batch(torch.tensor([[4, 5, 6], [1, 2, 3]]), torch.tensor([[4, 5, 9, 1], [1, 2, 3, 0]]))
-    assert got.tolist() == [2, 3]
 
 
 # ---- rejection sampling on fixed distributions ---------------------------------------------
@@ -112,28 +92,6 @@ def test_rejection_sampling_matches_target(steps: int) -> None:
 
 # ---- engine: speculative sampling vs. the target's exact distribution -----------------------
 
-VOCAB = 6
-PROMPT = [1, 4, 2, 5]
-
-
-@torch.no_grad()
-def _exact_joint(target, temperature: float, top_p: float) -> torch.Tensor:
-    """P(t0, t1, t2 | PROMPT) for every triple, flattened [V^3], from dense attention."""
-    def dist(prefix: list[int]) -> torch.Tensor:
-        ids = torch.tensor(PROMPT + prefix)
-        hidden = target(ids, torch.arange(len(ids)), DenseCausalAttention([len(ids)]))
-        return target_probs(target.compute_logits(hidden[-1:]), temperature, top_p)[0].double()
-    joint = torch.zeros(VOCAB ** 3, dtype=torch.float64)
-    p0 = dist([])
-    for t0 in range(VOCAB):
-        p1 = dist([t0])
-        for t1 in range(VOCAB):
-            p2 = dist([t0, t1])
-            for t2 in range(VOCAB):
-                joint[(t0 * VOCAB + t1) * VOCAB + t2] = p0[t0] * p1[t1] * p2[t2]
-    return joint
-
-
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
 def test_speculative_sampling_matches_target_distribution(temperature: float, top_p: float) -> None:
     target, head = tiny_pair(seed=2, eps=1.0, cfg=tiny_config(vocab=VOCAB, hidden=32))
@@ -147,9 +105,9 @@ def test_speculative_sampling_matches_target_distribution(temperature: float, to
         counts[(t0 * VOCAB + t1) * VOCAB + t2] += 1
     hist = engine.stats.accept_histogram
     assert hist[0] > 0 and hist[1] + hist[2] + hist[3] > 0, f"no rejections or no accepts: {hist}"
-    exact = _exact_joint(target, temperature, top_p)
+    exact = exact_joint(target, temperature, top_p)
     assert chi_square_pvalue(counts, exact) > ALPHA
-    hotter = _exact_joint(target, temperature * 1.3, top_p)
+    hotter = exact_joint(target, temperature * 1.3, top_p)
     assert chi_square_pvalue(counts, hotter) < ALPHA, "the test cannot tell a 30% hotter target"
 
 
@@ -169,4 +127,4 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent() -> None:
 def test_all_triples_enumerated() -> None:
     """Guard for the exact-distribution helper: it sums to one."""
     target, _ = tiny_pair(seed=2, eps=1.0, cfg=tiny_config(vocab=VOCAB, hidden=32))
-    assert abs(_exact_joint(target, 1.0, 1.0).sum().item() - 1.0) < 1e-6  # float32 probs
+    assert abs(exact_joint(target, 1.0, 1.0).sum().item() - 1.0) < 1e-6  # float32 probs

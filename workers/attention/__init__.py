@@ -1,16 +1,20 @@
 """Attention backends over the paged KV cache.
 
-`base` holds the backend-neutral per-forward metadata (`AttnMetadata`, built by `build_metadata`)
-and the `AttentionBackend` protocol; `torch_backend` is the plain-torch reference (CPU and GPU),
-`flashinfer_backend` the GPU one (imported only when asked for).
+`base` holds the `AttentionBackend` protocol and the two kinds of per-forward metadata (ragged
+`AttnMetadata` built by `build_metadata`; padded `PaddedBatch`). Ragged forwards (prefill) run
+`torch_backend` (the plain-torch reference, CPU and GPU) or `flashinfer_backend` (GPU, imported
+only when asked for), chosen by name with `make_backend`; padded forwards (the speculative round,
+eager or in CUDA graphs) run `static_backend`.
 """
 from workers.attention.base import (
     AttentionBackend,
     AttnMetadata,
     ForwardMode,
-    MetadataBuffers,
+    LayerAttention,
+    PaddedBatch,
     build_metadata,
 )
+from workers.attention.static_backend import StaticBackend
 
 BACKENDS = ("torch", "flashinfer")
 
@@ -20,22 +24,24 @@ def make_backend(name: str, device: "object") -> AttentionBackend:
     import torch
 
     if name not in BACKENDS:
-        raise ValueError(f"backend: unknown attention backend {name!r}; allowed: {', '.join(BACKENDS)}")
+        raise ValueError(f"--attention-backend: unknown attention backend {name!r}; allowed: "
+                         f"{', '.join(BACKENDS)}")
     if name == "torch":
         from workers.attention.torch_backend import TorchBackend
 
         return TorchBackend()
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         raise ValueError(
-            "backend: 'flashinfer' needs a CUDA GPU, and none is available here "
-            f"(device {device!s}); use --backend torch")
+            "--attention-backend: 'flashinfer' needs a CUDA GPU, and none is available here "
+            f"(device {device!s}); use --attention-backend torch")
     try:
         from workers.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(device)  # imports flashinfer itself
     except ImportError as err:
-        raise ValueError(f"backend: 'flashinfer' is not available ({err}); use --backend torch") from err
+        raise ValueError(f"--attention-backend: 'flashinfer' is not available ({err}); use "
+                         f"--attention-backend torch") from err
 
 
-__all__ = ["AttentionBackend", "AttnMetadata", "ForwardMode", "MetadataBuffers", "build_metadata",
-           "make_backend", "BACKENDS"]
+__all__ = ["AttentionBackend", "AttnMetadata", "ForwardMode", "LayerAttention", "PaddedBatch",
+           "StaticBackend", "build_metadata", "make_backend", "BACKENDS"]

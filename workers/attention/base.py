@@ -1,32 +1,35 @@
-"""Backend-neutral metadata of one forward over a flattened ragged batch of requests.
+"""The attention contract: one backend protocol, two kinds of per-forward metadata.
 
-A forward carries `T` new tokens from `B` requests, request-major: request `b` brings
-`qo_lens[b]` new tokens that follow `cached_lens[b]` tokens already in its KV pages. New token `i`
-of request `b` sits at KV index `cached_lens[b] + i` and attends causally to KV indices
-`0 .. cached_lens[b] + i` of its own request (the cached prefix and the earlier new tokens).
+A forward carries new tokens of `B` requests; request `b` brings `qo_len[b]` new tokens that follow
+`cached[b]` tokens already in its KV pages. New token `i` of request `b` sits at KV index
+`cached[b] + i` and attends causally to KV indices `0 .. cached[b] + i` of its own request.
 
-The metadata holds both forms a backend may want:
-- per request: `cached_lens`, `seq_lens` (= cached + new), and `out_slots` (flat KV slot of every
-  new token, where the backend writes its K/V);
-- flashinfer's paged-KV CSR layout: `qo_indptr` [B+1], `kv_indptr` [B+1] into `kv_page_indices`
-  [nnz pages], `kv_last_page_len` [B] (tokens used in each request's last page, 1..page_size).
+Two layouts of the same contract:
+- **ragged** (`AttnMetadata`, built on the host by `build_metadata`): tokens flattened
+  request-major, any number per request (prefill). It carries flashinfer's paged CSR layout
+  (`qo_indptr`, `kv_indptr` into `kv_page_indices`, `kv_last_page_len`) plus per-request lengths
+  and the flat slot of every new token; host copies of the lengths let a backend plan without a
+  device sync. Backends: `torch` (reference) and `flashinfer` (GPU).
+- **padded** (`PaddedBatch`, device tensors only): `B` rows by a fixed `width` of token slots, each
+  row's page table padded to a fixed reach, so every shape is fixed and the forward can be captured
+  in a CUDA graph (draft steps, verify, draft-extend). Rows beyond a request's `qo_len`, and whole
+  dummy rows, write into the dummy page and their outputs are dropped. Backend: `static`.
 
-Device tensors are int32 except `out_slots` (int64, for `index_copy_`). Host copies of the
-per-request lengths sit in `host_*` lists, so planning needs no device-to-host sync.
-With `MetadataBuffers`, every device tensor is a view into a pre-allocated buffer (same address
-every forward: what a CUDA-graph runner needs); without, they are freshly allocated.
+A forward may carry more token rows than its metadata describes (the round pads every forward to
+the size agreed across DP replicas); the extra rows come last, are never written to the cache and
+return zeros (`padded_forward`).
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 
 class ForwardMode(enum.Enum):
-    """What a forward does; the reference backend treats all modes alike (causal over new tokens)."""
+    """What a forward does; the backends treat every mode as causal over its new tokens."""
 
     EXTEND = "extend"            # prefill / extend: any number of new tokens per request
     DECODE = "decode"            # exactly one new token per request (draft steps, plain decode)
@@ -34,16 +37,36 @@ class ForwardMode(enum.Enum):
     DRAFT_EXTEND = "draft_extend"  # draft head over the accepted tokens (1..steps+1 per request)
 
 
+class LayerAttention(Protocol):
+    """What a model's attention layer calls: the per-forward object bound to one metadata."""
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        """Write `k`, `v` [T, Hkv, D] of layer `layer_id` into the cache; attention for `q`
+        [T, Hq, D] -> [T, Hq, D]."""
+        ...
+
+
+class AttentionBackend(Protocol):
+    """An attention implementation over a `KVPool`."""
+
+    name: str
+
+    def plan(self, meta: Any, pool: Any) -> LayerAttention:
+        """Prepare one forward (everything its layers share) and return the per-layer callable."""
+        ...
+
+
 @dataclass
 class AttnMetadata:
-    """Everything an attention backend needs for one forward (the same for every layer)."""
+    """A ragged forward (the same for every layer)."""
 
     mode: ForwardMode
     page_size: int
     batch_size: int
     num_tokens: int
     qo_indptr: torch.Tensor        # [B+1] int32: new tokens of request b are qo_indptr[b]:[b+1]
-    kv_indptr: torch.Tensor        # [B+1] int32: pages of request b are kv_page_indices[kv_indptr[b]:[b+1]]
+    kv_indptr: torch.Tensor        # [B+1] int32: pages of request b: kv_page_indices[kv_indptr[b]:[b+1]]
     kv_page_indices: torch.Tensor  # [nnz] int32
     kv_last_page_len: torch.Tensor  # [B] int32, in 1..page_size
     cached_lens: torch.Tensor      # [B] int32: KV tokens before this forward
@@ -52,6 +75,7 @@ class AttnMetadata:
     host_qo_lens: list[int]
     host_cached_lens: list[int]
     host_seq_lens: list[int]
+    host_pages: list[list[int]]    # the pages each request uses in this forward
 
     @property
     def max_qo_len(self) -> int:
@@ -65,32 +89,18 @@ class AttnMetadata:
 
 
 @dataclass
-class MetadataBuffers:
-    """Pre-allocated device buffers that `build_metadata` fills (fixed addresses across forwards)."""
+class PaddedBatch:
+    """A padded forward: `page_tab` [B, P] int64 (page ids, dummy page beyond a request's own),
+    `cached` [B] and `qo_len` [B] int64 (0 for a dummy row), `width` token slots per row."""
 
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_page_indices: torch.Tensor
-    kv_last_page_len: torch.Tensor
-    cached_lens: torch.Tensor
-    seq_lens: torch.Tensor
-    out_slots: torch.Tensor
-
-    @classmethod
-    def allocate(cls, max_batch: int, max_tokens: int, max_pages: int,
-                 device: torch.device | str) -> "MetadataBuffers":
-        """Buffers for up to `max_batch` requests, `max_tokens` new tokens, `max_pages` pages."""
-        def i32(n: int) -> torch.Tensor:
-            return torch.zeros(n, dtype=torch.int32, device=device)
-        return cls(qo_indptr=i32(max_batch + 1), kv_indptr=i32(max_batch + 1),
-                   kv_page_indices=i32(max_pages), kv_last_page_len=i32(max_batch),
-                   cached_lens=i32(max_batch), seq_lens=i32(max_batch),
-                   out_slots=torch.zeros(max_tokens, dtype=torch.int64, device=device))
+    page_tab: torch.Tensor
+    cached: torch.Tensor
+    qo_len: torch.Tensor
+    width: int
 
     @property
-    def nbytes(self) -> int:
-        """Bytes held by the buffers."""
-        return sum(t.numel() * t.element_size() for t in vars(self).values())
+    def batch(self) -> int:
+        return self.page_tab.shape[0]
 
 
 def _prefix_sum(values: Sequence[int]) -> list[int]:
@@ -100,28 +110,13 @@ def _prefix_sum(values: Sequence[int]) -> list[int]:
     return out
 
 
-def _put(buf: torch.Tensor | None, values: list[int], dtype: torch.dtype,
-         device: torch.device) -> torch.Tensor:
-    """`values` as a device tensor: a view into `buf` if given, else a new tensor."""
-    host = torch.tensor(values, dtype=dtype)
-    if buf is None:
-        return host.to(device)
-    if len(values) > buf.numel():
-        raise RuntimeError(f"metadata buffer too small: need {len(values)}, have {buf.numel()}")
-    view = buf[:len(values)]
-    view.copy_(host, non_blocking=True)
-    return view
-
-
 def build_metadata(mode: ForwardMode, page_tables: Sequence[Sequence[int]],
                    cached_lens: Sequence[int], qo_lens: Sequence[int], page_size: int,
-                   device: torch.device | str = "cpu",
-                   out: MetadataBuffers | None = None) -> AttnMetadata:
-    """Metadata for requests with `page_tables` (already grown to hold the new tokens).
+                   device: torch.device | str = "cpu") -> AttnMetadata:
+    """Ragged metadata for requests whose `page_tables` hold at least their new tokens.
 
     `cached_lens[b]` tokens of request b are in the cache; `qo_lens[b]` new tokens follow them.
     """
-    device = torch.device(device)
     seq_lens = [c + n for c, n in zip(cached_lens, qo_lens)]
     used = [list(table[:-(-s // page_size)]) for table, s in zip(page_tables, seq_lens)]
     for b, (table, s) in enumerate(zip(used, seq_lens)):
@@ -129,38 +124,41 @@ def build_metadata(mode: ForwardMode, page_tables: Sequence[Sequence[int]],
             raise RuntimeError(f"request {b}: {len(table)} pages cannot hold {s} tokens")
     slots = [table[i // page_size] * page_size + i % page_size
              for table, c, n in zip(used, cached_lens, qo_lens) for i in range(c, c + n)]
-    i32, i64 = torch.int32, torch.int64
 
-    def buf(name: str) -> torch.Tensor | None:
-        return None if out is None else getattr(out, name)
+    def dev(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
+    i32 = torch.int32
     return AttnMetadata(
         mode=mode, page_size=page_size, batch_size=len(seq_lens), num_tokens=len(slots),
-        qo_indptr=_put(buf("qo_indptr"), _prefix_sum(qo_lens), i32, device),
-        kv_indptr=_put(buf("kv_indptr"), _prefix_sum(len(t) for t in used), i32, device),
-        kv_page_indices=_put(buf("kv_page_indices"), [p for t in used for p in t], i32, device),
-        kv_last_page_len=_put(buf("kv_last_page_len"),
-                              [(s - 1) % page_size + 1 if s else 0 for s in seq_lens], i32, device),
-        cached_lens=_put(buf("cached_lens"), list(cached_lens), i32, device),
-        seq_lens=_put(buf("seq_lens"), seq_lens, i32, device),
-        out_slots=_put(buf("out_slots"), slots, i64, device),
-        host_qo_lens=list(qo_lens), host_cached_lens=list(cached_lens), host_seq_lens=seq_lens)
+        qo_indptr=dev(_prefix_sum(qo_lens), i32),
+        kv_indptr=dev(_prefix_sum([len(t) for t in used]), i32),
+        kv_page_indices=dev([p for t in used for p in t], i32),
+        kv_last_page_len=dev([(s - 1) % page_size + 1 if s else 0 for s in seq_lens], i32),
+        cached_lens=dev(list(cached_lens), i32), seq_lens=dev(seq_lens, i32),
+        out_slots=dev(slots, torch.int64),
+        host_qo_lens=list(qo_lens), host_cached_lens=list(cached_lens), host_seq_lens=seq_lens,
+        host_pages=used)
 
 
-class LayerAttention(Protocol):
-    """What a model's attention layer calls: the per-forward object bound to one metadata."""
+def gather_kv(pages: torch.Tensor, slots: torch.Tensor, num_q_heads: int, head_dim: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """K or V of every request: `pages` [N, page_size, Hkv, Ds] read at flat `slots` [B, L] ->
+    [B, Hq, L, head_dim] in `dtype` (stored channels beyond `head_dim` dropped, KV heads repeated
+    for grouped-query attention)."""
+    flat = pages.view(-1, pages.shape[2], pages.shape[3])
+    out = flat[slots][..., :head_dim].to(dtype).transpose(1, 2)    # [B, Hkv, L, D]
+    groups = num_q_heads // out.shape[1]
+    return out.repeat_interleave(groups, dim=1) if groups > 1 else out
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> torch.Tensor:
-        """Write `k`, `v` [T, Hkv, D] of layer `layer_id` into the cache; attention for `q` [T, Hq, D]."""
-        ...
 
-
-class AttentionBackend(Protocol):
-    """An attention implementation over a `KVCache`."""
-
-    name: str
-
-    def plan(self, meta: AttnMetadata, cache: "object") -> LayerAttention:
-        """Prepare one forward (everything shared by its layers) and return the per-layer callable."""
-        ...
+def padded_forward(num_tokens: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                   ) -> torch.Tensor:
+    """`run` on the first `num_tokens` rows; rows beyond them (agreed padding) return zeros."""
+    if q.shape[0] == num_tokens:
+        return run(q, k, v)
+    out = q.new_zeros(q.shape)
+    if num_tokens:
+        out[:num_tokens] = run(q[:num_tokens], k[:num_tokens], v[:num_tokens])
+    return out

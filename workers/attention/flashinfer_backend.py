@@ -10,8 +10,10 @@ Which kernel runs which forward:
   the contract of `workers.attention.base`.
 
 Both wrappers read the KV cache in place (`NHD` layout: `[pages, page_size, kv_heads, head_dim]`,
-the layout of `workers.kv_cache.KVCache`) through the metadata's CSR page table; the new K/V are
-written with the same `index_copy_` the torch backend uses.
+the layout of `workers.kv_cache.KVPool`) through the metadata's CSR page table; the new K/V are
+written with the same `KVPool.write` the other backends use. The engine uses this backend for the
+ragged forwards (prefill); the padded forwards of the speculative round run the static backend,
+which reads the same cache format.
 
 Storage format. flashinfer's kernels take float16/bfloat16 only, and its prefill kernels need a
 head dim of at least 64 (fa2 refuses smaller, fa3 takes 64/128/256). So the backend asks the
@@ -29,8 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.attention.base import AttnMetadata, ForwardMode
-from workers.kv_cache import KVCache, pages_for
+from workers.attention.base import AttnMetadata, ForwardMode, padded_forward
+from workers.kv_cache import KVPool, pages_for
 
 MIN_HEAD_DIM = 64
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -42,7 +44,7 @@ def storage_head_dim(head_dim: int) -> int:
     for size in (64, 128, 256):
         if head_dim <= size:
             return size
-    raise ValueError(f"flashinfer backend: head_dim={head_dim} is larger than 256; use --backend torch")
+    raise ValueError(f"flashinfer backend: head_dim={head_dim} is larger than 256; use --attention-backend torch")
 
 
 def storage_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -74,9 +76,9 @@ class FlashInferBackend:
         """(channels per KV head, dtype) the worker must give this backend's caches."""
         return storage_head_dim(head_dim), storage_dtype(dtype)
 
-    def plan(self, meta: AttnMetadata, cache: KVCache) -> "FlashInferAttention":
+    def plan(self, meta: AttnMetadata, cache: KVPool) -> "FlashInferAttention":
         """Prepare one forward over `cache` described by `meta` (planned at its first layer)."""
-        if cache.head_dim < MIN_HEAD_DIM or cache.k[0].dtype not in KERNEL_DTYPES:
+        if cache.head_dim < MIN_HEAD_DIM or cache.dtype not in KERNEL_DTYPES:
             raise ValueError(
                 f"flashinfer backend: the KV cache has head_dim={cache.head_dim} and dtype "
                 f"{cache.k[0].dtype}; it needs the format of FlashInferBackend.kv_format "
@@ -91,7 +93,7 @@ def _host_i32(values: list[int]) -> torch.Tensor:
 class FlashInferAttention:
     """The per-forward attention callable (`attn.forward(layer_id, q, k, v)`)."""
 
-    def __init__(self, backend: FlashInferBackend, meta: AttnMetadata, cache: KVCache) -> None:
+    def __init__(self, backend: FlashInferBackend, meta: AttnMetadata, cache: KVPool) -> None:
         self.backend, self.meta, self.cache = backend, meta, cache
         self.decode = meta.mode is ForwardMode.DECODE
         if self.decode and any(n != 1 for n in meta.host_qo_lens):
@@ -125,9 +127,14 @@ class FlashInferAttention:
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
         """Store this layer's new K/V, then attention of `q` [T, Hq, D] -> [T, Hq, D]."""
+        return padded_forward(self.meta.num_tokens, q, k, v,
+                              lambda q, k, v: self._attend(layer_id, q, k, v))
+
+    def _attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
         cache, size = self.cache, self.cache.head_dim
         head_dim = q.shape[-1]
-        cache.write(layer_id, self.meta.out_slots, pad_heads(k, size), pad_heads(v, size))
+        cache.write(layer_id, self.meta.out_slots, k, v)
         if self._planned_for != (q.shape[1], head_dim):
             # NOTE: one plan per forward (the first layer); the wrapper is shared, so a forward's
             # layers must run before the next forward is planned (the worker runs them in order).

@@ -6,12 +6,13 @@ feature, ``workers.model.eagle`` for the head's input pairing.
 from workers.model.config import EAGLE_ARCHITECTURE, LLAMA_ARCHITECTURE, EagleConfig, LlamaConfig
 from workers.model.dense_attention import DenseCausalAttention
 from workers.model.eagle import EagleHead
-from workers.model.layers import AttentionBackend, ColumnParallelLinear, RMSNorm, RowParallelLinear
+from workers.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
+from workers.model.parallel import ModelParallel
 from workers.model.llama import LlamaForCausalLM
 from workers.model.loader import CheckpointError, load_eagle, load_llama, read_config, save_pretrained
 
 __all__ = [
     "EAGLE_ARCHITECTURE", "LLAMA_ARCHITECTURE", "EagleConfig", "LlamaConfig", "DenseCausalAttention",
-    "EagleHead", "AttentionBackend", "ColumnParallelLinear", "RMSNorm", "RowParallelLinear",
+    "EagleHead", "ModelParallel", "ColumnParallelLinear", "RMSNorm", "RowParallelLinear",
     "LlamaForCausalLM", "CheckpointError", "load_eagle", "load_llama", "read_config", "save_pretrained",
 ]

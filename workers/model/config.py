@@ -104,14 +104,18 @@ class _DecoderDims:
         """Per-head dimension: ``hidden_size // num_attention_heads``."""
         return self.hidden_size // self.num_attention_heads
 
-    def check_tp(self, tp_size: int) -> None:
-        """Raise ``ValueError`` unless heads, KV heads and the MLP split evenly over ``tp_size`` ranks."""
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    def check_tp(self, attn_tp: int, mlp_tp: int | None = None) -> None:
+        """Raise ``ValueError`` unless the heads and KV heads split evenly over ``attn_tp`` ranks
+        and the MLP over ``mlp_tp`` ranks (default: ``attn_tp``, plain tensor parallelism)."""
+        mlp_tp = attn_tp if mlp_tp is None else mlp_tp
+        for name, size, what in (("num_attention_heads", attn_tp, "attention"),
+                                 ("num_key_value_heads", attn_tp, "attention"),
+                                 ("intermediate_size", mlp_tp, "MLP")):
             value = getattr(self, name)
-            if value % tp_size:
+            if value % size:
                 raise ValueError(
-                    f"config key {name!r} is {value}; tensor parallelism of {tp_size} needs a multiple "
-                    f"of {tp_size}")
+                    f"config key {name!r} is {value}; {what} tensor parallelism of {size} needs a "
+                    f"multiple of {size}")
 
 
 _UNSUPPORTED = {  # key -> the only value this implementation computes correctly

@@ -23,8 +23,9 @@ Features live in the target's feature space: the post-final-norm hidden state (s
   ``d_1``. Draft step ``k > 1`` feeds ``d_{k-1}`` at position ``n + k - 1`` with the head's own
   previous output as the feature.
 
-Tensor parallelism: ``fc`` is replicated (its output feeds the residual stream); the decoder layer
-is split over the target's TP group exactly like the target's layers.
+Parallelism: ``fc`` is replicated (its output feeds the residual stream); the decoder layer is split
+over the target's ``ModelParallel`` exactly like the target's layers (attention over ``attn``, the
+MLP over every rank with the replicas' tokens gathered).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ import torch
 from torch import nn
 
 from workers.model.config import EagleConfig
-from workers.model.layers import AttentionBackend, RMSNorm, RotaryEmbedding
+from workers.attention.base import LayerAttention
+from workers.model.layers import RMSNorm, RotaryEmbedding
 from workers.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
@@ -42,13 +44,13 @@ class EagleHead(nn.Module):
     def __init__(self, cfg: EagleConfig, target: LlamaForCausalLM) -> None:
         super().__init__()
         cfg.check_target(target.config)
-        cfg.check_tp(target.tp_group.size)
+        cfg.check_tp(target.par.attn.size, target.par.mlp.size)
         self.config = cfg
         self._target = (target,)  # a tuple: shared, not registered as a submodule
         d = cfg.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=cfg.fc_bias)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, target.tp_group) for i in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, i, target.par) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
@@ -58,7 +60,7 @@ class EagleHead(nn.Module):
         return self._target[0]
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
+                attn: LayerAttention) -> torch.Tensor:
         """Next features [T, d] for tokens [T] paired with the previous position's features [T, d]."""
         cos, sin = self.rotary(positions)
         emb = self.target.embed(input_ids).to(features.dtype)

@@ -1,38 +1,44 @@
-"""Building blocks of the Llama decoder: RMSNorm, RoPE, tensor-parallel linears, the attention
-backend protocol.
+"""Building blocks of the Llama decoder: RMSNorm, RoPE, and the parallel linears and vocabulary
+layers of a DP-attention cluster (see ``workers.model.parallel`` for the groups).
 
 Tensor parallelism follows Megatron: a ``ColumnParallelLinear`` holds rows
-``[rank * out/size, (rank+1) * out/size)`` of the full ``[out, in]`` weight and produces this
-rank's slice of the output features; a ``RowParallelLinear`` holds columns
-``[rank * in/size, (rank+1) * in/size)``, takes this rank's slice of the input features and
-all-reduces the partial sums over its group inside ``forward``. At group size 1 the collectives
-are no-ops (``collectives.Group.single``). Every value returned by these layers is replicated
-across the TP group, except the output of a column-parallel linear (this rank's slice).
+``[i * out/n, (i+1) * out/n)`` of the full ``[out, in]`` weight (``i`` its index in its group of
+``n``) and produces that slice of the output features; a ``RowParallelLinear`` holds the matching
+columns, takes that slice of the input and returns partial sums, which its caller reduces (the
+attention output over the ``attn`` group, the MLP output through ``ModelParallel.scatter_sum``).
+The vocabulary (embedding rows, LM-head rows) is split over the ``mlp`` group (every rank),
+padded up to a multiple of its size. At group size 1 every collective is a no-op.
+
+Every split parameter is described by a ``Shard`` (``shard_specs``), which the loader uses to read
+exactly this rank's slice of a checkpoint tensor.
 """
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from collectives import Group, ops
+from collectives import Group
 from workers.model.config import RopeScaling
+from workers.model.parallel import ModelParallel
 
 
-class AttentionBackend(Protocol):
-    """What a decoder layer calls for attention; the backend owns the KV cache (if any).
+@dataclass(frozen=True)
+class Shard:
+    """A parameter split along ``dim`` over ``group`` (this rank holds part ``group.rank``);
+    ``full`` is the checkpoint's size along ``dim`` (the parts may pad beyond it)."""
 
-    ``q``: [T, Hq_local, D], ``k``/``v``: [T, Hkv_local, D] for the T tokens of this forward
-    (RoPE already applied), flattened over the batch in the order the backend was planned with.
-    Returns [T, Hq_local, D]. Scale is ``D ** -0.5``; grouped-query: query head ``h`` reads KV
-    head ``h // (Hq_local // Hkv_local)``. ``layer_id`` indexes the backend's cache.
-    """
+    dim: int
+    group: Group
+    full: int
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ...
+    @property
+    def part(self) -> int:
+        """Size of one part along ``dim`` (the full size, padded, divided by the group size)."""
+        return -(-self.full // self.group.size)
 
 
 class RMSNorm(nn.Module):
@@ -97,58 +103,105 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def _split(total: int, group: Group, what: str) -> int:
     if total % group.size:
-        raise ValueError(f"{what} of {total} does not split over a TP group of size {group.size}")
+        raise ValueError(f"{what} of {total} does not split over a group of {group.size} ranks "
+                         f"({group.name!r})")
     return total // group.size
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y = x W^T`` with W's output rows split over ``group``; returns this rank's output slice.
-
-    ``shard_dim = 0``: the loader slices the full checkpoint tensor along dim 0.
-    """
-
-    shard_dim = 0
+    """``y = x W^T (+ b)`` with W's output rows split over ``group``: returns this rank's slice."""
 
     def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.out_features = group, out_features
         self.out_local = _split(out_features, group, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_local, in_features))
         self.bias = nn.Parameter(torch.zeros(self.out_local)) if bias else None
         nn.init.normal_(self.weight, std=in_features ** -0.5)
+
+    def shard_specs(self) -> dict[str, Shard]:
+        shard = Shard(0, self.group, self.out_features)
+        return {"weight": shard, "bias": shard}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """``y = x W^T`` with W's input columns split over ``group``; ``x`` is this rank's input slice.
-
-    Ends with ``ops.all_reduce`` over ``group`` (sum of partial products), so the output is the
-    full ``y`` on every rank. ``shard_dim = 1`` for the loader.
-    """
-
-    shard_dim = 1
+    """``y = x W^T`` with W's input columns split over ``group``; ``x`` is this rank's input
+    slice and the result this rank's partial sum (the caller reduces it over the right group)."""
 
     def __init__(self, in_features: int, out_features: int, group: Group) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.in_features = group, in_features
         self.in_local = _split(in_features, group, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local))
         nn.init.normal_(self.weight, std=in_features ** -0.5)
 
+    def shard_specs(self) -> dict[str, Shard]:
+        return {"weight": Shard(1, self.group, self.in_features)}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        return ops.all_reduce(y, self.group)
+        return F.linear(x, self.weight)
 
 
-def shard_dims(model: nn.Module) -> dict[str, int | None]:
-    """For every parameter name of ``model``: the dim it is split along over TP, or ``None``
-    when it is replicated. The loader slices checkpoint tensors with it."""
-    dims: dict[str, int | None] = {}
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split over ``par.mlp`` (every rank).
+
+    ``forward(ids [T])`` (this replica's tokens, T agreed across replicas) gathers every replica's
+    ids, looks up the rows this rank holds (zeros for the others) and sums over the world:
+    [T, d], identical on every rank of the replica.
+    """
+
+    def __init__(self, vocab_size: int, dim: int, par: ModelParallel) -> None:
+        super().__init__()
+        self.par, self.vocab_size = par, vocab_size
+        self.shard = Shard(0, par.mlp, vocab_size)
+        self.lo = par.mlp.rank * self.shard.part
+        self.weight = nn.Parameter(torch.empty(self.shard.part, dim))
+        nn.init.normal_(self.weight)
+
+    def shard_specs(self) -> dict[str, Shard]:
+        return {"weight": self.shard}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.par.mlp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = self.par.gather(ids) - self.lo
+        inside = (local >= 0) & (local < self.shard.part)
+        rows = F.embedding(local.clamp(0, self.shard.part - 1), self.weight)
+        return self.par.scatter_sum(rows * inside[:, None].to(rows.dtype))
+
+
+class VocabParallelLMHead(nn.Module):
+    """The LM head with the vocabulary split over ``par.mlp``: ``forward(h [T, d])`` gathers
+    every replica's rows, computes this rank's vocabulary columns, gathers the columns of every
+    rank and returns this replica's full-vocabulary logits [T, vocab_size]."""
+
+    def __init__(self, dim: int, vocab_size: int, par: ModelParallel) -> None:
+        super().__init__()
+        self.par, self.vocab_size = par, vocab_size
+        self.shard = Shard(0, par.mlp, vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.shard.part, dim))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # as nn.Linear
+
+    def shard_specs(self) -> dict[str, Shard]:
+        return {"weight": self.shard}
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.par.mlp.size == 1:
+            return F.linear(h, self.weight)
+        local = F.linear(self.par.gather(h), self.weight)
+        return self.par.own_rows(self.par.gather_columns(local))[:, :self.vocab_size]
+
+
+def shard_specs(model: nn.Module) -> dict[str, Shard | None]:
+    """For every parameter name of ``model``: how it is split (``Shard``), or ``None`` when it is
+    replicated. The loader slices checkpoint tensors with it."""
+    specs: dict[str, Shard | None] = {}
     for mod_name, module in model.named_modules():
-        dim = getattr(type(module), "shard_dim", None)
+        own = module.shard_specs() if hasattr(module, "shard_specs") else {}
         for p_name, _ in module.named_parameters(recurse=False):
             full = f"{mod_name}.{p_name}" if mod_name else p_name
-            dims[full] = dim if p_name == "weight" or dim == 0 else None
-    return dims
+            specs[full] = own.get(p_name)
+    return specs

@@ -2,7 +2,10 @@
 
 A model directory holds ``config.json`` and either ``model.safetensors`` or a sharded
 ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``) with its shards.
-Each TP rank reads only its slice of every split tensor (``safetensors`` slices, no full copy).
+Each rank reads only its slice of every split tensor (``safetensors`` slices, no full copy): the
+attention projections' slice of its attention-TP group, the MLP's and the vocabulary's slice of
+the world (see ``workers.model.parallel``); a vocabulary that does not split evenly is padded with
+zero rows.
 Weights are converted to ``dtype`` (float32 by default) on load; ``save_pretrained`` writes
 bfloat16 by default.
 
@@ -21,11 +24,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from collectives import Group
 from workers.model.config import EagleConfig, LlamaConfig
 from workers.model.eagle import EagleHead
-from workers.model.layers import shard_dims
+from workers.model.layers import Shard, shard_specs
 from workers.model.llama import LlamaForCausalLM
+from workers.model.parallel import ModelParallel
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -83,8 +86,8 @@ class _Checkpoint:
             self._handles[file] = _open(path)
         return self._handles[file]
 
-    def read(self, name: str, shape: tuple[int, ...], dim: int | None, group: Group) -> torch.Tensor:
-        """Tensor ``name`` of full shape ``shape``, sliced along ``dim`` for ``group.rank``."""
+    def read(self, name: str, shape: tuple[int, ...], shard: Shard | None) -> torch.Tensor:
+        """Tensor ``name`` of full shape ``shape``: this rank's part when it is split."""
         if name not in self.files:
             raise CheckpointError(f"tensor {name!r} is missing from checkpoint {str(self.root)!r}")
         file = self.files[name]
@@ -96,7 +99,7 @@ class _Checkpoint:
         if found != shape:
             raise CheckpointError(
                 f"tensor {name!r} in {str(self.root / file)!r} has shape {list(found)}; expected {list(shape)}")
-        return _read_slice(view, shape, dim, group, f"{name!r} in {str(self.root / file)!r}")
+        return _read_slice(view, shard, f"{name!r} in {str(self.root / file)!r}")
 
 
 def _open(path: Path) -> Any:
@@ -106,26 +109,31 @@ def _open(path: Path) -> Any:
         raise CheckpointError(f"{str(path)!r} is not a readable safetensors file: {err}") from None
 
 
-def _read_slice(view: Any, shape: tuple[int, ...], dim: int | None, group: Group, what: str) -> torch.Tensor:
+def _read_slice(view: Any, shard: Shard | None, what: str) -> torch.Tensor:
     try:
-        if dim is None or group.size == 1:
+        if shard is None or shard.group.size == 1:
             return view[:]
-        step = shape[dim] // group.size
-        lo, hi = group.rank * step, (group.rank + 1) * step
-        return view[lo:hi] if dim == 0 else view[:, lo:hi]
+        lo = shard.group.rank * shard.part
+        hi = min(lo + shard.part, shard.full)
+        part = view[lo:hi] if shard.dim == 0 else view[:, lo:hi]
     except SafetensorError as err:
         raise CheckpointError(f"cannot read tensor {what}: {err}") from None
+    missing = shard.part - part.shape[shard.dim]
+    if missing:  # the last parts of a vocabulary that does not split evenly: zero rows
+        pad = [0, 0] * (part.dim() - 1 - shard.dim) + [0, missing]
+        part = torch.nn.functional.pad(part, pad)
+    return part
 
 
-def _load_into(module: nn.Module, ckpt: _Checkpoint, group: Group) -> None:
-    dims = shard_dims(module)
+def _load_into(module: nn.Module, ckpt: _Checkpoint) -> None:
+    specs = shard_specs(module)
     with torch.no_grad():
         for name, param in module.named_parameters():
-            dim = dims.get(name)
+            shard = specs.get(name)
             shape = list(param.shape)
-            if dim is not None:
-                shape[dim] *= group.size
-            param.copy_(ckpt.read(name, tuple(shape), dim, group))
+            if shard is not None:
+                shape[shard.dim] = shard.full
+            param.copy_(ckpt.read(name, tuple(shape), shard))
 
 
 def _materialize(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
@@ -133,32 +141,34 @@ def _materialize(module: nn.Module, device: torch.device | str, dtype: torch.dty
     module.to(dtype)
 
 
-def load_llama(path: str | Path, tp_group: Group | None = None, dtype: torch.dtype = torch.float32,
+def load_llama(path: str | Path, par: ModelParallel | None = None,
+               dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> LlamaForCausalLM:
-    """Load a Hugging Face Llama directory; this rank keeps its ``tp_group`` shard only."""
+    """Load a Hugging Face Llama directory; this rank keeps its shards only (``par``)."""
     cfg = LlamaConfig.from_hf(read_config(path))
     ckpt = _Checkpoint(Path(path))
-    group = tp_group if tp_group is not None else Group.single(device)
+    par = par if par is not None else ModelParallel.single(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, group)
+        model = LlamaForCausalLM(cfg, par)
     _materialize(model, device, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    _load_into(model, ckpt, group)
+    _load_into(model, ckpt)
     model.reset_buffers()
     return model.eval()
 
 
 def load_eagle(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype | None = None,
                device: torch.device | str | None = None) -> EagleHead:
-    """Load an EAGLE head directory for ``target`` (same TP group; dtype/device default to the target's)."""
+    """Load an EAGLE head directory for ``target`` (split like the target; dtype/device default to
+    the target's)."""
     cfg = EagleConfig.from_hf(read_config(path))
     ckpt = _Checkpoint(Path(path))
     ref = target.lm_head.weight
     with torch.device("meta"):
         head = EagleHead(cfg, target)
     _materialize(head, device or ref.device, dtype or ref.dtype)
-    _load_into(head, ckpt, target.tp_group)
+    _load_into(head, ckpt)
     head.reset_buffers()
     return head.eval()
 
@@ -181,9 +191,10 @@ def save_pretrained(model: LlamaForCausalLM | EagleHead, path: str | Path,
                     dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int | None = None) -> None:
     """Write ``config.json`` and the weights (one file, or shards of at most ``max_shard_bytes``
     with an index). Only a tp=1 model can be saved (every tensor is whole)."""
-    group = model.target.tp_group if isinstance(model, EagleHead) else model.tp_group
-    if group.size != 1:
-        raise ValueError(f"save_pretrained needs a tp=1 model; this one is split over {group.size} ranks")
+    par = model.target.par if isinstance(model, EagleHead) else model.par
+    if par.mlp.size != 1:
+        raise ValueError(f"save_pretrained needs a one-rank model; this one is split over "
+                         f"{par.mlp.size} ranks")
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     for stale in [root / SINGLE_FILE, root / INDEX_FILE, *root.glob("model-*-of-*.safetensors")]:

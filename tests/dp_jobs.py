@@ -1,0 +1,210 @@
+"""Per-rank jobs for the DP-attention tests (module level, so spawned ranks import them).
+
+Each rank loads its shards of one saved checkpoint (float64, so no near-tie can flip an argmax
+between differently-ordered sums), builds the DP-attention layout, and runs an engine whose round
+consensus spans every rank, on the prompts of its own replica.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+import collectives as C
+from adaptive_dist import consensus
+from adaptive_dist.config import AdaptiveConfig, load_config
+from adaptive_dist.controller import AdaptiveController
+from adaptive_dist.policy import Decision
+from workers.config import EngineConfig, no_spec
+from workers.engine import Engine, build_engine
+from workers.model import DenseCausalAttention, ModelParallel, load_eagle, load_llama
+from workers.sampling import SamplingParams
+
+
+def setup(dp: int, timeout: float = 30.0, scatter: str = "reduce_scatter"):
+    torch.set_num_threads(1)
+    ctx = C.init_distributed(timeout_s=timeout, record=True, keep_log=True)
+    layout = ctx.layout(dp=dp)
+    return ctx, layout, ModelParallel.from_layout(layout, scatter)
+
+
+def load(root: str, par: ModelParallel, dtype: torch.dtype = torch.float64):
+    target = load_llama(Path(root) / "target", par=par, dtype=dtype)
+    return target, load_eagle(Path(root) / "eagle", target)
+
+
+# ---- the model alone --------------------------------------------------------------------------
+
+def logits_job(rank: int, root: str, dp: int, batches: list[list[list[int]]]) -> dict:
+    """This replica's batch (whole sequences, dense attention): target and draft logits, with
+    each way of returning MLP outputs to the replicas."""
+    ctx, layout, _ = setup(dp)
+    try:
+        return {scatter: _logits(root, ModelParallel.from_layout(layout, scatter), batches)
+                for scatter in ("reduce_scatter", "all_reduce")}
+    finally:
+        ctx.shutdown()
+
+
+def _logits(root: str, par: ModelParallel, batches: list[list[list[int]]]) -> dict:
+    target, head = load(root, par, torch.float32)
+    seqs = batches[par.replica]
+    ids = torch.tensor([t for s in seqs for t in s])
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    lens = [len(s) for s in seqs]
+    with torch.no_grad():
+        hidden = target(ids, pos, DenseCausalAttention(lens))
+        feats = head(ids, hidden, pos, DenseCausalAttention(lens))
+        out = {"logits": target.compute_logits(hidden).numpy(),
+               "draft": head.compute_logits(feats).numpy()}
+    attn, mlp = target.model.layers[0].self_attn, target.model.layers[0].mlp
+    out["shapes"] = {"q": tuple(attn.q_proj.weight.shape), "down": tuple(mlp.down_proj.weight.shape),
+                     "embed": tuple(target.model.embed_tokens.weight.shape)}
+    out["replica"] = par.replica
+    return out
+
+
+# ---- policies used to drive (or break) the engine --------------------------------------------
+
+class ForcedSwitches(AdaptiveController):
+    """Every counted round switches to a random other tier; the random stream is seeded the same
+    on every rank, so the ranks stay agreed (a stress test of switching under DP)."""
+
+    def __init__(self, *args: Any, seed: int = 0, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.rng = random.Random(seed)
+
+    def _decide_previous(self, matrix):  # noqa: ANN001 - same signature as the parent
+        out = super()._decide_previous(matrix)  # the normal bookkeeping (the static policy)
+        if out is None:
+            return None
+        tiers = [s for s in self.config.candidate_steps if s != self.steps]
+        old, new = self.state.index, self.config.candidate_steps.index(self.rng.choice(tiers))
+        self.state = replace(self.state, index=new, last_switch=self.state.counted)
+        self.stats.switches += 1
+        self.stats.steps_timeline.append((self.round, self.steps))
+        return replace(out, decision=Decision(True, True, None, old, new))
+
+
+class LocalOnly(AdaptiveController):
+    """The hazard: each rank walks the ladder on its OWN EMA (the other ranks' weights are
+    ignored, so the decision is the per-rank one the open proposals warn about)."""
+
+    def _decide_previous(self, matrix):  # noqa: ANN001
+        w = consensus.COL["weight"]
+        local = [row if i == self.group.rank else [*row[:w], 0.0, *row[w + 1:]]
+                 for i, row in enumerate(matrix)]
+        return super()._decide_previous(local)
+
+
+class SkipsDummy(Engine):
+    """The hazard: an idle rank skips the dummy forwards of the round."""
+
+    def _spec_round(self, plan, live):  # noqa: ANN001
+        if not live:
+            return []
+        return super()._spec_round(plan, live)
+
+
+def _spec(mode: str) -> AdaptiveConfig:
+    if mode == "nospec":
+        return no_spec()
+    if mode.startswith("static"):
+        return load_config(None, "static", initial_steps=int(mode[len("static"):]))
+    cfg = AdaptiveConfig(warmup_batches=1, update_interval=1, ema_alpha=0.5, lockstep_check_every=4)
+    if mode == "forced":  # the static policy underneath: only the forced switches move the depth
+        return cfg.replace(policy="static", candidate_steps=(1, 2, 3, 5, 7))
+    return cfg
+
+
+def _engine(mode: str, target, head, world, guard, max_batch: int, dp: int, attn_tp: int,
+            graphs: bool = False) -> Engine:
+    spec = _spec(mode)
+    cfg = EngineConfig(spec=spec, max_batch_size=max_batch, page_size=4,
+                       max_context_len=target.config.max_position_embeddings, dp=dp,
+                       attn_tp=attn_tp, cuda_graphs=graphs,
+                       device=str(next(target.parameters()).device))
+    if mode == "forced":  # every tier pre-built, although the policy underneath is static
+        cfg = cfg.replace(spec=spec.replace(policy="ema"))
+    engine = build_engine(cfg, target, head, group=world, guard=guard)
+    if mode == "forced":
+        engine.planner = ForcedSwitches(spec, world, guard=guard, seed=11)
+    return engine
+
+
+def generate_job(rank: int, root: str, dp: int, modes: list[str], prompts: list[list[list[int]]],
+                 new_tokens: list[list[int]], temperature: float = 0.0, seed: int = 0,
+                 graphs: bool = False) -> dict:
+    """Run every mode on this replica's prompts (`prompts[replica]`); return outputs, decisions
+    and this rank's collective log (signatures) per mode."""
+    ctx, layout, par = setup(dp)
+    try:
+        if graphs:
+            torch.cuda.set_device(ctx.device)
+        device = ctx.device if graphs else torch.device("cpu")
+        target, head = load(root, par)
+        target, head = target.to(device), head.to(device)
+        world = layout.group("world")
+        out: dict[str, Any] = {"replica": par.replica}
+        for mode in modes:
+            guard = ctx.guard(world, check_every=4)
+            start = ctx.recorder.count
+            engine = _engine(mode, target, head, world, guard, max_batch=4, dp=dp,
+                             attn_tp=layout.attn_tp, graphs=graphs)
+            captured = engine.worker.graphs.num_captures if graphs else 0
+            mine = prompts[par.replica]
+            params = [SamplingParams(temperature=temperature, max_new_tokens=n)
+                      for n in new_tokens[par.replica]]
+            reqs = engine.generate(mine, params, seeds=[seed + 1_000_000 * par.replica + i
+                                                        for i in range(len(mine))])
+            guard.check(engine.planner.round, engine.planner.decision_digest())
+            captures_after = engine.worker.graphs.num_captures if graphs else 0
+            engine.close()
+            guard.close()
+            out[mode] = {"outputs": [r.output_ids for r in reqs],
+                         "timeline": engine.planner.stats.steps_timeline,
+                         "digest": engine.planner.decision_digest(),
+                         "rounds": engine.planner.round, "busy_rounds": engine.stats.rounds,
+                         "switches": engine.planner.stats.switches,
+                         "hist": dict(engine.stats.accept_histogram),
+                         "graph_rounds": engine.stats.graph_rounds,
+                         "captures": [captured, captures_after],
+                         "log": [e.signature() for e in ctx.recorder.log[start:]]}
+        return out
+    finally:
+        ctx.shutdown()
+
+
+def hazard_job(rank: int, root: str, hazard: str, prompts: list[list[list[int]]],
+               new_tokens: list[list[int]], timeout: float = 4.0) -> dict:
+    """`local_only`: ranks decide their depth alone; `skip_dummy`: an idle rank skips its dummy
+    forwards. Returns what was raised and how long it took (the harness bounds the wait)."""
+    import time
+
+    ctx, layout, par = setup(2, timeout=timeout)
+    world = layout.group("world")
+    guard = ctx.guard(world, check_every=16)
+    guard.exit_on_watchdog = False
+    target, head = load(root, par)
+    spec = _spec("ema")
+    cfg = EngineConfig(spec=spec, max_batch_size=4, page_size=4, dp=2, attn_tp=layout.attn_tp,
+                       max_context_len=target.config.max_position_embeddings)
+    engine = build_engine(cfg, target, head, group=world, guard=guard)
+    if hazard == "local_only":
+        engine.planner = LocalOnly(spec, world, guard=guard)
+    elif hazard == "skip_dummy":
+        engine = SkipsDummy(cfg, engine.worker, engine.scheduler, engine.planner, guard)
+    t0 = time.monotonic()
+    try:
+        mine = prompts[par.replica]
+        engine.generate(mine, [SamplingParams(max_new_tokens=n) for n in new_tokens[par.replica]])
+        return {"raised": None, "elapsed": time.monotonic() - t0}
+    except (C.DivergenceError, C.CollectiveTimeoutError) as exc:
+        return {"raised": type(exc).__name__, "message": str(exc),
+                "elapsed": time.monotonic() - t0}
+    finally:
+        guard.close()
+        ctx.shutdown(aborted=True)

@@ -1,0 +1,57 @@
+"""Attention over a padded batch with every shape fixed (`base.PaddedBatch`): capturable in a
+CUDA graph, and the eager path of the speculative round too (one code path for both).
+
+`B` rows by `width` token slots; row `b`'s KV reach is its page table `page_tab[b]` (padded with
+the dummy page). From `page_tab`, `cached` and `qo_len` (device tensors, read at run time) the plan
+computes on the device, once per forward: the flat slot of every KV index, the causal mask, and
+the write slot of every token slot (real tokens: their own slot; padding and dummy rows: a slot of
+the dummy page). Every row sees KV index 0, so no row is fully masked and every output is finite;
+outputs of padding rows are dropped by the caller.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from workers.attention.base import PaddedBatch, gather_kv
+from workers.kv_cache import DUMMY_PAGE, KVPool
+
+
+class StaticBackend:
+    """Stateless factory of `StaticAttention` objects."""
+
+    name = "static"
+
+    def plan(self, meta: PaddedBatch, pool: KVPool) -> "StaticAttention":
+        """Prepare one padded forward over `pool`."""
+        return StaticAttention(meta, pool)
+
+
+class StaticAttention:
+    """The per-forward attention callable of a padded batch (see the module docstring)."""
+
+    def __init__(self, meta: PaddedBatch, pool: KVPool) -> None:
+        self.pool, self.width, self.batch = pool, meta.width, meta.batch
+        page_tab, ps = meta.page_tab, pool.page_size
+        device = page_tab.device
+        kv_idx = torch.arange(page_tab.shape[1] * ps, device=device)
+        self.slots = page_tab[:, kv_idx // ps] * ps + kv_idx % ps              # [B, L]
+        rows = torch.arange(meta.width, device=device)
+        kv_pos = meta.cached[:, None] + rows[None, :]                           # [B, W]
+        self.mask = (kv_idx[None, None, :] <= kv_pos[:, :, None])[:, None]      # [B, 1, W, L]
+        real = rows[None, :] < meta.qo_len[:, None]
+        page = page_tab.gather(1, (kv_pos // ps).clamp(max=page_tab.shape[1] - 1))
+        self.out_slots = torch.where(real, page * ps + kv_pos % ps, DUMMY_PAGE * ps).reshape(-1)
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        """Store K/V (padding into the dummy page), then attention: [B*W, Hq, D]."""
+        pool = self.pool
+        pool.write(layer_id, self.out_slots, k, v)
+        num_q_heads, head_dim = q.shape[1], q.shape[2]
+        query = q.reshape(self.batch, self.width, num_q_heads, head_dim).transpose(1, 2)
+        keys = gather_kv(pool.k[layer_id], self.slots, num_q_heads, head_dim, q.dtype)
+        values = gather_kv(pool.v[layer_id], self.slots, num_q_heads, head_dim, q.dtype)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=self.mask,
+                                             scale=head_dim ** -0.5)
+        return out.transpose(1, 2).reshape(self.batch * self.width, num_q_heads, head_dim)

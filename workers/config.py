@@ -1,0 +1,121 @@
+"""`EngineConfig`: every size and switch of one engine, built once and passed whole.
+
+The speculative settings (`spec`: policy, depth tiers, graph buckets) are the adaptive layer's
+`AdaptiveConfig`; plain decoding is the static policy at depth 0. Everything a round's shapes
+depend on is derived here, in one place (`max_steps`, KV pages per request, pool size, buckets).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from adaptive_dist.config import AdaptiveConfig, load_config
+from adaptive_dist.policy import pick_bucket
+from workers.kv_cache import pages_for
+from workers.model.parallel import SCATTERS
+
+ATTENTION_BACKENDS = ("torch", "flashinfer")
+MAX_STEPS_LIMIT = 32
+"""The deepest draft a run may ask for (a verify forward of `steps + 1` tokens per request)."""
+
+
+def no_spec() -> AdaptiveConfig:
+    """The speculative settings of plain decoding: the static policy at depth 0."""
+    return load_config(None, "static", initial_steps=0)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and switches of one engine (identical on every rank; agreed at start-up)."""
+
+    spec: AdaptiveConfig = field(default_factory=no_spec)
+    """Policy, depth tiers and CUDA-graph buckets (static depth 0: no speculation)."""
+    max_batch_size: int = 16
+    """Requests one rank runs at once."""
+    max_context_len: int = 2048
+    """Prompt + generated tokens of one request."""
+    page_size: int = 16
+    """Tokens per KV page."""
+    num_pages: int | None = None
+    """KV pages per pool (dummy page included); None: room for max_batch_size full contexts."""
+    attention_backend: str = "torch"
+    """Attention of the ragged forwards (prefill): torch or flashinfer."""
+    device: str = "cpu"
+    cuda_graphs: bool = False
+    """Capture the speculative round's forwards per (depth, batch bucket) (CUDA only)."""
+    dp: int = 1
+    """DP-attention replicas; world = dp x attn_tp."""
+    attn_tp: int = 1
+    """Ranks that split one replica's attention."""
+    mlp_scatter: str = "reduce_scatter"
+    """How the MLP output goes back to the replicas (see workers.model.parallel)."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_batch_size", "max_context_len", "page_size", "dp", "attn_tp"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}={value!r}: must be an integer >= 1")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages}: must be >= 2 (one is the dummy page)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}; allowed: "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.mlp_scatter not in SCATTERS:
+            raise ValueError(f"mlp_scatter={self.mlp_scatter!r}; allowed: {', '.join(SCATTERS)}")
+        if self.max_steps > MAX_STEPS_LIMIT:
+            raise ValueError(f"draft depth {self.max_steps} is beyond the maximum of "
+                             f"{MAX_STEPS_LIMIT} steps")
+        if self.max_steps + 2 > self.max_context_len:
+            raise ValueError(f"draft depth {self.max_steps} does not fit a context of "
+                             f"{self.max_context_len} tokens")
+
+    # ---- derived ------------------------------------------------------------------------------
+    @property
+    def max_steps(self) -> int:
+        """The deepest tier a run may use (0: no speculation)."""
+        return self.spec.max_steps
+
+    @property
+    def speculative(self) -> bool:
+        return self.max_steps > 0
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.attn_tp
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """The most KV tokens one request may hold (context + the deepest draft's overshoot)."""
+        return self.max_context_len + self.max_steps + 1
+
+    @property
+    def pages_per_request(self) -> int:
+        return pages_for(self.max_kv_tokens, self.page_size)
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages in each KV pool (the dummy page included)."""
+        return self.num_pages or self.max_batch_size * self.pages_per_request + 1
+
+    @property
+    def graph_buckets(self) -> tuple[int, ...]:
+        """Buckets to capture: the configured ones up to the smallest that holds the batch."""
+        if not self.cuda_graphs:
+            return ()
+        buckets = sorted(self.spec.graph_buckets)
+        top = pick_bucket(self.max_batch_size, buckets) or buckets[-1]
+        return tuple(b for b in buckets if b <= top)
+
+    def kv_tokens(self, prompt_len: int, max_new_tokens: int) -> int:
+        """KV tokens a request may ever hold (what admission reserves)."""
+        return prompt_len + max_new_tokens + self.max_steps + 1
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every setting (for the start-up agreement and the run report)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "spec"}
+        out["spec"] = self.spec.to_dict()
+        return out

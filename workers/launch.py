@@ -1,0 +1,215 @@
+"""Starting an engine on every rank of a cluster, the way `generate` and `serve` both need it.
+
+`run_distributed(args, job)` is the one error path of the engine commands: it starts
+torch.distributed from the torchrun environment (gloo for `--device cpu`, NCCL when every local
+rank has a GPU), runs `job`, prints what rank 0 returns, and turns every known failure into one
+line per rank and the documented exit code (2 bad input or configuration, 3 divergence,
+4 timeout or dead peer), leaving in bounded time after a failure.
+
+`start_engine` resolves the cluster shape (`--dp`, `--attn-tp`, `--tp`), validates every flag on
+every rank (the same error everywhere if any rank's is bad), loads this rank's shards of the
+model, and has the ranks agree every setting that changes the sequence of collectives or the
+tokens (engine configuration, policy, sampling, seed, prompts, model) before the first collective
+of the model runs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+EXIT_CONFIG = 2
+
+
+def _device(args: argparse.Namespace) -> str:
+    return args.device or ("cuda" if args.attention_backend == "flashinfer" else "cpu")
+
+
+def run_distributed(args: argparse.Namespace,
+                    job: Callable[[Any, argparse.Namespace, contextlib.ExitStack], Optional[str]]
+                    ) -> int:
+    """Run `job(ctx, args, closers)` on this rank; print rank 0's text; one error path."""
+    from adaptive_dist.cli import EXIT_INTERNAL, report_failure
+    from collectives import init_distributed
+
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        sys.stderr.write(f"[rank {os.environ.get('RANK', '0')}] error: --timeout "
+                         f"{args.timeout}: must be a finite number of seconds > 0\n")
+        return EXIT_CONFIG
+    backend = "gloo" if _device(args) == "cpu" else None
+    ctx = init_distributed(timeout_s=args.timeout, backend=backend, record=True)
+    try:
+        with contextlib.ExitStack() as closers:  # NOTE: engines close before the process group
+            text = job(ctx, args, closers)
+    except Exception as exc:
+        try:
+            code = report_failure(exc)
+        except Exception:  # a bug: show it, but still leave in bounded time
+            import traceback
+
+            traceback.print_exc()
+            code = EXIT_INTERNAL
+        ctx.shutdown(aborted=True)
+        if ctx.distributed:
+            # NOTE: the process-group teardown can block on a stuck peer; leave without it.
+            os._exit(code)
+        return code
+    if text:
+        print(text, flush=True)
+    ctx.shutdown()
+    return 0
+
+
+@dataclass
+class Cluster:
+    """What one rank holds once the engine is up."""
+
+    ctx: Any
+    config: Any          # EngineConfig
+    par: Any             # ModelParallel
+    world: Any           # Group: every rank (the round's consensus runs over it)
+    target: Any
+    engine: Any
+
+    def gather_report(self, mine: list[int], reqs: list) -> Optional[dict]:
+        """Every replica's outputs (by prompt index) and statistics, on rank 0 (None elsewhere).
+        A collective over the world's control group."""
+        engine = self.engine
+        stats = engine.stats
+        part = {
+            "dp_rank": self.par.replica, "attn_index": self.par.attn.rank,
+            "outputs": {i: {"token_ids": r.output_ids, "finish_reason": r.finish_reason,
+                            "dp_rank": self.par.replica} for i, r in zip(mine, reqs)},
+            "requests": len(reqs), "rounds": stats.rounds,
+            "accept_histogram": {str(k): v for k, v in sorted(stats.accept_histogram.items())},
+            "mean_accept_length": stats.mean_accept_length, "elapsed_s": stats.elapsed_s,
+            "switches": engine.planner.stats.switches,
+            "steps_timeline": [list(x) for x in engine.planner.stats.steps_timeline],
+            "cluster_rounds": engine.planner.round, "graph_rounds": stats.graph_rounds,
+        }
+        parts = [part]
+        if self.world.size > 1:
+            import torch.distributed as dist
+
+            parts = [None] * self.world.size
+            dist.all_gather_object(parts, part, group=self.world.control_pg)
+        if self.ctx.rank != 0:
+            return None
+        leaders = sorted((p for p in parts if p["attn_index"] == 0), key=lambda p: p["dp_rank"])
+        outputs = {i: o for p in leaders for i, o in p["outputs"].items()}
+        tiers = {str(s): st.nbytes for s, st in engine.pool.states.items()}
+        return {"replicas": leaders, "outputs": [outputs[i] for i in sorted(outputs)],
+                "tier_bytes": tiers}
+
+
+def resolve_degrees(args: argparse.Namespace, world: int) -> tuple[int, int]:
+    """(dp, attn_tp) from `--dp`, `--attn-tp`, `--tp` and the job's world size."""
+    if args.tp is not None:
+        if args.dp != 1 or args.attn_tp is not None:
+            raise ValueError("--tp N is plain tensor parallelism (--dp 1 --attn-tp N); do not "
+                             "combine it with --dp or --attn-tp")
+        dp, attn_tp = 1, args.tp
+    else:
+        dp = args.dp
+        if dp < 1:
+            raise ValueError(f"--dp {dp}: must be >= 1")
+        attn_tp = args.attn_tp if args.attn_tp is not None else max(1, world // dp)
+    if attn_tp < 1:
+        raise ValueError(f"--attn-tp {attn_tp}: must be >= 1")
+    if dp * attn_tp != world:
+        raise ValueError(
+            f"--dp {dp} x --attn-tp {attn_tp} = {dp * attn_tp} ranks, but this job has {world}; "
+            f"launch with: torchrun --nproc-per-node {dp * attn_tp} -m adaptive_dist ... "
+            f"--dp {dp} --attn-tp {attn_tp}")
+    return dp, attn_tp
+
+
+def _spec(args: argparse.Namespace) -> Any:
+    """The speculative settings the flags ask for (static depth 0 for --no-spec)."""
+    from adaptive_dist.config import load_config
+    from workers.config import no_spec
+
+    if args.no_spec:
+        if args.config is not None:
+            raise ValueError("--config applies to --adaptive only, not to --no-spec")
+        return no_spec()
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: must be >= 1 (use --no-spec for no speculation)")
+    return load_config(args.config, "ema" if args.adaptive else "static", initial_steps=args.steps)
+
+
+def _prepare(ctx: Any, args: argparse.Namespace) -> tuple[Any, tuple[int, int], dict]:
+    """Validate every flag on this rank: (speculative settings, (dp, attn_tp), settings that
+    must agree). Raises `ValueError` naming the flag."""
+    import torch
+
+    from workers.loading import model_digest
+
+    device = _device(args)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch build or machine has no CUDA device; "
+                         "use --device cpu")
+    if args.attention_backend == "flashinfer" and device != "cuda":
+        raise ValueError("--attention-backend flashinfer needs --device cuda")
+    if args.max_batch_size < 1:
+        raise ValueError(f"--max-batch-size {args.max_batch_size}: must be >= 1")
+    degrees = resolve_degrees(args, ctx.world_size)
+    spec = _spec(args)
+    try:
+        digest = model_digest(args.model)
+    except OSError as err:
+        raise ValueError(f"--model {args.model!r}: cannot be read ({err.strerror})") from None
+    settings = {"model": digest, "device": device, "attention_backend": args.attention_backend,
+                "eager": args.eager, "mlp_scatter": args.mlp_scatter, "timeout_s": ctx.timeout_s,
+                "dp": degrees[0], "attn_tp": degrees[1]}
+    return spec, degrees, settings
+
+
+def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitStack,
+                 extra: dict, size_for: Callable[[Any, int], dict]) -> Cluster:
+    """Validate, load, agree, build: the engine of this rank, ready for its first round.
+
+    `extra` holds the command's own settings that must agree (sampling, seed, prompts, ...);
+    `size_for(model_config, dp)` returns EngineConfig sizes (the same on every rank)."""
+    import torch
+
+    from adaptive_dist.startup import agree_config, all_ranks_or_none
+    from workers.config import EngineConfig
+    from workers.engine import build_engine
+    from workers.loading import load_pair
+    from workers.model import ModelParallel
+
+    # NOTE: a dp=1 layout is valid whatever the flags say, so the checks run over its world group
+    # first; only agreed degrees build the real layout (new_group is collective).
+    layout = ctx.layout(dp=1)
+    spec, (dp, attn_tp), settings = all_ranks_or_none(lambda: _prepare(ctx, args),
+                                                      layout.group("world"), "start-up checks")
+    if dp != 1:
+        layout = ctx.layout(dp=dp)
+    world = layout.group("world")
+    par = ModelParallel.from_layout(layout, args.mlp_scatter)
+    device = str(ctx.device) if settings["device"] == "cuda" else "cpu"
+
+    def load() -> tuple[Any, Any]:
+        try:
+            return load_pair(args.model, par, device, with_head=spec.max_steps > 0)
+        except OSError as err:
+            raise ValueError(str(err)) from None
+
+    target, head = all_ranks_or_none(load, world, "loading the model")
+    config = EngineConfig(spec=spec, attention_backend=args.attention_backend, device=device,
+                          cuda_graphs=settings["device"] == "cuda" and not args.eager,
+                          dp=dp, attn_tp=attn_tp, mlp_scatter=args.mlp_scatter,
+                          **size_for(target.config, dp))
+    agree_config(lambda: spec, world, extra={**settings, **extra, "engine": config.to_dict()})
+    guard = ctx.guard(world, check_every=spec.lockstep_check_every) if ctx.distributed else None
+    if guard is not None:
+        closers.callback(guard.close)
+    engine = build_engine(config, target, head, group=world, guard=guard)
+    closers.callback(engine.close)
+    torch.set_grad_enabled(False)
+    return Cluster(ctx, config, par, world, target, engine)
