@@ -1,0 +1,282 @@
+"""Device-side sampling and speculative acceptance: batched, fixed-shape, CUDA-graph capturable.
+
+Every function here is a pure tensor function over a batch whose row `b` is one request. Rows may
+mix greedy (temperature <= 0) and sampled requests; padded rows (zeros, `num_draft = 0`) give
+finite, in-range outputs and never influence other rows. Nothing reads a value back to the host
+(no `.item()`, `.tolist()`, `nonzero`, boolean-mask indexing, value-dependent shapes or Python
+branches on tensor values), nothing uses a `torch.Generator`, and every shape is fixed by the
+input shapes, so the same code runs eagerly on CPU, eagerly on CUDA, and inside a
+`torch.cuda.CUDAGraph`. Shape errors are raised from shapes alone, naming the argument.
+
+Randomness: counter-based, stateless (`uniforms`)
+-------------------------------------------------
+A uniform is a hash of (seed, counter, salt, index), so a draw never depends on what else is in
+the batch, on the row index, on the device, or on any hidden state.
+- `seed` [B] int64: the request's seed;
+- `counter` [B] int64: unique per (request, round): the position `n` of the last committed token
+  (it grows by `accept_len + 1 >= 1` every round, so no two rounds share a counter);
+- `salt` (Python int): which draw of the round: `draft_salt(k)` for draft step k, `SALT_ACCEPT`
+  for the accept tests, `SALT_RESIDUAL` / `SALT_BONUS` for the final token of a round,
+  `SALT_SAMPLE` for plain (non-speculative) sampling;
+- `index` 0..n-1: which of the `n` numbers of that draw (e.g. the draft position j).
+The hash works on 32-bit words held in int64 tensors. The state starts at a fixed constant; each
+input word w (seed low/high, counter low/high, salt, index) is absorbed as
+`h = mix(h XOR w) + GOLDEN (mod 2^32)`, and the result gets one more `mix`. `mix` is the
+multiply/xor-shift finaliser of MurmurHash3 (x ^= x>>16; x *= 0x85ebca6b; x ^= x>>13;
+x *= 0xc2b2ae35; x ^= x>>16), a bijection of 32-bit words with full avalanche. A 32x32-bit product
+would overflow int64, so `_mul32` splits the constant into 16-bit halves (each partial product
+< 2^48) and masks to 32 bits. The top 24 bits of the final word give `u = k / 2^24` in [0, 1),
+exact in float32. Integer arithmetic is exact, so CPU and CUDA give bit-identical numbers.
+
+Distributions (`probs`)
+-----------------------
+Temperature, then top-p (sort descending; drop the tokens whose preceding mass already reaches
+top_p; the most likely token always stays; renormalise), as `workers.sampling.target_probs`;
+greedy rows are the one-hot of the argmax (first maximum on ties).
+
+Sampling (`sample_from`)
+------------------------
+Inverse CDF: `cdf = cumsum(w)`, `t = u * cdf[-1]` clamped strictly below `cdf[-1]`, token =
+first i with `cdf[i] > t` (`searchsorted(..., right=True)`). A zero-weight token has
+`cdf[i] == cdf[i-1]`, so it is never the first to exceed t; weights need not be normalised.
+
+Speculative acceptance (`verify`), lossless w.r.t. p = probs(target_logits)
+---------------------------------------------------------------------------
+Draft token x_j (drawn from q_j) is kept when `u_j * q_j(x_j) < p_j(x_j)`, i.e. with probability
+min(1, p_j(x)/q_j(x)); `accept_len` = number of leading kept tokens among the first `num_draft`
+(a cumprod over "kept so far"). The final token at position a = accept_len is drawn from
+normalise(max(p_a - q_a, 0)) (from p_a if that is all zero) when a draft was rejected there,
+and from p_a (the bonus) when all `num_draft` drafts were kept. Then P(x kept) = min(p, q), and
+P(final = y | rejected) * P(rejected) = max(p - q, 0)(y), which sum to p(y): the committed token
+at every position is distributed as the target's. Greedy rows: kept iff x_j equals the target's
+argmax, the final token is the target's argmax at position a (exact match, as
+`workers.sampling.accept_greedy`).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "SALT_ACCEPT", "SALT_RESIDUAL", "SALT_BONUS", "SALT_SAMPLE", "draft_salt",
+    "uniforms", "probs", "sample_from", "sample_tokens", "draft_step", "verify",
+]
+
+MASK32 = 0xFFFFFFFF
+_IV = 0x243F6A88          # initial state (first digits of pi)
+_GOLDEN = 0x9E3779B9      # 2^32 / golden ratio: added after every absorption (no zero fixed point)
+_M1, _M2 = 0x85EBCA6B, 0xC2B2AE35
+
+SALT_ACCEPT = 1
+SALT_RESIDUAL = 2
+SALT_BONUS = 3
+SALT_SAMPLE = 4
+_SALT_DRAFT = 0x10000     # draft step k uses _SALT_DRAFT + k
+
+
+def draft_salt(step: int) -> int:
+    """The salt of draft step `step` (0 <= step < 2^16), distinct from every other salt."""
+    if not 0 <= step < 0x10000:
+        raise ValueError(f"step={step}: must be in [0, 65536)")
+    return _SALT_DRAFT + step
+
+
+# ---- counter-based uniforms ------------------------------------------------------------------
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32) held in int64 and a constant c < 2^32, overflow-free."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser: a bijection of [0, 2^32) with full avalanche."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _M1)
+    x = x ^ (x >> 13)
+    x = _mul32(x, _M2)
+    return x ^ (x >> 16)
+
+
+def _absorb(h: torch.Tensor, word: torch.Tensor | int) -> torch.Tensor:
+    """One absorption step: mix(h ^ word) + GOLDEN mod 2^32 (h, word in [0, 2^32))."""
+    return (_mix(h ^ word) + _GOLDEN) & MASK32
+
+
+def _int64(name: str, t: torch.Tensor, batch: int | None = None) -> torch.Tensor:
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name}: must be an integer tensor, got {t.dtype}")
+    if t.dim() != 1 or (batch is not None and t.shape[0] != batch):
+        want = f"[{batch}]" if batch is not None else "[B]"
+        raise ValueError(f"{name}: shape {list(t.shape)}, expected {want}")
+    return t.to(torch.int64)
+
+
+def uniforms(seed: torch.Tensor, counter: torch.Tensor, salt: int, n: int) -> torch.Tensor:
+    """[B, n] float32 uniforms in [0, 1), a stateless hash of (seed[b], counter[b], salt, index).
+
+    Same inputs give the same numbers on every device and whatever else is in the batch.
+    """
+    seed = _int64("seed", seed)
+    counter = _int64("counter", counter, seed.shape[0])
+    if n < 1:
+        raise ValueError(f"n={n}: must be >= 1")
+    h = _absorb(seed & MASK32, _IV)                                 # [B]: the IV and seed_lo
+    for word in ((seed >> 32) & MASK32, counter & MASK32, (counter >> 32) & MASK32):
+        h = _absorb(h, word)
+    h = _absorb(h, salt & MASK32)
+    index = torch.arange(n, dtype=torch.int64, device=seed.device)
+    h = _mix(_absorb(h[:, None], index[None, :]))                   # [B, n]
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+# ---- distributions and inverse-CDF sampling --------------------------------------------------
+
+def _rows(name: str, t: torch.Tensor, n: int) -> torch.Tensor:
+    if t.shape != (n,):
+        raise ValueError(f"{name}: shape {list(t.shape)}, expected [{n}] (one value per row)")
+    return t
+
+
+def probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[N, V] float32 distributions: temperature then top-p; one-hot argmax where temperature <= 0.
+
+    Row by row equal (to float tolerance) to `workers.sampling.target_probs`. A top_p <= 0 keeps
+    only the most likely token (so padded rows stay finite).
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits: shape {list(logits.shape)}, expected [N, V]")
+    n, vocab = logits.shape
+    temperature = _rows("temperature", temperature, n).float()
+    top_p = _rows("top_p", top_p, n).float()
+    logits = logits.float()
+    greedy = temperature <= 0
+    safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    p = torch.softmax(logits / safe_t[:, None], dim=-1)
+    sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    rank = torch.arange(vocab, device=logits.device)
+    drop = (mass_before >= top_p[:, None]) & (rank > 0)[None, :]
+    kept = torch.zeros_like(p).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    p = kept / kept.sum(-1, keepdim=True)
+    one_hot = (rank[None, :] == logits.argmax(-1, keepdim=True)).float()
+    return torch.where(greedy[:, None], one_hot, p)
+
+
+def sample_from(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[N] int64: token i of row r with probability weights[r, i] / sum(weights[r]), via `u` [N].
+
+    Inverse CDF; `weights` must be non-negative (need not sum to one). Zero-weight tokens are
+    never chosen; an all-zero row returns V - 1.
+    """
+    if weights.dim() != 2:
+        raise ValueError(f"weights: shape {list(weights.shape)}, expected [N, V]")
+    n, vocab = weights.shape
+    u = _rows("u", u, n)
+    cdf = weights.float().cumsum(-1)
+    total = cdf[:, -1:]
+    below_total = torch.nextafter(total, torch.zeros_like(total))   # largest float < total
+    target = torch.minimum(u[:, None].float() * total, below_total).clamp_min(0.0)
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_max(vocab - 1)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  seed: torch.Tensor, counter: torch.Tensor, salt: int = SALT_SAMPLE) -> torch.Tensor:
+    """[N] int64: one token per row from probs(logits, ...) (the argmax on greedy rows)."""
+    p = probs(logits, temperature, top_p)
+    u = uniforms(seed, counter, salt, 1)[:, 0]
+    greedy = temperature <= 0
+    return torch.where(greedy, logits.argmax(-1), sample_from(p, u))
+
+
+def draft_step(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+               seed: torch.Tensor, counter: torch.Tensor,
+               step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft step `step` of a round: (tokens [B] int64, q [B, V] float32).
+
+    q = probs(logits, temperature, top_p) (one-hot on greedy rows, whose token is the argmax);
+    sampled rows draw from q with the uniform of salt `draft_salt(step)`. Pass `q` on to `verify`.
+    """
+    q = probs(logits, temperature, top_p)
+    u = uniforms(seed, counter, draft_salt(step), 1)[:, 0]
+    greedy = temperature <= 0
+    return torch.where(greedy, logits.argmax(-1), sample_from(q, u)), q
+
+
+# ---- verify and accept -----------------------------------------------------------------------
+
+def _check_verify(draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
+                  per_row: dict[str, torch.Tensor]) -> tuple[int, int, int]:
+    if draft.dim() != 2:
+        raise ValueError(f"draft: shape {list(draft.shape)}, expected [B, S]")
+    b, s = draft.shape
+    if target_logits.dim() != 3 or target_logits.shape[:2] != (b, s + 1):
+        raise ValueError(f"target_logits: shape {list(target_logits.shape)}, expected "
+                         f"[{b}, {s + 1}, V] (draft is [{b}, {s}])")
+    vocab = target_logits.shape[2]
+    if q.shape != (b, s, vocab):
+        raise ValueError(f"q: shape {list(q.shape)}, expected [{b}, {s}, {vocab}]")
+    for name, t in per_row.items():
+        if t.shape != (b,):
+            raise ValueError(f"{name}: shape {list(t.shape)}, expected [{b}]")
+    if draft.dtype.is_floating_point:
+        raise TypeError(f"draft: must be an integer tensor, got {draft.dtype}")
+    return b, s, vocab
+
+
+def verify(draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
+           temperature: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
+           counter: torch.Tensor, num_draft: torch.Tensor,
+           fill: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept a round's drafts against the target: (accept_len [B] int64, tokens [B, S+1] int64).
+
+    `draft` [B, S] was drawn from `q` [B, S, V]; `target_logits` [B, S+1, V] are the target's
+    logits over [x_n, d_1..d_S]; only the first `num_draft[b]` (clamped to [0, S]) drafts of a
+    row count. `tokens[b, :accept_len[b] + 1]` are the committed tokens (accepted drafts, then the
+    replacement or bonus); the rest hold `fill`. Draft ids outside [0, V) are never accepted.
+    """
+    b, s, vocab = _check_verify(draft, q, target_logits, {
+        "temperature": temperature, "top_p": top_p, "seed": seed, "counter": counter,
+        "num_draft": num_draft})
+    dev = target_logits.device
+    greedy = temperature <= 0                                               # [B]
+    p = probs(target_logits.reshape(b * (s + 1), vocab),
+              temperature[:, None].expand(b, s + 1).reshape(-1),
+              top_p[:, None].expand(b, s + 1).reshape(-1)).view(b, s + 1, vocab)
+    target_arg = target_logits.argmax(-1)                                  # [B, S+1]
+
+    # Which drafts are kept (vectorised over batch and steps), then the leading run of them.
+    draft = draft.to(torch.int64)
+    in_range = (draft >= 0) & (draft < vocab)
+    x = draft.clamp(0, vocab - 1)
+    px = p[:, :s].gather(2, x[..., None])[..., 0]                           # [B, S]
+    qx = q.float().gather(2, x[..., None])[..., 0]
+    kept_sampled = uniforms(seed, counter, SALT_ACCEPT, max(s, 1))[:, :s] * qx < px
+    kept_greedy = x == target_arg[:, :s]
+    steps = torch.arange(s, device=dev)
+    n_draft = num_draft.to(torch.int64).clamp(0, s)                        # [B]
+    counted = steps[None, :] < n_draft[:, None]
+    kept = torch.where(greedy[:, None], kept_greedy, kept_sampled) & in_range & counted
+    accept_len = kept.to(torch.int64).cumprod(1).sum(1)                     # [B]
+
+    # The final token at position a: residual after a rejection, else the bonus from p_a.
+    rejected = accept_len < n_draft                                         # [B]
+    p_a = p.gather(1, accept_len[:, None, None].expand(b, 1, vocab))[:, 0]  # [B, V]
+    if s > 0:
+        q_a = q.float().gather(1, accept_len.clamp_max(s - 1)[:, None, None]
+                               .expand(b, 1, vocab))[:, 0]
+    else:
+        q_a = torch.zeros_like(p_a)
+    residual = (p_a - q_a).clamp_min(0.0)
+    use_residual = rejected[:, None] & (residual.sum(-1, keepdim=True) > 0)
+    weights = torch.where(use_residual, residual, p_a)
+    u_final = torch.where(rejected, uniforms(seed, counter, SALT_RESIDUAL, 1)[:, 0],
+                          uniforms(seed, counter, SALT_BONUS, 1)[:, 0])
+    final = torch.where(greedy, target_arg.gather(1, accept_len[:, None])[:, 0],
+                        sample_from(weights, u_final))
+
+    pos = torch.arange(s + 1, device=dev)[None, :]
+    padded_draft = torch.cat([x, torch.full_like(x[:, :1], fill)], dim=1)  # [B, S+1]
+    tokens = torch.where(pos < accept_len[:, None], padded_draft,
+                         torch.where(pos == accept_len[:, None], final[:, None],
+                                     torch.full_like(padded_draft, fill)))
+    return accept_len, tokens
