@@ -60,10 +60,11 @@ def exact_joint(target: torch.Tensor, start: int, temperature: float, top_p: flo
 
 
 def exact_accept_lengths(target: torch.Tensor, draft: torch.Tensor, start: int, steps: int,
-                         temperature: float, top_p: float) -> torch.Tensor:
+                         temperature: float, top_p: float, draft_top_p: bool = True) -> torch.Tensor:
     """P(accept_len = k), k = 0..steps, of the first round: a draft path x_1..x_k is drawn and kept
     with probability prod_j min(p(x_j | x_{j-1}), q(x_j | x_{j-1}))."""
-    m = torch.minimum(transition(target, temperature, top_p), transition(draft, temperature, top_p))
+    q = transition(draft, temperature, top_p if draft_top_p else 1.0)
+    m = torch.minimum(transition(target, temperature, top_p), q)
     v = m[start]
     at_least = [torch.tensor(1.0, dtype=torch.float64)]
     for _ in range(steps):
@@ -85,8 +86,10 @@ class Rounds:
 
 def run_rounds(target: torch.Tensor, draft: torch.Tensor, start: int, steps: int,
                temperature: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
-               rounds: int = 2, verify_fn: VerifyFn = verify, counter0: int = 7) -> Rounds:
-    """`rounds` speculative rounds for N = len(seed) requests all at context `[.., start]`."""
+               rounds: int = 2, verify_fn: VerifyFn = verify, counter0: int = 7,
+               draft_top_p: bool = True) -> Rounds:
+    """`rounds` speculative rounds for N = len(seed) requests all at context `[.., start]`
+    (`draft_top_p=False`: the draft samples without top-p, the target keeps it)."""
     n, device = seed.shape[0], seed.device
     target, draft = target.to(device), draft.to(device)
     width = rounds * (steps + 1)
@@ -100,7 +103,8 @@ def run_rounds(target: torch.Tensor, draft: torch.Tensor, start: int, steps: int
     for _ in range(rounds):
         prev, toks, qs = last, [], []
         for k in range(steps):
-            tok, q = draft_step(draft[prev], temperature, top_p, seed, counter, k)
+            tok, q = draft_step(draft[prev], temperature, top_p, seed, counter, k,
+                                use_top_p=draft_top_p)
             toks.append(tok)
             qs.append(q)
             prev = tok
@@ -123,3 +127,30 @@ def joint_counts(r: Rounds, vocab: int) -> torch.Tensor:
     """Counts [V*V] of the first two committed tokens."""
     pair = r.committed[:, 0] * vocab + r.committed[:, 1]
     return torch.bincount(pair.cpu(), minlength=vocab * vocab).double()
+
+
+def random_round(b: int, s: int, vocab: int, seed: int,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """One round's inputs for `b` requests: drafts really drawn by `draft_step` (every third row
+    greedy, half the rows with top-p 0.7), target logits near the draft's, random `num_draft`.
+    Built on the CPU, then moved to `device`."""
+    g = torch.Generator().manual_seed(seed)
+    draft_logits = torch.randn(b, s, vocab, generator=g)
+    temperature = torch.rand(b, generator=g) + 0.3
+    temperature[::3] = 0.0                                   # every third row greedy
+    top_p = torch.where(torch.rand(b, generator=g) < 0.5, 1.0, 0.7)
+    req_seed = torch.randint(0, 2 ** 40, (b,), generator=g)
+    counter = torch.randint(0, 4096, (b,), generator=g)
+    toks, qs = [], []
+    for k in range(s):
+        t, q = draft_step(draft_logits[:, k], temperature, top_p, req_seed, counter, k)
+        toks.append(t)
+        qs.append(q)
+    draft, q = torch.stack(toks, 1), torch.stack(qs, 1)
+    target_logits = draft_logits.new_zeros(b, s + 1, vocab)
+    target_logits[:, :s] = draft_logits + 0.7 * torch.randn(b, s, vocab, generator=g)
+    target_logits[:, s] = torch.randn(b, vocab, generator=g)
+    num_draft = torch.randint(0, s + 1, (b,), generator=g)
+    case = dict(draft=draft, q=q, target_logits=target_logits, temperature=temperature,
+                top_p=top_p, seed=req_seed, counter=counter, num_draft=num_draft)
+    return {k: v.to(device) for k, v in case.items()}

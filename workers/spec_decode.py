@@ -137,11 +137,13 @@ def _rows(name: str, t: torch.Tensor, n: int) -> torch.Tensor:
     return t
 
 
-def probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, *,
+          use_top_p: bool = True) -> torch.Tensor:
     """[N, V] float32 distributions: temperature then top-p; one-hot argmax where temperature <= 0.
 
     Row by row equal (to float tolerance) to `workers.sampling.target_probs`. A top_p <= 0 keeps
-    only the most likely token (so padded rows stay finite).
+    only the most likely token (so padded rows stay finite). `use_top_p=False` (a static,
+    host-known promise that every row has top_p >= 1) skips the sort over the vocabulary.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits: shape {list(logits.shape)}, expected [N, V]")
@@ -152,13 +154,17 @@ def probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) 
     greedy = temperature <= 0
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
     p = torch.softmax(logits / safe_t[:, None], dim=-1)
+    rank = torch.arange(vocab, device=logits.device)
+    one_hot = (rank[None, :] == logits.argmax(-1, keepdim=True)).float()
+    if not use_top_p:
+        return torch.where(greedy[:, None], one_hot, p)
     sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
     mass_before = sorted_p.cumsum(-1) - sorted_p
-    rank = torch.arange(vocab, device=logits.device)
     drop = (mass_before >= top_p[:, None]) & (rank > 0)[None, :]
     kept = torch.zeros_like(p).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
-    p = kept / kept.sum(-1, keepdim=True)
-    one_hot = (rank[None, :] == logits.argmax(-1, keepdim=True)).float()
+    nucleus = kept / kept.sum(-1, keepdim=True)
+    # rows with top_p >= 1 keep the plain softmax (as the reference; no float-cumsum tail cut)
+    p = torch.where((top_p < 1)[:, None], nucleus, p)
     return torch.where(greedy[:, None], one_hot, p)
 
 
@@ -180,23 +186,37 @@ def sample_from(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                  seed: torch.Tensor, counter: torch.Tensor, salt: int = SALT_SAMPLE) -> torch.Tensor:
-    """[N] int64: one token per row from probs(logits, ...) (the argmax on greedy rows)."""
-    p = probs(logits, temperature, top_p)
+                  seed: torch.Tensor, counter: torch.Tensor, salt: int = SALT_SAMPLE, *,
+                  use_top_p: bool = True, all_greedy: bool = False) -> torch.Tensor:
+    """[N] int64: one token per row from probs(logits, ...) (the argmax on greedy rows).
+
+    `all_greedy=True` (static: every row has temperature 0) returns the argmax alone.
+    """
+    if all_greedy:
+        return logits.argmax(-1)
+    p = probs(logits, temperature, top_p, use_top_p=use_top_p)
     u = uniforms(seed, counter, salt, 1)[:, 0]
     greedy = temperature <= 0
     return torch.where(greedy, logits.argmax(-1), sample_from(p, u))
 
 
 def draft_step(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-               seed: torch.Tensor, counter: torch.Tensor,
-               step: int) -> tuple[torch.Tensor, torch.Tensor]:
+               seed: torch.Tensor, counter: torch.Tensor, step: int, *,
+               use_top_p: bool = True,
+               all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft step `step` of a round: (tokens [B] int64, q [B, V] float32).
 
     q = probs(logits, temperature, top_p) (one-hot on greedy rows, whose token is the argmax);
     sampled rows draw from q with the uniform of salt `draft_salt(step)`. Pass `q` on to `verify`.
+    Any q is lossless as long as the drafts are drawn from it, so a caller may draft without top-p
+    (`use_top_p=False`: no sort) even when the target uses it. `all_greedy=True` (static: every
+    row greedy) is the argmax and its one-hot, nothing else.
     """
-    q = probs(logits, temperature, top_p)
+    if all_greedy:
+        tokens = logits.argmax(-1)
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        return tokens, (rank[None, :] == tokens[:, None]).float()
+    q = probs(logits, temperature, top_p, use_top_p=use_top_p)
     u = uniforms(seed, counter, draft_salt(step), 1)[:, 0]
     greedy = temperature <= 0
     return torch.where(greedy, logits.argmax(-1), sample_from(q, u)), q
@@ -225,36 +245,48 @@ def _check_verify(draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Ten
 
 def verify(draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
            temperature: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
-           counter: torch.Tensor, num_draft: torch.Tensor,
-           fill: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           counter: torch.Tensor, num_draft: torch.Tensor, fill: int = 0, *,
+           use_top_p: bool = True, all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept a round's drafts against the target: (accept_len [B] int64, tokens [B, S+1] int64).
 
     `draft` [B, S] was drawn from `q` [B, S, V]; `target_logits` [B, S+1, V] are the target's
     logits over [x_n, d_1..d_S]; only the first `num_draft[b]` (clamped to [0, S]) drafts of a
     row count. `tokens[b, :accept_len[b] + 1]` are the committed tokens (accepted drafts, then the
     replacement or bonus); the rest hold `fill`. Draft ids outside [0, V) are never accepted.
+    Static, host-known shortcuts (each a separate CUDA graph if used): `use_top_p=False` when no
+    row has top_p < 1 (no sort); `all_greedy=True` when every row is greedy (argmax only; q,
+    top_p, seed and counter are then not read).
     """
     b, s, vocab = _check_verify(draft, q, target_logits, {
         "temperature": temperature, "top_p": top_p, "seed": seed, "counter": counter,
         "num_draft": num_draft})
     dev = target_logits.device
-    greedy = temperature <= 0                                               # [B]
-    p = probs(target_logits.reshape(b * (s + 1), vocab),
-              temperature[:, None].expand(b, s + 1).reshape(-1),
-              top_p[:, None].expand(b, s + 1).reshape(-1)).view(b, s + 1, vocab)
     target_arg = target_logits.argmax(-1)                                  # [B, S+1]
-
-    # Which drafts are kept (vectorised over batch and steps), then the leading run of them.
     draft = draft.to(torch.int64)
     in_range = (draft >= 0) & (draft < vocab)
     x = draft.clamp(0, vocab - 1)
+    steps = torch.arange(s, device=dev)
+    n_draft = num_draft.to(torch.int64).clamp(0, s)                        # [B]
+    counted = steps[None, :] < n_draft[:, None]
+    pos = torch.arange(s + 1, device=dev)[None, :]
+    padded_draft = torch.cat([x, torch.full_like(x[:, :1], fill)], dim=1)  # [B, S+1]
+    if all_greedy:
+        kept = (x == target_arg[:, :s]) & in_range & counted
+        accept_len = kept.to(torch.int64).cumprod(1).sum(1)
+        final = target_arg.gather(1, accept_len[:, None])[:, 0]
+        return accept_len, _commit(padded_draft, accept_len, final, pos, fill)
+
+    greedy = temperature <= 0                                               # [B]
+    p = probs(target_logits.reshape(b * (s + 1), vocab),
+              temperature[:, None].expand(b, s + 1).reshape(-1),
+              top_p[:, None].expand(b, s + 1).reshape(-1),
+              use_top_p=use_top_p).view(b, s + 1, vocab)
+
+    # Which drafts are kept (vectorised over batch and steps), then the leading run of them.
     px = p[:, :s].gather(2, x[..., None])[..., 0]                           # [B, S]
     qx = q.float().gather(2, x[..., None])[..., 0]
     kept_sampled = uniforms(seed, counter, SALT_ACCEPT, max(s, 1))[:, :s] * qx < px
     kept_greedy = x == target_arg[:, :s]
-    steps = torch.arange(s, device=dev)
-    n_draft = num_draft.to(torch.int64).clamp(0, s)                        # [B]
-    counted = steps[None, :] < n_draft[:, None]
     kept = torch.where(greedy[:, None], kept_greedy, kept_sampled) & in_range & counted
     accept_len = kept.to(torch.int64).cumprod(1).sum(1)                     # [B]
 
@@ -273,10 +305,12 @@ def verify(draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
                           uniforms(seed, counter, SALT_BONUS, 1)[:, 0])
     final = torch.where(greedy, target_arg.gather(1, accept_len[:, None])[:, 0],
                         sample_from(weights, u_final))
+    return accept_len, _commit(padded_draft, accept_len, final, pos, fill)
 
-    pos = torch.arange(s + 1, device=dev)[None, :]
-    padded_draft = torch.cat([x, torch.full_like(x[:, :1], fill)], dim=1)  # [B, S+1]
-    tokens = torch.where(pos < accept_len[:, None], padded_draft,
-                         torch.where(pos == accept_len[:, None], final[:, None],
-                                     torch.full_like(padded_draft, fill)))
-    return accept_len, tokens
+
+def _commit(padded_draft: torch.Tensor, accept_len: torch.Tensor, final: torch.Tensor,
+            pos: torch.Tensor, fill: int) -> torch.Tensor:
+    """[B, S+1]: the accepted drafts, the final token at accept_len, `fill` after it."""
+    return torch.where(pos < accept_len[:, None], padded_draft,
+                       torch.where(pos == accept_len[:, None], final[:, None],
+                                   torch.full_like(padded_draft, fill)))

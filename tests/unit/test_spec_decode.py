@@ -26,6 +26,7 @@ from spec_decode_fixtures import (
     exact_accept_lengths,
     exact_joint,
     joint_counts,
+    random_round,
     run_rounds,
     transition,
 )
@@ -314,6 +315,20 @@ def test_rounds_commit_the_target_distribution(steps: int, temperature: float, t
     assert chi_square_pvalue(counts, exact_joint(target, START, 1.3 * temperature, top_p)) < ALPHA
 
 
+def test_drafting_without_top_p_is_still_lossless() -> None:
+    """Any q is lossless if the drafts are drawn from it: a draft without top-p (no sort) against
+    a top-p target commits the target's top-p distribution; the accept law uses the plain q."""
+    target, draft = bigram_pair(VOCAB, seed=2)
+    n, steps, temperature, top_p = 20000, 2, 0.8, 0.7
+    r = run_rounds(target, draft, START, steps, torch.full((n,), temperature),
+                   torch.full((n,), top_p), torch.arange(n) + 5000, draft_top_p=False)
+    counts = joint_counts(r, VOCAB)
+    assert chi_square_pvalue(counts, exact_joint(target, START, temperature, top_p)) > ALPHA
+    law = exact_accept_lengths(target, draft, START, steps, temperature, top_p, draft_top_p=False)
+    assert chi_square_pvalue(torch.bincount(r.first_accept, minlength=steps + 1), law) > ALPHA
+    assert chi_square_pvalue(counts, exact_joint(target, START, temperature, 1.0)) < ALPHA
+
+
 def _replacement_from_p(draft, q, target_logits, temperature, top_p, seed, counter, num_draft):
     """A deliberately wrong rule: at a rejection the replacement comes from p, not max(p - q, 0)."""
     accept, tokens = verify(draft, q, target_logits, temperature, top_p, seed, counter, num_draft)
@@ -367,28 +382,6 @@ def test_sampled_verify_with_greedy_draft_limits() -> None:
 
 # ---- batches: independence, mixing, padding ----------------------------------------------------
 
-def _random_round(b: int, s: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    draft_logits = torch.randn(b, s, vocab, generator=g)
-    temperature = torch.rand(b, generator=g) + 0.3
-    temperature[::3] = 0.0                                   # every third row greedy
-    top_p = torch.where(torch.rand(b, generator=g) < 0.5, 1.0, 0.7)
-    req_seed = torch.randint(0, 2 ** 40, (b,), generator=g)
-    counter = torch.randint(0, 4096, (b,), generator=g)
-    toks, qs = [], []
-    for k in range(s):
-        t, q = draft_step(draft_logits[:, k], temperature, top_p, req_seed, counter, k)
-        toks.append(t)
-        qs.append(q)
-    draft, q = torch.stack(toks, 1), torch.stack(qs, 1)
-    target_logits = draft_logits.new_zeros(b, s + 1, vocab)
-    target_logits[:, :s] = draft_logits + 0.7 * torch.randn(b, s, vocab, generator=g)
-    target_logits[:, s] = torch.randn(b, vocab, generator=g)
-    num_draft = torch.randint(0, s + 1, (b,), generator=g)
-    return dict(draft=draft, q=q, target_logits=target_logits, temperature=temperature,
-                top_p=top_p, seed=req_seed, counter=counter, num_draft=num_draft)
-
-
 def _verify(case: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return verify(case["draft"], case["q"], case["target_logits"], case["temperature"],
                   case["top_p"], case["seed"], case["counter"], case["num_draft"])
@@ -407,7 +400,7 @@ def _padded(b: int, s: int, vocab: int, temperature: float, top_p: float) -> dic
 
 def test_a_request_does_not_depend_on_the_batch() -> None:
     b, s, vocab = 48, 4, 16
-    case = _random_round(b, s, vocab, seed=7)
+    case = random_round(b, s, vocab, seed=7)
     accept, tokens = _verify(case)
     assert len(set(accept.tolist())) > 2
     perm = torch.randperm(b, generator=torch.Generator().manual_seed(0))
@@ -416,7 +409,7 @@ def test_a_request_does_not_depend_on_the_batch() -> None:
     for row in (0, 1, 29):   # alone, and among other rows / padded rows at another index
         a1, t1 = _verify(_rows(case, torch.tensor([row])))
         assert torch.equal(a1, accept[row:row + 1]) and torch.equal(t1, tokens[row:row + 1])
-        other = _random_round(5, s, vocab, seed=100 + row)
+        other = random_round(5, s, vocab, seed=100 + row)
         mixed = {k: torch.cat([other[k], case[k][row:row + 1], _padded(3, s, vocab, 1.0, 0.0)[k]])
                  for k in case}
         am, tm = _verify(mixed)
@@ -425,7 +418,7 @@ def test_a_request_does_not_depend_on_the_batch() -> None:
 
 def test_mixed_greedy_sampled_and_padded_rows() -> None:
     b, s, vocab = 60, 3, 8
-    case = _random_round(b, s, vocab, seed=11)
+    case = random_round(b, s, vocab, seed=11)
     greedy = case["temperature"] <= 0
     pads = [_padded(2, s, vocab, t, p) for t, p in [(0.0, 1.0), (1.0, 1.0), (1.0, 0.0), (0.7, 0.5)]]
     batch = {k: torch.cat([case[k]] + [pad[k] for pad in pads]) for k in case}
@@ -458,8 +451,40 @@ def test_padded_rows_with_nan_free_garbage() -> None:
     assert bool(((tokens >= 0) & (tokens < vocab)).all())
 
 
+def test_static_shortcuts_equal_the_general_path() -> None:
+    """`use_top_p=False` and `all_greedy=True` are promises about the batch; when they hold, the
+    results are those of the general path (bit for bit)."""
+    b, s, vocab = 40, 3, 32
+    case = random_round(b, s, vocab, seed=21)
+    case["top_p"] = torch.ones(b)
+    a, t = _verify(case)
+    a2, t2 = verify(*case.values(), use_top_p=False)
+    assert torch.equal(a, a2) and torch.equal(t, t2)
+    logits = torch.randn(b, vocab)
+    args = (case["temperature"], case["top_p"], case["seed"], case["counter"])
+    assert torch.equal(probs(logits, *args[:2]), probs(logits, *args[:2], use_top_p=False))
+    tok, q = draft_step(logits, *args, 1)
+    tok2, q2 = draft_step(logits, *args, 1, use_top_p=False)
+    assert torch.equal(tok, tok2) and torch.equal(q, q2)
+    # all greedy: q, top_p, seed and counter are not read
+    case["temperature"] = torch.zeros(b)
+    a, t = _verify(case)
+    junk = {**case, "q": torch.full_like(case["q"], float("nan")), "top_p": torch.zeros(b),
+            "seed": torch.full((b,), -1)}
+    a2, t2 = verify(*junk.values(), all_greedy=True)
+    assert torch.equal(a, a2) and torch.equal(t, t2)
+    _check_against_accept_greedy(case["draft"], case["target_logits"], case["num_draft"],
+                                 a2, t2, torch.arange(b), fill=0)
+    zeros = torch.zeros(b)
+    tok, q = draft_step(logits, zeros, *args[1:], 0)
+    tok2, q2 = draft_step(logits, zeros, *args[1:], 0, all_greedy=True)
+    assert torch.equal(tok, tok2) and torch.equal(q, q2)
+    assert torch.equal(sample_tokens(logits, zeros, *args[1:], all_greedy=True), logits.argmax(-1))
+    assert torch.equal(sample_tokens(logits, zeros, *args[1:]), logits.argmax(-1))
+
+
 def test_verify_shape_errors_name_the_argument() -> None:
-    case = _random_round(4, 2, 8, seed=0)
+    case = random_round(4, 2, 8, seed=0)
     bad = [("q", torch.zeros(4, 3, 8), r"q: shape \[4, 3, 8\], expected \[4, 2, 8\]"),
            ("target_logits", torch.zeros(4, 2, 8), r"target_logits: shape \[4, 2, 8\], expected \[4, 3, V\]"),
            ("num_draft", torch.zeros(3, dtype=torch.int64), r"num_draft: shape \[3\], expected \[4\]"),
@@ -473,7 +498,7 @@ def test_verify_timing_is_reported(capsys: pytest.CaptureFixture) -> None:
     """Not a benchmark: prints the CPU time of draft+verify at a realistic shape (B=16, S=4,
     V=32000) so regressions are visible in -s output; bounded generously."""
     b, s, vocab = 16, 4, 32000
-    case = _random_round(b, s, vocab, seed=3)
+    case = random_round(b, s, vocab, seed=3)
     _verify(case)
     t0 = time.perf_counter()
     for _ in range(3):
