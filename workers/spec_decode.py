@@ -19,26 +19,33 @@ the batch, on the row index, on the device, or on any hidden state.
   for the accept tests, `SALT_RESIDUAL` / `SALT_BONUS` for the final token of a round,
   `SALT_SAMPLE` for plain (non-speculative) sampling;
 - `index` 0..n-1: which of the `n` numbers of that draw (e.g. the draft position j).
-The hash works on 32-bit words held in int64 tensors. The state starts at a fixed constant; each
-input word w (seed low/high, counter low/high, salt, index) is absorbed as
-`h = mix(h XOR w) + GOLDEN (mod 2^32)`, and the result gets one more `mix`. `mix` is the
-multiply/xor-shift finaliser of MurmurHash3 (x ^= x>>16; x *= 0x85ebca6b; x ^= x>>13;
-x *= 0xc2b2ae35; x ^= x>>16), a bijection of 32-bit words with full avalanche. A 32x32-bit product
-would overflow int64, so `_mul32` splits the constant into 16-bit halves (each partial product
-< 2^48) and masks to 32 bits. The top 24 bits of the final word give `u = k / 2^24` in [0, 1),
-exact in float32. Integer arithmetic is exact, so CPU and CUDA give bit-identical numbers.
+The hash works on 32-bit words held in int64 tensors. The state starts at a fixed constant and
+absorbs the words seed_lo, seed_hi, counter_lo, counter_hi (the row key, computed once per call and
+shared by the draws of `verify`), then the salt, then the index, each as
+`h = g((h XOR w) * K mod 2^32)` with `g(y) = y XOR (y >> 15)` and K odd (a bijection of w for a
+fixed h). The final state goes through the MurmurHash3 finaliser `fmix32` (x ^= x>>16;
+x *= 0x85ebca6b; x ^= x>>13; x *= 0xc2b2ae35; x ^= x>>16), a bijection with full avalanche, and
+its top 24 bits give `u = k / 2^24` in [0, 1), exact in float32. A 32x32-bit product would
+overflow int64, so `_mul32` computes `x * c_lo + (x mod 2^16) * c_hi * 2^16` (each term < 2^48)
+and masks to 32 bits. Integer arithmetic is exact, so CPU and CUDA give bit-identical numbers.
+The state is 32 bits: two different (seed, counter, salt, index) collide with probability 2^-32.
+Cost matters here (each op is a kernel inside the graph): one uniforms call is ~60 kernels.
 
 Distributions (`probs`)
 -----------------------
-Temperature, then top-p (sort descending; drop the tokens whose preceding mass already reaches
-top_p; the most likely token always stays; renormalise), as `workers.sampling.target_probs`;
-greedy rows are the one-hot of the argmax (first maximum on ties).
+Temperature, then top-p (sort descending; keep the prefix of tokens whose preceding mass is below
+top_p, at least the most likely one; renormalise), as `workers.sampling.target_probs`; the kept set
+is applied as a threshold on p (no scatter back). Greedy rows are the one-hot of the argmax (first
+maximum on ties). The sort over the vocabulary is the dominant cost of a round (see
+`scripts/bench_spec_decode.py`); `use_top_p=False` skips it when no row needs it.
 
 Sampling (`sample_from`)
 ------------------------
-Inverse CDF: `cdf = cumsum(w)`, `t = u * cdf[-1]` clamped strictly below `cdf[-1]`, token =
-first i with `cdf[i] > t` (`searchsorted(..., right=True)`). A zero-weight token has
-`cdf[i] == cdf[i-1]`, so it is never the first to exceed t; weights need not be normalised.
+Inverse CDF: with `cdf = cumsum(w)` and `t = u * cdf[-1]` clamped strictly below `cdf[-1]`, the
+token is the first i with `cdf[i] > t` (`searchsorted(..., right=True)`). A zero-weight token has
+`cdf[i] == cdf[i-1]`, so it is never the first to exceed t; weights need not be normalised. It
+runs in two levels (a search over chunk sums of CHUNK tokens, then inside the chosen chunk), since
+a scan along a 100k-long row is slow on the GPU.
 
 Speculative acceptance (`verify`), lossless w.r.t. p = probs(target_logits)
 ---------------------------------------------------------------------------
@@ -63,7 +70,7 @@ __all__ = [
 
 MASK32 = 0xFFFFFFFF
 _IV = 0x243F6A88          # initial state (first digits of pi)
-_GOLDEN = 0x9E3779B9      # 2^32 / golden ratio: added after every absorption (no zero fixed point)
+_K_ABSORB = 0x9E3779B1    # odd multiplier of the absorption step (golden-ratio prime)
 _M1, _M2 = 0x85EBCA6B, 0xC2B2AE35
 
 SALT_ACCEPT = 1
@@ -71,6 +78,7 @@ SALT_RESIDUAL = 2
 SALT_BONUS = 3
 SALT_SAMPLE = 4
 _SALT_DRAFT = 0x10000     # draft step k uses _SALT_DRAFT + k
+CHUNK = 256               # scans over the vocabulary run as [V / CHUNK, CHUNK]
 
 
 def draft_salt(step: int) -> int:
@@ -83,12 +91,12 @@ def draft_salt(step: int) -> int:
 # ---- counter-based uniforms ------------------------------------------------------------------
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for x in [0, 2^32) held in int64 and a constant c < 2^32, overflow-free."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+    """(x * c) mod 2^32 for x in [0, 2^32) held in int64 and a constant c < 2^32, overflow-free:
+    x * c_lo + (x mod 2^16) * c_hi * 2^16, each term < 2^48 (4 kernels)."""
+    return torch.add(x * (c & 0xFFFF), x & 0xFFFF, alpha=(c >> 16) << 16) & MASK32
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
+def _fmix(x: torch.Tensor) -> torch.Tensor:
     """MurmurHash3's 32-bit finaliser: a bijection of [0, 2^32) with full avalanche."""
     x = x ^ (x >> 16)
     x = _mul32(x, _M1)
@@ -98,8 +106,10 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def _absorb(h: torch.Tensor, word: torch.Tensor | int) -> torch.Tensor:
-    """One absorption step: mix(h ^ word) + GOLDEN mod 2^32 (h, word in [0, 2^32))."""
-    return (_mix(h ^ word) + _GOLDEN) & MASK32
+    """One absorption step, g((h ^ word) * K mod 2^32) with g(y) = y ^ (y >> 15): a bijection of
+    the word for a fixed state (h, word in [0, 2^32))."""
+    y = _mul32(h ^ word, _K_ABSORB)
+    return y ^ (y >> 15)
 
 
 def _int64(name: str, t: torch.Tensor, batch: int | None = None) -> torch.Tensor:
@@ -111,22 +121,31 @@ def _int64(name: str, t: torch.Tensor, batch: int | None = None) -> torch.Tensor
     return t.to(torch.int64)
 
 
+def _row_key(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """[B] the state after absorbing the 64-bit seed and counter (shared by a row's draws)."""
+    seed = _int64("seed", seed)
+    counter = _int64("counter", counter, seed.shape[0])
+    h = _absorb(seed & MASK32, _IV)
+    for word in ((seed >> 32) & MASK32, counter & MASK32, (counter >> 32) & MASK32):
+        h = _absorb(h, word)
+    return h
+
+
+def _draw(key: torch.Tensor, salt: int, n: int) -> torch.Tensor:
+    """[B, n] uniforms of draw `salt` from row keys [B]."""
+    if n < 1:
+        raise ValueError(f"n={n}: must be >= 1")
+    index = torch.arange(n, dtype=torch.int64, device=key.device)
+    h = _fmix(_absorb(_absorb(key, salt & MASK32)[:, None], index[None, :]))
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
 def uniforms(seed: torch.Tensor, counter: torch.Tensor, salt: int, n: int) -> torch.Tensor:
     """[B, n] float32 uniforms in [0, 1), a stateless hash of (seed[b], counter[b], salt, index).
 
     Same inputs give the same numbers on every device and whatever else is in the batch.
     """
-    seed = _int64("seed", seed)
-    counter = _int64("counter", counter, seed.shape[0])
-    if n < 1:
-        raise ValueError(f"n={n}: must be >= 1")
-    h = _absorb(seed & MASK32, _IV)                                 # [B]: the IV and seed_lo
-    for word in ((seed >> 32) & MASK32, counter & MASK32, (counter >> 32) & MASK32):
-        h = _absorb(h, word)
-    h = _absorb(h, salt & MASK32)
-    index = torch.arange(n, dtype=torch.int64, device=seed.device)
-    h = _mix(_absorb(h[:, None], index[None, :]))                   # [B, n]
-    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    return _draw(_row_key(seed, counter), salt, n)
 
 
 # ---- distributions and inverse-CDF sampling --------------------------------------------------
@@ -141,7 +160,8 @@ def probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, 
           use_top_p: bool = True) -> torch.Tensor:
     """[N, V] float32 distributions: temperature then top-p; one-hot argmax where temperature <= 0.
 
-    Row by row equal (to float tolerance) to `workers.sampling.target_probs`. A top_p <= 0 keeps
+    Row by row equal (to float tolerance) to `workers.sampling.target_probs`; where tokens tie at
+    the cut all of them are kept (the reference keeps an arbitrary subset). A top_p <= 0 keeps
     only the most likely token (so padded rows stay finite). `use_top_p=False` (a static,
     host-known promise that every row has top_p >= 1) skips the sort over the vocabulary.
     """
@@ -158,31 +178,63 @@ def probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, 
     one_hot = (rank[None, :] == logits.argmax(-1, keepdim=True)).float()
     if not use_top_p:
         return torch.where(greedy[:, None], one_hot, p)
-    sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
-    mass_before = sorted_p.cumsum(-1) - sorted_p
-    drop = (mass_before >= top_p[:, None]) & (rank > 0)[None, :]
-    kept = torch.zeros_like(p).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    sorted_p = p.sort(dim=-1, descending=True)[0]
+    mass_before = _cumsum(sorted_p) - sorted_p
+    n_keep = ((mass_before < top_p[:, None]) | (rank == 0)[None, :]).sum(-1, keepdim=True)
+    cut = sorted_p.gather(1, n_keep - 1)              # the smallest kept probability
+    kept = torch.where(p >= cut, p, torch.zeros_like(p))
     nucleus = kept / kept.sum(-1, keepdim=True)
     # rows with top_p >= 1 keep the plain softmax (as the reference; no float-cumsum tail cut)
     p = torch.where((top_p < 1)[:, None], nucleus, p)
     return torch.where(greedy[:, None], one_hot, p)
 
 
+def _chunks(x: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N, K, C] (C = min(V, CHUNK), zero-padded to K * C): long scans as short ones."""
+    n, vocab = x.shape
+    c = min(vocab, CHUNK)
+    k = -(-vocab // c)
+    if k * c != vocab:
+        x = torch.nn.functional.pad(x, (0, k * c - vocab))
+    return x.reshape(n, k, c)
+
+
+def _cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Inclusive cumsum of [N, V] rows, computed chunk-wise (a scan over 100k-long rows is slow)."""
+    n, vocab = x.shape
+    inner = _chunks(x).cumsum(-1)                                    # [N, K, C]
+    totals = inner[:, :, -1]
+    offsets = totals.cumsum(-1) - totals                             # exclusive, [N, K]
+    return (inner + offsets[:, :, None]).reshape(n, -1)[:, :vocab]
+
+
 def sample_from(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[N] int64: token i of row r with probability weights[r, i] / sum(weights[r]), via `u` [N].
 
-    Inverse CDF; `weights` must be non-negative (need not sum to one). Zero-weight tokens are
-    never chosen; an all-zero row returns V - 1.
+    Inverse CDF in two levels (chunks of CHUNK tokens, then tokens inside the chosen chunk);
+    `weights` must be non-negative (need not sum to one). Zero-weight tokens are never chosen;
+    an all-zero row returns V - 1.
     """
     if weights.dim() != 2:
         raise ValueError(f"weights: shape {list(weights.shape)}, expected [N, V]")
     n, vocab = weights.shape
     u = _rows("u", u, n)
-    cdf = weights.float().cumsum(-1)
-    total = cdf[:, -1:]
-    below_total = torch.nextafter(total, torch.zeros_like(total))   # largest float < total
-    target = torch.minimum(u[:, None].float() * total, below_total).clamp_min(0.0)
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_max(vocab - 1)
+    chunks = _chunks(weights.float())                                # [N, K, C]
+    k, c = chunks.shape[1:]
+    chunk_cdf = chunks.sum(-1).cumsum(-1)                            # [N, K]
+    t = _below(u[:, None].float() * chunk_cdf[:, -1:], chunk_cdf[:, -1:])
+    chunk = torch.searchsorted(chunk_cdf, t, right=True).clamp_max(k - 1)          # [N, 1]
+    before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp_min(0)),
+                         torch.zeros_like(t))
+    inside = chunks.gather(1, chunk[:, :, None].expand(n, 1, c))[:, 0].cumsum(-1)  # [N, C]
+    t = _below(t - before, inside[:, -1:])
+    token = torch.searchsorted(inside, t, right=True).clamp_max(c - 1)
+    return (chunk * c + token)[:, 0].clamp_max(vocab - 1)
+
+
+def _below(t: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """t clamped to [0, largest float below total] (to total itself when total is 0)."""
+    return torch.minimum(t, torch.nextafter(total, torch.zeros_like(total))).clamp_min(0.0)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,

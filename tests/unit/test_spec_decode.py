@@ -32,6 +32,7 @@ from spec_decode_fixtures import (
 )
 from workers.sampling import accept_greedy, target_probs
 from workers.spec_decode import (
+    CHUNK,
     SALT_RESIDUAL,
     draft_step,
     probs,
@@ -57,8 +58,8 @@ def test_uniforms_pinned_values_range_and_determinism() -> None:
     # Pinned: a change of the construction (or a device/version that computes it differently)
     # changes every sampled sequence, so it must be deliberate.
     assert (u * 2 ** 24).long().tolist() == [
-        [2347154, 2359343, 3793534], [14605112, 11705137, 8863777],
-        [5947140, 1512516, 9765660], [6096611, 556842, 1599939]]
+        [12483336, 13641454, 5820920], [4920879, 399007, 14860238],
+        [10275258, 1550748, 6726506], [4190486, 4252392, 4587228]]
     assert torch.equal(u, uniforms(seed, counter, 3, 3))
     assert torch.equal(u[:, :2], uniforms(seed, counter, 3, 2))  # index, not n, decides
     many = uniforms(torch.arange(-5000, 5000), torch.arange(10000) * 7919, 12345, 8)
@@ -127,6 +128,25 @@ def test_uniforms_of_neighbouring_inputs_are_independent(what: str) -> None:
     assert _pvalue_2d(a, b) > ALPHA
 
 
+def test_uniforms_avalanche() -> None:
+    """Flipping any one bit of the seed (64), the counter (64) or the salt (32) flips each of the
+    24 output bits of u with probability 1/2 (within 5.5 standard errors)."""
+    g = torch.Generator().manual_seed(4)
+    n = 8000
+    seed = torch.randint(-2 ** 62, 2 ** 62, (n,), generator=g)
+    counter = torch.randint(0, 2 ** 40, (n,), generator=g)
+    salt = 0x1234
+    base = (uniforms(seed, counter, salt, 1)[:, 0] * 2 ** 24).long()
+    shifts = torch.arange(24)
+    flips = [uniforms(seed ^ (1 << b if b < 63 else -2 ** 63), counter, salt, 1) for b in range(64)]
+    flips += [uniforms(seed, counter ^ (1 << b if b < 63 else -2 ** 63), salt, 1) for b in range(64)]
+    flips += [uniforms(seed, counter, salt ^ (1 << b), 1) for b in range(32)]
+    for i, other in enumerate(flips):
+        changed = (base ^ (other[:, 0] * 2 ** 24).long())[:, None] >> shifts & 1
+        rate = changed.double().mean(0)
+        assert float((rate - 0.5).abs().max()) < 5.5 * 0.5 / math.sqrt(n), f"input bit #{i}"
+
+
 def test_pair_test_rejects_a_weak_generator() -> None:
     """Negative control: a 2-D Weyl lattice (counter * a + seed * b mod 2^32, no mixing) is even
     more evenly spread than random in 1-D, so the 1-D test passes; the 2-D test of adjacent
@@ -167,6 +187,20 @@ def test_probs_equal_target_probs_row_by_row() -> None:
         [1.0, 0, 0, 0]]))
 
 
+def test_probs_over_several_chunks_and_ties() -> None:
+    g = torch.Generator().manual_seed(9)
+    vocab = 3000                                          # > CHUNK: the chunked cumsum
+    logits = 2 * torch.randn(6, vocab, generator=g)
+    temps, top_ps = [1.0, 0.6, 1.4, 1.0, 0.9, 2.0], [0.9, 0.5, 0.97, 0.2, 1.0, 0.6]
+    got = probs(logits, torch.tensor(temps), torch.tensor(top_ps))
+    for i, (t, p) in enumerate(zip(temps, top_ps)):
+        torch.testing.assert_close(got[i], target_probs(logits[i:i + 1], t, p)[0])
+    # tokens tied at the cut are all kept (the reference would keep an arbitrary one of them)
+    tied = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2], [0.4, 0.3, 0.15, 0.15]]))
+    got = probs(tied, torch.ones(2), torch.full((2,), 0.5))
+    torch.testing.assert_close(got, torch.tensor([[0.4, 0.2, 0.2, 0.2], [0.4 / 0.7, 0.3 / 0.7, 0, 0]]))
+
+
 def test_probs_padded_rows_are_finite() -> None:
     zeros = torch.zeros(3, 8)
     got = probs(zeros, torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 0.0, 1.0]))
@@ -190,6 +224,21 @@ def test_sample_from_is_the_exact_inverse_cdf() -> None:
     assert torch.equal(counts.double(), p.double() * m)
 
 
+def test_sample_from_is_exact_across_chunks() -> None:
+    """V = 1000 spans four chunks of CHUNK = 256 (the last one zero-padded): weights in units of
+    1/1024 placed across chunk edges, some chunks empty, and a grid of u: exact counts again."""
+    vocab, m = 1000, 1024
+    assert vocab > 3 * CHUNK
+    w = torch.zeros(2, vocab)
+    w[0, [0, 255, 256, 511, 700, 999]] = torch.tensor([100.0, 200, 124, 300, 50, 250])
+    w[1, [3, 768, 769, 998]] = torch.tensor([1.0, 511, 500, 12])     # chunks 1 and 2 empty
+    u = (torch.arange(m) + 0.5) / m
+    tok = sample_from(w.repeat_interleave(m, 0), u.repeat(2))
+    for r in range(2):
+        counts = torch.bincount(tok[r * m:(r + 1) * m], minlength=vocab).double()
+        assert torch.equal(counts, w[r].double()), f"row {r}"
+
+
 def test_sample_from_never_picks_a_zero_weight_token() -> None:
     g = torch.Generator().manual_seed(1)
     w = torch.rand(4000, 16, generator=g) * (torch.rand(4000, 16, generator=g) < 0.3)
@@ -199,6 +248,9 @@ def test_sample_from_never_picks_a_zero_weight_token() -> None:
     u = torch.cat([edges.repeat(1000), torch.rand(4000, generator=g)])
     tok = sample_from(w.repeat(2, 1) * 7.0, u)          # unnormalised weights are fine
     assert bool((w.repeat(2, 1).gather(1, tok[:, None]) > 0).all())
+    wide = torch.nn.functional.pad(w, (300, 300)).repeat(2, 1)  # the same across chunk edges
+    tok = sample_from(wide, u)
+    assert bool((wide.gather(1, tok[:, None]) > 0).all())
     # u at the top of [0, 1) takes the last token with weight; an all-zero row gives V - 1
     assert sample_from(torch.tensor([[0.2, 0.8, 0.0, 0.0]]), torch.tensor([1 - 2 ** -24])).item() == 1
     assert sample_from(torch.zeros(1, 4), torch.tensor([0.3])).item() == 3
