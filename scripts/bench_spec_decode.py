@@ -1,0 +1,146 @@
+"""Time the device-side sampling of one speculative round (`workers.spec_decode`) against the host
+loop it replaces (`workers.sampling`: per-request generators, `.item()` per decision).
+
+    python scripts/bench_spec_decode.py [--device cuda] [--vocab 128256] [--json out.json]
+
+For each (batch, steps): `draft_step` x steps + `verify`, eagerly and (on CUDA) as one CUDA-graph
+replay per variant of the static flags:
+- `top_p`: every row samples with temperature 0.8, top-p 0.95 (the general path: sorts);
+- `top_p_target_only`: the same target, the draft sampled without top-p (`use_top_p=False`);
+- `no_top_p`: top-p 1 everywhere (`use_top_p=False`: no sort at all);
+- `greedy`: every row greedy (`all_greedy=True`: argmax only);
+and the old path (`top_p` only): per request and step `target_probs` + `torch.multinomial` with its
+own generator, then `accept_rejection` per request. The draft logits are the target's plus noise.
+Model forwards are not included: this is the sampling/acceptance work alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from workers.sampling import accept_rejection, target_probs
+from workers.spec_decode import draft_step, verify
+
+
+VARIANTS = {  # name: (temperature, top_p, draft flags, verify flags)
+    "top_p": (0.8, 0.95, {}, {}),
+    "top_p_target_only": (0.8, 0.95, {"use_top_p": False}, {}),
+    "no_top_p": (0.8, 1.0, {"use_top_p": False}, {"use_top_p": False}),
+    "greedy": (0.0, 1.0, {"all_greedy": True}, {"all_greedy": True}),
+}
+
+
+def _inputs(b: int, s: int, vocab: int, device: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(0)
+    target = 4 * torch.randn(b, s + 1, vocab, device=device, generator=g)
+    draft = target[:, :s].permute(1, 0, 2) + torch.randn(s, b, vocab, device=device, generator=g)
+    return dict(draft_logits=draft.contiguous(), target_logits=target,
+                temperature=torch.full((b,), 0.8, device=device),
+                top_p=torch.full((b,), 0.95, device=device),
+                seed=torch.arange(b, device=device), counter=torch.full((b,), 100, device=device),
+                num_draft=torch.full((b,), s, device=device))
+
+
+def _round(x: dict[str, torch.Tensor], s: int, draft_flags: dict[str, bool] | None = None,
+           verify_flags: dict[str, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    toks, qs = [], []
+    for k in range(s):
+        t, q = draft_step(x["draft_logits"][k], x["temperature"], x["top_p"], x["seed"],
+                          x["counter"], k, **(draft_flags or {}))
+        toks.append(t)
+        qs.append(q)
+    return verify(torch.stack(toks, 1), torch.stack(qs, 1), x["target_logits"], x["temperature"],
+                  x["top_p"], x["seed"], x["counter"], x["num_draft"], **(verify_flags or {}))
+
+
+def _graph_ms(x: dict[str, torch.Tensor], s: int, draft_flags: dict[str, bool],
+              verify_flags: dict[str, bool], reps: int) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _round(x, s, draft_flags, verify_flags)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _round(x, s, draft_flags, verify_flags)
+    ms = 1e3 * _time(graph.replay, "cuda", reps)
+    del graph
+    return ms
+
+
+def _old_round(x: dict[str, torch.Tensor], s: int, gens: list[torch.Generator]) -> list[int]:
+    b = x["seed"].shape[0]
+    accepts = []
+    drafts = [[] for _ in range(b)]
+    qs = [[] for _ in range(b)]
+    for k in range(s):                      # as EagleWorker._draft: per step, per request
+        for i in range(b):
+            q = target_probs(x["draft_logits"][k, i][None], 0.8, 0.95)
+            drafts[i].append(int(torch.multinomial(q, 1, generator=gens[i])))
+            qs[i].append(q[0])
+    for i in range(b):                      # as EagleWorker._verify
+        p = target_probs(x["target_logits"][i], 0.8, 0.95)
+        a, _ = accept_rejection(drafts[i], torch.stack(qs[i]), p, gens[i])
+        accepts.append(a)
+    return accepts
+
+
+def _time(fn, device: str, reps: int) -> float:
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--shapes", default="1x4,16x4,64x4,64x8", help="BxS,...")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--old-reps", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="print the top CUDA kernels of the general path at the last shape")
+    args = ap.parse_args()
+    rows = []
+    for shape in args.shapes.split(","):
+        b, s = (int(v) for v in shape.split("x"))
+        x = _inputs(b, s, args.vocab, args.device)
+        row = dict(batch=b, steps=s, vocab=args.vocab, device=args.device)
+        row["eager_ms"] = 1e3 * _time(lambda: _round(x, s), args.device, args.reps)
+        if args.device == "cuda":
+            for name, (temperature, top_p, dflags, vflags) in VARIANTS.items():
+                x["temperature"].fill_(temperature)
+                x["top_p"].fill_(top_p)
+                row[f"graph_ms_{name}"] = _graph_ms(x, s, dflags, vflags, args.reps)
+            x["temperature"].fill_(0.8)
+            x["top_p"].fill_(0.95)
+        gens = [torch.Generator(device=args.device).manual_seed(i) for i in range(b)]
+        row["old_host_loop_ms"] = 1e3 * _time(lambda: _old_round(x, s, gens), args.device,
+                                              args.old_reps)
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+              flush=True)
+    if args.profile and args.device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                _round(x, s)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
