@@ -127,9 +127,9 @@ def _dp_group(w: _Writer, g: int, s: Any) -> None:
              [(dp, s.round_seconds_total)])
     _histogram(w, dp, {int(k): v for k, v in s.accept_histogram.items()})
     w.metric("engine_stat", "gauge", "numeric fields of engine.stats",
-             [({**dp, "name": k}, v) for k, v in sorted(s.engine.items())])
+             [({**dp, "stat": k}, v) for k, v in sorted(s.engine.items())])
     w.metric("planner_stat", "gauge", "numeric fields of engine.planner.stats",
-             [({**dp, "name": k}, v) for k, v in sorted(s.planner.items())])
+             [({**dp, "stat": k}, v) for k, v in sorted(s.planner.items())])
 
 
 def _histogram(w: _Writer, dp: dict[str, Any], hist: dict[int, int]) -> None:
