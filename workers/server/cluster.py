@@ -167,7 +167,7 @@ class ClusterClient:
                                                         f"{message}")))
         self.trackers.clear()
         try:
-            self._broadcast(Shutdown(self._next_seq(), message))
+            self._broadcast(Shutdown(self._next_seq(), message, error=not orderly))
         except zmq.ZMQError as err:
             log.warning("could not send Shutdown to the ranks: %s", err)
         asyncio.get_running_loop().call_later(self.config.linger_s, self.stopping.set)

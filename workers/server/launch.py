@@ -215,8 +215,8 @@ def _serve(args: argparse.Namespace) -> int:
         inbox.close()
         zctx.term()
         signals.restore()
-        if ctx is not None:
-            ctx.shutdown(aborted=failed or stop.reason is not None)
+        if ctx is not None and not failed and stop.reason is None:
+            ctx.shutdown()   # after a signal or a failure a peer may be gone: just exit
 
 
 def _build_loop(args: argparse.Namespace, role: RankRole, inbox: Any, outbox: Any, stop: Any,

@@ -51,7 +51,8 @@ class ServerProcess:
     """One server job: `nproc` ranks (torchrun when > 1) serving on `port`."""
 
     def __init__(self, args: Sequence[str], port: int, nproc: int = 1,
-                 env: Optional[dict[str, str]] = None) -> None:
+                 env: Optional[dict[str, str]] = None,
+                 launcher_args: Sequence[str] = ()) -> None:
         self.port, self.nproc = port, nproc
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)
@@ -59,7 +60,8 @@ class ServerProcess:
             cmd = [sys.executable, "-m", "adaptive_dist", "serve"]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                   "--master-port", str(_free_port()), "-m", "adaptive_dist", "serve"]
+                   "--master-port", str(_free_port()), *launcher_args,
+                   "-m", "adaptive_dist", "serve"]
         cmd += ["--port", str(port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))

@@ -54,6 +54,7 @@ class Shutdown:
 
     seq: int
     reason: str = ""
+    error: bool = False         # the cluster failed (ranks exit non-zero)
 
 
 ControlMessage = Union[Generate, Abort, Shutdown]

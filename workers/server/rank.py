@@ -84,7 +84,7 @@ class RankLoop:
             messages = self.inbox.take_upto(self.agree(self.inbox.received_seq))
             for msg in messages:
                 if isinstance(msg, Shutdown):
-                    return LoopExit(f"the frontend asked to stop ({msg.reason})", error=False)
+                    return LoopExit(f"the frontend asked to stop ({msg.reason})", msg.error)
                 self._apply(msg)
             was_busy = self.adapter.has_work
             if was_busy:
