@@ -2,8 +2,7 @@
 
 A completion request becomes one sub-request per prompt (``ClusterClient.submit``); their events
 arrive in one queue as (choice index, event). Non-streaming answers once every choice finished;
-streaming waits for every choice's first event (so a request a rank refuses still gets a plain
-400), then sends server-sent events ending in ``data: [DONE]``. Stop strings are found on the
+streaming sends server-sent events at once, ending in ``data: [DONE]`` (or an error event). Stop strings are found on the
 decoded text (``TextStream``): the text is cut there and the request is aborted on its rank. A
 client that goes away (streaming or not) aborts its requests, which frees their KV and slots.
 """
@@ -122,7 +121,7 @@ def create_app(cluster: ClusterClient, metrics: FrontendMetrics) -> FastAPI:
         job = _Job(cluster, metrics, codec(), params, start)
         metrics.frontend_pre.observe(time.perf_counter() - start)
         if params.stream:
-            return await job.stream(request)
+            return job.stream()
         return await job.complete(request)
 
     return app
@@ -238,34 +237,19 @@ class _Job:
         return True
 
     # ---- streaming --------------------------------------------------------------------------------
-    async def stream(self, request: Request) -> Response:
-        first: list[tuple[int, str]] = []
-
-        async def until_each_started() -> None:
-            started: set[int] = set()
-            while len(started) < len(self.choices):
-                index, delta = await self._next()
-                started.add(index)
-                first.append((index, delta))
-
-        if not await self._until_disconnect(request, until_each_started()):
-            return Response(status_code=499)
-        return StreamingResponse(self._events(first), media_type="text/event-stream",
+    def stream(self) -> Response:
+        """Server-sent events; headers go out at once (a queued request may wait for a slot),
+        so a failure after this point is an error event in the stream."""
+        return StreamingResponse(self._events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    async def _events(self, first: list[tuple[int, str]]) -> AsyncIterator[str]:
+    async def _events(self) -> AsyncIterator[str]:
         sent_final: set[int] = set()
-        pending = list(first)
         try:
-            while True:
-                for index, delta in pending:
-                    chunk = self._chunk(index, delta, sent_final)
-                    if chunk is not None:
-                        yield chunk
-                pending = []
-                if len(sent_final) == len(self.choices):
-                    break
-                pending.append(await self._next())
+            while len(sent_final) < len(self.choices):
+                chunk = self._chunk(*await self._next(), sent_final)
+                if chunk is not None:
+                    yield chunk
             self._finish_metrics()
             if self.params.include_usage:
                 yield _sse(openai_io.completion(self.id, self.params.model, self.created, [],
