@@ -20,7 +20,7 @@ from workers.server.metrics import find
 
 MAX_TOKENS = 10
 TIMEOUT = 5      # --timeout: a rank silent this long is dead
-LONG = {"model": "tiny_pair", "prompt": "def main():", "max_tokens": 400, "temperature": 0}
+LONG = {"model": "tiny_pair", "prompt": "def main():", "max_tokens": 490, "temperature": 0}
 # (greedy runs the whole max_tokens on this prompt: no early end of sequence)
 
 
@@ -38,11 +38,13 @@ def _rank_pid(server, rank: int) -> int:
 
 
 def _stream_until_error(url: str) -> str:
-    with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True},
-                      timeout=60) as r:
+    with httpx.stream("POST", f"{url}/v1/completions",
+                      json={**LONG, "stream": True, "dp_rank": 1}, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith('data: {"error"'):
                 return json.loads(line[6:])["error"]["message"]
+            if line == "data: [DONE]":
+                return "finished normally"
     return "no error event"
 
 
@@ -87,13 +89,14 @@ def test_two_dp_groups_serve_the_reference_output() -> None:
 @pytest.mark.parametrize("how", ["kill_rank_1", "hang_rank_1", "ctrl_c"])
 def test_rank_death_or_ctrl_c_fails_requests_and_leaves_nothing(how: str) -> None:
     server = start_server(["--dp", "2", "--steps", "3", "--max-model-len", "512",
-                           "--timeout", str(TIMEOUT), "--routing", "round_robin"], nproc=2)
+                           "--timeout", str(TIMEOUT)], nproc=2)
     try:
         with cf.ThreadPoolExecutor(4) as pool:
+            # on the group of rank 1, so none can finish before the failure is noticed
             streams = [pool.submit(_stream_until_error, server.url) for _ in range(2)]
-            plain = pool.submit(httpx.post, f"{server.url}/v1/completions", json=LONG,
-                                timeout=60)
-            time.sleep(1.5)                              # every request is generating
+            plain = pool.submit(httpx.post, f"{server.url}/v1/completions",
+                                json={**LONG, "dp_rank": 1}, timeout=60)
+            time.sleep(1.0)                              # every request is generating
             assert not any(f.done() for f in streams + [plain])
             start = time.monotonic()
             rank1 = _rank_pid(server, 1)

@@ -13,7 +13,7 @@ import httpx
 from serve_helpers import start_server
 from workers.server.process import alive
 
-LONG = {"model": "tiny_pair", "prompt": "def main():", "max_tokens": 400, "temperature": 0}
+LONG = {"model": "tiny_pair", "prompt": "def main():", "max_tokens": 490, "temperature": 0}
 # (greedy runs the whole max_tokens on this prompt: no early end of sequence)
 
 
@@ -39,7 +39,7 @@ def _post(url: str) -> httpx.Response:
 def _in_flight(server, pool):
     stream = pool.submit(_stream_until_error, server.url)
     plain = pool.submit(_post, server.url)
-    time.sleep(1.0)                                  # both are generating now
+    time.sleep(0.5)                                  # both are generating now
     assert not stream.done() and not plain.done()
     return stream, plain
 
