@@ -196,10 +196,10 @@ def _serve(args: argparse.Namespace) -> int:
                      args.port, frontend.pid)
         try:
             loop = _build_loop(args, role, inbox, outbox, stop, frontend)
-        except Exception as err:
-            outbox.send(RankExit(role.rank, f"rank {role.rank} failed to start: {err}", True))
+            result = loop.run()
+        except Exception as err:   # the frontend answers every client with this message
+            outbox.send(RankExit(role.rank, f"{type(err).__name__}: {err}", True))
             raise
-        result = loop.run()
         outbox.send(RankExit(role.rank, result.reason, result.error))
         (log.error if result.error else log.info)("stopping: %s", result.reason)
         failed = result.error
