@@ -141,8 +141,10 @@ def test_prompt_list_gives_one_choice_each_and_usage(client, reference) -> None:
         len(r) for r in reference[:2])
 
 
-# a request run to the end needs at least LONG / (steps + 1) rounds; an aborted one far fewer
+# greedy runs these prompts to max_tokens (no end of sequence): run to the end, a request needs at
+# least LONG / (steps + 1) rounds; an aborted one far fewer
 LONG = CONTEXT - 20
+LONG_BODY = {"model": "tiny_pair", "prompt": "def main():", "max_tokens": LONG, "temperature": 0}
 
 
 def _rounds(url: str) -> float:
@@ -150,28 +152,24 @@ def _rounds(url: str) -> float:
 
 
 def test_client_gone_mid_stream_frees_kv_and_slots(server) -> None:
-    body = {"model": "tiny_pair", "prompt": "def main():", "max_tokens": LONG,
-            "temperature": 0.8, "seed": 1, "stream": True}
     rounds, gone = _rounds(server.url), metric(server.url, "requests_total", outcome="client_gone")
     with httpx.Client(timeout=60) as http:
-        streams = [http.stream("POST", f"{server.url}/v1/completions", json=body)
-                   for _ in range(6)]                    # more than the batch of 4
-        for s in streams:
-            r = s.__enter__()
-            assert next(r.iter_lines()).startswith("data: ")   # a token arrived...
+        streams = [http.stream("POST", f"{server.url}/v1/completions",
+                               json={**LONG_BODY, "stream": True}) for _ in range(6)]
+        responses = [s.__enter__() for s in streams]   # 6 requests: 4 run, 2 wait
+        for r in responses[:4]:
+            assert next(r.iter_lines()).startswith("data: ")   # the running ones made tokens
         for s in streams:
             s.__exit__(None, None, None)                 # ...then every client leaves
     assert wait_until(lambda: kv_back_to_full(server.url)), metrics(server.url)
     assert metric(server.url, "requests_total", outcome="client_gone") - (gone or 0) == 6
-    assert _rounds(server.url) - rounds < LONG / 4 / 2   # they were stopped, not run out
+    assert _rounds(server.url) - rounds < LONG / 4 / 2   # stopped, not run to the end
 
 
 def test_client_gone_non_streaming_frees_kv(server) -> None:
-    body = {"model": "tiny_pair", "prompt": "def main():", "max_tokens": LONG,
-            "temperature": 0.8, "seed": 2}
     rounds = _rounds(server.url)
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
+        httpx.post(f"{server.url}/v1/completions", json=LONG_BODY, timeout=0.3)
     assert wait_until(lambda: kv_back_to_full(server.url)), metrics(server.url)
     assert _rounds(server.url) - rounds < LONG / 4 / 2
 
