@@ -1,0 +1,143 @@
+"""A served cluster under torchrun: 2 ranks, 2 DP groups (one engine rank each), the frontend
+spawned by rank 0. Outputs equal the offline reference whichever group serves them; a killed
+rank and Ctrl-C both end in errors for the clients and no process left."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from serve_helpers import (PROMPTS, decode, kv_back_to_full, metrics, offline_greedy,
+                           start_server, wait_until)
+from workers.server.metrics import find
+
+MAX_TOKENS = 10
+TIMEOUT = 5      # --timeout: a rank silent this long is dead
+LONG = {"model": "tiny_pair", "prompt": "def main():", "max_tokens": 490, "temperature": 0}
+# (greedy runs the whole max_tokens on this prompt: no early end of sequence)
+
+
+def _rank_pid(server, rank: int) -> int:
+    for pid in server.record_tree():
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"adaptive_dist" in cmd and b"serve" in cmd \
+                and b"torch.distributed.run" not in cmd:
+            return pid
+    raise AssertionError(f"no process of rank {rank} in {server.tree}")
+
+
+def _stream_until_error(url: str) -> str:
+    with httpx.stream("POST", f"{url}/v1/completions",
+                      json={**LONG, "stream": True, "dp_rank": 1}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith('data: {"error"'):
+                return json.loads(line[6:])["error"]["message"]
+            if line == "data: [DONE]":
+                return "finished normally"
+    return "no error event"
+
+
+def test_two_dp_groups_serve_the_reference_output() -> None:
+    server = start_server(["--dp", "2", "--adaptive", "--max-batch-size", "3",
+                           "--max-model-len", "256", "--timeout", str(TIMEOUT)], nproc=2)
+    try:
+        reference = offline_greedy(PROMPTS, MAX_TOKENS)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+
+        def one(i: int) -> tuple[str, list[int]]:
+            extra = {"return_token_ids": True}
+            if i % 4 == 0:
+                extra["dp_rank"] = 1                     # pinned; the rest are routed
+            if i % 2:
+                text, ids = "", []
+                for chunk in client.completions.create(
+                        model="tiny_pair", prompt=PROMPTS[i], max_tokens=MAX_TOKENS,
+                        temperature=0, stream=True, extra_body=extra):
+                    text += chunk.choices[0].text
+                    ids += chunk.choices[0].token_ids
+                return text, ids
+            out = client.completions.create(model="tiny_pair", prompt=PROMPTS[i],
+                                            max_tokens=MAX_TOKENS, temperature=0,
+                                            extra_body=extra)
+            return out.choices[0].text, out.choices[0].token_ids
+
+        with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(pool.map(one, range(len(PROMPTS))))
+        for ref, (text, ids) in zip(reference, results):
+            assert ids == ref and text == decode(ref)
+        assert wait_until(lambda: kv_back_to_full(server.url, dp=2)), metrics(server.url)
+        m = metrics(server.url)
+        for g in (0, 1):                                 # both groups served requests
+            assert find(m, "rounds_total", dp_rank=g) > 0
+            assert find(m, "spec_steps", dp_rank=g) in (1, 3, 7)
+    finally:
+        server.stop()
+    assert server.left_behind() == []
+
+
+@pytest.mark.parametrize("how", ["kill_rank_1", "hang_rank_1", "ctrl_c"])
+def test_rank_death_or_ctrl_c_fails_requests_and_leaves_nothing(how: str) -> None:
+    server = start_server(["--dp", "2", "--steps", "3", "--max-model-len", "512",
+                           "--timeout", str(TIMEOUT)], nproc=2)
+    try:
+        with cf.ThreadPoolExecutor(4) as pool:
+            # on the group of rank 1, so none can finish before the failure is noticed
+            streams = [pool.submit(_stream_until_error, server.url) for _ in range(2)]
+            plain = pool.submit(httpx.post, f"{server.url}/v1/completions",
+                                json={**LONG, "dp_rank": 1}, timeout=60)
+            time.sleep(1.0)                              # every request is generating
+            assert not any(f.done() for f in streams + [plain])
+            start = time.monotonic()
+            rank1 = _rank_pid(server, 1)
+            if how == "kill_rank_1":                     # torchrun sees it and stops the job
+                os.kill(rank1, signal.SIGKILL)
+            elif how == "hang_rank_1":                   # alive but silent: only heartbeats tell
+                os.kill(rank1, signal.SIGSTOP)
+            else:
+                server.signal(signal.SIGINT)
+            health, refused = _observe_failure(server.url)
+            if how == "hang_rank_1":
+                assert "rank 1 stopped responding" in refused, refused
+                os.kill(rank1, signal.SIGCONT)
+            for f in streams:
+                assert "the server is shutting down" in f.result(timeout=30)
+            r = plain.result(timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["message"]
+        code = server.wait_exit(TIMEOUT + 20)
+        elapsed = time.monotonic() - start
+        assert code is not None and elapsed < TIMEOUT + 10, (elapsed, server.output())
+        assert health == 503 and refused and "shutting down" in refused, (health, refused)
+        assert server.left_behind() == [], server.output()
+        out = server.output()
+        assert "[frontend]" in out and ("received SIG" in out or "stopped responding" in out)
+    finally:
+        server.stop()
+
+
+def _observe_failure(url: str) -> tuple:
+    """(/health status, a new request's error message) while the frontend is still up."""
+    health, refused = None, None
+    deadline = time.monotonic() + TIMEOUT + 10
+    while time.monotonic() < deadline and (health != 503 or refused is None):
+        try:
+            health = httpx.get(f"{url}/health", timeout=2).status_code
+            if health == 503:
+                r = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 2},
+                               timeout=5)
+                if r.status_code >= 500:
+                    refused = r.json()["error"]["message"]
+        except httpx.HTTPError:
+            break                                        # the frontend is gone already
+        time.sleep(0.05)
+    return health, refused

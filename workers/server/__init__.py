@@ -1,0 +1,19 @@
+"""Serving: an OpenAI-compatible HTTP frontend in front of the engine ranks, routed over pyzmq.
+
+    torchrun --nproc-per-node N -m adaptive_dist serve --dp D [...]     # or one process, no torchrun
+
+Processes and sockets (the README's "Serving" section has the whole picture):
+
+- every rank binds a PULL inbox; rank 0 gathers the addresses (``launch.gather_addresses``) and
+  spawns the frontend process (``frontend.py``: FastAPI + uvicorn);
+- the frontend PUSHes every control message (``protocol.Generate`` / ``Abort`` / ``Shutdown``) to
+  every rank in one global ``seq`` order; ranks apply them strictly in order
+  (``inbox.Inbox.take_upto``), and only the ranks of the chosen DP group add a request;
+- the leader of each DP group PUSHes token deltas, errors and queue statistics back
+  (``rank.RankLoop``); every rank sends heartbeats, so the frontend notices a dead rank.
+
+Modules: ``protocol`` (messages), ``inbox`` (rank-side sockets), ``engine_glue`` (the only code
+that touches the engine), ``rank`` (the rank loop), ``launch`` (the ``serve`` command on a rank),
+``frontend`` / ``api`` / ``openai_io`` / ``text`` / ``router`` / ``metrics`` (the frontend
+process), ``client`` and ``cli`` (the ``client`` command and the entry points).
+"""

@@ -1,0 +1,175 @@
+"""The only module of the server that touches the engine.
+
+It uses the engine's stable API (``make_engine``, ``Engine.add/step/abort``, ``engine.scheduler``,
+``Request``) plus three read-only looks that may move when the engine internals change, each in
+one small function: ``kv_pages`` (free KV pages), ``current_steps`` (the depth in force) and
+``numeric_stats`` (what ``engine.stats`` / ``engine.planner.stats`` expose).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from workers.server.protocol import Generate, QueueStats, TokenDelta
+
+
+@dataclass(frozen=True)
+class KVPages:
+    """Pages of the target KV pool: `free` (neither allocated nor promised) of `usable`."""
+
+    free: int
+    usable: int
+
+
+def kv_pages(engine: Any) -> KVPages:
+    """Free and usable pages of the engine's target KV pool (the draft pool mirrors it).
+
+    # NOTE: reads `engine.worker.target_cache`; point this at the new KV internals when they move.
+    """
+    cache = engine.worker.target_cache
+    return KVPages(free=cache.num_available_pages, usable=cache.usable_pages)
+
+
+def current_steps(engine: Any) -> int:
+    """The speculative depth in force (0 without speculation)."""
+    planner = getattr(engine, "planner", None)
+    return int(getattr(planner, "steps", 0) or 0) if planner is not None else 0
+
+
+def numeric_stats(stats: Any) -> tuple[dict[str, float], dict[str, int]]:
+    """(numeric fields, accept histogram) of a stats object (`EngineStats`, `ControllerStats`,
+    or anything with a `to_dict()` / dataclass fields)."""
+    if stats is None:
+        return {}, {}
+    if hasattr(stats, "to_dict"):
+        raw = stats.to_dict()
+    elif dataclasses.is_dataclass(stats):
+        raw = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+    else:
+        raw = dict(vars(stats))
+    numbers = {k: float(v) for k, v in raw.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for key, value in raw.items():   # Counters keyed by int (e.g. rounds_at_steps) flatten
+        if isinstance(value, Mapping) and key != "accept_histogram":
+            for sub, n in value.items():
+                if isinstance(n, (int, float)) and not isinstance(n, bool):
+                    numbers[f"{key}_{sub}"] = float(n)
+    hist = raw.get("accept_histogram") or {}
+    return numbers, {str(k): int(v) for k, v in dict(hist).items()}
+
+
+def serving_worker_config(model_config: Any, adaptive_config: Any, max_batch_size: int,
+                          max_model_len: int) -> Any:
+    """Worker sizes for serving: `max_batch_size` requests of up to `max_model_len` tokens each
+    (the `generate` command's sizing with the longest possible request)."""
+    from workers.cli import _worker_config
+
+    limit = model_config.max_position_embeddings
+    if not 2 <= max_model_len <= limit:
+        raise ValueError(f"--max-model-len {max_model_len}: must be in [2, {limit}] "
+                         f"(the model's context length)")
+    if max_batch_size < 1:
+        raise ValueError(f"--max-batch-size {max_batch_size}: must be >= 1")
+    sizing = argparse.Namespace(max_new_tokens=0, max_batch_size=max_batch_size)
+    longest = [[0] * max_model_len] * max_batch_size    # only lengths and count are read
+    wcfg = _worker_config(sizing, model_config, longest, adaptive_config)
+    return dataclasses.replace(wcfg, max_context_len=max_model_len)
+
+
+@dataclass
+class _Live:
+    """A request this rank runs, and how much of it the frontend already has."""
+
+    req: Any
+    sent_at: float
+    applied_at: float
+    reported: int = 0
+
+
+class EngineAdapter:
+    """Adds, aborts and steps requests by the frontend's ids; turns progress into deltas."""
+
+    def __init__(self, engine: Any, eos_token_ids: tuple[int, ...], dp_rank: int) -> None:
+        self.engine = engine
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.dp_rank = dp_rank
+        self.live: dict[str, _Live] = {}
+        self.rounds = 0
+        self.round_seconds = 0.0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.engine.scheduler.has_work)
+
+    def add(self, msg: Generate) -> None:
+        """Queue `msg` in the engine; `ValueError` naming the problem if it can never run."""
+        from workers.sampling import SamplingParams
+
+        if msg.rid in self.live:
+            raise ValueError(f"request id {msg.rid!r} is already running")
+        params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p,
+                                max_new_tokens=msg.max_tokens, stop_token_ids=self.eos_token_ids)
+        req = self.engine.add(list(msg.prompt_ids), params, seed=msg.seed)
+        self.live[msg.rid] = _Live(req, msg.sent_at, time.time())
+
+    def abort(self, rid: str) -> None:
+        """Finish `rid` early (its final delta, reason "abort", follows from `collect`)."""
+        live = self.live.get(rid)
+        if live is not None:
+            self.engine.abort(live.req.rid)
+
+    def step(self) -> None:
+        """One engine round (admit + prefill, speculative round, retire)."""
+        start = time.perf_counter()
+        self.engine.step()
+        self.round_seconds += time.perf_counter() - start
+        self.rounds += 1
+
+    def collect(self) -> list[TokenDelta]:
+        """Deltas of every request that produced tokens or finished since the last call."""
+        deltas, now = [], time.time()
+        for rid, live in list(self.live.items()):
+            req = live.req
+            n = len(req.output_ids)
+            if n == live.reported and not req.finished:
+                continue
+            first = live.reported == 0 and n > 0
+            deltas.append(TokenDelta(
+                rid=rid, token_ids=list(req.output_ids[live.reported:n]),
+                finish_reason=req.finish_reason,
+                wake_s=live.applied_at - live.sent_at if first and live.sent_at else None,
+                first_token_s=now - live.sent_at if first and live.sent_at else None))
+            live.reported = n
+            if req.finished:
+                del self.live[rid]
+        return deltas
+
+    def queue_stats(self) -> QueueStats:
+        """This DP group's queue, KV pool and engine counters."""
+        sched, engine = self.engine.scheduler, self.engine
+        pages = kv_pages(engine)
+        eng_numbers, eng_hist = numeric_stats(getattr(engine, "stats", None))
+        planner = getattr(engine, "planner", None)
+        plan_numbers, _ = numeric_stats(getattr(planner, "stats", None))
+        return QueueStats(
+            dp_rank=self.dp_rank, running_requests=len(sched.running),
+            waiting_requests=len(sched.waiting),
+            running_tokens=sum(r.num_tokens for r in sched.running),
+            waiting_tokens=sum(len(r.prompt_ids) + r.params.max_new_tokens for r in sched.waiting),
+            kv_free_pages=pages.free, kv_usable_pages=pages.usable,
+            steps=current_steps(engine), rounds=self.rounds,
+            round_seconds_total=self.round_seconds, engine=eng_numbers, planner=plan_numbers,
+            accept_histogram=eng_hist)
+
+
+def mode_name(adaptive_config: Optional[Any], adaptive: bool) -> str:
+    """A short description of the decoding mode, for /v1/models and logs."""
+    if adaptive_config is None:
+        return "no speculation"
+    if adaptive:
+        return f"adaptive (ema over {list(adaptive_config.candidate_steps)})"
+    return f"static steps={adaptive_config.initial_steps}"

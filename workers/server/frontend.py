@@ -1,0 +1,93 @@
+"""The frontend process: ``python -m workers.server.frontend CONFIG_JSON`` (spawned by rank 0 of
+``serve``; never started by hand).
+
+It serves HTTP (uvicorn) and runs the cluster client's output pump and watchdog in the same event
+loop. It stops when the cluster fails or stops (a rank exits, a rank goes silent, rank 0 is gone,
+SIGTERM): every request in flight is answered with an error, new ones get 503 for ``linger_s``,
+then uvicorn shuts down. SIGINT is ignored: on a terminal Ctrl-C reaches every process of the job,
+and the ranks (rank 0 first) coordinate the shutdown and tell the frontend.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from typing import Iterator, Optional, Sequence
+
+log = logging.getLogger("adaptive_dist.serve")
+
+
+def _server_class():
+    import uvicorn
+
+    class FrontendServer(uvicorn.Server):
+        """uvicorn without its own signal handlers (the frontend decides when to stop)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return FrontendServer
+
+
+async def serve(config) -> int:
+    """Run until the cluster stops; the exit code (0 after an orderly stop)."""
+    import uvicorn
+
+    from workers.server.api import create_app
+    from workers.server.cluster import ClusterClient
+    from workers.server.metrics import FrontendMetrics
+
+    import workers.cli  # noqa: F401  (the codec's tokenizer; imports torch: before serving)
+
+    metrics = FrontendMetrics()
+    cluster = ClusterClient(config, metrics)
+    app = create_app(cluster, metrics)
+    server = _server_class()(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level="warning", lifespan="off",
+        timeout_graceful_shutdown=2, access_log=False))
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, cluster.fail, "the frontend received SIGTERM", True)
+    loop.add_signal_handler(signal.SIGINT, lambda: None)
+    tasks = [asyncio.ensure_future(cluster.pump()), asyncio.ensure_future(cluster.watchdog())]
+
+    async def stop_when_asked() -> None:
+        await cluster.stopping.wait()
+        server.should_exit = True
+
+    tasks.append(asyncio.ensure_future(stop_when_asked()))
+    try:
+        await server.serve()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if cluster.failure is None:
+            cluster.fail("the HTTP server stopped")
+        cluster.close()
+    return 0 if cluster.orderly else 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from workers.server.launch import setup_logging
+    from workers.server.protocol import FrontendConfig
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        sys.stderr.write("usage: python -m workers.server.frontend CONFIG_JSON "
+                         "(started by `python -m adaptive_dist serve`)\n")
+        return 2
+    setup_logging("frontend")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # until the event loop takes over
+    return asyncio.run(serve(FrontendConfig.from_json(args[0])))
+
+
+if __name__ == "__main__":
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)   # sockets are closed; skip the interpreter's slow teardown (torch)

@@ -1,0 +1,267 @@
+"""The `serve` command on one rank: sockets, address exchange, the frontend, the engine, the loop.
+
+    torchrun --nproc-per-node N -m adaptive_dist serve --dp D [...]   (or one process: N = D = 1)
+
+Rank r belongs to DP group ``r // attn_tp`` and leads it when ``r % attn_tp == 0``. Every rank
+binds its inbox; ``gather_addresses`` gives rank 0 every address (one ``all_gather_object`` on a
+gloo group); rank 0 spawns the frontend with them. Every rank then loads the model, builds its
+engine, sends ``Ready`` and runs ``RankLoop``. SIGINT / SIGTERM stop the loop; the rank tells the
+frontend (``RankExit``), and rank 0 waits for the frontend to answer its clients and exit.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger("adaptive_dist.serve")
+
+HEARTBEAT_S = 0.5
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """This rank's place in the serving cluster."""
+
+    rank: int
+    world_size: int
+    dp: int
+    attn_tp: int
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.attn_tp
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank % self.attn_tp == 0
+
+
+def rank_role(args: argparse.Namespace) -> RankRole:
+    """This rank's role from the torchrun environment and `--dp` / `--attn-tp`; `ValueError`
+    naming the numbers when they do not fit the job."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if args.dp < 1 or args.attn_tp < 1:
+        raise ValueError(f"--dp {args.dp} --attn-tp {args.attn_tp}: both must be >= 1")
+    if args.dp * args.attn_tp != world:
+        how = (f"torchrun --nproc-per-node {args.dp * args.attn_tp} -m adaptive_dist serve "
+               f"--dp {args.dp} --attn-tp {args.attn_tp} ...")
+        raise ValueError(f"--dp {args.dp} x --attn-tp {args.attn_tp} = "
+                         f"{args.dp * args.attn_tp} ranks, but this job has {world}; launch "
+                         f"with: {how}")
+    if args.attn_tp != 1:
+        raise ValueError(f"--attn-tp {args.attn_tp}: serving runs one engine rank per DP group "
+                         f"for now (--attn-tp 1); attention-TP groups come with the DP-attention "
+                         f"cluster")
+    return RankRole(rank, world, args.dp, args.attn_tp)
+
+
+def zmq_host() -> str:
+    """The address other processes reach this rank's sockets on (loopback on one host)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if local == int(os.environ.get("WORLD_SIZE", "1")):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def gather_addresses(mine: Any, extra: Any, pg: Any) -> tuple[list[Any], list[Any]]:
+    """(every rank's `mine`, every rank's `extra`) in rank order: one `all_gather_object` over
+    the gloo group `pg` (None: a single process)."""
+    if pg is None:
+        return [mine], [extra]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(out, (mine, extra), group=pg)
+    return [m for m, _ in out], [e for _, e in out]
+
+
+def spawn_frontend(config: Any) -> subprocess.Popen:
+    """Start the frontend process (stdout/stderr shared with this rank)."""
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(key, None)   # the frontend is no rank
+    return subprocess.Popen([sys.executable, "-m", "workers.server.frontend", config.to_json()],
+                            env=env)
+
+
+def stop_frontend(proc: subprocess.Popen, wait_s: float) -> Optional[int]:
+    """Wait up to `wait_s` for the frontend to exit by itself, then terminate (then kill) it."""
+    for action in (None, proc.terminate, proc.kill):
+        if action is not None:
+            log.warning("the frontend did not exit in time; sending %s",
+                        "SIGTERM" if action == proc.terminate else "SIGKILL")
+            action()
+        try:
+            return proc.wait(timeout=wait_s if action is None else 5.0)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.poll()
+
+
+def setup_logging(name: str) -> None:
+    """One line per record, prefixed by the process's role (ranks share stderr)."""
+    logging.basicConfig(level=logging.INFO, format=f"[{name}] %(message)s", stream=sys.stderr,
+                        force=True)
+
+
+class _Signals:
+    """SIGINT / SIGTERM set the stop flag and wake the inbox's poll; restored on exit."""
+
+    def __init__(self, stop: Any) -> None:
+        self.stop, self._old = stop, {}
+
+    def install(self, wakeup_fd: int) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        self._old_fd = signal.set_wakeup_fd(wakeup_fd)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.stop.set(f"received {signal.Signals(signum).name}")
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        if self._old:
+            signal.set_wakeup_fd(self._old_fd)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Handler of `serve` (every rank). The process ends here, without the interpreter's
+    teardown (seconds with torch loaded): everything it holds was closed above."""
+    try:
+        code = _serve(args)
+    except (ValueError, FileNotFoundError) as err:
+        sys.stderr.write(f"[rank {os.environ.get('RANK', '0')}] error: {err}\n")
+        code = 2
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import zmq
+
+    from collectives import free_port, init_distributed
+    from workers.server.inbox import HeartbeatThread, Inbox, Outbox
+    from workers.server.protocol import FrontendConfig, RankAddress, RankExit
+    from workers.server.rank import StopFlag
+
+    role = rank_role(args)
+    setup_logging(f"rank {role.rank}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue {args.max_queue}: must be >= 0")
+    ctx = init_distributed(timeout_s=args.timeout, record=False) if role.world_size > 1 else None
+    zctx = zmq.Context()
+    inbox = Inbox(zctx, zmq_host())
+    stop = StopFlag()
+    signals = _Signals(stop)
+    signals.install(inbox.wakeup_fd)
+    frontend: Optional[subprocess.Popen] = None
+    outbox = heartbeat = None
+    failed = True
+    try:
+        pg = None
+        if ctx is not None:
+            pg = ctx.layout(dp=role.dp, tp=role.world_size).group("world").control_pg
+        pull = f"tcp://{zmq_host()}:{free_port()}" if role.rank == 0 else None
+        mine = RankAddress(role.rank, role.dp_rank, role.is_leader, inbox.address)
+        ranks, pulls = gather_addresses(mine, pull, pg)
+        pull = pulls[0]
+        outbox = Outbox(zctx, pull)
+        heartbeat = HeartbeatThread(zctx, pull, role.rank, HEARTBEAT_S)
+        heartbeat.start()
+        if role.rank == 0:
+            frontend = spawn_frontend(FrontendConfig(
+                host=args.host, port=args.port, pull_address=pull, ranks=ranks, dp=role.dp,
+                model_name=args.served_model_name or Path(args.model).resolve().name,
+                max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                routing=args.routing, parent_pid=os.getpid(),
+                dead_after_s=min(args.timeout, 10.0)))
+            log.info("frontend at http://%s:%d (pid %d); loading the model", args.host,
+                     args.port, frontend.pid)
+        try:
+            loop = _build_loop(args, role, inbox, outbox, stop, frontend)
+            result = loop.run()
+        except Exception as err:   # the frontend answers every client with this message
+            outbox.send(RankExit(role.rank, f"{type(err).__name__}: {err}", True))
+            raise
+        outbox.send(RankExit(role.rank, result.reason, result.error))
+        (log.error if result.error else log.info)("stopping: %s", result.reason)
+        failed = result.error
+        return 1 if result.error else 0
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        if frontend is not None:
+            code = stop_frontend(frontend, wait_s=15.0)
+            log.info("the frontend exited (code %s)", code)
+        if outbox is not None:
+            outbox.close()
+        inbox.close()
+        zctx.term()
+        signals.restore()
+        if ctx is not None and not failed and stop.reason is None:
+            ctx.shutdown()   # after a signal or a failure a peer may be gone: just exit
+
+
+def _build_loop(args: argparse.Namespace, role: RankRole, inbox: Any, outbox: Any, stop: Any,
+                frontend: Optional[subprocess.Popen]) -> Any:
+    """Load the model, build the engine, announce readiness; the loop to run."""
+    import torch
+
+    from workers.cli import _adaptive_config, load_pair
+    from workers.engine import make_engine
+    from workers.server.engine_glue import EngineAdapter, mode_name, serving_worker_config
+    from workers.server.protocol import ModelInfo, Ready
+    from workers.server.rank import RankLoop
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    config = _adaptive_config(args)
+    device = args.device or "cpu"
+    if device == "cuda" and role.world_size > 1:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    target, head = load_pair(args.model, None, device, with_head=config is not None)
+    mcfg = target.config
+    max_len = args.max_model_len or mcfg.max_position_embeddings
+    wcfg = serving_worker_config(mcfg, config, args.max_batch_size, max_len)
+    engine = make_engine(target, head, adaptive_config=config, backend=args.backend,
+                         device=device, worker_config=wcfg, dp_group=None,
+                         cuda_graphs=torch.device(device).type == "cuda" and not args.eager)
+    eos = tuple(mcfg.eos_token_ids)
+    adapter = EngineAdapter(engine, eos, role.dp_rank)
+    mode = mode_name(config, args.adaptive)
+    info = ModelInfo(max_context_len=max_len, bos_token_id=mcfg.bos_token_id,
+                     eos_token_ids=list(eos), vocab_size=mcfg.vocab_size, mode=mode)
+    loop = RankLoop(adapter, inbox, outbox if role.is_leader else None, role.dp_rank, stop,
+                    alive=_frontend_check(frontend))
+    outbox.send(Ready(role.rank, role.dp_rank, role.is_leader, os.getpid(), info,
+                      adapter.queue_stats().kv_usable_pages))
+    if role.is_leader:
+        loop.announce()
+    log.info("serving: %s, DP group %d, batch %d, context %d", mode, role.dp_rank,
+             args.max_batch_size, max_len)
+    return loop
+
+
+def _frontend_check(frontend: Optional[subprocess.Popen]) -> Any:
+    """Rank 0's liveness check of its frontend (None: nothing to check on other ranks)."""
+    def check() -> Optional[str]:
+        if frontend is not None and frontend.poll() is not None:
+            return f"the frontend exited unexpectedly (code {frontend.returncode})"
+        return None
+    return check

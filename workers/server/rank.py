@@ -1,0 +1,116 @@
+"""The serving loop of one rank.
+
+One iteration:
+1. idle (no work, nothing unapplied): block in the inbox's poll until a message or a signal
+   arrives (the timeout only bounds how often `alive()` is checked);
+2. agree on the highest ``seq`` to apply (``agree``: a single rank agrees with itself; the
+   DP-attention cluster plugs its per-round consensus in here) and apply the messages up to it in
+   order: ``Generate`` for this DP group -> ``engine.add``, ``Abort`` -> ``engine.abort``,
+   ``Shutdown`` -> leave;
+3. one engine round if there is work;
+4. the DP-group leader sends the token deltas (and, at most every ``stats_every_s`` or when the
+   group turns idle, its queue statistics) to the frontend.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from workers.server.engine_glue import EngineAdapter
+from workers.server.inbox import Inbox, Outbox
+from workers.server.protocol import Abort, Generate, RequestError, Shutdown, StepOutput
+
+log = logging.getLogger("adaptive_dist.serve")
+
+
+@dataclass
+class StopFlag:
+    """Set by a signal handler (or a failure check); the loop leaves at its next iteration."""
+
+    reason: Optional[str] = None
+    error: bool = False
+
+    def set(self, reason: str, error: bool = False) -> None:
+        if self.reason is None:
+            self.reason, self.error = reason, error
+
+
+@dataclass(frozen=True)
+class LoopExit:
+    """Why the loop ended; `error` for a failure (non-zero exit)."""
+
+    reason: str
+    error: bool
+
+
+def agree_alone(received_seq: int) -> int:
+    """The single-rank agreement: apply everything that has arrived."""
+    return received_seq
+
+
+class RankLoop:
+    """Applies control messages in order and steps the engine; see the module docstring."""
+
+    def __init__(self, adapter: EngineAdapter, inbox: Inbox, outbox: Optional[Outbox],
+                 dp_rank: int, stop: StopFlag,
+                 agree: Callable[[int], int] = agree_alone,
+                 alive: Callable[[], Optional[str]] = lambda: None,
+                 check_every_s: float = 0.5, stats_every_s: float = 0.1) -> None:
+        self.adapter, self.inbox, self.outbox = adapter, inbox, outbox
+        self.dp_rank, self.stop, self.agree, self.alive = dp_rank, stop, agree, alive
+        self.check_every_s, self.stats_every_s = check_every_s, stats_every_s
+        self._last_stats = 0.0
+
+    def announce(self) -> None:
+        """Send the first queue statistics (the frontend's /metrics start from them)."""
+        if self.outbox is not None:
+            self.outbox.send(StepOutput(self.dp_rank, [], self.adapter.queue_stats()))
+            self._last_stats = time.monotonic()
+
+    def run(self) -> LoopExit:
+        """Serve until a `Shutdown`, a stop signal or a failed `alive()` check."""
+        while True:
+            if not self.adapter.has_work and not self.inbox.has_unapplied:
+                self.inbox.wait(self.check_every_s)
+            else:
+                self.inbox.receive()
+            problem = self.alive()
+            if problem is not None:
+                self.stop.set(problem, error=True)
+            if self.stop.reason is not None:
+                return LoopExit(self.stop.reason, self.stop.error)
+            messages = self.inbox.take_upto(self.agree(self.inbox.received_seq))
+            for msg in messages:
+                if isinstance(msg, Shutdown):
+                    return LoopExit(f"the frontend asked to stop ({msg.reason})", msg.error)
+                self._apply(msg)
+            was_busy = self.adapter.has_work
+            if was_busy:
+                self.adapter.step()
+            if messages or was_busy:
+                self._report(idle_now=not self.adapter.has_work)
+
+    def _apply(self, msg: Generate | Abort) -> None:
+        if isinstance(msg, Abort):
+            self.adapter.abort(msg.rid)
+        elif msg.dp_rank == self.dp_rank:
+            try:
+                self.adapter.add(msg)
+            except ValueError as err:
+                log.info("request %s refused: %s", msg.rid, err)
+                if self.outbox is not None:
+                    self.outbox.send(RequestError(msg.rid, self.dp_rank, str(err), 400))
+
+    def _report(self, idle_now: bool) -> None:
+        deltas = self.adapter.collect()
+        if self.outbox is None:
+            return
+        now = time.monotonic()
+        stats = None
+        if idle_now or now - self._last_stats >= self.stats_every_s:
+            stats = self.adapter.queue_stats()
+            self._last_stats = now
+        if deltas or stats is not None:
+            self.outbox.send(StepOutput(self.dp_rank, deltas, stats))
