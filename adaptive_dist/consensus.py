@@ -3,7 +3,8 @@ group, so every rank holds the same matrix and reduces it in the same order.
 
 The vector carries the rank's statistics (from the round that just ended), its view of the
 upcoming round (requests, the tokens and requests of its extend/prefill forward, CUDA-graph
-eligibility, whether it is done), and the state every rank must share
+eligibility, whether it is done; when serving, the highest request-message sequence number it has
+received and whether it wants the cluster to stop), and the state every rank must share
 (steps in force, counted rounds, last switch, config hash, hash of the previous round's plan).
 The shared-state columns are the pre-flight lockstep check: a mismatch raises ``DivergenceError``
 on every rank, naming ranks and fields, before any device collective of the round is issued.
@@ -16,9 +17,10 @@ import torch
 
 from collectives import DivergenceError, Group, ops
 
-MAGIC = 0x5AD8  # vector format version
+MAGIC = 0x5AD9  # vector format version
 FIELDS = (
     "magic", "round", "n_req", "num_tokens", "n_extend", "can_graph", "done",  # the upcoming round
+    "seq", "leave",                                                     # serving: inbox, stop
     "prev_n_req", "ema", "weight",                                      # the round that ended
     "steps", "counted", "last_switch", "config_hash", "prev_plan_hash",  # must agree
 )
@@ -42,6 +44,8 @@ class RoundVector:
     n_extend: int
     can_graph: bool
     done: bool
+    seq: int
+    leave: bool
     prev_n_req: int
     ema: float
     weight: int

@@ -42,6 +42,8 @@ class RoundPlan:
     cluster_requests: int
     switched: bool                # the steps changed before this round
     all_done: bool                # every rank reported done
+    seq: int = 0                  # serving: messages up to here reached every rank
+    leave: bool = False           # serving: some rank asked the cluster to stop
 
 
 @dataclass(frozen=True)
@@ -96,19 +98,22 @@ class AdaptiveController:
         return self.config.candidate_steps[self.state.index]
 
     def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
-                    done: bool = False, num_extend: int = 0) -> RoundPlan:
+                    done: bool = False, num_extend: int = 0, seq: int = 0,
+                    leave: bool = False) -> RoundPlan:
         """Agree this round's plan (one all-gather over the group) after deciding on the previous
         round's statistics. Every member must call it every round.
 
         ``num_requests``: requests this rank runs this round; ``num_tokens`` / ``num_extend``:
         tokens and requests of its extend (prefill) forward; ``can_graph``: whether it could run
-        the round through CUDA graphs; ``done``: it has no work now and will get none."""
+        the round through CUDA graphs; ``done``: it has no work now and will get none; ``seq``
+        (serving): the highest request-message sequence number it has received; ``leave``: it
+        wants the cluster to stop after this round."""
         if min(num_requests, num_tokens, num_extend) < 0:
             raise ValueError(f"begin_round: num_requests={num_requests}, num_tokens={num_tokens}, "
                              f"num_extend={num_extend} must be >= 0")
         vec = consensus.RoundVector(
             round=self.round, n_req=num_requests, num_tokens=num_tokens, n_extend=num_extend,
-            can_graph=can_graph,
+            can_graph=can_graph, seq=seq, leave=leave,
             done=done, prev_n_req=self._prev_n_req, ema=self.ema, weight=self.weight,
             steps=self.steps, counted=self.state.counted, last_switch=self.state.last_switch,
             config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash,
@@ -193,6 +198,8 @@ class AdaptiveController:
             extend_requests=int(max(consensus.column(matrix, "n_extend"))),
             cluster_requests=sum(n_req), switched=switched,
             all_done=all(v != 0 for v in consensus.column(matrix, "done")),
+            seq=int(min(consensus.column(matrix, "seq"))),
+            leave=any(v != 0 for v in consensus.column(matrix, "leave")),
         )
 
     def decision_digest(self) -> int:

@@ -57,7 +57,7 @@ def main() -> None:
     layout = ctx.layout(dp=ctx.world_size)
     dp = layout.group("dp")
     sync = ctx.device.type == "cuda"
-    vec = consensus.RoundVector(0, 4, 16, 0, True, False, 4, 2.5, 4, 3, 0, -1, 7, 9)
+    vec = consensus.RoundVector(0, 4, 16, 0, True, False, 0, False, 4, 2.5, 4, 3, 0, -1, 7, 9)
     ctrl = AdaptiveController(AdaptiveConfig(), dp, channel=args.channel)
 
     channel = consensus.ConsensusChannel(dp, args.channel)

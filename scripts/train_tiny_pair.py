@@ -42,7 +42,7 @@ from workers.model import (
     load_llama,
     save_pretrained,
 )
-from workers.model import tokenizer as tok
+from workers import tokenizer as tok
 
 B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 HEX = "0123456789abcdef"

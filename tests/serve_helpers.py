@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import httpx
 
-from workers.cli import DEFAULT_MODEL, encode_prompt, load_pair
+from workers.loading import DEFAULT_MODEL, encode_prompt, load_pair
 from workers.server.metrics import find, parse
 from workers.server.process import ServerProcess
 
@@ -30,21 +30,20 @@ def _offline_pair() -> tuple[Any, Any]:
 def offline_greedy(prompts: list[str], max_tokens: int) -> list[list[int]]:
     """Token ids of greedy decoding without speculation, one engine over all prompts (the
     `generate --no-spec` path)."""
-    from workers.eagle_worker import WorkerConfig
-    from workers.engine import make_engine
+    from workers.config import EngineConfig
+    from workers.engine import build_engine
     from workers.sampling import SamplingParams
 
     target, cfg = _offline_pair()
-    engine = make_engine(target, None, adaptive_config=None,
-                         worker_config=WorkerConfig(max_batch_size=len(prompts), page_size=16,
-                                                    max_context_len=512, max_steps=1))
+    engine = build_engine(EngineConfig(max_batch_size=len(prompts), max_context_len=512),
+                          target, None)
     params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=cfg.eos_token_ids)
     reqs = engine.generate([encode_prompt(p, cfg) for p in prompts], params)
     return [r.output_ids for r in reqs]
 
 
 def decode(ids: list[int]) -> str:
-    from workers.model import tokenizer
+    from workers import tokenizer
 
     return tokenizer.decode(ids)
 

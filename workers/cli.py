@@ -151,7 +151,7 @@ def _mode(config: Any) -> str:
 
 def summary(args: argparse.Namespace, prompts: list, report: dict, cluster: Any) -> dict[str, Any]:
     """The JSON object of `--json` (also the source of the text table)."""
-    from workers.model import tokenizer
+    from workers import tokenizer
 
     hist: dict[int, int] = {}
     for rep in report["replicas"]:

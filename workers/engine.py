@@ -91,51 +91,64 @@ class Engine:
         self.config, self.worker, self.scheduler, self.planner = config, worker, scheduler, planner
         self.guard = guard
         self.stats = EngineStats()
-        self.requests: list[Request] = []
+        self.live: dict[int, Request] = {}   # queued or running; finished ones leave at retire
+        self.last_plan: RoundPlan | None = None
+        self._next_rid = 0
         self._all_done = False
         # the engine applies the depth the controller decides: one pre-built state per tier
         self.pool = RuntimeStatePool(worker, config.spec.tiers)
         self.pool.apply(config.spec.initial_steps)
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, seed: int = 0) -> Request:
-        """Queue a request (validated now; an impossible request raises `ValueError`)."""
-        req = Request(len(self.requests), list(prompt_ids), params, seed=seed)
+    def add(self, prompt_ids: list[int], params: SamplingParams, seed: int = 0,
+            rid: int | None = None) -> Request:
+        """Queue a request (validated now; an impossible request raises `ValueError`). `rid`
+        defaults to the next free number; a caller-chosen one must not be in use."""
+        rid = self._next_rid if rid is None else rid
+        if rid in self.live:
+            raise ValueError(f"request id {rid} is already in use")
+        req = Request(rid, list(prompt_ids), params, seed=seed)
         self.scheduler.add(req)
-        self.requests.append(req)
+        self.live[rid] = req
+        self._next_rid = max(self._next_rid, rid + 1)
         return req
 
     def abort(self, rid: int) -> bool:
         """Finish request `rid` now with reason "abort" (a client went away). A waiting request
         leaves the queue; a running one is retired at the next round boundary, which gives its KV
         back. Returns whether the request was still unfinished."""
-        req = self.requests[rid] if 0 <= rid < len(self.requests) else None
+        req = self.live.get(rid)
         if req is None or req.finished:
             return False
         self.scheduler.abort(req)
         return True
 
-    def step(self) -> list[Request]:
+    def step(self, seq: int = 0, leave: bool = False, pending: bool = False) -> list[Request]:
         """One round (admit, agree, prefill, speculate, retire); returns the requests that
-        finished. Every rank of the cluster calls it every round, with or without requests."""
+        finished. Every rank of the cluster calls it every round, with or without requests.
+        Serving passes `seq` (request messages received), `leave` (stop wanted) and `pending`
+        (messages received but not applied yet: not done); the agreed values are in
+        `last_plan`."""
         if self.guard is None:
-            return self._step()
+            return self._step(seq, leave, pending)
         with self.guard.round(self.planner_round):  # a hung round becomes an error
-            return self._step()
+            return self._step(seq, leave, pending)
 
     @property
     def planner_round(self) -> int:
         return getattr(self.planner, "round", self.stats.rounds)
 
-    def _step(self) -> list[Request]:
-        done = self.scheduler.retire()
+    def _step(self, seq: int, leave: bool, pending: bool) -> list[Request]:
+        done = self._retire()
         admitted = self.scheduler.admit()
         batch = list(self.scheduler.running)
         if not batch and self.scheduler.waiting:
             self._refuse_stuck()
         plan = self.planner.begin_round(
             num_requests=len(batch), num_tokens=sum(len(r.prompt_ids) for r in admitted),
-            can_graph=self.worker.can_use_graph(batch), done=not self.scheduler.has_work,
-            num_extend=len(admitted))
+            can_graph=self.worker.can_use_graph(batch),
+            done=not (self.scheduler.has_work or pending),
+            num_extend=len(admitted), seq=seq, leave=leave)
+        self.last_plan = plan
         self._all_done = plan.all_done
         if plan.switched:
             self.pool.apply(plan.steps)
@@ -149,7 +162,15 @@ class Engine:
         # applied depth is rank-local state, checked against every other rank before the next round
         self.planner.end_round(accepts, (self.worker.steps, plan.use_graph, plan.batch_bucket,
                                          "spec"))
-        return done + self.scheduler.retire()
+        return done + self._retire()
+
+    def _retire(self) -> list[Request]:
+        """Retire finished requests (KV and slot back) and forget them."""
+        done = self.scheduler.retire()
+        for req in done:
+            self.live.pop(req.rid, None)
+            self.stats.generated_tokens += len(req.output_ids)
+        return done
 
     def _spec_round(self, plan: RoundPlan, live: list[Request]) -> list[int]:
         if not plan.cluster_requests:
@@ -163,6 +184,14 @@ class Engine:
                 self.stats.accept_histogram.update(accepts)
             self.stats.rounds += 1
         return accepts
+
+    def warmup(self) -> None:
+        """One dummy prefill and one dummy round on every rank (all rows padding): connects
+        every process group and runs every kernel once, so the first request does not pay for
+        it. Collective: every rank of the cluster calls it at start-up."""
+        self.worker.prefill([], 1, 1)
+        if self.planner.steps == self.worker.steps:
+            self.worker.spec_round([], 1, None)
 
     def _refuse_stuck(self) -> None:
         """Nothing runs and the next waiting request cannot be admitted: it never will be."""
@@ -181,7 +210,6 @@ class Engine:
         while not self._all_done:
             self.step()
         self.stats.elapsed_s += time.perf_counter() - start
-        self.stats.generated_tokens = sum(len(r.output_ids) for r in self.requests)
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
                  seed: int = 0, seeds: Sequence[int] | None = None) -> list[Request]:

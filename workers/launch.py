@@ -170,11 +170,13 @@ def _prepare(ctx: Any, args: argparse.Namespace) -> tuple[Any, tuple[int, int], 
 
 
 def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitStack,
-                 extra: dict, size_for: Callable[[Any, int], dict]) -> Cluster:
+                 extra: dict, size_for: Callable[[Any, int], dict],
+                 first_layout: Any = None) -> Cluster:
     """Validate, load, agree, build: the engine of this rank, ready for its first round.
 
     `extra` holds the command's own settings that must agree (sampling, seed, prompts, ...);
-    `size_for(model_config, dp)` returns EngineConfig sizes (the same on every rank)."""
+    `size_for(model_config, dp)` returns EngineConfig sizes (the same on every rank);
+    `first_layout` is a dp=1 layout the caller already built (its world group runs the checks)."""
     import torch
 
     from adaptive_dist.startup import agree_config, all_ranks_or_none
@@ -185,7 +187,7 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
 
     # NOTE: a dp=1 layout is valid whatever the flags say, so the checks run over its world group
     # first; only agreed degrees build the real layout (new_group is collective).
-    layout = ctx.layout(dp=1)
+    layout = first_layout if first_layout is not None else ctx.layout(dp=1)
     spec, (dp, attn_tp), settings = all_ranks_or_none(lambda: _prepare(ctx, args),
                                                       layout.group("world"), "start-up checks")
     if dp != 1:
@@ -211,5 +213,6 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
         closers.callback(guard.close)
     engine = build_engine(config, target, head, group=world, guard=guard)
     closers.callback(engine.close)
+    engine.warmup()
     torch.set_grad_enabled(False)
     return Cluster(ctx, config, par, world, target, engine)

@@ -66,7 +66,7 @@ def assign_replicas(prompts: list[Prompt], dp: int) -> list[int]:
 
 def encode_prompt(text: str, config: Any) -> list[int]:
     """Byte ids of `text`, preceded by the model's BOS id when it has one."""
-    from workers.model import tokenizer
+    from workers import tokenizer
 
     ids = tokenizer.encode(text)
     return ([config.bos_token_id] if config.bos_token_id is not None else []) + ids

@@ -84,7 +84,6 @@ class Scheduler:
         self.device = torch.device(device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.finished: list[Request] = []
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
 
     def validate(self, req: Request) -> None:
@@ -132,7 +131,6 @@ class Scheduler:
         req.finish_reason = "abort"
         if req in self.waiting:
             self.waiting.remove(req)
-            self.finished.append(req)
 
     def retire(self) -> list[Request]:
         """Remove finished requests from the batch, give back their pages and slot; return them."""
@@ -143,5 +141,4 @@ class Scheduler:
                 self.allocator.free(req.rid)
                 self._free_slots.append(req.slot)
                 req.slot, req.pages = None, []
-            self.finished.extend(done)
         return done

@@ -83,7 +83,7 @@ class RandomTierPlanner:
         self.seen: Counter = Counter()
 
     def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
-                    done: bool = False, num_extend: int = 0) -> RoundPlan:
+                    done: bool = False, num_extend: int = 0, **serving) -> RoundPlan:
         others = [s for s in self.candidates if s != self.steps]
         self.steps = self.rng.choice(others)
         self.seen[self.steps] += 1

@@ -155,7 +155,7 @@ def test_resave_replaces_old_layout(tmp_path):
 
 
 def test_bundled_pair_loads_and_fits_the_tokenizer():
-    from workers.model import tokenizer as tok
+    from workers import tokenizer as tok
 
     root = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny_pair"
     target = load_llama(root / "target")

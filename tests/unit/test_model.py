@@ -13,7 +13,7 @@ from workers.model import (
     LlamaConfig,
     LlamaForCausalLM,
 )
-from workers.model import tokenizer as tok
+from workers import tokenizer as tok
 from workers.model.config import RopeScaling
 from workers.model.layers import rope_inv_freq
 

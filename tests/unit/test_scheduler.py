@@ -40,18 +40,18 @@ def test_output_does_not_depend_on_the_rest_of_the_batch(pair, mode: str, temper
 
 def test_batch_never_exceeds_max_and_requests_join_between_rounds(pair) -> None:
     engine = engine_for(*pair, "static", steps=3, max_batch=2)
-    for ids in random_prompts(5, 64, seed=2):
-        engine.add(ids, SamplingParams(max_new_tokens=10))
-    sizes, joined_late = [], False
+    reqs = [engine.add(ids, SamplingParams(max_new_tokens=10))
+            for ids in random_prompts(5, 64, seed=2)]
+    sizes, finished = [], []
     while engine.scheduler.has_work:
-        engine.step()
+        finished += engine.step()
         sizes.append(len(engine.scheduler.running))
-        if len(sizes) == 3 and not joined_late:
-            engine.add([1, 2, 3], SamplingParams(max_new_tokens=4))
-            joined_late = True
+        if len(sizes) == 3:
+            reqs.append(engine.add([1, 2, 3], SamplingParams(max_new_tokens=4)))
     assert max(sizes) == 2
-    assert len(engine.scheduler.finished) == 6
-    assert all(len(r.output_ids) == r.params.max_new_tokens for r in engine.scheduler.finished)
+    assert sorted(r.rid for r in finished) == [r.rid for r in reqs] == list(range(6))
+    assert all(len(r.output_ids) == r.params.max_new_tokens for r in reqs)
+    assert not engine.live, "finished requests are not kept"
     _pages_back(engine)
 
 
@@ -68,7 +68,7 @@ def test_requests_wait_for_kv_room_then_run(pair) -> None:
         peak = max(peak, len(engine.scheduler.running))
         assert engine.scheduler.allocator.num_free_pages >= 0
     assert peak == 2
-    assert [len(r.output_ids) for r in engine.requests] == [30] * 5
+    assert engine.stats.generated_tokens == 30 * 5 and not engine.live
     _pages_back(engine)
 
 
@@ -94,23 +94,24 @@ def test_generate_validates_every_request_before_running_any(pair) -> None:
     engine = engine_for(*pair, "static", steps=3)
     with pytest.raises(ValueError, match="prompt is empty"):
         engine.generate([[1, 2], []], SamplingParams(max_new_tokens=3))
-    assert engine.stats.rounds == 0 and not engine.requests
+    assert engine.stats.rounds == 0 and not engine.live
 
 
 def test_every_page_back_after_many_random_requests(pair) -> None:
     rng = random.Random(9)
     engine = engine_for(*pair, "static", steps=7, max_batch=5, num_pages=60)
+    reqs = []
     for step in range(60):
         if rng.random() < 0.5:
             n = rng.randint(1, 30)
-            engine.add([rng.randrange(64) for _ in range(n)],
+            reqs.append(engine.add([rng.randrange(64) for _ in range(n)],
                        SamplingParams(max_new_tokens=rng.randint(1, 25),
                                       temperature=rng.choice([0.0, 1.0]),
                                       stop_token_ids=(45,) if rng.random() < 0.5 else ()),
-                       seed=step)
+                       seed=step))
         engine.step()
     engine.run()
-    assert len(engine.scheduler.finished) == len(engine.requests) > 20
+    assert all(r.finished for r in reqs) and len(reqs) > 20 and not engine.live
     _pages_back(engine)
 
 

@@ -140,7 +140,7 @@ def test_text_stream_holds_back_incomplete_utf8_and_emits_it_whole() -> None:
 
 
 def test_text_stream_final_equals_tokenizer_decode_with_specials_and_bad_bytes() -> None:
-    from workers.model import tokenizer
+    from workers import tokenizer
 
     ids = [104, 105, 0xff, 257, 0xe2, 0x9c]      # invalid byte, EOS, truncated character
     stream = TextStream(CODEC)

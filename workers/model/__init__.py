@@ -1,4 +1,4 @@
-"""The model pair of one rank: Llama target, EAGLE draft head, loader, byte tokenizer.
+"""The model pair of one rank: Llama target, EAGLE draft head, loader.
 
 See ``workers.model.llama`` for the forward/attention API and which hidden state is the EAGLE
 feature, ``workers.model.eagle`` for the head's input pairing.

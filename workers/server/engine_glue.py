@@ -1,13 +1,12 @@
 """The only module of the server that touches the engine.
 
-It uses the engine's stable API (``make_engine``, ``Engine.add/step/abort``, ``engine.scheduler``,
-``Request``) plus three read-only looks that may move when the engine internals change, each in
-one small function: ``kv_pages`` (free KV pages), ``current_steps`` (the depth in force) and
-``numeric_stats`` (what ``engine.stats`` / ``engine.planner.stats`` expose).
+It uses the engine's API (``Engine.add/step/abort``, ``engine.scheduler``, ``engine.last_plan``,
+``Request``) plus three read-only looks, each in one small function: ``kv_pages`` (free KV
+pages), ``current_steps`` (the depth in force) and ``numeric_stats`` (what ``engine.stats`` /
+``engine.planner.stats`` expose).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from collections.abc import Mapping
@@ -19,19 +18,16 @@ from workers.server.protocol import Generate, QueueStats, TokenDelta
 
 @dataclass(frozen=True)
 class KVPages:
-    """Pages of the target KV pool: `free` (neither allocated nor promised) of `usable`."""
+    """KV pages (the target's and the draft's pools share page tables): `free` of `usable`."""
 
     free: int
     usable: int
 
 
 def kv_pages(engine: Any) -> KVPages:
-    """Free and usable pages of the engine's target KV pool (the draft pool mirrors it).
-
-    # NOTE: reads `engine.worker.target_cache`; point this at the new KV internals when they move.
-    """
-    cache = engine.worker.target_cache
-    return KVPages(free=cache.num_available_pages, usable=cache.usable_pages)
+    """Free and usable pages of the engine's page allocator (owned by its scheduler)."""
+    alloc = engine.scheduler.allocator
+    return KVPages(free=alloc.num_free_pages, usable=alloc.usable_pages)
 
 
 def current_steps(engine: Any) -> int:
@@ -62,22 +58,16 @@ def numeric_stats(stats: Any) -> tuple[dict[str, float], dict[str, int]]:
     return numbers, {str(k): int(v) for k, v in dict(hist).items()}
 
 
-def serving_worker_config(model_config: Any, adaptive_config: Any, max_batch_size: int,
-                          max_model_len: int) -> Any:
-    """Worker sizes for serving: `max_batch_size` requests of up to `max_model_len` tokens each
-    (the `generate` command's sizing with the longest possible request)."""
-    from workers.cli import _worker_config
-
+def serving_sizes(model_config: Any, max_batch_size: int, max_model_len: int | None
+                  ) -> dict[str, int]:
+    """Engine sizes for serving: `max_batch_size` requests per DP replica of up to
+    `max_model_len` tokens each (default: the model's context)."""
     limit = model_config.max_position_embeddings
-    if not 2 <= max_model_len <= limit:
-        raise ValueError(f"--max-model-len {max_model_len}: must be in [2, {limit}] "
+    length = limit if max_model_len is None else max_model_len
+    if not 2 <= length <= limit:
+        raise ValueError(f"--max-model-len {length}: must be in [2, {limit}] "
                          f"(the model's context length)")
-    if max_batch_size < 1:
-        raise ValueError(f"--max-batch-size {max_batch_size}: must be >= 1")
-    sizing = argparse.Namespace(max_new_tokens=0, max_batch_size=max_batch_size)
-    longest = [[0] * max_model_len] * max_batch_size    # only lengths and count are read
-    wcfg = _worker_config(sizing, model_config, longest, adaptive_config)
-    return dataclasses.replace(wcfg, max_context_len=max_model_len)
+    return {"max_batch_size": max_batch_size, "max_context_len": length}
 
 
 @dataclass
@@ -122,12 +112,14 @@ class EngineAdapter:
         if live is not None:
             self.engine.abort(live.req.rid)
 
-    def step(self) -> None:
-        """One engine round (admit + prefill, speculative round, retire)."""
+    def step(self, seq: int, leave: bool, pending: bool) -> Any:
+        """One engine round on every rank of the cluster (the round's consensus agrees the
+        messages to apply and whether to stop); returns the agreed plan."""
         start = time.perf_counter()
-        self.engine.step()
+        self.engine.step(seq=seq, leave=leave, pending=pending)
         self.round_seconds += time.perf_counter() - start
         self.rounds += 1
+        return self.engine.last_plan
 
     def collect(self) -> list[TokenDelta]:
         """Deltas of every request that produced tokens or finished since the last call."""
@@ -166,10 +158,11 @@ class EngineAdapter:
             accept_histogram=eng_hist)
 
 
-def mode_name(adaptive_config: Optional[Any], adaptive: bool) -> str:
+def mode_name(config: Any) -> str:
     """A short description of the decoding mode, for /v1/models and logs."""
-    if adaptive_config is None:
+    spec = config.spec
+    if not config.speculative:
         return "no speculation"
-    if adaptive:
-        return f"adaptive (ema over {list(adaptive_config.candidate_steps)})"
-    return f"static steps={adaptive_config.initial_steps}"
+    if spec.adaptive:
+        return f"adaptive ({spec.policy} over {list(spec.candidate_steps)})"
+    return f"static steps={spec.initial_steps}"

@@ -2,15 +2,18 @@
 
     torchrun --nproc-per-node N -m adaptive_dist serve --dp D [...]   (or one process: N = D = 1)
 
-Rank r belongs to DP group ``r // attn_tp`` and leads it when ``r % attn_tp == 0``. Every rank
+Rank r belongs to DP replica ``r // attn_tp`` and leads it when ``r % attn_tp == 0``. Every rank
 binds its inbox; ``gather_addresses`` gives rank 0 every address (one ``all_gather_object`` on a
-gloo group); rank 0 spawns the frontend with them. Every rank then loads the model, builds its
-engine, sends ``Ready`` and runs ``RankLoop``. SIGINT / SIGTERM stop the loop; the rank tells the
-frontend (``RankExit``), and rank 0 waits for the frontend to answer its clients and exit.
+gloo group); rank 0 spawns the frontend with them. Every rank then loads its shards of the model,
+the ranks agree every setting, build the DP-attention engine (`workers.launch.start_engine`, as
+`generate` does), send ``Ready`` and run ``RankLoop`` in lockstep. SIGINT / SIGTERM stop the loop
+(every rank leaves after the same round); the rank tells the frontend (``RankExit``), and rank 0
+waits for the frontend to answer its clients and exit.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -45,23 +48,14 @@ class RankRole:
 
 
 def rank_role(args: argparse.Namespace) -> RankRole:
-    """This rank's role from the torchrun environment and `--dp` / `--attn-tp`; `ValueError`
-    naming the numbers when they do not fit the job."""
+    """This rank's role from the torchrun environment and `--dp` / `--attn-tp` / `--tp`;
+    `ValueError` naming the numbers when they do not fit the job."""
+    from workers.launch import resolve_degrees
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if args.dp < 1 or args.attn_tp < 1:
-        raise ValueError(f"--dp {args.dp} --attn-tp {args.attn_tp}: both must be >= 1")
-    if args.dp * args.attn_tp != world:
-        how = (f"torchrun --nproc-per-node {args.dp * args.attn_tp} -m adaptive_dist serve "
-               f"--dp {args.dp} --attn-tp {args.attn_tp} ...")
-        raise ValueError(f"--dp {args.dp} x --attn-tp {args.attn_tp} = "
-                         f"{args.dp * args.attn_tp} ranks, but this job has {world}; launch "
-                         f"with: {how}")
-    if args.attn_tp != 1:
-        raise ValueError(f"--attn-tp {args.attn_tp}: serving runs one engine rank per DP group "
-                         f"for now (--attn-tp 1); attention-TP groups come with the DP-attention "
-                         f"cluster")
-    return RankRole(rank, world, args.dp, args.attn_tp)
+    dp, attn_tp = resolve_degrees(args, world)
+    return RankRole(rank, world, dp, attn_tp)
 
 
 def zmq_host() -> str:
@@ -165,7 +159,8 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging(f"rank {role.rank}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue {args.max_queue}: must be >= 0")
-    ctx = init_distributed(timeout_s=args.timeout, record=False) if role.world_size > 1 else None
+    backend = "gloo" if (args.device or "cpu") == "cpu" else None
+    ctx = init_distributed(timeout_s=args.timeout, backend=backend, record=True)
     zctx = zmq.Context()
     inbox = Inbox(zctx, zmq_host())
     stop = StopFlag()
@@ -174,10 +169,10 @@ def _serve(args: argparse.Namespace) -> int:
     frontend: Optional[subprocess.Popen] = None
     outbox = heartbeat = None
     failed = True
+    closers = contextlib.ExitStack()
     try:
-        pg = None
-        if ctx is not None:
-            pg = ctx.layout(dp=role.dp, tp=role.world_size).group("world").control_pg
+        first = ctx.layout(dp=1)
+        pg = first.group("world").control_pg if ctx.distributed else None
         pull = f"tcp://{zmq_host()}:{free_port()}" if role.rank == 0 else None
         mine = RankAddress(role.rank, role.dp_rank, role.is_leader, inbox.address)
         ranks, pulls = gather_addresses(mine, pull, pg)
@@ -195,7 +190,7 @@ def _serve(args: argparse.Namespace) -> int:
             log.info("frontend at http://%s:%d (pid %d); loading the model", args.host,
                      args.port, frontend.pid)
         try:
-            loop = _build_loop(args, role, inbox, outbox, stop, frontend)
+            loop = _build_loop(ctx, first, args, role, inbox, outbox, stop, frontend, closers)
             result = loop.run()
         except Exception as err:   # the frontend answers every client with this message
             outbox.send(RankExit(role.rank, f"{type(err).__name__}: {err}", True))
@@ -205,6 +200,7 @@ def _serve(args: argparse.Namespace) -> int:
         failed = result.error
         return 1 if result.error else 0
     finally:
+        closers.close()  # NOTE: the engine's CUDA graphs go before the process group
         if heartbeat is not None:
             heartbeat.stop()
         if frontend is not None:
@@ -215,46 +211,40 @@ def _serve(args: argparse.Namespace) -> int:
         inbox.close()
         zctx.term()
         signals.restore()
-        if ctx is not None and not failed and stop.reason is None:
-            ctx.shutdown()   # after a signal or a failure a peer may be gone: just exit
+        if ctx.distributed and not failed:
+            ctx.shutdown()   # after a failure a peer may be gone: just exit
 
 
-def _build_loop(args: argparse.Namespace, role: RankRole, inbox: Any, outbox: Any, stop: Any,
-                frontend: Optional[subprocess.Popen]) -> Any:
-    """Load the model, build the engine, announce readiness; the loop to run."""
-    import torch
-
-    from workers.cli import _adaptive_config, load_pair
-    from workers.engine import make_engine
-    from workers.server.engine_glue import EngineAdapter, mode_name, serving_worker_config
+def _build_loop(ctx: Any, first: Any, args: argparse.Namespace, role: RankRole, inbox: Any,
+                outbox: Any, stop: Any, frontend: Optional[subprocess.Popen],
+                closers: contextlib.ExitStack) -> Any:
+    """Load the model, build the engine (every rank agrees every setting), announce readiness;
+    the loop to run."""
+    from workers.launch import start_engine
+    from workers.server.engine_glue import EngineAdapter, mode_name, serving_sizes
     from workers.server.protocol import ModelInfo, Ready
     from workers.server.rank import RankLoop
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    config = _adaptive_config(args)
-    device = args.device or "cpu"
-    if device == "cuda" and role.world_size > 1:
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    target, head = load_pair(args.model, None, device, with_head=config is not None)
-    mcfg = target.config
-    max_len = args.max_model_len or mcfg.max_position_embeddings
-    wcfg = serving_worker_config(mcfg, config, args.max_batch_size, max_len)
-    engine = make_engine(target, head, adaptive_config=config, backend=args.backend,
-                         device=device, worker_config=wcfg, dp_group=None,
-                         cuda_graphs=torch.device(device).type == "cuda" and not args.eager)
+    cluster = start_engine(
+        ctx, args, closers, extra={"max_model_len": args.max_model_len},
+        size_for=lambda cfg, dp: serving_sizes(cfg, args.max_batch_size, args.max_model_len),
+        first_layout=first)
+    mcfg, engine = cluster.target.config, cluster.engine
     eos = tuple(mcfg.eos_token_ids)
     adapter = EngineAdapter(engine, eos, role.dp_rank)
-    mode = mode_name(config, args.adaptive)
-    info = ModelInfo(max_context_len=max_len, bos_token_id=mcfg.bos_token_id,
-                     eos_token_ids=list(eos), vocab_size=mcfg.vocab_size, mode=mode)
+    mode = mode_name(cluster.config)
+    info = ModelInfo(max_context_len=cluster.config.max_context_len,
+                     bos_token_id=mcfg.bos_token_id, eos_token_ids=list(eos),
+                     vocab_size=mcfg.vocab_size, mode=mode)
     loop = RankLoop(adapter, inbox, outbox if role.is_leader else None, role.dp_rank, stop,
                     alive=_frontend_check(frontend))
     outbox.send(Ready(role.rank, role.dp_rank, role.is_leader, os.getpid(), info,
                       adapter.queue_stats().kv_usable_pages))
     if role.is_leader:
         loop.announce()
-    log.info("serving: %s, DP group %d, batch %d, context %d", mode, role.dp_rank,
-             args.max_batch_size, max_len)
+    log.info("serving: %s, DP replica %d of %d (attention over %d ranks), batch %d, context %d",
+             mode, role.dp_rank, role.dp, role.attn_tp, args.max_batch_size,
+             cluster.config.max_context_len)
     return loop
 
 

@@ -1,15 +1,18 @@
-"""The serving loop of one rank.
+"""The serving loop of one rank; every rank of the cluster runs it in lockstep.
 
-One iteration:
-1. idle (no work, nothing unapplied): block in the inbox's poll until a message or a signal
-   arrives (the timeout only bounds how often `alive()` is checked);
-2. agree on the highest ``seq`` to apply (``agree``: a single rank agrees with itself; the
-   DP-attention cluster plugs its per-round consensus in here) and apply the messages up to it in
-   order: ``Generate`` for this DP group -> ``engine.add``, ``Abort`` -> ``engine.abort``,
-   ``Shutdown`` -> leave;
-3. one engine round if there is work;
-4. the DP-group leader sends the token deltas (and, at most every ``stats_every_s`` or when the
-   group turns idle, its queue statistics) to the frontend.
+One iteration is one engine round on every rank (its one collective agrees everything):
+1. when the last round found the whole cluster idle (no work, nothing unapplied on any rank),
+   block in the inbox's poll until a message or a signal arrives (every rank receives every
+   message, so they all wake; the timeout only bounds how often `alive()` is checked); else just
+   take in what has arrived;
+2. one engine round: this rank brings the highest ``seq`` it has received, whether it wants to
+   stop, and whether messages wait; the round agrees the smallest ``seq`` (what every rank has)
+   and whether any rank asked to stop (then every rank leaves after the same round);
+3. apply the messages up to the agreed ``seq`` in order — ``Generate`` for this DP replica ->
+   ``engine.add`` (admitted at the next round, on every rank of the replica alike), ``Abort`` ->
+   ``engine.abort``, ``Shutdown`` -> leave;
+4. the replica's leader sends the token deltas (and, at most every ``stats_every_s`` or when the
+   replica turns idle, its queue statistics) to the frontend.
 """
 from __future__ import annotations
 
@@ -45,21 +48,15 @@ class LoopExit:
     error: bool
 
 
-def agree_alone(received_seq: int) -> int:
-    """The single-rank agreement: apply everything that has arrived."""
-    return received_seq
-
-
 class RankLoop:
     """Applies control messages in order and steps the engine; see the module docstring."""
 
     def __init__(self, adapter: EngineAdapter, inbox: Inbox, outbox: Optional[Outbox],
                  dp_rank: int, stop: StopFlag,
-                 agree: Callable[[int], int] = agree_alone,
                  alive: Callable[[], Optional[str]] = lambda: None,
                  check_every_s: float = 0.5, stats_every_s: float = 0.1) -> None:
         self.adapter, self.inbox, self.outbox = adapter, inbox, outbox
-        self.dp_rank, self.stop, self.agree, self.alive = dp_rank, stop, agree, alive
+        self.dp_rank, self.stop, self.alive = dp_rank, stop, alive
         self.check_every_s, self.stats_every_s = check_every_s, stats_every_s
         self._last_stats = 0.0
 
@@ -70,27 +67,30 @@ class RankLoop:
             self._last_stats = time.monotonic()
 
     def run(self) -> LoopExit:
-        """Serve until a `Shutdown`, a stop signal or a failed `alive()` check."""
+        """Serve until a `Shutdown`, a stop signal or a failed `alive()` check (on any rank:
+        every rank leaves after the same round)."""
+        idle = True
         while True:
-            if not self.adapter.has_work and not self.inbox.has_unapplied:
+            if idle:
                 self.inbox.wait(self.check_every_s)
             else:
                 self.inbox.receive()
             problem = self.alive()
             if problem is not None:
                 self.stop.set(problem, error=True)
-            if self.stop.reason is not None:
-                return LoopExit(self.stop.reason, self.stop.error)
-            messages = self.inbox.take_upto(self.agree(self.inbox.received_seq))
+            was_busy = self.adapter.has_work
+            plan = self.adapter.step(self.inbox.received_seq, self.stop.reason is not None,
+                                     self.inbox.has_unapplied)
+            if plan.leave:
+                return LoopExit(self.stop.reason or "another rank asked to stop", self.stop.error)
+            messages = self.inbox.take_upto(plan.seq)
             for msg in messages:
                 if isinstance(msg, Shutdown):
                     return LoopExit(f"the frontend asked to stop ({msg.reason})", msg.error)
                 self._apply(msg)
-            was_busy = self.adapter.has_work
-            if was_busy:
-                self.adapter.step()
             if messages or was_busy:
                 self._report(idle_now=not self.adapter.has_work)
+            idle = plan.all_done and not messages
 
     def _apply(self, msg: Generate | Abort) -> None:
         if isinstance(msg, Abort):

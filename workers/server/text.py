@@ -2,7 +2,7 @@
 at the first stop string.
 
 ``ByteCodec`` is the one place that knows the tokenizer (the bundled pair's byte tokenizer through
-``workers.cli.encode_prompt`` and ``workers.model.tokenizer``). ``TextStream`` decodes a growing
+``workers.loading.encode_prompt`` and ``workers.tokenizer``). ``TextStream`` decodes a growing
 list of token ids: a trailing incomplete UTF-8 sequence, and the last ``len(longest stop) - 1``
 characters (which may be the start of a stop string), are held back until they are settled, so
 every emitted piece is final and the concatenation equals the non-streamed text.
@@ -18,8 +18,8 @@ class ByteCodec:
     """Prompt text -> ids (with the model's BOS) and ids -> text, for the byte tokenizer."""
 
     def __init__(self, bos_token_id: Optional[int]) -> None:
-        from workers.cli import encode_prompt
-        from workers.model import tokenizer
+        from workers.loading import encode_prompt
+        from workers import tokenizer
 
         self._encode_prompt, self._tok = encode_prompt, tokenizer
         self._config = SimpleNamespace(bos_token_id=bos_token_id)
