@@ -94,7 +94,11 @@ def write_lines(path: str, lines: Iterable[str], flag: str) -> int:
     p = Path(path)
     if _is_special(p):
         return _write_special(p, data, flag)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    except OSError as exc:
+        raise OutputError(f"{flag} {path!r}: cannot create a file in {str(p.parent)!r} "
+                          f"({_reason(exc)}); nothing was written") from None
     done = 0
     try:
         try:
@@ -106,12 +110,17 @@ def write_lines(path: str, lines: Iterable[str], flag: str) -> int:
         os.replace(tmp, p)
     except _PartialWrite as exc:
         _remove(tmp)
-        raise OutputError(f"{flag} {path!r}: write failed after {exc.done} of {len(data)} lines "
-                          f"({_reason(exc.cause)}); {path!r} was left as it was") from None
+        raise OutputError(f"{flag} {path!r}: write failed with {exc.done} of {len(data)} lines "
+                          f"complete ({_reason(exc.cause)}); {path!r} was left as it was (no "
+                          f"partial file)") from None
     except OSError as exc:
         _remove(tmp)
-        raise OutputError(f"{flag} {path!r}: write failed after {done} of {len(data)} lines "
-                          f"({_reason(exc)}); {path!r} was left as it was") from None
+        raise OutputError(f"{flag} {path!r}: write failed with {done} of {len(data)} lines "
+                          f"complete ({_reason(exc)}); {path!r} was left as it was (no partial "
+                          f"file)") from None
+    except BaseException:  # interrupted: the final name keeps its old content, the temp goes
+        _remove(tmp)
+        raise
     _sync_dir(p.parent)
     return done
 
@@ -163,9 +172,8 @@ def _write_special(p: Path, data: list[str], flag: str) -> int:
     try:
         return _write_all(fd, data)
     except _PartialWrite as exc:
-        raise OutputError(f"{flag} {str(p)!r}: write failed after {exc.done} of {len(data)} "
-                          f"lines ({_reason(exc.cause)}); the first {exc.done} line(s) are "
-                          f"complete") from None
+        raise OutputError(f"{flag} {str(p)!r}: write failed with {exc.done} of {len(data)} "
+                          f"lines complete ({_reason(exc.cause)})") from None
     finally:
         os.close(fd)
 
