@@ -70,9 +70,11 @@ def exchange(mine: Any, group: "Group", what: str) -> list:
     except Exception as exc:
         from collectives.guard import short_cause
 
-        raise CollectiveTimeoutError(
-            f"rank {group.global_rank}: start-up step '{what}' failed ({short_cause(exc)}); a "
-            f"peer stopped or is unreachable") from None
+        cause = short_cause(exc)
+        why = ("a peer is still busy with this step (larger traces take longer: raise --timeout) "
+               "or is frozen" if "timed out" in cause.lower() else "a peer stopped or is unreachable")
+        raise CollectiveTimeoutError(f"rank {group.global_rank}: start-up step '{what}' did not "
+                                     f"complete ({cause}): {why}") from None
     return views
 
 

@@ -70,17 +70,15 @@ def load_trace(trace_dir: str | Path, rank: int, world_size: Optional[int] = Non
         data = path.read_bytes()
     except OSError as exc:
         raise TraceError(f"trace file {str(path)!r} cannot be read: {exc.strerror}") from None
-    rounds = []
-    for lineno, raw in enumerate(data.split(b"\n"), 1):
-        where = f"{path}:{lineno}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise TraceError(f"{where}: not valid UTF-8 (byte {raw[exc.start]:#04x} at column "
-                             f"{exc.start + 1})") from None
-        if line.strip():
-            rounds.append(parse_round(line, where))
-    return rounds
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise TraceError(f"{path}:{line}: not valid UTF-8 (byte {data[exc.start]:#04x} at "
+                         f"column {column})") from None
+    return [parse_round(line, f"{path}:{lineno}")
+            for lineno, line in enumerate(text.split("\n"), 1) if line.strip()]
 
 
 def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict:
@@ -92,13 +90,22 @@ def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     return seen
 
 
-def parse_round(line: str, where: str) -> TraceRound:
+def _loads(line: str, where: str) -> Any:
+    """``json.loads`` that refuses a duplicate key. Fast path: with no string values (a valid
+    trace line has none), two quotes per key mean no key can repeat."""
     try:
-        obj = json.loads(line, object_pairs_hook=_refuse_duplicates)
+        obj = json.loads(line)
+        if not isinstance(obj, dict) or line.count('"') == 2 * len(obj):
+            return obj
+        return json.loads(line, object_pairs_hook=_refuse_duplicates)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{where}: not valid JSON ({exc.msg})") from None
     except TraceError as exc:
         raise TraceError(f"{where}: {exc} in one JSON object (which value is meant?)") from None
+
+
+def parse_round(line: str, where: str) -> TraceRound:
+    obj = _loads(line, where)
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(ALLOWED_KEYS))
