@@ -30,7 +30,7 @@ from collectives.layout import ParallelLayout
 from collectives.recorder import CollectiveRecorder
 
 DEFAULT_TIMEOUT_S = 60.0
-JOIN_PREFIX = "adaptive_dist/join/"
+JOIN_PREFIX = "join/"
 
 
 def free_port() -> int:
@@ -108,20 +108,25 @@ def pick_backend(local_world_size: int, requested: Optional[str] = None) -> str:
 
 # ---- the rendezvous store and the join --------------------------------------------------------
 
-def connect_store(env: LaunchEnv, timeout_s: float) -> dist.TCPStore:
-    """Host (rank 0) or reach the job's TCP store at MASTER_ADDR:MASTER_PORT."""
+def connect_store(env: LaunchEnv, timeout_s: float) -> dist.Store:
+    """Host (rank 0) or reach the job's TCP store at MASTER_ADDR:MASTER_PORT. Under torchrun
+    its agent hosts it (TORCHELASTIC_USE_AGENT_STORE); keys live under a per-attempt prefix."""
     where = f"{env.master_addr}:{env.master_port}"
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    host = env.rank == 0 and not agent
     try:
-        return dist.TCPStore(env.master_addr, env.master_port, None, env.rank == 0,
-                             timedelta(seconds=timeout_s), wait_for_workers=False)
+        tcp = dist.TCPStore(env.master_addr, env.master_port, None, host,
+                            timedelta(seconds=timeout_s), wait_for_workers=False)
     except Exception as exc:
-        if env.rank == 0:
+        if host:
             raise StartupError(f"rank 0 cannot host the rendezvous store on {where} "
                                f"(MASTER_ADDR/MASTER_PORT): {short_cause(exc)}") from None
         raise CollectiveTimeoutError(
-            f"rank {env.rank}: could not reach the rendezvous store of rank 0 at {where} within "
+            f"rank {env.rank}: could not reach the rendezvous store at {where} within "
             f"{timeout_s:g} s ({short_cause(exc)}); is rank 0 running, with the same MASTER_ADDR "
             f"and MASTER_PORT?") from None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"adaptive_dist/attempt_{attempt}/", tcp)
 
 
 def join(store: dist.Store, env: LaunchEnv, mine: dict, timeout_s: float) -> list[dict]:
@@ -313,8 +318,8 @@ class DistContext:
         if self.store is None:
             return
         try:
-            self.store.set(f"adaptive_dist/leaving/{self.rank}", "1")
-            wait_for_keys(self.store, [f"adaptive_dist/leaving/{r}" for r in range(self.world_size)],
+            self.store.set(f"leaving/{self.rank}", "1")
+            wait_for_keys(self.store, [f"leaving/{r}" for r in range(self.world_size)],
                           wait_s)
         except Exception:
             pass  # the store is gone: nobody is left to wait for

@@ -11,7 +11,7 @@ go through a stuck process group):
 - **Diagnosis** of a collective that raises (gloo reports a timeout, a size mismatch or a dead
   peer's closed connection as an exception) or of a round that overran the watchdog: the rank
   posts its recent log and raises the *alarm*. Every live rank's watchdog thread polls the alarm
-  (10 times a second, whatever its main thread is doing) and answers with its own log, so a rank
+  (5 times a second, whatever its main thread is doing) and answers with its own log, so a rank
   that has not answered within ``grace_s`` is dead or frozen. The first rank to judge the logs
   posts the *verdict* (``DivergenceError`` naming the first differing entry, or
   ``CollectiveTimeoutError`` naming the stalled or silent ranks); every rank adopts it, so the
@@ -55,7 +55,7 @@ __all__ = [
     "LockstepGuard", "Verdict", "first_difference", "is_prefix_gap", "grace_seconds", "short_cause",
 ]
 
-POLL_S = 0.1  # how often the watchdog thread looks at the alarm and its deadline
+POLL_S = 0.2  # how often the watchdog thread looks at the alarm and its deadline
 
 
 def grace_seconds(timeout_s: float) -> float:
@@ -292,7 +292,7 @@ class LockstepGuard:
         return out
 
     def _prefix(self) -> str:
-        return f"adaptive_dist/guard/{self.group.name}/"
+        return f"guard/{self.group.name}/"
 
     def _diagnose(self, entry: Optional[CollectiveEntry], exc: Optional[BaseException],
                   where: str = "", store: Optional[dist.Store] = None,
@@ -319,9 +319,9 @@ class LockstepGuard:
                     self._judge(logs, here, cause), me, tuple(sorted(logs))))
         except Exception as store_exc:  # the store's host is gone: still an error, not a hang
             verdict = Verdict("CollectiveTimeoutError", EXIT_TIMEOUT,
-                              f"rank {me}: {here} failed ({cause}); the rendezvous store hosted "
-                              f"by rank 0 is unreachable ({short_cause(store_exc)}): rank 0 has "
-                              f"stopped or its host is down", me, (me,))
+                              f"rank {me}: {here} failed ({cause}); the rendezvous store is "
+                              f"unreachable ({short_cause(store_exc)}): its host (rank 0, or "
+                              f"torchrun's agent) has stopped", me, (me,))
         self.verdict = verdict
         return verdict.exception()
 
@@ -445,13 +445,14 @@ class LockstepGuard:
 
     def _watch(self) -> None:
         store = self.watch_store
+        polling = store is not None
         while not self._stop.wait(POLL_S):
-            if store is not None:
+            if polling:
                 try:
                     if self._answer_alarm(store):
                         return
                 except Exception:
-                    store = None  # the store is gone; the main thread's collectives will say so
+                    polling = False  # the store is gone; the main thread's collectives say so
             deadline = self._deadline
             if deadline is not None and time.monotonic() >= deadline and not self._main_diagnosing:
                 self._overran(store)

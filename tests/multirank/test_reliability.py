@@ -96,7 +96,7 @@ def test_a_killed_rank_ends_the_survivor_within_the_timeout(tmp_path, victim):
     if victim == 1:
         assert "rank(s) [1] did not answer" in lines[0] and "dead" in lines[0]
     else:
-        assert "hosted by rank 0 is unreachable" in lines[0]
+        assert "the rendezvous store is unreachable" in lines[0] and "rank 0" in lines[0]
 
 
 def test_ctrl_c_ends_every_rank_with_one_line_and_130(tmp_path):
@@ -118,3 +118,23 @@ def test_a_failed_write_at_the_end_fails_every_rank_with_the_same_line(tmp_path)
     assert len(set(msgs)) == 1, msgs
     assert ("writing the outputs failed, the job failed on every rank: rank(s) [0]: --out "
             "'/dev/full': write failed with 0 of 60 lines complete") in msgs[0]
+
+
+@pytest.mark.parametrize("mode,code", [("skip_op", 3), ("stall", 4)])
+def test_a_collective_error_ends_every_rank_within_the_timeout(tmp_path, mode, code):
+    """Rank 1 misbehaves at round 5 (skips a model collective: gloo waits until the timeout, then
+    the logs name the divergence; or stalls outside the collectives); ended as the CLI ends a
+    failure: every rank exits with the documented code (3 divergence, 4 timeout), having seen
+    the failure within --timeout plus a few seconds."""
+    import rank_jobs
+    from multirank import format_results, run_ranks
+
+    res = run_ranks(rank_jobs.divergence_exit_job, 2, mode, str(tmp_path), T, timeout=90,
+                    check=False)
+    assert [r.exitcode for r in res] == [code, code], format_results(res)
+    for r in (0, 1):
+        stamp = tmp_path / f"rank{r}"
+        if stamp.exists():  # a rank ended by its watchdog thread writes none (it never returned)
+            took = float(stamp.read_text())
+            print(f"{mode}: rank {r} saw the failure after {took:.2f} s")
+            assert took < T + SLACK, format_results(res)
