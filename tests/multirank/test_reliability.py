@@ -138,3 +138,19 @@ def test_a_collective_error_ends_every_rank_within_the_timeout(tmp_path, mode, c
             took = float(stamp.read_text())
             print(f"{mode}: rank {r} saw the failure after {took:.2f} s")
             assert took < T + SLACK, format_results(res)
+
+
+def test_an_unusable_output_path_on_one_rank_stops_every_rank_before_the_replay(tmp_path):
+    """Each rank checks the paths it writes at start-up (--record-dir on every rank); one bad
+    path stops every rank with the same line, naming the flag and the rank, before any replay."""
+    tr = str(_traces(tmp_path / "tr", 20))
+    (tmp_path / "a_file").write_text("x")
+    base = ["consensus", "--trace", tr, "--timeout", "3", "--no-progress", "--out",
+            str(tmp_path / "out.jsonl")]
+    res = launch_by_hand([base + ["--record-dir", str(tmp_path / "rec")],
+                          base + ["--record-dir", str(tmp_path / "a_file")]], timeout=START_S)
+    msgs = _one_line_each(res, 2)
+    assert len(set(msgs)) == 1, msgs
+    assert msgs[0] == (f"error: checking the output paths failed, start-up refused on every rank: "
+                       f"rank(s) [1]: --record-dir '{tmp_path}/a_file' is a file, not a directory")
+    assert not (tmp_path / "out.jsonl").exists() and res[0].stdout == ""
