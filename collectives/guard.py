@@ -404,7 +404,9 @@ class LockstepGuard:
         if self.store is None or self.group.size == 1:
             return
         me = self.group.global_rank
-        text = message if message.startswith(f"rank {me}") else f"rank {me}: {message}"
+        # a divergence is the same on every rank; anything else happened on this one: say so
+        own = code == EXIT_DIVERGENCE or message.startswith(f"rank {me}")
+        text = message if own else f"rank {me}: {message}"
         try:
             self.publish_log()
             if self.verdict is None:

@@ -1,8 +1,12 @@
-"""One spawn harness for multi-rank tests: real processes, real gloo (or NCCL) process groups.
+"""Harnesses for multi-rank tests: real processes, real gloo (or NCCL) process groups.
 
-Each rank runs ``fn(rank, *args)`` in a fresh spawned process with the torchrun environment set
-(free port on 127.0.0.1). The parent waits with a hard timeout, so a hang fails the test instead
-of stalling the suite, and every rank's traceback is shown.
+``run_ranks``: each rank runs ``fn(rank, *args)`` in a fresh spawned process with the torchrun
+environment set (free port on 127.0.0.1). The parent waits with a hard timeout, so a hang fails
+the test instead of stalling the suite, and every rank's traceback is shown.
+
+``launch_by_hand`` / ``HandLaunch``: each rank is a plain ``python -m adaptive_dist ...`` process
+with its own argv and the launcher's variables, as a multi-node launch without torchrun does;
+a test can wait for output, kill a rank, and read every rank's exit code, output and exit time.
 """
 from __future__ import annotations
 
