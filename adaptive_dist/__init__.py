@@ -1,10 +1,32 @@
-"""adaptive_dist: adaptive speculative-decoding depth that is safe on DP/TP attention clusters."""
-from adaptive_dist.config import AdaptiveConfig, ConfigError, load_config
-from adaptive_dist.controller import AdaptiveController, RoundOutcome, RoundPlan
-from adaptive_dist.startup import ConfigMismatchError, agree_config
+"""adaptive_dist: adaptive speculative-decoding depth that is safe on DP/TP attention clusters.
 
-__all__ = [
-    "AdaptiveConfig", "ConfigError", "load_config", "AdaptiveController", "RoundOutcome",
-    "RoundPlan", "ConfigMismatchError", "agree_config",
-]
+Names are loaded on first use (PEP 562), so ``python -m adaptive_dist --help`` and the config
+command do not import torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "AdaptiveConfig": "adaptive_dist.config", "ConfigError": "adaptive_dist.config",
+    "load_config": "adaptive_dist.config",
+    "AdaptiveController": "adaptive_dist.controller", "RoundOutcome": "adaptive_dist.controller",
+    "RoundPlan": "adaptive_dist.controller",
+    "ConfigMismatchError": "adaptive_dist.startup", "agree_config": "adaptive_dist.startup",
+    "agree_settings": "adaptive_dist.startup",
+}
+
+__all__ = list(_LAZY)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'adaptive_dist' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,108 +1,130 @@
 """``python -m adaptive_dist``: the built-in ``consensus`` and ``config`` commands, plus commands
 that other packages contribute through the ``adaptive_dist.commands`` entry-point group (each a
-``register(subparsers)`` function), so this package never imports the engine."""
+``register(subparsers)`` function), so this package never imports the engine.
+
+Importing this module does not import torch (``--help`` stays fast); commands import it when they
+run. Every failure a user can cause ends as one line per rank, ``[rank R] Kind: message``, with
+the exit codes of ``EXIT_*``; Ctrl-C ends every rank with one line and exit code 130.
+"""
 from __future__ import annotations
 
 import argparse
 import json
-import logging
+import math
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
 from importlib.metadata import entry_points
-from typing import Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
-from collectives import EXIT_DIVERGENCE, EXIT_TIMEOUT, CollectiveTimeoutError, DivergenceError
 from adaptive_dist.config import POLICIES, ConfigError, load_config
+from collectives.errors import (
+    EXIT_DIVERGENCE,
+    EXIT_TIMEOUT,
+    CollectiveTimeoutError,
+    DivergenceError,
+    JobAborted,
+)
 
-EXIT_CONFIG = 2
 EXIT_INTERNAL = 1
-log = logging.getLogger("adaptive_dist")
+EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130
+
+
+def rank_label() -> str:
+    """``[rank R]`` from the launcher's RANK (0 for a single process)."""
+    return f"[rank {os.environ.get('RANK') or '0'}]"
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write (ranks share a terminal; print() writes the newline
+    apart, so lines of different ranks could interleave)."""
+    sys.stderr.write(f"{rank_label()} {line}\n")
+    sys.stderr.flush()
+
+
+# ---- arguments --------------------------------------------------------------------------------
+
+def seconds(text: str) -> float:
+    """argparse type of ``--timeout``: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number of seconds > 0")
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (``[rank R] error: ...``, exit 2). Under a
+    distributed launch the rank also tells its peers, so they stop with the same line instead of
+    waiting for it to join."""
+
+    def error(self, message: str) -> NoReturn:
+        text = f"{self.prog}: {message} (see --help)"
+        if _launched_distributed():
+            from collectives.distributed import announce_startup_failure
+
+            agreed = announce_startup_failure(text)
+            text = str(agreed) if agreed is not None else text
+        say(f"error: {text}")
+        sys.exit(EXIT_CONFIG)
+
+
+def _launched_distributed() -> bool:
+    return os.environ.get("WORLD_SIZE", "1") not in ("", "1") or bool(os.environ.get("MASTER_ADDR"))
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every distributed command."""
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds a collective may take before the job stops with an error")
+    p.add_argument("--timeout", type=seconds, default=60.0, metavar="S",
+                   help="seconds a collective (and the start-up join) may take before the job "
+                        "stops with an error; a finite number > 0 (default: 60)")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                    help="device process-group backend (auto: NCCL if every local rank has a GPU)")
     p.add_argument("--strict-lockstep", action="store_true",
                    help="debug: compare every collective across ranks before issuing it")
-    p.add_argument("--record-dir", default=None,
+    p.add_argument("--record-dir", default=None, metavar="DIR",
                    help="write each rank's collective log to DIR/collectives.rank{R}.jsonl")
 
 
-def register_consensus(sub) -> None:
+def register_consensus(sub: Any) -> None:
     p = sub.add_parser("consensus", help="consensus-only mode: replay acceptance traces",
                        description="Replay per-rank acceptance traces through the adaptive "
                                    "policy and the real per-round consensus collective.")
-    p.add_argument("--trace", required=True, help="directory holding rank{R}.jsonl per rank")
-    p.add_argument("--policy", choices=POLICIES, default="ema")
-    p.add_argument("--config", default=None, help="JSON file of adaptive settings (ema only)")
-    p.add_argument("--initial-steps", type=int, default=None)
-    p.add_argument("--out", default=None, help="JSON-lines output, one line per rank per counted round")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--trace", required=True, metavar="DIR",
+                   help="directory holding rank{R}.jsonl for every rank R (and no other rank)")
+    p.add_argument("--policy", choices=POLICIES, default="ema",
+                   help="ema: adapt the depth to the acceptance (default); static: keep "
+                        "--initial-steps (the consensus still agrees the graph path)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="JSON file of adaptive settings (ema only)")
+    p.add_argument("--initial-steps", type=int, default=None, metavar="K",
+                   help="depth at start (default: the config's initial_steps, 3); with ema one "
+                        "of candidate_steps")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="JSON-lines output, one line per rank per counted round (written by "
+                        "rank 0, atomically, at the end)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar on rank 0 (must be the same on every rank)")
     add_runtime_args(p)
     p.set_defaults(handler=cmd_consensus)
 
 
-def register_config(sub) -> None:
+def register_config(sub: Any) -> None:
     p = sub.add_parser("config", help="validate a config file and print the effective settings")
-    p.add_argument("--config", default=None)
-    p.add_argument("--policy", choices=POLICIES, default="ema")
-    p.add_argument("--initial-steps", type=int, default=None)
+    p.add_argument("--config", default=None, metavar="FILE", help="JSON file of adaptive settings")
+    p.add_argument("--policy", choices=POLICIES, default="ema", help="ema (default) or static")
+    p.add_argument("--initial-steps", type=int, default=None, metavar="K", help="depth at start")
     p.set_defaults(handler=cmd_config)
 
 
-def cmd_config(args) -> int:
-    cfg = load_config(args.config, args.policy, args.initial_steps)
-    print(json.dumps({**cfg.to_dict(), "digest": cfg.digest()}, indent=2))
-    return 0
-
-
-def start_distributed(args):
-    """init_distributed from the torchrun environment with the shared runtime flags."""
-    from collectives import init_distributed
-
-    backend = None if args.backend == "auto" else args.backend
-    return init_distributed(timeout_s=args.timeout, backend=backend, record=True,
-                            strict=args.strict_lockstep, keep_log=bool(args.record_dir))
-
-
-def cmd_consensus(args) -> int:
-    from adaptive_dist.replay import run_consensus
-
-    ctx = start_distributed(args)
-    try:
-        text = run_consensus(ctx, args.trace, args.policy, args.config, args.initial_steps,
-                             args.out, show_progress=not args.no_progress)
-    except Exception as exc:
-        _dump_log(ctx, args)
-        try:
-            code = report_failure(exc)
-        except Exception:  # a bug: show it, but still leave in bounded time
-            traceback.print_exc()
-            code = EXIT_INTERNAL
-        ctx.shutdown(aborted=True)
-        if ctx.distributed:
-            # NOTE: the process-group teardown can block on a stuck peer; leave without it.
-            os._exit(code)
-        return code
-    _dump_log(ctx, args)
-    if text:
-        print(text, flush=True)
-    ctx.shutdown()
-    return 0
-
-
-def _dump_log(ctx, args) -> None:
-    if args.record_dir and ctx.recorder is not None:
-        os.makedirs(args.record_dir, exist_ok=True)
-        ctx.recorder.dump(os.path.join(args.record_dir, f"collectives.rank{ctx.rank}.jsonl"))
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m adaptive_dist",
         description="Adaptive speculative decoding that stays in lockstep across DP/TP ranks.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -113,30 +135,173 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "handler", None):
-        parser.print_help()
-        return EXIT_CONFIG
+# ---- commands ---------------------------------------------------------------------------------
+
+def cmd_config(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.policy, args.initial_steps)
+    print(json.dumps({**cfg.to_dict(), "digest": cfg.digest()}, indent=2))
+    return 0
+
+
+def start_distributed(args: argparse.Namespace) -> Any:
+    """init_distributed from the launcher's environment with the shared runtime flags."""
+    from collectives.distributed import init_distributed
+
+    backend = None if args.backend == "auto" else args.backend
+    return init_distributed(timeout_s=args.timeout, backend=backend, record=True,
+                            strict=args.strict_lockstep, keep_log=bool(args.record_dir))
+
+
+def cmd_consensus(args: argparse.Namespace) -> int:
+    from adaptive_dist.replay import run_consensus
+
+    ctx = start_distributed(args)
     try:
-        return args.handler(args)
+        text = run_consensus(ctx, args.trace, args.policy, args.config, args.initial_steps,
+                             args.out, show_progress=not args.no_progress,
+                             record_dir=args.record_dir)
     except Exception as exc:
-        return report_failure(exc)
+        return fail_distributed(ctx, exc, record_dir=args.record_dir)
+    if text:
+        print(text, flush=True)
+    ctx.shutdown()
+    return 0
+
+
+def fail_distributed(ctx: Any, exc: BaseException, record_dir: Optional[str] = None) -> int:
+    """End a distributed command after ``exc``: one line on this rank, the peers told (so they
+    stop at once with the same line), a bounded wait for them to print, and an exit that skips
+    the process-group teardown (a stuck peer could hang it). Returns the exit code when there is
+    no process group to leave."""
+    if not ctx.claim_exit():
+        # this rank's watchdog is already printing the job's verdict and ending the process
+        time.sleep(2 * ctx.grace_s + 5.0)
+        os._exit(EXIT_TIMEOUT)
+    if record_dir and ctx.recorder is not None:
+        _dump_log_quietly(ctx, record_dir)
+    described = describe_failure(exc)
+    if described is None:  # a bug: show it, but still leave in bounded time
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+        described = ("internal error", EXIT_INTERNAL, _one_line(exc))
+    label, code, message = described
+    say(f"{label}: {message}")
+    ctx.abandon(label, code, message)
+    if ctx.distributed:
+        os._exit(code)
+    return code
+
+
+def _dump_log_quietly(ctx: Any, record_dir: str) -> None:
+    """After a failure, the collective log helps find the cause: write it if possible."""
+    try:
+        from adaptive_dist.outputs import write_lines
+        from adaptive_dist.replay import record_log_path
+
+        write_lines(record_log_path(record_dir, ctx.rank), ctx.recorder.json_lines(), "--record-dir")
+    except Exception:
+        pass
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def describe_failure(exc: BaseException) -> Optional[tuple[str, int, str]]:
+    """(label, exit code, one-line message) of a failure a user can cause; None for a bug."""
+    if isinstance(exc, DivergenceError):
+        return "DivergenceError", EXIT_DIVERGENCE, str(exc)
+    if isinstance(exc, CollectiveTimeoutError):
+        return "CollectiveTimeoutError", EXIT_TIMEOUT, str(exc)
+    if isinstance(exc, JobAborted):
+        return exc.label, exc.exit_code, str(exc)
+    if isinstance(exc, (ConfigError, ValueError)):
+        return "error", EXIT_CONFIG, " ".join(str(exc).split("\n"))
+    if isinstance(exc, OSError):
+        return "error", EXIT_CONFIG, str(exc)
+    return None
 
 
 def report_failure(exc: BaseException) -> int:
     """Print a known failure as one line naming the rank; return its exit code. Anything else
     is a bug and propagates with its traceback."""
-    for kinds, label, code in (
-        ((DivergenceError,), "DivergenceError", EXIT_DIVERGENCE),
-        ((CollectiveTimeoutError,), "CollectiveTimeoutError", EXIT_TIMEOUT),
-        ((ConfigError, ValueError, FileNotFoundError), "error", EXIT_CONFIG),
-    ):
-        if isinstance(exc, kinds):
-            rank = os.environ.get("RANK", "0")
-            # one write per line: ranks share stderr, and print() writes the newline apart
-            sys.stderr.write(f"[rank {rank}] {label}: {exc}\n")
-            sys.stderr.flush()
-            return code
-    raise exc
+    described = describe_failure(exc)
+    if described is None:
+        raise exc
+    label, code, message = described
+    say(f"{label}: {message}")
+    return code
+
+
+# ---- Ctrl-C -----------------------------------------------------------------------------------
+
+class InterruptExit:
+    """Ctrl-C ends this rank with one line and exit code 130 — also while the main thread is
+    blocked in a collective, where Python cannot raise ``KeyboardInterrupt`` until it returns:
+    the signal's wake-up byte reaches a thread that ends the process after ``grace_s`` if the
+    main thread has not by then."""
+
+    def __init__(self, grace_s: float = 1.0) -> None:
+        self.grace_s = grace_s
+        self._once = threading.Lock()
+
+    def install(self) -> Optional[tuple[int, int]]:
+        """Call from the main thread, before the command runs; ``uninstall`` the result."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        rfd, wfd = os.pipe()
+        os.set_blocking(wfd, False)
+        try:
+            previous = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+        except ValueError:
+            os.close(rfd)
+            os.close(wfd)
+            return None
+        threading.Thread(target=self._wait, args=(rfd,), name="interrupt-exit", daemon=True).start()
+        return previous, wfd
+
+    @staticmethod
+    def uninstall(installed: Optional[tuple[int, int]]) -> None:
+        """Restore the previous wake-up fd (for callers of ``main`` in a long-lived process)."""
+        if installed is not None:
+            previous, wfd = installed
+            signal.set_wakeup_fd(previous)
+            os.close(wfd)  # the waiting thread reads EOF and ends
+
+    def _wait(self, rfd: int) -> None:
+        while True:
+            data = os.read(rfd, 64)
+            if not data:
+                os.close(rfd)
+                return
+            if signal.SIGINT in data:
+                time.sleep(self.grace_s)  # let the main thread unwind (temporary files go)
+                self.exit()
+
+    def exit(self) -> NoReturn:
+        if self._once.acquire(blocking=False):
+            say("interrupted (Ctrl-C): stopping")
+            os._exit(EXIT_INTERRUPTED)
+        while True:  # the other thread is ending the process
+            time.sleep(1.0)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    # torch's C++ logs repeat what the one-line errors say (set the variable to see them)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    interrupts = InterruptExit()
+    installed = interrupts.install()
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "handler", None):
+            parser.print_help()
+            return EXIT_CONFIG
+        try:
+            return args.handler(args)
+        except Exception as exc:
+            return report_failure(exc)
+    except KeyboardInterrupt:
+        interrupts.exit()
+    finally:
+        interrupts.uninstall(installed)

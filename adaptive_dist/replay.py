@@ -8,19 +8,23 @@ starts ``lockstep OK`` — or every rank raises ``DivergenceError``.
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
-from collectives import DistContext, DivergenceError, Group, LockstepGuard
-from adaptive_dist import consensus
+from collectives import CollectiveTimeoutError, DistContext, DivergenceError, Group, LockstepGuard
+from adaptive_dist import __version__, consensus
 from adaptive_dist.config import AdaptiveConfig
 from adaptive_dist.controller import AdaptiveController, RoundOutcome
-from adaptive_dist.trace import TraceRound
+from adaptive_dist.outputs import OutputError, check_output_dir, check_output_file, write_lines
+from adaptive_dist.startup import agree_settings, all_ranks_or_none, exchange
+from adaptive_dist.trace import RANK_FILE, TraceRound
 
 
 @dataclass
@@ -74,7 +78,14 @@ def collect_on_first(records: list[dict], group: Group) -> Optional[list[dict]]:
     if group.size == 1:
         return sorted(records, key=lambda x: (x["round"], x["rank"]))
     parts: Optional[list] = [None] * group.size if group.is_first else None
-    dist.gather_object(records, parts, dst=group.ranks[0], group=group.control_pg)
+    try:
+        dist.gather_object(records, parts, dst=group.ranks[0], group=group.control_pg)
+    except Exception as exc:
+        from collectives.guard import short_cause
+
+        raise CollectiveTimeoutError(
+            f"rank {group.global_rank}: gathering the decisions on rank {group.ranks[0]} failed "
+            f"({short_cause(exc)}); a peer stopped or is unreachable") from None
     if not group.is_first:
         return None
     merged = [rec for part in parts for rec in part]
@@ -85,16 +96,15 @@ def verify_lockstep(result: ReplayResult, group: Group) -> None:
     """Every rank must have made the same decisions (compared digests); raise otherwise."""
     if group.size == 1:
         return
-    views: list = [None] * group.size
-    dist.all_gather_object(views, (result.rounds, result.decision_digest),
-                           group=group.control_pg)
+    views = exchange((result.rounds, result.decision_digest), group, "comparing the decisions")
     if len(set(views)) > 1:
         detail = ", ".join(f"rank {r}: {v[0]} rounds, digest {v[1]:#x}"
                            for r, v in zip(group.ranks, views))
         raise DivergenceError(f"ranks finished with different decision histories: {detail}")
 
 
-def summary(records: list[dict], result: ReplayResult, world: int, config: AdaptiveConfig, guard: Optional[LockstepGuard], recorded: int) -> str:
+def summary(records: list[dict], result: ReplayResult, world: int, config: AdaptiveConfig,
+            guard: Optional[LockstepGuard], recorded: int) -> str:
     """Human-readable summary (rank 0); the last line starts with 'lockstep OK'."""
     rank0 = [r for r in records if r["rank"] == 0]
     counted = len(rank0)
@@ -119,7 +129,7 @@ def summary(records: list[dict], result: ReplayResult, world: int, config: Adapt
     for r in records:
         by_rank.setdefault(r["rank"], []).append(r["local_ema"])
     ema = ", ".join(f"rank {k}: {v[-1]:.3f}" for k, v in sorted(by_rank.items()))
-    lines.append(f"final local EMA: {ema}")
+    lines.append(f"final local EMA: {ema or 'none (no round had requests on any rank)'}")
     if result.consensus_us:
         lines.append(f"consensus collective (rank 0): median {statistics.median(result.consensus_us):.1f} us "
                      f"per round")
@@ -130,30 +140,55 @@ def summary(records: list[dict], result: ReplayResult, world: int, config: Adapt
     return "\n".join(lines)
 
 
-def write_records(path: str, records: list[dict]) -> None:
-    with open(path, "w") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
+def write_records(path: str, records: list[dict], flag: str = "--out") -> int:
+    """Write ``records`` as JSON lines, atomically (see ``adaptive_dist.outputs.write_lines``)."""
+    return write_lines(path, (json.dumps(rec) for rec in records), flag)
+
+
+def record_log_path(record_dir: str, rank: int) -> str:
+    return str(Path(record_dir) / f"collectives.rank{rank}.jsonl")
+
+
+def check_outputs(out: Optional[str], record_dir: Optional[str], trace_dir: str,
+                  writes_out: bool) -> None:
+    """Start-up checks of the output paths this rank writes (``--out`` on the writer only: on a
+    multi-node job it is a path on that rank's node), naming the flag."""
+    if record_dir is not None:
+        check_output_dir(record_dir, "--record-dir")
+    if out is None or not writes_out:
+        return
+    check_output_file(out, "--out")
+    p, d = Path(out), Path(trace_dir)
+    if d.is_dir() and p.parent.resolve() == d.resolve() and RANK_FILE.fullmatch(p.name):
+        raise OutputError(f"--out {out!r} would overwrite a trace file of --trace {trace_dir!r}")
 
 
 def run_consensus(ctx: DistContext, trace_dir: str, policy: str, config_path: Optional[str],
-                  initial_steps: Optional[int], out: Optional[str], show_progress: bool = True) -> str:
-    """The whole consensus-only job on one rank; returns rank 0's summary ('' elsewhere)."""
+                  initial_steps: Optional[int], out: Optional[str], show_progress: bool = True,
+                  record_dir: Optional[str] = None) -> str:
+    """The whole consensus-only job on one rank; returns rank 0's summary ('' elsewhere).
+
+    Start-up, on every rank and in this order, each step refused on every rank with the same
+    message if it fails on any: the configuration, the agreement of every setting that changes
+    the collectives or the outputs, the output paths, the traces. Then the replay, and the
+    outputs, written atomically; a failed write fails every rank.
+    """
     from adaptive_dist.config import load_config
-    from adaptive_dist.startup import agree_config, all_ranks_or_none
     from adaptive_dist.trace import load_trace
 
     layout = ctx.layout(dp=ctx.world_size, tp=ctx.world_size)
     world, dp = layout.group("world"), layout.group("dp")
-    # everything that changes the sequence of collectives must agree, not only the config
-    settings = {"progress": show_progress, "timeout_s": ctx.timeout_s,
-                "strict": bool(ctx.recorder and ctx.recorder.strict),
-                "vector": [consensus.MAGIC, len(consensus.FIELDS)]}
-    config = agree_config(lambda: load_config(config_path, policy, initial_steps),
-                          world, extra=settings)
-    trace = all_ranks_or_none(lambda: load_trace(trace_dir, ctx.rank), world, "loading traces")
+    config = all_ranks_or_none(lambda: load_config(config_path, policy, initial_steps), world,
+                               "configuration check")
+    agree_settings(consensus_settings(ctx, config, show_progress, out, record_dir), world,
+                   "consensus")
+    all_ranks_or_none(lambda: check_outputs(out, record_dir, trace_dir, world.is_first),
+                      world, "checking the output paths")
+    trace = all_ranks_or_none(lambda: load_trace(trace_dir, ctx.rank, ctx.world_size), world,
+                              "loading traces")
+    longest = max(exchange(len(trace), world, "loading traces"))
     guard = ctx.guard(world, check_every=config.lockstep_check_every) if ctx.recorder else None
-    bar = _progress(trace, world) if show_progress else None
+    bar = _progress(longest) if show_progress and world.is_first else None
     try:
         result = replay(trace, config, dp, guard, bar)
     finally:
@@ -163,27 +198,43 @@ def run_consensus(ctx: DistContext, trace_dir: str, policy: str, config_path: Op
             guard.close()
     verify_lockstep(result, world)
     merged = collect_on_first(result.records, world)
+
+    def write_outputs() -> None:
+        if record_dir is not None and ctx.recorder is not None:
+            write_lines(record_log_path(record_dir, ctx.rank), ctx.recorder.json_lines(),
+                        "--record-dir")
+        if merged is not None and out:
+            write_records(out, merged)
+
+    all_ranks_or_none(write_outputs, world, "writing the outputs",
+                      consequence="the job failed on every rank")
     if merged is None:
         return ""
-    if out:
-        write_records(out, merged)
     recorded = ctx.recorder.count if ctx.recorder else 0
     return summary(merged, result, ctx.world_size, config, guard, recorded)
 
 
-def _progress(trace: list[TraceRound], world: Group):
-    """A progress bar on the first rank (sized by the longest trace), None elsewhere."""
-    import torch
+def consensus_settings(ctx: DistContext, config: AdaptiveConfig, show_progress: bool,
+                       out: Optional[str], record_dir: Optional[str]) -> dict:
+    """Everything of a consensus run that changes the sequence of collectives or the outputs:
+    the effective configuration (policy and initial steps included), the flags, the consensus
+    vector's format and the software versions. Compared across ranks by ``agree_settings``."""
+    return {
+        **config.to_dict(),
+        "--timeout": ctx.timeout_s,
+        "--strict-lockstep": bool(ctx.recorder and ctx.recorder.strict),
+        "--no-progress": not show_progress,
+        "--out given": out is not None,
+        "--record-dir given": record_dir is not None,
+        "backend": ctx.backend,
+        "consensus vector format": [consensus.MAGIC, len(consensus.FIELDS)],
+        "adaptive_dist version": __version__,
+        "torch version": torch.__version__,
+    }
 
-    from collectives.ops import gather_into
 
-    n = torch.tensor([len(trace)], dtype=torch.int64)
-    if world.size > 1:
-        out = torch.empty(world.size, dtype=torch.int64)
-        gather_into(out, n, group=world.control_pg)
-        n = out.max()
-    if not world.is_first:
-        return None
+def _progress(total: int):
+    """A progress bar over the longest trace (the first rank only)."""
     from tqdm import tqdm
 
-    return tqdm(total=int(n), desc="replay", unit="round", mininterval=0.5, leave=False)
+    return tqdm(total=total, desc="replay", unit="round", mininterval=0.5, leave=False)

@@ -1,17 +1,25 @@
-"""Process groups, the parallel layout, typed collectives, recording and the lockstep guard."""
-from collectives import ops
-from collectives.distributed import DistContext, free_port, init_distributed, pick_backend
-from collectives.group import Group
-from collectives.guard import (
-    EXIT_DIVERGENCE,
-    EXIT_TIMEOUT,
-    CollectiveTimeoutError,
-    DivergenceError,
-    LockstepGuard,
-    first_difference,
-)
-from collectives.layout import GROUP_NAMES, ParallelLayout, check_degrees
-from collectives.recorder import CollectiveEntry, CollectiveRecorder
+"""Process groups, the parallel layout, typed collectives, recording and the lockstep guard.
+
+Names are loaded on first use (PEP 562), so ``import collectives`` and the error classes in
+``collectives.errors`` do not import torch; ``collectives.init_distributed`` and friends do.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from collectives.errors import EXIT_DIVERGENCE, EXIT_TIMEOUT, CollectiveTimeoutError, DivergenceError
+
+_LAZY = {
+    "ops": "collectives.ops",
+    "DistContext": "collectives.distributed", "free_port": "collectives.distributed",
+    "init_distributed": "collectives.distributed", "pick_backend": "collectives.distributed",
+    "Group": "collectives.group",
+    "LockstepGuard": "collectives.guard", "first_difference": "collectives.guard",
+    "GROUP_NAMES": "collectives.layout", "ParallelLayout": "collectives.layout",
+    "check_degrees": "collectives.layout",
+    "CollectiveEntry": "collectives.recorder", "CollectiveRecorder": "collectives.recorder",
+}
 
 __all__ = [
     "ops", "DistContext", "free_port", "init_distributed", "pick_backend", "Group",
@@ -19,3 +27,15 @@ __all__ = [
     "LockstepGuard", "first_difference", "GROUP_NAMES", "ParallelLayout", "check_degrees",
     "CollectiveEntry", "CollectiveRecorder",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'collectives' has no attribute {name!r}")
+    mod = importlib.import_module(module)
+    return mod if name == "ops" else getattr(mod, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -87,8 +87,25 @@ class CollectiveRecorder:
         """Every rank agreed up to here: later diagnoses only compare what follows."""
         self.window.clear()
 
+    def json_lines(self) -> list[str]:
+        """The full log (recording mode with ``keep_log``), one JSON object per entry."""
+        return [json.dumps(e.to_json()) for e in self.log]
+
     def dump(self, path: str) -> None:
-        """Write the full log as JSON lines (recording mode)."""
-        with open(path, "w") as f:
-            for e in self.log:
-                f.write(json.dumps(e.to_json()) + "\n")
+        """Write the full log as JSON lines, whole or not at all: a temporary file in the same
+        directory is renamed into place (a full disk or a crash leaves no torn line)."""
+        import os
+        import tempfile
+
+        d = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=d)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.writelines(line + "\n" for line in self.json_lines())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise

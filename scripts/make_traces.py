@@ -12,7 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
+
+from adaptive_dist.outputs import OutputError, check_output_dir, write_lines
+from adaptive_dist.trace import RANK_FILE
 
 # Per-token probability that the next draft token is accepted, by regime.
 REGIMES = {"entropy": 0.05, "code": 0.72, "repetitive": 0.97}
@@ -58,12 +62,25 @@ def make_rank_trace(rng: random.Random, rounds: int) -> list[dict]:
     return lines
 
 
-def main() -> None:
+def check_out_dir(out: Path, ranks: int) -> None:
+    """At start: ``--out`` must be (or become) a writable directory without trace files of
+    other ranks (a later run on it would read, or refuse, stale ones)."""
+    check_output_dir(str(out), "--out")
+    stale = sorted((p.name for p in out.iterdir()
+                    if (m := RANK_FILE.fullmatch(p.name)) and not int(m.group(1)) < ranks),
+                   key=lambda n: (len(n), n))
+    if stale:
+        raise OutputError(f"--out {str(out)!r} already holds {', '.join(stale)} from another run "
+                          f"(this run writes {ranks} rank file(s)); remove them or choose an "
+                          f"empty directory")
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=400)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ranks", type=int, default=2, help="number of ranks (one file each)")
+    ap.add_argument("--rounds", type=int, default=400, help="rounds of the longest trace")
+    ap.add_argument("--out", required=True, help="directory for rank{R}.jsonl (created if needed)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed")
     ap.add_argument("--early-end", type=float, default=0.6,
                     help="the last rank's trace ends after this fraction of the rounds")
     args = ap.parse_args()
@@ -72,17 +89,22 @@ def main() -> None:
     if not 0 < args.early_end <= 1:
         ap.error(f"--early-end {args.early_end}: must be in (0, 1]")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for rank in range(args.ranks):
-        rng = random.Random(f"{args.seed}/{rank}")  # independent stream per (seed, rank)
-        n = args.rounds
-        if rank == args.ranks - 1 and args.ranks > 1:
-            n = max(1, int(args.rounds * args.early_end))
-        with (out / f"rank{rank}.jsonl").open("w") as f:
-            for line in make_rank_trace(rng, n):
-                f.write(json.dumps(line) + "\n")
+    try:
+        check_out_dir(out, args.ranks)
+        for rank in range(args.ranks):
+            rng = random.Random(f"{args.seed}/{rank}")  # independent stream per (seed, rank)
+            n = args.rounds
+            if rank == args.ranks - 1 and args.ranks > 1:
+                n = max(1, int(args.rounds * args.early_end))
+            # each file whole or not at all (temporary file + rename): no torn line on a full disk
+            write_lines(str(out / f"rank{rank}.jsonl"),
+                        (json.dumps(line) for line in make_rank_trace(rng, n)), "--out")
+    except OutputError as exc:
+        sys.stderr.write(f"make_traces.py: error: {exc}\n")
+        return 2
     print(f"wrote {args.ranks} trace(s) of up to {args.rounds} rounds to {out}/")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -60,32 +60,11 @@ def divergence_job(rank: int, mode: str, rounds: int = 12, bad_round: int = 5,
     strict lockstep), ``state`` (rank 1's policy state is tampered with).
     """
     ctx = _ctx(backend, timeout=timeout, strict=(mode == "reshape"))
-    layout = ctx.layout(dp=ctx.world_size)
-    world, dp = layout.group("world"), layout.group("dp")
-    cfg = AdaptiveConfig(lockstep_check_every=2)
-    guard = ctx.guard(world, check_every=cfg.lockstep_check_every)
+    guard, ctrl, dp = _divergence_setup(ctx)
     guard.exit_on_watchdog = watchdog_exit
-    ctrl = AdaptiveController(cfg, dp, guard=guard)
     t0 = time.monotonic()
-    bad = rank == 1
     try:
-        for r in range(rounds):
-            with guard.round(r):
-                if mode == "stall" and bad and r == bad_round:
-                    time.sleep(60)  # stuck outside any collective: only the watchdog sees it
-                if mode == "state" and bad and r == bad_round:
-                    from dataclasses import replace
-                    ctrl.state = replace(ctrl.state, index=0)
-                if not (mode == "skip_consensus" and bad and r == bad_round):
-                    plan = ctrl.begin_round(2, 8, True)
-                n = 8 if (mode == "reshape" and bad and r == bad_round) else 4
-                x = torch.ones(n, device=ctx.device)
-                if not (mode == "skip_op" and bad and r == bad_round):
-                    C.ops.all_reduce(x, dp)
-                if mode == "executed" and bad and r == bad_round:
-                    ctrl.end_round([1, 2], executed=(7, plan.use_graph, plan.batch_bucket, "spec"))
-                else:
-                    ctrl.end_round([1, 2])
+        _misbehave(ctx, guard, ctrl, dp, rank, mode, rounds, bad_round)
         return {"raised": None, "elapsed": time.monotonic() - t0}
     except (C.DivergenceError, C.CollectiveTimeoutError) as exc:
         return {"raised": type(exc).__name__, "message": str(exc),
@@ -93,6 +72,58 @@ def divergence_job(rank: int, mode: str, rounds: int = 12, bad_round: int = 5,
     finally:
         guard.close()
         ctx.shutdown(aborted=True)
+
+
+def divergence_exit_job(rank: int, mode: str, stamp_dir: str, timeout: float = 3.0) -> None:
+    """``divergence_job``'s failure ended the way the CLI ends one (``fail_distributed``: one
+    line, the exit code, no teardown). Writes, per rank, the seconds from the start of the bad
+    round to the moment the failure reached the handler into ``stamp_dir/rank{R}``."""
+    import os
+
+    from adaptive_dist.cli import fail_distributed
+
+    ctx = _ctx(None, timeout=timeout)
+    guard, ctrl, dp = _divergence_setup(ctx)
+    marks: dict = {}
+    try:
+        _misbehave(ctx, guard, ctrl, dp, rank, mode, 12, 5, marks)
+    except Exception as exc:
+        with open(os.path.join(stamp_dir, f"rank{rank}"), "w") as f:
+            f.write(str(time.monotonic() - marks["bad"]))
+        guard.close()
+        fail_distributed(ctx, exc)
+
+
+def _divergence_setup(ctx: C.DistContext):
+    layout = ctx.layout(dp=ctx.world_size)
+    world, dp = layout.group("world"), layout.group("dp")
+    cfg = AdaptiveConfig(lockstep_check_every=2)
+    guard = ctx.guard(world, check_every=cfg.lockstep_check_every)
+    return guard, AdaptiveController(cfg, dp, guard=guard), dp
+
+
+def _misbehave(ctx: C.DistContext, guard, ctrl, dp, rank: int, mode: str, rounds: int,
+               bad_round: int, marks: Optional[dict] = None) -> None:
+    bad = rank == 1
+    for r in range(rounds):
+        if marks is not None and r == bad_round:
+            marks["bad"] = time.monotonic()
+        with guard.round(r):
+            if mode == "stall" and bad and r == bad_round:
+                time.sleep(60)  # stuck outside any collective: only the watchdog sees it
+            if mode == "state" and bad and r == bad_round:
+                from dataclasses import replace
+                ctrl.state = replace(ctrl.state, index=0)
+            if not (mode == "skip_consensus" and bad and r == bad_round):
+                plan = ctrl.begin_round(2, 8, True)
+            n = 8 if (mode == "reshape" and bad and r == bad_round) else 4
+            x = torch.ones(n, device=ctx.device)
+            if not (mode == "skip_op" and bad and r == bad_round):
+                C.ops.all_reduce(x, dp)
+            if mode == "executed" and bad and r == bad_round:
+                ctrl.end_round([1, 2], executed=(7, plan.use_graph, plan.batch_bucket, "spec"))
+            else:
+                ctrl.end_round([1, 2])
 
 
 def config_job(rank: int, per_rank: dict, policy: str = "ema") -> dict:
