@@ -15,11 +15,13 @@ at start-up, and rank 0 prints the outputs in prompt order and the stats table.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
 from typing import Any, Optional, Sequence
 
+from adaptive_dist.cli import seconds
 from workers.loading import DEFAULT_MODEL
 
 
@@ -64,7 +66,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mlp-scatter", choices=("reduce_scatter", "all_reduce"),
                    default="reduce_scatter",
                    help="how MLP outputs return to the DP replicas (the same values)")
-    p.add_argument("--timeout", type=float, default=60.0,
+    p.add_argument("--timeout", type=seconds, default=60.0,
                    help="seconds a collective may take before the job stops with an error")
 
 
@@ -103,9 +105,12 @@ def _generate(ctx: Any, args: argparse.Namespace, closers: Any) -> Optional[str]
         raise ValueError("--prompt: the prompt is empty; give at least one character")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens)
+    digest = hashlib.sha256(json.dumps([[p.text, p.dp_rank] for p in prompts]).encode())
     cluster = start_engine(ctx, args, closers,
-                           extra={"sampling": [args.temperature, args.top_p, args.max_new_tokens],
-                                  "seed": args.seed, "prompts": [[p.text, p.dp_rank] for p in prompts]},
+                           extra={"--temperature": args.temperature, "--top-p": args.top_p,
+                                  "--max-new-tokens": args.max_new_tokens, "--seed": args.seed,
+                                  "--json": args.json,
+                                  "--prompt/--prompts (contents)": digest.hexdigest()[:16]},
                            size_for=lambda cfg, dp: _sizes(args, cfg, prompts, dp))
     engine, par, model_cfg = cluster.engine, cluster.par, cluster.target.config
     params = SamplingParams(temperature=params.temperature, top_p=params.top_p,

@@ -16,14 +16,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
-import os
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
-
-EXIT_CONFIG = 2
-
 
 def _device(args: argparse.Namespace) -> str:
     return args.device or ("cuda" if args.attention_backend == "flashinfer" else "cpu")
@@ -32,32 +26,18 @@ def _device(args: argparse.Namespace) -> str:
 def run_distributed(args: argparse.Namespace,
                     job: Callable[[Any, argparse.Namespace, contextlib.ExitStack], Optional[str]]
                     ) -> int:
-    """Run `job(ctx, args, closers)` on this rank; print rank 0's text; one error path."""
-    from adaptive_dist.cli import EXIT_INTERNAL, report_failure
+    """Run `job(ctx, args, closers)` on this rank; print rank 0's text; one error path (the
+    consensus command's: `adaptive_dist.cli.fail_distributed`)."""
+    from adaptive_dist.cli import fail_distributed
     from collectives import init_distributed
 
-    if not math.isfinite(args.timeout) or args.timeout <= 0:
-        sys.stderr.write(f"[rank {os.environ.get('RANK', '0')}] error: --timeout "
-                         f"{args.timeout}: must be a finite number of seconds > 0\n")
-        return EXIT_CONFIG
     backend = "gloo" if _device(args) == "cpu" else None
     ctx = init_distributed(timeout_s=args.timeout, backend=backend, record=True)
     try:
         with contextlib.ExitStack() as closers:  # NOTE: engines close before the process group
             text = job(ctx, args, closers)
     except Exception as exc:
-        try:
-            code = report_failure(exc)
-        except Exception:  # a bug: show it, but still leave in bounded time
-            import traceback
-
-            traceback.print_exc()
-            code = EXIT_INTERNAL
-        ctx.shutdown(aborted=True)
-        if ctx.distributed:
-            # NOTE: the process-group teardown can block on a stuck peer; leave without it.
-            os._exit(code)
-        return code
+        return fail_distributed(ctx, exc)
     if text:
         print(text, flush=True)
     ctx.shutdown()
@@ -163,9 +143,11 @@ def _prepare(ctx: Any, args: argparse.Namespace) -> tuple[Any, tuple[int, int], 
         digest = model_digest(args.model)
     except OSError as err:
         raise ValueError(f"--model {args.model!r}: cannot be read ({err.strerror})") from None
-    settings = {"model": digest, "device": device, "attention_backend": args.attention_backend,
-                "eager": args.eager, "mlp_scatter": args.mlp_scatter, "timeout_s": ctx.timeout_s,
-                "dp": degrees[0], "attn_tp": degrees[1]}
+    settings = {"--model (contents)": digest, "--device": device,
+                "--attention-backend": args.attention_backend, "--eager": args.eager,
+                "--mlp-scatter": args.mlp_scatter, "--timeout": ctx.timeout_s,
+                "--dp": degrees[0], "--attn-tp": degrees[1],
+                "--steps/--adaptive/--no-spec/--config": spec.to_dict()}
     return spec, degrees, settings
 
 
@@ -179,7 +161,7 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
     `first_layout` is a dp=1 layout the caller already built (its world group runs the checks)."""
     import torch
 
-    from adaptive_dist.startup import agree_config, all_ranks_or_none
+    from adaptive_dist.startup import agree_settings, all_ranks_or_none
     from workers.config import EngineConfig
     from workers.engine import build_engine
     from workers.loading import load_pair
@@ -194,7 +176,8 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
         layout = ctx.layout(dp=dp)
     world = layout.group("world")
     par = ModelParallel.from_layout(layout, args.mlp_scatter)
-    device = str(ctx.device) if settings["device"] == "cuda" else "cpu"
+    on_gpu = settings["--device"] == "cuda"
+    device = str(ctx.device) if on_gpu else "cpu"
 
     def load() -> tuple[Any, Any]:
         try:
@@ -204,10 +187,11 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
 
     target, head = all_ranks_or_none(load, world, "loading the model")
     config = EngineConfig(spec=spec, attention_backend=args.attention_backend, device=device,
-                          cuda_graphs=settings["device"] == "cuda" and not args.eager,
+                          cuda_graphs=on_gpu and not args.eager,
                           dp=dp, attn_tp=attn_tp, mlp_scatter=args.mlp_scatter,
                           **size_for(target.config, dp))
-    agree_config(lambda: spec, world, extra={**settings, **extra, "engine": config.to_dict()})
+    engine_settings = {f"engine {k}": v for k, v in config.to_dict().items() if k != "spec"}
+    agree_settings({**settings, **extra, **engine_settings}, world, "start-up")
     guard = ctx.guard(world, check_every=spec.lockstep_check_every) if ctx.distributed else None
     if guard is not None:
         closers.callback(guard.close)

@@ -226,7 +226,8 @@ def _build_loop(ctx: Any, first: Any, args: argparse.Namespace, role: RankRole, 
     from workers.server.rank import RankLoop
 
     cluster = start_engine(
-        ctx, args, closers, extra={"max_model_len": args.max_model_len},
+        ctx, args, closers, extra={"--max-model-len": args.max_model_len,
+                                   "--max-batch-size": args.max_batch_size},
         size_for=lambda cfg, dp: serving_sizes(cfg, args.max_batch_size, args.max_model_len),
         first_layout=first)
     mcfg, engine = cluster.target.config, cluster.engine
