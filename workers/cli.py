@@ -138,9 +138,16 @@ def _sizes(args: argparse.Namespace, model_cfg: Any, prompts: list, dp: int) -> 
 
     replicas = assign_replicas(prompts, dp)
     busiest = max(replicas.count(r) for r in range(dp))
+    context = model_cfg.max_position_embeddings
+    for i, p in enumerate(prompts):  # before anything is allocated
+        n = len(encode_prompt(p.text, model_cfg))
+        if n >= context or n + args.max_new_tokens > context:
+            raise ValueError(f"prompt {i}: {n} prompt tokens + --max-new-tokens "
+                             f"{args.max_new_tokens} = {n + args.max_new_tokens} exceeds the "
+                             f"model's context of {context} tokens")
     longest = max(len(encode_prompt(p.text, model_cfg)) for p in prompts) + args.max_new_tokens
     return {"max_batch_size": max(1, min(args.max_batch_size, busiest)),
-            "max_context_len": min(model_cfg.max_position_embeddings, longest)}
+            "max_context_len": longest}
 
 
 # ---- report -----------------------------------------------------------------------------------

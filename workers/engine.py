@@ -223,8 +223,8 @@ class Engine:
         if not len(per) == len(seeds) == len(prompts):
             raise ValueError(f"{len(per)} sampling params and {len(seeds)} seeds for "
                              f"{len(prompts)} prompts")
-        for ids, p in zip(prompts, per):
-            self.scheduler.validate(Request(-1, list(ids), p))
+        for i, (ids, p) in enumerate(zip(prompts, per)):
+            self.scheduler.validate(Request(i, list(ids), p), what=f"prompt {i}")
         reqs = [self.add(ids, p, seed=s) for ids, p, s in zip(prompts, per, seeds)]
         self.run()
         return reqs

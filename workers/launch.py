@@ -117,9 +117,16 @@ def _spec(args: argparse.Namespace) -> Any:
         if args.config is not None:
             raise ValueError("--config applies to --adaptive only, not to --no-spec")
         return no_spec()
+    from workers.config import MAX_STEPS_LIMIT
+
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps {args.steps}: must be >= 1 (use --no-spec for no speculation)")
-    return load_config(args.config, "ema" if args.adaptive else "static", initial_steps=args.steps)
+    spec = load_config(args.config, "ema" if args.adaptive else "static", initial_steps=args.steps)
+    if spec.max_steps > MAX_STEPS_LIMIT:
+        where = f"--steps {args.steps}" if args.steps is not None else "candidate_steps"
+        raise ValueError(f"{where}: draft depth {spec.max_steps} is beyond the maximum of "
+                         f"{MAX_STEPS_LIMIT} steps")
+    return spec
 
 
 def _prepare(ctx: Any, args: argparse.Namespace) -> tuple[Any, tuple[int, int], dict]:

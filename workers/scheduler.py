@@ -86,18 +86,20 @@ class Scheduler:
         self.running: list[Request] = []
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
 
-    def validate(self, req: Request) -> None:
-        """Raise `ValueError` naming what is wrong if `req` can never run."""
+    def validate(self, req: Request, what: str | None = None) -> None:
+        """Raise `ValueError` naming what is wrong (and `what`, default "request <rid>") if
+        `req` can never run."""
+        what = what or f"request {req.rid}"
         if not req.prompt_ids:
-            raise ValueError(f"request {req.rid}: the prompt is empty; give at least one token")
+            raise ValueError(f"{what}: the prompt is empty; give at least one token")
         total = len(req.prompt_ids) + req.params.max_new_tokens
         if len(req.prompt_ids) >= self.max_context_len:
             raise ValueError(
-                f"request {req.rid}: prompt of {len(req.prompt_ids)} tokens is longer than the "
+                f"{what}: prompt of {len(req.prompt_ids)} tokens is longer than the "
                 f"context length ({self.max_context_len} tokens, room for at least one new token)")
         if total > self.max_context_len:
             raise ValueError(
-                f"request {req.rid}: prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
+                f"{what}: prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
                 f"({req.params.max_new_tokens}) = {total} exceeds the context length "
                 f"({self.max_context_len} tokens)")
         self.allocator.check_fits(self.kv_tokens(req))

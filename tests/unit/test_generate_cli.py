@@ -96,8 +96,14 @@ def _foreign_arch(model_dir: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("argv,match", [
     (["--prompt", ""], "the prompt is empty"),
-    (["--prompt", "x" * 96], "longer than the context length \\(96 tokens"),
-    (["--prompt", "x" * 60, "--max-new-tokens", "40"], "exceeds the context length \\(96 tokens"),
+    (["--prompt", "x" * 96], "prompt 0: 97 prompt tokens \\+ --max-new-tokens 128 = 225 exceeds "
+                             "the model's context of 96 tokens"),
+    (["--prompt", "x" * 60, "--max-new-tokens", "40"], "prompt 0: 61 prompt tokens \\+ "
+                                                       "--max-new-tokens 40 = 101 exceeds"),
+    (["--prompt", "a", "--max-new-tokens", "99999999999999999999"], "= 100000000000000000001 "
+                                                                    "exceeds the model's context"),
+    (["--prompt", "a", "--steps", "100000"], "--steps 100000: draft depth 100000 is beyond the "
+                                             "maximum of 32"),
     (["--prompt", "a", "--max-new-tokens", "0"], "max_new_tokens=0: must be an integer >= 1"),
     (["--prompt", "a", "--temperature", "-1"], "temperature=-1.0: must be a finite number >= 0"),
     (["--prompt", "a", "--top-p", "0"], r"top_p=0.0: must be in \(0, 1\]"),

@@ -131,16 +131,20 @@ class _Signals:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Handler of `serve` (every rank). The process ends here, without the interpreter's
     teardown (seconds with torch loaded): everything it holds was closed above."""
+    from adaptive_dist.cli import EXIT_INTERNAL, describe_failure, say
+
     try:
         code = _serve(args)
-    except (ValueError, FileNotFoundError) as err:
-        sys.stderr.write(f"[rank {os.environ.get('RANK', '0')}] error: {err}\n")
-        code = 2
-    except BaseException:
-        import traceback
+    except BaseException as exc:  # one line and the documented exit code, as every command
+        described = describe_failure(exc) if isinstance(exc, Exception) else None
+        if described is None:
+            import traceback
 
-        traceback.print_exc()
-        code = 1
+            traceback.print_exc()
+            code = EXIT_INTERNAL
+        else:
+            label, code, message = described
+            say(f"{label}: {message}")
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
