@@ -19,7 +19,6 @@ import argparse
 import importlib.util
 import json
 import platform
-import random
 import sys
 import time
 from pathlib import Path
@@ -32,74 +31,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from adaptive_dist.config import load_config  # noqa: E402
-from workers.cli import DEFAULT_MODEL, encode_prompt  # noqa: E402
-from workers.eagle_worker import WorkerConfig  # noqa: E402
-from workers.engine import Engine, make_engine  # noqa: E402
-from workers.kv_cache import pages_for  # noqa: E402
+from workers.config import EngineConfig, no_spec  # noqa: E402
+from workers.engine import Engine  # noqa: E402
+from workers.engine import build_engine as build  # noqa: E402
+from workers.loading import DEFAULT_MODEL, encode_prompt  # noqa: E402
 from workers.model import load_eagle, load_llama  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+from regimes import KINDS, make_prompts  # noqa: E402
+
 MODES = ("nospec", 1, 3, 7)
 BATCHES = (1, 16)
-KINDS = ("code", "high_entropy", "repetitive")
-B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-
-
-# ---- prompts ------------------------------------------------------------------------------------
-
-def code_prompts(n: int, rng: random.Random) -> list[str]:
-    """Python function openings: a signature, a docstring, the start of a body."""
-    verbs = ["parse", "merge", "load", "render", "split", "count", "normalize", "validate"]
-    nouns = ["config", "records", "intervals", "header", "tokens", "path", "matrix", "options"]
-    bodies = ["result = []\n    for item in {n}:\n        ", "if not {n}:\n        return None\n    ",
-              "with open({n}) as f:\n        ", "total = 0\n    for key, value in {n}.items():\n"]
-    out = []
-    for i in range(n):
-        verb, noun = verbs[i % len(verbs)], nouns[(i * 3) % len(nouns)]
-        body = bodies[i % len(bodies)].format(n=noun)
-        out.append(f'def {verb}_{noun}({noun}, strict=False):\n    """{verb.capitalize()} the '
-                   f'{noun} and return the result."""\n    {body}')
-    rng.shuffle(out)
-    return out
-
-
-def high_entropy_prompts(n: int, rng: random.Random) -> list[str]:
-    """Random base64: a bare blob, or an opened `TOKEN = "...` string (as code embeds keys)."""
-    return ["".join(rng.choice(B64) for _ in range(160)) if i % 2 == 0 else
-            '    TOKEN = "' + "".join(rng.choice(B64) for _ in range(48)) for i in range(n)]
-
-
-def repetitive_prompts(n: int, rng: random.Random) -> list[str]:
-    """Runs of one character and ruler lines, as code's separators and padding are (the bundled
-    pair continues these and its head predicts them: the saturated regime, see its model card)."""
-    chars = "#*= -0_~"
-    out = []
-    for i in range(n):
-        c = chars[i % len(chars)]
-        out.append(c * rng.randint(80, 140) if i % 3 else ("#" + c * 70 + "\n") * 2)
-    rng.shuffle(out)
-    return out
-
-
-def make_prompts(n: int, seed: int = 0) -> dict[str, list[str]]:
-    rng = random.Random(seed)
-    return {"code": code_prompts(n, rng), "high_entropy": high_entropy_prompts(n, rng),
-            "repetitive": repetitive_prompts(n, rng)}
 
 
 # ---- engines -------------------------------------------------------------------------------------
 
 def build_engine(target, head, mode, backend: str, graphs: bool, device: str,
                  max_context: int, max_batch: int) -> Engine:
-    page_size = 16
-    wcfg = WorkerConfig(max_batch_size=max_batch, page_size=page_size, max_context_len=max_context,
-                        num_pages=max_batch * pages_for(max_context + 8, page_size))
-    if mode == "nospec":
-        return make_engine(target, None, adaptive_config=None, backend=backend, device=device,
-                           worker_config=wcfg)
-    config = load_config(None, "static", initial_steps=mode)
-    return make_engine(target, head, adaptive_config=config, backend=backend,
-                       device=device, worker_config=wcfg, cuda_graphs=graphs)
+    spec = no_spec() if mode == "nospec" else load_config(None, "static", initial_steps=mode)
+    config = EngineConfig(spec=spec, max_batch_size=max_batch, max_context_len=max_context,
+                          attention_backend=backend, device=device, cuda_graphs=graphs)
+    return build(config, target, head)
 
 
 def sync(device: str) -> None:
@@ -125,8 +78,6 @@ def measure(engine: Engine, prompts: list[list[int]], new_tokens: int, device: s
 
 def state_bytes(engine: Engine) -> dict[str, int]:
     """Bytes per tier of the runtime-state pool (buffers, graph inputs, graph-pool growth)."""
-    if engine.planner is None:
-        return {}
     return {str(s): st.nbytes for s, st in engine.pool.states.items()}
 
 
@@ -190,8 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants:
         backend, path = variant.split("/")
         for mode in MODES:
-            if mode == "nospec" and path == "graphs":
-                continue  # graphs cover the speculative round only
             jobs.append((variant, backend, path == "graphs", mode))
     results: list[dict[str, Any]] = []
     start = time.perf_counter()

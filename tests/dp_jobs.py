@@ -142,9 +142,8 @@ def generate_job(rank: int, root: str, dp: int, modes: list[str], prompts: list[
     and this rank's collective log (signatures) per mode."""
     ctx, layout, par = setup(dp)
     try:
-        if graphs:
-            torch.cuda.set_device(ctx.device)
-        device = ctx.device if graphs else torch.device("cpu")
+        # NCCL ranks run on their GPU; gloo ranks on the CPU (graphs emulated there)
+        device = ctx.device if ctx.device.type == "cuda" else torch.device("cpu")
         target, head = load(root, par)
         target, head = target.to(device), head.to(device)
         world = layout.group("world")

@@ -53,6 +53,8 @@ class EngineStats:
     elapsed_s: float = 0.0
     switches: int = 0
     graph_rounds: int = 0       # rounds that ran through CUDA graphs
+    round_seconds: float = 0.0  # wall time of every round (idle ones too)
+    plan_seconds: float = 0.0   # of which: agreeing the plan (the round's one collective)
     steps_timeline: list[tuple[int, int]] = field(default_factory=list)  # (round, steps) on change
 
     @property
@@ -80,6 +82,7 @@ class EngineStats:
                 "tokens_per_second": self.tokens_per_second, "switches": self.switches,
                 "rounds": self.rounds, "graph_rounds": self.graph_rounds,
                 "generated_tokens": self.generated_tokens, "elapsed_s": self.elapsed_s,
+                "round_seconds": self.round_seconds, "plan_seconds": self.plan_seconds,
                 "steps_timeline": [list(x) for x in self.steps_timeline]}
 
 
@@ -138,16 +141,25 @@ class Engine:
         return getattr(self.planner, "round", self.stats.rounds)
 
     def _step(self, seq: int, leave: bool, pending: bool) -> list[Request]:
+        start = time.perf_counter()
+        try:
+            return self._round(seq, leave, pending)
+        finally:
+            self.stats.round_seconds += time.perf_counter() - start
+
+    def _round(self, seq: int, leave: bool, pending: bool) -> list[Request]:
         done = self._retire()
         admitted = self.scheduler.admit()
         batch = list(self.scheduler.running)
         if not batch and self.scheduler.waiting:
             self._refuse_stuck()
+        start = time.perf_counter()
         plan = self.planner.begin_round(
             num_requests=len(batch), num_tokens=sum(len(r.prompt_ids) for r in admitted),
             can_graph=self.worker.can_use_graph(batch),
             done=not (self.scheduler.has_work or pending),
             num_extend=len(admitted), seq=seq, leave=leave)
+        self.stats.plan_seconds += time.perf_counter() - start
         self.last_plan = plan
         self._all_done = plan.all_done
         if plan.switched:

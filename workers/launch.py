@@ -184,7 +184,7 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
     world = layout.group("world")
     par = ModelParallel.from_layout(layout, args.mlp_scatter)
     on_gpu = settings["--device"] == "cuda"
-    device = str(ctx.device) if on_gpu else "cpu"
+    device = "cpu" if not on_gpu else (str(ctx.device) if ctx.device.type == "cuda" else "cuda")
 
     def load() -> tuple[Any, Any]:
         try:
