@@ -35,6 +35,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# the package itself (its entry points register `generate` and `serve` with `python -m adaptive_dist`)
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \
+  || echo "note: pip install -e . failed; plug-in commands (generate, serve) will be missing"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"

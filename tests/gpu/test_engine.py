@@ -106,14 +106,14 @@ def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference
     runner, pool = engine.worker.graphs, engine.pool
     captured = runner.num_captures
     assert captured == sum(_captures_per_bucket(s) for s in pool.states) * len(engine.worker.buckets)
+    growth = {s: st.nbytes - st.payload.nbytes for s, st in pool.states.items()}
     for steps, state in pool.states.items():
-        graph_bytes = state.nbytes - state.payload.nbytes
-        assert graph_bytes > 0, f"steps={steps}: the graphs' memory is not reported"
-        assert all(e.graph is not None for e in state.payload.graphs.values())
+        assert growth[steps] >= 0 and all(e.graph is not None
+                                          for e in state.payload.graphs.values())
     pool_bytes = runner.pool_bytes()
-    print(f"graph pool {pool_bytes} B; per tier (inputs + pool growth): "
-          f"{ {s: st.nbytes - st.payload.nbytes for s, st in pool.states.items()} }")
-    assert 0 < pool_bytes <= sum(st.nbytes for st in pool.states.values())
+    print(f"graph pool {pool_bytes} B; growth of the shared pool while each tier captured: {growth}")
+    # a tier may fit in segments an earlier tier left free: the growths add up to the pool
+    assert pool_bytes > 0 and sum(growth.values()) == pool_bytes
     for steps in list(pool.states) * 2:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
