@@ -197,7 +197,8 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
                           cuda_graphs=on_gpu and not args.eager,
                           dp=dp, attn_tp=attn_tp, mlp_scatter=args.mlp_scatter,
                           **size_for(target.config, dp))
-    engine_settings = {f"engine {k}": v for k, v in config.to_dict().items() if k != "spec"}
+    engine_settings = {f"engine {k}": v for k, v in config.to_dict().items()
+                       if k not in ("spec", "device")}  # cuda:0 on rank 0, cuda:1 on rank 1
     agree_settings({**settings, **extra, **engine_settings}, world, "start-up")
     guard = ctx.guard(world, check_every=spec.lockstep_check_every) if ctx.distributed else None
     if guard is not None:
