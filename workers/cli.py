@@ -189,7 +189,7 @@ def summary(args: argparse.Namespace, prompts: list, report: dict, cluster: Any)
         "generated_tokens": generated, "elapsed_s": elapsed,
         "runtime_state_bytes": sum(report["tier_bytes"].values()),
         "runtime_state_bytes_per_tier": report["tier_bytes"],
-        "graph_rounds": stats["graph_rounds"],
+        "graph_rounds": max(rep["graph_rounds"] for rep in report["replicas"]),
         "dp": cluster.config.dp, "attn_tp": cluster.config.attn_tp,
         "dp_ranks": [{"dp_rank": rep["dp_rank"], "requests": rep["requests"],
                       "rounds": rep["rounds"], "mean_accept_length": rep["mean_accept_length"]
