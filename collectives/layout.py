@@ -84,18 +84,6 @@ class ParallelLayout:
     def attn_tp(self) -> int:
         return self.tp // self.dp
 
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def attn_tp_enabled(self) -> bool:
-        return self.attn_tp > 1
-
     def group(self, name: str) -> Group:
         """The named group this rank belongs to (``world``, ``tp``, ``dp`` or ``attn_tp``)."""
         if name not in self.groups:
