@@ -54,6 +54,21 @@ step generate_dp2 bash -c "python3 -m adaptive_dist generate --device cuda --eag
 ok=[x['token_ids'] for x in a['outputs']]==[x['token_ids'] for x in b['outputs']]; \
 print('one process no-spec == dp2 adaptive graphs:', ok, 'graph rounds', b['graph_rounds'], '/', b['rounds'], \
 'per replica', b['dp_ranks']); sys.exit(0 if ok else 1)\""
+step generate_dp2_flashinfer bash -c "python3 -m adaptive_dist generate --device cuda --eager \
+    --attention-backend flashinfer --no-spec --prompts tests/data/prompts_dp.jsonl --max-new-tokens 40 \
+    --json | tail -1 > /tmp/one_fi.json && torchrun --nproc-per-node 2 -m adaptive_dist generate --dp 2 \
+    --device cuda --attention-backend flashinfer --adaptive --prompts tests/data/prompts_dp.jsonl \
+    --max-new-tokens 40 --json | tail -1 > /tmp/dp2_fi.json && python3 -c \"import json,sys; \
+a=json.load(open('/tmp/one_fi.json')); b=json.load(open('/tmp/dp2_fi.json')); \
+same=[x['token_ids']==y['token_ids'] for x,y in zip(a['outputs'],b['outputs'])]; \
+print('flashinfer prefill: one process no-spec == dp2 adaptive graphs, per prompt:', same); \
+sys.exit(0 if all(same) else 1)\""
+step serve_gpu env ADAPTIVE_DIST_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+  tests/multirank/test_serve_cluster.py tests/unit/test_serve_api.py \
+  -k "reference or greedy or bad_requests or client_gone or rank_death"
+step serve_matrix timeout 420 python3 scripts/bench_serve_matrix.py --nproc 2 \
+  --serve "--dp 2 --device cuda" --concurrency 4 32 --repeats "${BENCH_REPEATS:-3}" \
+  --out "$OUTDIR/res/serve_matrix"
 step gpu_engine python3 -m pytest -q tests/gpu/test_engine.py tests/gpu/test_torch_backend.py \
   tests/gpu/test_spec_decode_gpu.py -p no:cacheprovider
 step bench_consensus bash -c "for ch in control device; do torchrun --nproc-per-node 2 \

@@ -87,6 +87,12 @@ def sse_chunks(response: httpx.Response) -> list[dict]:
 
 
 def start_server(args: list[str], nproc: int = 1) -> ServerProcess:
+    """A real server subprocess, ready. ``ADAPTIVE_DIST_TEST_DEVICE=cuda`` runs the same tests
+    against GPU ranks (NCCL between them); the offline reference stays on the CPU."""
+    import os
+
     from collectives import free_port
 
-    return ServerProcess(args, free_port(), nproc=nproc).wait_ready()
+    device = os.environ.get("ADAPTIVE_DIST_TEST_DEVICE")
+    extra = ["--device", device] if device and "--device" not in args else []
+    return ServerProcess(args + extra, free_port(), nproc=nproc).wait_ready()
