@@ -13,6 +13,11 @@ from workers.loading import DEFAULT_MODEL, encode_prompt, load_pair
 from workers.server.metrics import find, parse
 from workers.server.process import ServerProcess
 
+# GPU ranks generate a few hundred tokens in well under a second: tests that must catch a request
+# in flight give it a longer context there
+ON_GPU = __import__("os").environ.get("ADAPTIVE_DIST_TEST_DEVICE") == "cuda"
+LONG_CONTEXT = 2048 if ON_GPU else 512
+
 PROMPTS = ["def fib(n):", "import os\n", "x = [", "class Foo:\n    def __init__(self",
            "for i in range(10):", "# compute the mean\n", "while True:", "print('hello",
            "SGVsbG8gd29ybGQ=", "aaa aaa aaa aaa", "return {", "if __name__ =="]

@@ -14,13 +14,14 @@ import httpx
 import openai
 import pytest
 
-from serve_helpers import (PROMPTS, decode, kv_back_to_full, metrics, offline_greedy,
-                           start_server, wait_until)
+from serve_helpers import (LONG_CONTEXT, PROMPTS, decode, kv_back_to_full, metrics,
+                           offline_greedy, start_server, wait_until)
 from workers.server.metrics import find
 
 MAX_TOKENS = 10
 TIMEOUT = 5      # --timeout: a rank silent this long is dead
-LONG = {"model": "tiny_pair", "prompt": "def main():", "max_tokens": 490, "temperature": 0}
+LONG = {"model": "tiny_pair", "prompt": "def main():", "max_tokens": LONG_CONTEXT - 22,
+        "temperature": 0}
 # (greedy runs the whole max_tokens on this prompt: no early end of sequence)
 
 
@@ -88,7 +89,7 @@ def test_two_dp_groups_serve_the_reference_output() -> None:
 
 @pytest.mark.parametrize("how", ["kill_rank_1", "hang_rank_1", "ctrl_c"])
 def test_rank_death_or_ctrl_c_fails_requests_and_leaves_nothing(how: str) -> None:
-    server = start_server(["--dp", "2", "--steps", "3", "--max-model-len", "512",
+    server = start_server(["--dp", "2", "--steps", "3", "--max-model-len", str(LONG_CONTEXT),
                            "--timeout", str(TIMEOUT)], nproc=2)
     try:
         with cf.ThreadPoolExecutor(4) as pool:

@@ -14,11 +14,11 @@ import openai
 import pytest
 
 from serve_helpers import (PROMPTS, decode, kv_back_to_full, metric, metrics, offline_greedy,
-                           sse_chunks, start_server, wait_until)
+                           sse_chunks, start_server, wait_until, ON_GPU)
 from workers.server.metrics import find
 
 MAX_TOKENS = 12
-CONTEXT = 256
+CONTEXT = 2048 if ON_GPU else 256
 
 
 @pytest.fixture(scope="module")
