@@ -1,7 +1,8 @@
 """Requests and continuous batching.
 
-A `Request` carries its prompt, its sampling parameters, its generated tokens and its own seeded
-`torch.Generator`; `Request.commit` appends tokens and stops at a stop token or `max_new_tokens`
+A `Request` carries its prompt, its sampling parameters, its generated tokens and its
+seed (its random draws are a hash of the seed and the position, so they do not depend on the rest
+of the batch); `Request.commit` appends tokens and stops at a stop token or `max_new_tokens`
 (tokens past the stop are dropped). The `Scheduler` owns KV admission: it keeps a FIFO of waiting
 requests and the running batch; between rounds it admits waiting requests while the batch has a
 free slot and the page allocator can give them their worst case (their page table and batch slot
@@ -34,7 +35,6 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None       # "stop" (a stop token) or "length" (max_new_tokens)
     accept_lengths: list[int] = field(default_factory=list)  # per speculative round
-    generator: torch.Generator | None = None
     slot: int | None = None                 # batch slot while admitted
     pages: list[int] = field(default_factory=list)  # KV page table while admitted
 
@@ -52,11 +52,6 @@ class Request:
     def num_tokens(self) -> int:
         """Length of `tokens`."""
         return len(self.prompt_ids) + len(self.output_ids)
-
-    def make_generator(self, device: torch.device) -> None:
-        """Create this request's generator (seeded with `seed`) on `device`, if it samples."""
-        if not self.params.greedy:
-            self.generator = torch.Generator(device=device).manual_seed(self.seed)
 
     def commit(self, tokens: list[int]) -> None:
         """Append generated `tokens`, stopping at a stop token or at `max_new_tokens`."""
@@ -122,7 +117,6 @@ class Scheduler:
             req = self.waiting.popleft()
             req.pages = self.allocator.allocate(req.rid, self.kv_tokens(req))
             req.slot = self._free_slots.pop()
-            req.make_generator(self.device)
             self.running.append(req)
             admitted.append(req)
         return admitted
