@@ -76,9 +76,13 @@ def timed(engine: Any, prompts: list[list[int]], new_tokens: int, device: str) -
     wall = time.perf_counter() - start
     rounds = max(engine.stats.rounds - rounds0, 1)
     tokens = sum(len(r.output_ids) for r in reqs)
-    accepts = [a for r in reqs for a in r.accept_lengths]
+    spec = sum(getattr(r, "spec_rounds", 0) for r in reqs)
+    accepted = sum(getattr(r, "accepted", 0) for r in reqs)
+    if not spec and hasattr(reqs[0], "accept_lengths"):  # an older engine (the "before" tree)
+        spec = sum(len(r.accept_lengths) for r in reqs)
+        accepted = sum(sum(r.accept_lengths) for r in reqs)
     return {"tokens_per_second": tokens / wall, "round_ms": 1000 * wall / rounds,
-            "rounds": rounds, "accept": sum(accepts) / len(accepts) if accepts else None}
+            "rounds": rounds, "accept": accepted / spec if spec else None}
 
 
 def profiled(engine: Any, prompts: list[list[int]], new_tokens: int, device: str) -> dict:

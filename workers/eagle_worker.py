@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from workers.attention import ForwardMode, PaddedBatch, StaticBackend, build_metadata
@@ -43,6 +44,17 @@ from workers.scheduler import Request
 from workers.spec_decode import SALT_SAMPLE, draft_step, sample_tokens, verify
 
 PHASES = ("draft", "verify", "extend")
+
+
+@dataclass
+class RoundResult:
+    """What the host reads of a round, one row per request: its first token (drawn at prefill),
+    its accepted draft tokens, and the round's candidate tokens (`tokens[b, :accept[b] + 1]`
+    are committed)."""
+
+    first: np.ndarray
+    accept: np.ndarray
+    tokens: np.ndarray
 
 
 @dataclass
@@ -325,11 +337,12 @@ class EagleWorker:
     # ---- the speculative round ------------------------------------------------------------------
     @torch.inference_mode()
     def spec_round(self, reqs: list[Request], batch_pad: int,
-                   graph_bucket: int | None = None) -> list[int]:
+                   graph_bucket: int | None = None) -> "RoundResult":
         """One round at the depth in force over `reqs`, padded to `batch_pad` rows (the plan's
         batch); `graph_bucket` replays the CUDA graphs of that bucket (None: the same bodies,
-        eager). Returns the accept lengths (draft tokens accepted, bonus excluded) in the order of
-        `reqs`. The host reads the device once (the accepted lengths and tokens)."""
+        eager). Returns the round's rows for `reqs` (first tokens of fresh requests, accept lengths
+        — draft tokens accepted, bonus excluded — and candidate tokens), read from the device once;
+        the scheduler commits them."""
         bp = graph_bucket if graph_bucket is not None else batch_pad
         if len(reqs) > bp:
             raise RuntimeError(f"{len(reqs)} requests do not fit the agreed batch of {bp}")
@@ -350,27 +363,20 @@ class EagleWorker:
                 bufs.graphs[(phase, graph_bucket, greedy)].replay()
         return self._read(bufs, reqs)
 
-    def _read(self, bufs: StepBuffers, reqs: list[Request]) -> list[int]:
-        """The round's one device-to-host read; commit to the requests; the accept lengths."""
+    def _read(self, bufs: StepBuffers, reqs: list[Request]) -> "RoundResult":
+        """The round's one device-to-host read (pinned staging on CUDA)."""
         out = bufs.out[:len(reqs)]
         if self.device.type == "cuda":
-            if self._out_host is None or self._out_host.shape[1] != out.shape[1] \
-                    or self._out_host.shape[0] < out.shape[0]:
+            if self._out_host is None or self._out_host.shape != bufs.out.shape:
                 self._out_host = torch.empty(bufs.out.shape, dtype=torch.int64, pin_memory=True)
             host = self._out_host[:len(reqs)]
             host.copy_(out, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
         else:
             host = out
-        rows = host.tolist()
-        accepts = []
-        for req, (last, a, *tokens) in zip(reqs, rows):
-            if not req.output_ids:
-                req.commit([last])  # its first token, drawn at prefill
-            req.accept_lengths.append(a)
-            req.commit(tokens[:a + 1])
-            accepts.append(a)
-        return accepts
+        rows = host.numpy()
+        return RoundResult(first=rows[:, 0].copy(), accept=rows[:, 1].copy(),
+                           tokens=rows[:, 2:].copy())
 
     def _reach(self, reqs: Sequence[Request], bucket: int | None) -> int:
         """Pages of KV each row may read: the captured reach for graphs, else what this batch
@@ -380,5 +386,5 @@ class EagleWorker:
             return full
         if not reqs:
             return 1
-        longest = max(len(r.prompt_ids) + len(r.output_ids) for r in reqs) + self.steps + 1
+        longest = max(r.num_tokens for r in reqs) + self.steps + 1
         return min(pages_for(longest, self.config.page_size), full)

@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from adaptive_dist.controller import AdaptiveController, RoundPlan
@@ -188,14 +189,17 @@ class Engine:
         if not plan.cluster_requests:
             return []
         bucket = plan.batch_bucket if plan.use_graph else None
-        accepts = self.worker.spec_round(live, plan.batch_pad, bucket)
+        result = self.worker.spec_round(live, plan.batch_pad, bucket)
+        self.scheduler.commit_round(live, result.first, result.accept, result.tokens)
         if live:
             self.stats.record_plan(plan.steps, plan.switched)
             self.stats.graph_rounds += bucket is not None
             if self.config.speculative:
-                self.stats.accept_histogram.update(accepts)
+                counts = np.bincount(result.accept)
+                self.stats.accept_histogram.update(
+                    {int(k): int(v) for k, v in enumerate(counts) if v})
             self.stats.rounds += 1
-        return accepts
+        return result.accept.tolist()
 
     def warmup(self) -> None:
         """One dummy prefill and one dummy round on every rank (all rows padding): connects
