@@ -168,6 +168,30 @@ def adversarial_traces(world: int, rounds: int, seed: int) -> list[list[dict]]:
     return traces
 
 
+def phased_traces(world: int, rounds: int, seed: int, low: float = 0.05,
+                  high: float = 0.95) -> list[list[dict]]:
+    """Every rank at acceptance ``low`` for the first half of the rounds and ``high`` after
+    (per-token acceptance probability), with idle rounds and different batch sizes per rank."""
+    rng = random.Random(seed)
+    traces = []
+    for _ in range(world):
+        lines = []
+        for r in range(rounds):
+            if rng.random() < 0.1:
+                lines.append({"accept": []})
+                continue
+            p = low if r < rounds // 2 else high
+            acc = []
+            for _ in range(rng.randint(1, 6)):
+                a = 0
+                while a < 12 and rng.random() < p:
+                    a += 1
+                acc.append(a)
+            lines.append({"accept": acc, "num_tokens": 3 * len(acc)})
+        traces.append(lines)
+    return traces
+
+
 def write_traces(traces: list[list[dict]], directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for rank, lines in enumerate(traces):
