@@ -45,6 +45,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--adaptive", action="store_true",
                       help="adaptive draft depth (EMA policy over candidate tiers)")
     mode.add_argument("--no-spec", action="store_true", help="plain decoding with the target")
+    p.add_argument("--policy", choices=("ema", "goodput"), default=None,
+                   help="with --adaptive: ema (the acceptance ladder, default) or goodput "
+                        "(expected tokens per unit of measured round cost)")
     p.add_argument("--config", metavar="FILE", help="JSON file of adaptive settings (--adaptive only)")
     p.add_argument("--model", default=str(DEFAULT_MODEL),
                    help="directory with target/ and eagle/ in Hugging Face layout "

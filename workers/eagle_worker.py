@@ -190,9 +190,13 @@ class EagleWorker:
                     bufs.graphs[(phase, bucket, greedy)] = self.graphs.capture_body(name, body)
         self.slot_len[self.dummy_slot] = 0
 
-    @staticmethod
-    def _phases(steps: int) -> tuple[str, ...]:
-        return ("verify",) if steps == 0 else PHASES
+    def _phases(self, steps: int) -> tuple[str, ...]:
+        """The phases of a round at `steps`. Depth 0 with a head (a tier the goodput policy may
+        pick) still runs draft-extend over the committed token, so the draft cache and the head's
+        feature stay current for when drafting resumes."""
+        if steps > 0:
+            return PHASES
+        return ("verify", "extend") if self.speculative else ("verify",)
 
     # ---- the round's three bodies (what a graph holds; eager rounds call them directly) ---------
     def _body(self, bufs: StepBuffers, phase: str, bp: int, reach: int,
@@ -251,7 +255,7 @@ class EagleWorker:
         bufs.accept[:bp] = accept * real
         bufs.tokens[:bp] = tokens
         bufs.out[:bp, 0] = self.slot_last[rows]
-        if steps == 0:
+        if steps == 0 and not self.speculative:
             self._advance(bufs, bp, rows, n, None)
 
     def _extend_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
