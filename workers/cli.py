@@ -155,15 +155,6 @@ def _sizes(args: argparse.Namespace, model_cfg: Any, prompts: list, dp: int) -> 
 
 # ---- report -----------------------------------------------------------------------------------
 
-def _mode(config: Any) -> str:
-    spec = config.spec
-    if not config.speculative:
-        return "no speculation"
-    if spec.adaptive:
-        return f"adaptive ({spec.policy} over {list(spec.candidate_steps)}, start {spec.initial_steps})"
-    return f"static steps={spec.initial_steps}"
-
-
 def summary(args: argparse.Namespace, prompts: list, report: dict, cluster: Any) -> dict[str, Any]:
     """The JSON object of `--json` (also the source of the text table)."""
     from workers import tokenizer
@@ -185,7 +176,7 @@ def summary(args: argparse.Namespace, prompts: list, report: dict, cluster: Any)
         if spec else None,
         "accept_histogram": {str(k): v for k, v in sorted(hist.items())},
         "tokens_per_second": generated / elapsed if elapsed > 0 else 0.0,
-        "switches": stats["switches"], "mode": _mode(cluster.config),
+        "switches": stats["switches"], "mode": cluster.config.mode,
         "steps_timeline": stats["steps_timeline"],
         "rounds": max(rep["rounds"] for rep in report["replicas"]),
         "cluster_rounds": stats["cluster_rounds"],
