@@ -158,14 +158,14 @@ def main() -> int:
                     bar.set_postfix_str(f"{workload} b{batch} {policy}: "
                                         f"{records[-1]['tokens_per_second']:.0f} tok/s")
                     bar.update()
+        if ctx.rank == 0:  # results so far (a run cut short keeps its finished repeats)
+            write(args, records, ctx, quiet=rep + 1 < args.repeats)
     if bar is not None:
         bar.close()
     for engine in engines.values():
         engine.close()
     if guard is not None:
         guard.close()
-    if ctx.rank == 0:
-        write(args, records, ctx)
     ctx.shutdown()
     return 0
 
@@ -229,17 +229,20 @@ def analyse(records: list[dict]) -> dict[str, Any]:
     return out
 
 
-def write(args: argparse.Namespace, records: list[dict], ctx: Any) -> None:
+def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool = False) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     analysis = analyse(records)
     meta = {"world": ctx.world_size, "dp": args.dp, "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "new_tokens": args.new_tokens, "repeats": args.repeats,
+            "repeats_done": len({r["repeat"] for r in records}),
             "workloads": {w: WORKLOADS[w] for w in args.workloads},
             "command": " ".join(sys.argv)}
     (out / "results.json").write_text(json.dumps({"meta": meta, "analysis": analysis,
                                                   "runs": records}, indent=1))
+    if quiet:
+        return
     for key, entry in analysis.items():
         plot(key, entry, records, out / (key.replace(" | b=", "_b") + ".png"))
         print(f"== {key}: best static {entry.get('best_static', 0):.0f} tok/s, oracle "

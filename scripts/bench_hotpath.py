@@ -100,18 +100,28 @@ def profiled(engine: Any, prompts: list[list[int]], new_tokens: int, device: str
         sync(device)
     wall = time.perf_counter() - start
     rounds = max(engine.stats.rounds - rounds0, 1)
-    kernel_us = syncs = d2h = 0.0
+    kernel_us = syncs = d2h = kernels = 0.0
     for e in prof.events():
         if device == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA:
             kernel_us += e.device_time if hasattr(e, "device_time") else e.cuda_time
+            kernels += 1
         elif e.name in SYNC_CALLS:
             syncs += 1
         elif e.name == "Memcpy DtoH (Device -> Pinned)" or e.name == "Memcpy DtoH (Device -> Pageable)":
             d2h += 1
     return {"gpu_kernel_ms_per_round": kernel_us / 1000 / rounds,
+            "gpu_kernels_per_round": kernels / rounds,
             "profiled_round_ms": 1000 * wall / rounds,
-            "gpu_busy": (kernel_us / 1e6) / wall if wall > 0 else None,
+            "gpu_busy_profiled": (kernel_us / 1e6) / wall if wall > 0 else None,
             "host_syncs_per_round": syncs / rounds, "d2h_copies_per_round": d2h / rounds}
+
+
+def busy(rec: dict) -> dict:
+    """GPU busy share of a round: the profiled GPU kernel time per round over the (unprofiled)
+    median round wall time — the profiler's own host overhead would otherwise count as idle."""
+    kernel = rec.get("gpu_kernel_ms_per_round")
+    rec["gpu_busy"] = kernel / rec["round_ms"]["median"] if kernel else None
+    return rec
 
 
 def spread(xs: list[float]) -> dict[str, float]:
@@ -151,6 +161,7 @@ def run(args: argparse.Namespace) -> dict:
         if not args.no_profile:
             rec.update(profiled(engines[m], prompts[k][:b], args.new_tokens, args.device))
             bar.update()
+        busy(rec)
         records.append(rec)
     bar.close()
     for engine in engines.values():
@@ -166,19 +177,25 @@ def table(before: dict | None, after: dict) -> str:
     def key(r: dict) -> tuple:
         return (r["mode"], r["prompts"], r["batch"])
 
-    old = {key(r): r for r in (before or {}).get("records", [])}
+    old = {key(r): busy(r) for r in (before or {}).get("records", [])}
+    for r in after["records"]:
+        busy(r)
     head = (f"{'mode':<7}{'prompts':<14}{'batch':>6}{'tok/s':>10}{'before':>9}{'round ms':>10}"
-            f"{'GPU ms':>8}{'busy':>7}{'syncs':>7}{'before':>8}")
+            f"{'GPU ms':>8}{'busy':>7}{'before':>8}{'kernels':>9}{'before':>8}{'syncs':>7}"
+            f"{'before':>8}")
     lines = [head]
     for r in after["records"]:
         b = old.get(key(r), {})
-        busy = r.get("gpu_busy")
+        share = r.get("gpu_busy")
         lines.append(
             f"{r['mode']:<7}{r['prompts']:<14}{r['batch']:>6}"
             f"{r['tokens_per_second']['median']:>10.0f}"
             f"{b.get('tokens_per_second', {}).get('median', float('nan')):>9.0f}"
             f"{r['round_ms']['median']:>10.2f}{r.get('gpu_kernel_ms_per_round', float('nan')):>8.2f}"
-            f"{(100 * busy if busy is not None else float('nan')):>6.0f}%"
+            f"{(100 * share if share is not None else float('nan')):>6.0f}%"
+            f"{100 * (b.get('gpu_busy') or float('nan')):>7.0f}%"
+            f"{r.get('gpu_kernels_per_round', float('nan')):>9.0f}"
+            f"{b.get('gpu_kernels_per_round', float('nan')):>8.0f}"
             f"{r.get('host_syncs_per_round', float('nan')):>7.1f}"
             f"{b.get('host_syncs_per_round', float('nan')):>8.1f}")
     return "\n".join(lines)

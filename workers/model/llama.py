@@ -26,7 +26,6 @@ vocabulary over every rank. Parameter names are those of Hugging Face ``LlamaFor
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from collectives import ops
@@ -40,6 +39,7 @@ from workers.model.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
     apply_rope,
+    silu_mul,
 )
 from workers.model.parallel import ModelParallel
 
@@ -81,7 +81,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = self.par.gather(x)
-        partial = self.down_proj(F.silu(self.gate_proj(tokens)) * self.up_proj(tokens))
+        partial = self.down_proj(silu_mul(self.gate_proj(tokens), self.up_proj(tokens)))
         return self.par.scatter_sum(partial)
 
 
@@ -97,8 +97,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: LayerAttention) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(
+            x, self.self_attn(self.input_layernorm(x), cos, sin, attn))
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
