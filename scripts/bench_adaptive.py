@@ -56,14 +56,31 @@ WORKLOADS = {
 """Phases: (regime of even replicas, regime of odd replicas)."""
 
 
-def spec_of(policy: str) -> AdaptiveConfig:
+def spec_of(policy: str, knobs: dict[str, Any] | None = None) -> AdaptiveConfig:
+    """The policy's config; `knobs` (the `--set` values) apply to every adaptive policy alike."""
     if policy == "static0":
         return no_spec()
     if policy.startswith("static"):
         return load_config(None, "static", initial_steps=int(policy[len("static"):]))
     if policy == "goodput":
-        return AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=3)
-    return AdaptiveConfig(reducer="min" if policy == "ema_min" else "weighted_mean")
+        spec = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=3)
+    else:
+        spec = AdaptiveConfig(reducer="min" if policy == "ema_min" else "weighted_mean")
+    return spec.replace(**knobs) if knobs else spec
+
+
+def parse_knobs(items: list[str]) -> dict[str, Any]:
+    """`key=value` pairs (values parsed as JSON numbers where they are) for AdaptiveConfig."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected key=value")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def parse_args() -> argparse.Namespace:
@@ -77,6 +94,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--set", dest="knobs", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config key for every adaptive policy alike (e.g. update_interval=2)")
     p.add_argument("--out", default="runs/bench_adaptive")
     return p.parse_args()
 
@@ -107,6 +126,7 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
 
 def main() -> int:
     args = parse_args()
+    knobs = parse_knobs(args.knobs)
     torch.set_num_threads(1 if args.device == "cpu" else 4)
     ctx = C.init_distributed(timeout_s=300, backend="gloo" if args.device == "cpu" else None)
     layout = ctx.layout(dp=args.dp)
@@ -124,7 +144,7 @@ def main() -> int:
     guard = ctx.guard(world, check_every=16) if ctx.distributed else None
     engines = {}
     for policy in args.policies:
-        cfg = EngineConfig(spec=spec_of(policy), max_batch_size=top, max_context_len=context,
+        cfg = EngineConfig(spec=spec_of(policy, knobs), max_batch_size=top, max_context_len=context,
                            device=device, cuda_graphs=args.device == "cuda", dp=args.dp,
                            attn_tp=layout.attn_tp)
         engines[policy] = build_engine(cfg, target, head, group=world, guard=guard)
@@ -235,7 +255,8 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
     analysis = analyse(records)
     meta = {"world": ctx.world_size, "dp": args.dp, "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-            "torch": torch.__version__, "new_tokens": args.new_tokens, "repeats": args.repeats,
+            "torch": torch.__version__, "new_tokens": args.new_tokens,
+            "knobs": parse_knobs(args.knobs), "repeats": args.repeats,
             "repeats_done": len({r["repeat"] for r in records}),
             "workloads": {w: WORKLOADS[w] for w in args.workloads},
             "command": " ".join(sys.argv)}
