@@ -149,6 +149,9 @@ def main() -> int:
                            attn_tp=layout.attn_tp)
         engines[policy] = build_engine(cfg, target, head, group=world, guard=guard)
         engines[policy].warmup()
+    # the cost tables the goodput engines measured and agreed at start-up (relative costs)
+    round_costs = {p: e.config.spec.round_cost.to_json() for p, e in engines.items()
+                   if e.config.spec.round_cost is not None}
     jobs = [(w, b, p) for w in args.workloads for b in args.batches for p in args.policies]
     bar = None
     if ctx.rank == 0:
@@ -179,7 +182,7 @@ def main() -> int:
                                         f"{records[-1]['tokens_per_second']:.0f} tok/s")
                     bar.update()
         if ctx.rank == 0:  # results so far (a run cut short keeps its finished repeats)
-            write(args, records, ctx, quiet=rep + 1 < args.repeats)
+            write(args, records, ctx, quiet=rep + 1 < args.repeats, round_costs=round_costs)
     if bar is not None:
         bar.close()
     for engine in engines.values():
@@ -249,14 +252,15 @@ def analyse(records: list[dict]) -> dict[str, Any]:
     return out
 
 
-def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool = False) -> None:
+def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool = False,
+          round_costs: dict[str, Any] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     analysis = analyse(records)
     meta = {"world": ctx.world_size, "dp": args.dp, "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "new_tokens": args.new_tokens,
-            "knobs": parse_knobs(args.knobs), "repeats": args.repeats,
+            "knobs": parse_knobs(args.knobs), "round_cost": round_costs, "repeats": args.repeats,
             "repeats_done": len({r["repeat"] for r in records}),
             "workloads": {w: WORKLOADS[w] for w in args.workloads},
             "command": " ".join(sys.argv)}

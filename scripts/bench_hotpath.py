@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--label", default="after")
     p.add_argument("--model", default=None, help="default: the bundled pair")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--merge", nargs=2, metavar=("BEFORE", "AFTER"), default=None)
     p.add_argument("--out", default="runs/bench_hotpath")
@@ -101,16 +102,23 @@ def profiled(engine: Any, prompts: list[list[int]], new_tokens: int, device: str
     wall = time.perf_counter() - start
     rounds = max(engine.stats.rounds - rounds0, 1)
     kernel_us = syncs = d2h = kernels = 0.0
+    by_name: dict[str, list[float]] = {}
     for e in prof.events():
         if device == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA:
-            kernel_us += e.device_time if hasattr(e, "device_time") else e.cuda_time
+            us = e.device_time if hasattr(e, "device_time") else e.cuda_time
+            kernel_us += us
             kernels += 1
+            entry = by_name.setdefault(e.name[:90], [0.0, 0])
+            entry[0] += us
+            entry[1] += 1
         elif e.name in SYNC_CALLS:
             syncs += 1
         elif e.name == "Memcpy DtoH (Device -> Pinned)" or e.name == "Memcpy DtoH (Device -> Pageable)":
             d2h += 1
     return {"gpu_kernel_ms_per_round": kernel_us / 1000 / rounds,
             "gpu_kernels_per_round": kernels / rounds,
+            "top_kernels": [{"name": n, "us_per_round": t / rounds, "per_round": c / rounds}
+                            for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]],
             "profiled_round_ms": 1000 * wall / rounds,
             "gpu_busy_profiled": (kernel_us / 1e6) / wall if wall > 0 else None,
             "host_syncs_per_round": syncs / rounds, "d2h_copies_per_round": d2h / rounds}
@@ -133,6 +141,11 @@ def run(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(1 if args.device == "cpu" else 4)
     target, head = load_pair(args.model or DEFAULT_MODEL, device=args.device)
+    if args.dtype != "float32":
+        dtype = getattr(torch, args.dtype)
+        target, head = target.to(dtype), head.to(dtype)
+        target.reset_buffers()
+        head.reset_buffers()
     texts = make_prompts(max(args.batches), seed=0)
     prompts = {k: [encode_prompt(t, target.config) for t in v] for k, v in texts.items()}
     context = max(len(p) for ps in prompts.values() for p in ps) + args.new_tokens + 1
@@ -169,6 +182,7 @@ def run(args: argparse.Namespace) -> dict:
     meta = {"label": args.label, "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "new_tokens": args.new_tokens, "repeats": args.repeats,
+            "dtype": args.dtype,
             "command": " ".join(sys.argv)}
     return {"meta": meta, "records": records}
 
