@@ -203,10 +203,11 @@ class Engine:
             self.stats.rounds += 1
         return result.accept.tolist()
 
-    def measure_round_costs(self, repeats: int = 5) -> dict[int, dict[int, float]]:
+    def measure_round_costs(self, repeats: int = 5, context: int = 0) -> dict[int, dict[int, float]]:
         """Seconds of one round at every tier and batch bucket (dummy rows, the graphs when the
         engine has them; the median of `repeats`): what the goodput policy weighs depths with.
-        Collective: every rank measures the same tiers and buckets in the same order."""
+        `context`: the dummy rows' cache length (their attention reads that many positions of the
+        dummy page). Collective: every rank measures the same tiers and buckets in the same order."""
         buckets = self.worker.buckets or tuple(b for b in self.config.spec.graph_buckets
                                                if b <= self.config.max_batch_size) or (1,)
         sync = (torch.cuda.synchronize if self.worker.device.type == "cuda" else (lambda: None))
@@ -216,12 +217,14 @@ class Engine:
                 self.pool.apply(steps)
                 times = []
                 for _ in range(repeats + 1):  # the first is a warm-up
+                    self.worker.slot_len[self.worker.dummy_slot] = context
                     sync()
                     start = time.perf_counter()
                     self.worker.spec_round([], bucket, bucket if self.worker.buckets else None)
                     sync()
                     times.append(time.perf_counter() - start)
                 table.setdefault(bucket, {})[steps] = statistics.median(times[1:])
+        self.worker.slot_len[self.worker.dummy_slot] = 0
         self.pool.apply(self.config.spec.initial_steps)
         return table
 
