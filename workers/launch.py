@@ -148,10 +148,7 @@ def _prepare(ctx: Any, args: argparse.Namespace) -> tuple[Any, tuple[int, int], 
         raise ValueError(f"--max-batch-size {args.max_batch_size}: must be >= 1")
     degrees = resolve_degrees(args, ctx.world_size)
     spec = _spec(args)
-    paths = model_paths(args.model, args.draft_model)
-    if spec.max_steps > 0 and paths.draft is None:
-        raise ValueError(f"--model {args.model!r} has no draft head (no eagle/ beside target/): "
-                         f"give --draft-model DRAFT_DIR, or run --no-spec")
+    paths = model_paths(args.model, args.draft_model)  # a missing head: refused after the target
     try:
         digest = pair_digest(paths)
     except OSError as err:
