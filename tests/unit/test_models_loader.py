@@ -28,7 +28,8 @@ from model_fixtures import (
     write_checkpoint,
     write_generation_config,
 )
-from workers.model import CheckpointError, DenseCausalAttention, Eagle3Head, EagleHead, load_eagle, load_llama
+from workers.model import (CheckpointError, DenseCausalAttention, Eagle3Head, EagleConfig, EagleHead,
+                           load_eagle, load_llama)
 
 torch.set_num_threads(1)
 S = draft_vocab(64, 32)
@@ -315,3 +316,26 @@ def test_eagle_oracle_predicts_the_target(kind: str) -> None:
     assert isinstance(head, EagleHead) and (kind == "own") == (head.config.layout == "own")
     seq = greedy_tokens(target, [3, 17, 40], 8)
     assert chain_drafts(target, head, seq[:4], 5) == seq[4:9]
+
+
+def test_eagle_project_head_with_qkv_biases(tmp_path: Path) -> None:
+    """The EAGLE project's heads for Qwen2 targets carry q/k/v biases: found in the tensors, used."""
+    target = random_target(target_config("qwen2"), seed=2)
+    torch.manual_seed(0)
+    cfg = EagleConfig.for_target(target.config, layout="eagle", fc_bias=False,
+                                 first_input_norm=False, final_norm=False, attention_qkv_bias=True)
+    head = EagleHead(cfg, target).eval()
+    with torch.no_grad():
+        head.layers[0].self_attn.q_proj.bias.normal_()
+    write_checkpoint(target, tmp_path / "t")
+    write_checkpoint(head, tmp_path / "d", "bin")
+    t2 = load_llama(tmp_path / "t")
+    h2 = load_eagle(tmp_path / "d", t2)
+    assert h2.config.qkv_bias and not h2.config.fc_bias
+    for a, b in zip(_outputs(target, head), _outputs(t2, h2)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # any of the three biases makes all three required: a missing one is named
+    write_checkpoint(head, tmp_path / "d2")
+    _edit(tmp_path / "d2", **{"layers.0.self_attn.k_proj.bias": None})
+    with pytest.raises(CheckpointError, match="tensor 'layers.0.self_attn.k_proj.bias' is missing"):
+        load_eagle(tmp_path / "d2", t2)

@@ -297,9 +297,10 @@ class EagleConfig(_DecoderDims):
     Its dimensions are the decoder layer's; ``hidden_size`` and ``vocab_size`` must equal the
     target's (the head shares the target's embedding and LM head). ``layout`` is ``"own"``
     (``EagleLlamaHead``: ``fc_bias`` from the config, every norm present) or ``"eagle"`` (the
-    EAGLE project's: ``fc_bias``, ``first_input_norm`` and ``final_norm`` say which of ``fc.bias``,
-    ``layers.0.input_layernorm.weight`` and ``norm.weight`` the checkpoint holds; a head without
-    the final norm hands its output to the target's LM head as it is).
+    EAGLE project's: ``fc_bias``, ``first_input_norm``, ``final_norm`` and ``attention_qkv_bias``
+    say which of ``fc.bias``, ``layers.0.input_layernorm.weight``, ``norm.weight`` and
+    ``layers.0.self_attn.{q,k,v}_proj.bias`` (its heads for Qwen2 targets) the checkpoint holds;
+    a head without the final norm hands its output to the target's LM head as it is).
     """
 
     num_hidden_layers: int = 1
@@ -307,16 +308,23 @@ class EagleConfig(_DecoderDims):
     layout: str = "own"
     first_input_norm: bool = True
     final_norm: bool = True
+    attention_qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("fc_bias", "first_input_norm", "final_norm"):
+        for key in ("fc_bias", "first_input_norm", "final_norm", "attention_qkv_bias"):
             _check_bool(key, getattr(self, key))
         if self.layout not in ("own", "eagle"):
             raise ValueError(f"EAGLE layout {self.layout!r}; allowed: 'own', 'eagle'")
-        if self.layout == "own" and not (self.first_input_norm and self.final_norm):
-            raise ValueError("an EagleLlamaHead has every norm; heads without some are in the "
-                             "EAGLE project's layout (layout='eagle')")
+        if self.layout == "own" and (not (self.first_input_norm and self.final_norm)
+                                     or self.attention_qkv_bias):
+            raise ValueError("an EagleLlamaHead has every norm and no attention bias; other heads "
+                             "are in the EAGLE project's layout (layout='eagle')")
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the head's q/k/v projections have biases (``attention_qkv_bias``)."""
+        return self.attention_qkv_bias
 
     @staticmethod
     def for_target(target: LlamaConfig, **overrides: Any) -> EagleConfig:
@@ -337,18 +345,20 @@ class EagleConfig(_DecoderDims):
         tensors, which decide the optional parts of the EAGLE project's layout)."""
         arch = _architecture(raw, (EAGLE_ARCHITECTURE, *EAGLE_PROJECT_ARCHITECTURES))
         kwargs = _dims_kwargs(raw)
-        _check_unsupported(raw)
+        _check_unsupported(raw, attention_bias_ok=arch != EAGLE_ARCHITECTURE)  # tensors decide
         if arch == EAGLE_ARCHITECTURE:
             return EagleConfig(**kwargs, fc_bias=raw.get("fc_bias", True))
         names = set(tensor_names)
         return EagleConfig(**kwargs, layout="eagle", fc_bias="fc.bias" in names,
                            first_input_norm="layers.0.input_layernorm.weight" in names,
-                           final_norm="norm.weight" in names)
+                           final_norm="norm.weight" in names,
+                           attention_qkv_bias=any(f"layers.0.self_attn.{p}_proj.bias" in names
+                                                  for p in "qkv"))
 
     def to_hf(self) -> dict[str, Any]:
         """The ``config.json`` dict of the head."""
         out = _dims_to_hf(self)
-        out["attention_bias"] = False
+        out["attention_bias"] = self.attention_qkv_bias
         if self.layout == "own":
             out.update(architectures=[EAGLE_ARCHITECTURE], model_type="eagle_llama_head",
                        fc_bias=self.fc_bias)
