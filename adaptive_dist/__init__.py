@@ -14,7 +14,8 @@ _LAZY = {
     "AdaptiveController": "adaptive_dist.controller", "RoundOutcome": "adaptive_dist.controller",
     "RoundPlan": "adaptive_dist.controller",
     "ConfigMismatchError": "adaptive_dist.startup", "agree_config": "adaptive_dist.startup",
-    "agree_settings": "adaptive_dist.startup",
+    "agree_settings": "adaptive_dist.startup", "agree_round_cost": "adaptive_dist.startup",
+    "RoundCost": "adaptive_dist.config",
 }
 
 __all__ = list(_LAZY)

@@ -99,13 +99,15 @@ def register_consensus(sub: Any) -> None:
     p.add_argument("--trace", required=True, metavar="DIR",
                    help="directory holding rank{R}.jsonl for every rank R (and no other rank)")
     p.add_argument("--policy", choices=POLICIES, default="ema",
-                   help="ema: adapt the depth to the acceptance (default); static: keep "
-                        "--initial-steps (the consensus still agrees the graph path)")
+                   help="ema: adapt the depth to the acceptance (default); goodput: the depth "
+                        "with the most expected tokens per unit of round cost (needs round_cost "
+                        "in --config); static: keep --initial-steps (the consensus still agrees "
+                        "the graph path)")
     p.add_argument("--config", default=None, metavar="FILE",
-                   help="JSON file of adaptive settings (ema only)")
+                   help="JSON file of adaptive settings (ema and goodput only)")
     p.add_argument("--initial-steps", type=int, default=None, metavar="K",
-                   help="depth at start (default: the config's initial_steps, 3); with ema one "
-                        "of candidate_steps")
+                   help="depth at start (default: the config's initial_steps, 3); with ema or "
+                        "goodput one of candidate_steps")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="JSON-lines output, one line per rank per counted round (written by "
                         "rank 0, atomically, at the end)")
@@ -118,7 +120,8 @@ def register_consensus(sub: Any) -> None:
 def register_config(sub: Any) -> None:
     p = sub.add_parser("config", help="validate a config file and print the effective settings")
     p.add_argument("--config", default=None, metavar="FILE", help="JSON file of adaptive settings")
-    p.add_argument("--policy", choices=POLICIES, default="ema", help="ema (default) or static")
+    p.add_argument("--policy", choices=POLICIES, default="ema",
+                   help="ema (default), goodput or static")
     p.add_argument("--initial-steps", type=int, default=None, metavar="K", help="depth at start")
     p.set_defaults(handler=cmd_config)
 

@@ -9,14 +9,17 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 REDUCERS = ("weighted_mean", "min", "max")
-FLOAT_KEYS = ("ema_alpha", "up_hysteresis", "down_hysteresis")
+FLOAT_KEYS = ("ema_alpha", "up_hysteresis", "down_hysteresis", "switch_margin")
 HYSTERESIS_LIMIT = 1000.0
-POLICIES = ("static", "ema")
+MARGIN_LIMIT = 1000.0
+POLICIES = ("static", "ema", "goodput")
+INT_KEY = re.compile(r"0|[1-9][0-9]*")  # an integer written as a JSON key: "0", "7", "64"
 
 
 class ConfigError(ValueError):
@@ -32,13 +35,79 @@ def _is_number(v: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class RoundCost:
+    """The ``round_cost`` table of the goodput policy, validated and immutable.
+
+    ``buckets`` is ``None`` for one table that serves every batch size (JSON
+    ``{"<steps>": cost, ...}``), else the ascending padded-batch keys of the rows (JSON
+    ``{"<bucket>": {"<steps>": cost, ...}, ...}``). ``rows[i]`` holds ``(steps, cost)`` pairs,
+    ascending by steps; a flat table has exactly one row. Which row a round uses is a rule of
+    the policy (``adaptive_dist.policy.cost_row``)."""
+
+    buckets: Optional[tuple[int, ...]]
+    rows: tuple[tuple[tuple[int, float], ...], ...]
+
+    @staticmethod
+    def parse(value: Any) -> "RoundCost":
+        """From the JSON form (string keys) or a ``RoundCost``; ``ConfigError`` naming the key."""
+        if isinstance(value, RoundCost):
+            return value
+        if not isinstance(value, dict) or not value:
+            raise ConfigError(f"round_cost={value!r}: must be a non-empty JSON object, either "
+                              f'{{"<steps>": cost, ...}} or {{"<bucket>": {{"<steps>": cost, ...}}, ...}}')
+        nested = [isinstance(v, dict) for v in value.values()]
+        if any(nested) and not all(nested):
+            raise ConfigError(f"round_cost={value!r}: mixes costs and per-bucket rows; give either "
+                              f'{{"<steps>": cost, ...}} or {{"<bucket>": {{"<steps>": cost, ...}}, ...}}')
+        if not all(nested):
+            return RoundCost(None, (_cost_row("round_cost", value),))
+        keys = sorted(value, key=lambda k: _int_key("round_cost", k, 1))
+        rows = tuple(_cost_row(f"round_cost[{k!r}]", value[k]) for k in keys)
+        return RoundCost(tuple(int(k) for k in keys), rows)
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        """The depths of the first row (every row has the same, checked against the candidates)."""
+        return tuple(s for s, _ in self.rows[0])
+
+    def to_json(self) -> dict:
+        """The JSON form (string keys, ascending numeric order)."""
+        as_obj = [{str(s): c for s, c in row} for row in self.rows]
+        if self.buckets is None:
+            return as_obj[0]
+        return {str(b): row for b, row in zip(self.buckets, as_obj)}
+
+
+def _int_key(where: str, key: Any, minimum: int) -> int:
+    if not isinstance(key, str) or not INT_KEY.fullmatch(key) or int(key) < minimum:
+        raise ConfigError(f"{where}: key {key!r} must be an integer >= {minimum} written as a "
+                          f'string (e.g. "{max(minimum, 1)}")')
+    return int(key)
+
+
+def _cost_row(where: str, row: Any) -> tuple[tuple[int, float], ...]:
+    if not isinstance(row, dict) or not row:
+        raise ConfigError(f'{where}={row!r}: must be a non-empty object {{"<steps>": cost, ...}}')
+    pairs = []
+    for key, cost in row.items():
+        steps = _int_key(where, key, 0)
+        if not _is_number(cost) or cost <= 0:
+            raise ConfigError(f"{where}[{key!r}]={cost!r}: must be a positive finite number "
+                              f"(the relative cost of a round at {steps} steps)")
+        pairs.append((steps, float(cost)))
+    return tuple(sorted(pairs))
+
+
+@dataclass(frozen=True)
 class AdaptiveConfig:
     """Policy and consensus settings (rules in docs/policy.md; the ladder is SGLang-compatible)."""
 
     policy: str = "ema"
-    """``ema`` (adaptive: the EMA ladder) or ``static`` (stay at ``initial_steps``)."""
+    """``ema`` (adaptive: the EMA ladder), ``goodput`` (adaptive: the best expected tokens per
+    unit of round cost) or ``static`` (stay at ``initial_steps``)."""
     candidate_steps: tuple[int, ...] = (1, 3, 7)
-    """Draft depths the policy may choose; sorted ascending, at least two distinct, each >= 1."""
+    """Draft depths the policy may choose; sorted ascending, at least two distinct, each >= 1
+    (0, no speculation, is allowed for ``goodput`` and ``static``)."""
     initial_steps: int = 3
     """Depth in force at start; must be one of ``candidate_steps``."""
     ema_alpha: float = 0.2
@@ -60,10 +129,22 @@ class AdaptiveConfig:
     """Padded batch sizes that have CUDA graphs; a larger cluster-wide batch runs eager."""
     lockstep_check_every: int = 16
     """Rounds between lockstep hash checks across ranks (>= 1)."""
+    round_cost: Optional[RoundCost] = None
+    """goodput: the relative cost of a round at each candidate depth, one table
+    (``{"<steps>": cost}``) or one row per padded batch (``{"<bucket>": {"<steps>": cost}}``).
+    ``None`` until the engine has measured and agreed it (``agree_round_cost``); consensus-only
+    mode needs it in the config file. Refused for the other policies."""
+    switch_margin: float = 0.05
+    """goodput: switch only when the best score beats the current one by this share (>= 0)."""
+    probe_every: int = 8
+    """goodput: at depth 0, probe the smallest positive depth after this many decision points
+    (>= 1)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidate_steps",
                            _as_int_tuple("candidate_steps", self.candidate_steps, minimum=0))
+        if self.round_cost is not None:
+            object.__setattr__(self, "round_cost", RoundCost.parse(self.round_cost))
         object.__setattr__(self, "graph_buckets", _as_int_tuple("graph_buckets", self.graph_buckets))
         for key in FLOAT_KEYS:  # 0 and 0.0 are the same setting and must hash the same
             v = getattr(self, key)
@@ -80,6 +161,12 @@ class AdaptiveConfig:
     def adaptive(self) -> bool:
         """Whether the policy may change the depth."""
         return self.policy != "static"
+
+    @property
+    def needs_round_cost(self) -> bool:
+        """The policy needs a ``round_cost`` table and none is set yet (the engine measures it
+        and calls ``adaptive_dist.startup.agree_round_cost`` before the first round)."""
+        return self.policy == "goodput" and self.round_cost is None
 
     @property
     def tiers(self) -> tuple[int, ...]:
@@ -120,6 +207,7 @@ class AdaptiveConfig:
         d = dataclasses.asdict(self)
         d["candidate_steps"] = list(self.candidate_steps)
         d["graph_buckets"] = list(self.graph_buckets)
+        d["round_cost"] = self.round_cost.to_json() if self.round_cost is not None else None
         return d
 
     def digest(self) -> str:
@@ -168,9 +256,10 @@ def _validate(c: AdaptiveConfig) -> None:
     _check(c.policy in POLICIES, "policy", c.policy, f"allowed: {', '.join(POLICIES)}")
     _check(len(c.candidate_steps) >= 2, "candidate_steps", list(c.candidate_steps),
            "needs at least two distinct candidates (duplicates removed)")
-    _check(c.candidate_steps[0] > 0 or not c.adaptive, "candidate_steps", list(c.candidate_steps),
-           "0 (no speculation) is a candidate of the static policy only: an adaptive policy "
-           "has no acceptance signal at depth 0")
+    _check(c.candidate_steps[0] > 0 or c.policy != "ema", "candidate_steps",
+           list(c.candidate_steps),
+           "0 (no speculation) is a candidate of the static and goodput policies only: the ema "
+           "ladder has no acceptance signal at depth 0")
     _check(_is_int(c.initial_steps), "initial_steps", c.initial_steps, "must be an integer")
     _check(c.initial_steps in c.candidate_steps, "initial_steps", c.initial_steps,
            f"must be one of candidate_steps {list(c.candidate_steps)}")
@@ -187,6 +276,29 @@ def _validate(c: AdaptiveConfig) -> None:
         _check(_is_number(v) and -HYSTERESIS_LIMIT < v < HYSTERESIS_LIMIT, key, v,
                f"must be a finite number in ({-HYSTERESIS_LIMIT:g}, {HYSTERESIS_LIMIT:g})")
     _check(c.reducer in REDUCERS, "reducer", c.reducer, f"allowed: {', '.join(REDUCERS)}")
+    _check(_is_number(c.switch_margin) and 0 <= c.switch_margin < MARGIN_LIMIT, "switch_margin",
+           c.switch_margin, f"must be a finite number in [0, {MARGIN_LIMIT:g})")
+    _check(_is_int(c.probe_every) and c.probe_every >= 1, "probe_every", c.probe_every,
+           "must be an integer >= 1")
+    if c.round_cost is not None:
+        _check(c.policy == "goodput", "round_cost", c.round_cost.to_json(),
+               f"applies to the goodput policy only (policy={c.policy!r})")
+        _check_cost_steps(c.round_cost, c.candidate_steps)
+
+
+def _check_cost_steps(table: RoundCost, candidates: tuple[int, ...]) -> None:
+    """Every row of ``table`` lists exactly the candidate depths."""
+    for i, row in enumerate(table.rows):
+        where = "round_cost" if table.buckets is None else f"round_cost[{str(table.buckets[i])!r}]"
+        have = [s for s, _ in row]
+        missing = [s for s in candidates if s not in have]
+        extra = [s for s in have if s not in candidates]
+        if missing or extra:
+            what = (f"missing {[str(s) for s in missing]}" if missing
+                    else f"has {[str(s) for s in extra]}, which are not candidates")
+            raise ConfigError(f"{where}={dict((str(s), v) for s, v in row)!r}: {what}; "
+                              f"allowed: one cost for every candidate depth "
+                              f"{[str(s) for s in candidates]}")
 
 
 def load_config(
@@ -214,9 +326,9 @@ def load_config(
                               f"asks for {policy!r}; drop the key or change the flag")
         cfg = AdaptiveConfig.from_dict({**data, "policy": policy}, source=f"config file {path!r}")
     if initial_steps is not None:
-        if not _is_int(initial_steps) or initial_steps < (1 if policy != "static" else 0):
-            raise ConfigError(f"initial_steps={initial_steps!r}: must be an integer >= "
-                              f"{1 if policy != 'static' else 0}")
+        lowest = 1 if policy == "ema" else 0
+        if not _is_int(initial_steps) or initial_steps < lowest:
+            raise ConfigError(f"initial_steps={initial_steps!r}: must be an integer >= {lowest}")
         if initial_steps not in cfg.candidate_steps:
             if cfg.adaptive:
                 raise ConfigError(

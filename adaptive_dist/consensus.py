@@ -1,11 +1,13 @@
 """The per-round consensus collective: one fixed-size vector per rank, all-gathered over the DP
 group, so every rank holds the same matrix and reduces it in the same order.
 
-The vector carries the rank's statistics (from the round that just ended), its view of the
-upcoming round (requests, the tokens and requests of its extend/prefill forward, CUDA-graph
-eligibility, whether it is done; when serving, the highest request-message sequence number it has
-received and whether it wants the cluster to stop), and the state every rank must share
-(steps in force, counted rounds, last switch, config hash, hash of the previous round's plan).
+The vector carries the rank's statistics (from the round that just ended: its request count, its
+EMA of accepted draft tokens, its EMA of the share of requests that rejected a draft token, its
+weight), its view of the upcoming round (requests, the tokens and requests of its extend/prefill
+forward, CUDA-graph eligibility, whether it is done; when serving, the highest request-message
+sequence number it has received and whether it wants the cluster to stop), and the state every
+rank must share (steps in force, counted rounds, last switch, config hash, hash of the previous
+round's plan).
 The shared-state columns are the pre-flight lockstep check: a mismatch raises ``DivergenceError``
 on every rank, naming ranks and fields, before any device collective of the round is issued.
 """
@@ -17,11 +19,11 @@ import torch
 
 from collectives import DivergenceError, Group, ops
 
-MAGIC = 0x5AD9  # vector format version
+MAGIC = 0x5ADA  # vector format version (0x5AD9: before the ema_fail column)
 FIELDS = (
     "magic", "round", "n_req", "num_tokens", "n_extend", "can_graph", "done",  # the upcoming round
     "seq", "leave",                                                     # serving: inbox, stop
-    "prev_n_req", "ema", "weight",                                      # the round that ended
+    "prev_n_req", "ema", "ema_fail", "weight",                          # the round that ended
     "steps", "counted", "last_switch", "config_hash", "prev_plan_hash",  # must agree
 )
 MUST_AGREE = ("magic", "round", "steps", "counted", "last_switch", "config_hash", "prev_plan_hash")
@@ -54,6 +56,7 @@ class RoundVector:
     last_switch: int
     config_hash: int
     prev_plan_hash: int
+    ema_fail: float = 1.0  # last in the dataclass (positional callers), placed by FIELDS
 
     def values(self) -> list[float]:
         return [float(MAGIC)] + [float(getattr(self, f)) for f in FIELDS[1:]]

@@ -21,7 +21,17 @@ from typing import Optional, Sequence
 from collectives import Group, LockstepGuard
 from adaptive_dist import consensus
 from adaptive_dist.config import AdaptiveConfig
-from adaptive_dist.policy import Decision, PolicyState, decide, ema_update, pick_bucket
+from adaptive_dist.policy import (
+    INITIAL_EMA_FAIL,
+    Decision,
+    PolicyState,
+    decide,
+    ema_fail_update,
+    ema_update,
+    initial_ema,
+    measures_acceptance,
+    pick_bucket,
+)
 
 
 Executed = tuple  # (steps, use_graph, batch_bucket or None, forward mode) a worker ran
@@ -55,6 +65,8 @@ class RoundOutcome:
     use_graph: bool
     local_ema: float
     decision: Decision
+    local_ema_fail: float = INITIAL_EMA_FAIL
+    batch_pad: int = 0            # the round's padded batch (picks the goodput round_cost row)
 
 
 @dataclass
@@ -72,15 +84,23 @@ class ControllerStats:
 
 
 class AdaptiveController:
-    """Per-rank controller; ``group`` is the DP group the consensus runs over."""
+    """Per-rank controller; ``group`` is the DP group the consensus runs over.
+
+    The goodput policy needs ``config.round_cost``: an engine measures it and agrees it with
+    ``adaptive_dist.startup.agree_round_cost`` before building the controller."""
 
     def __init__(self, config: AdaptiveConfig, group: Group, *,
                  guard: Optional[LockstepGuard] = None, channel: str = "control") -> None:
+        if config.needs_round_cost:
+            raise ValueError("the goodput policy needs round_cost: measure the cost of a round "
+                             "at each depth and call adaptive_dist.startup.agree_round_cost, or "
+                             "set round_cost in the config")
         self.config = config
         self.group = group
         self.guard = guard
         self.state = PolicyState.initial(config)
-        self.ema = float(config.initial_steps - 1)
+        self.ema = initial_ema(config)
+        self.ema_fail = INITIAL_EMA_FAIL
         self.weight = 0
         self.round = 0
         self._config_hash = consensus.hash48(config.digest())
@@ -114,7 +134,8 @@ class AdaptiveController:
         vec = consensus.RoundVector(
             round=self.round, n_req=num_requests, num_tokens=num_tokens, n_extend=num_extend,
             can_graph=can_graph, seq=seq, leave=leave,
-            done=done, prev_n_req=self._prev_n_req, ema=self.ema, weight=self.weight,
+            done=done, prev_n_req=self._prev_n_req, ema=self.ema, ema_fail=self.ema_fail,
+            weight=self.weight,
             steps=self.steps, counted=self.state.counted, last_switch=self.state.last_switch,
             config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash,
         )
@@ -151,6 +172,10 @@ class AdaptiveController:
     def end_round(self, accepts: Sequence[int], executed: Optional[Executed] = None) -> None:
         """Record this rank's accept lengths (draft tokens accepted, bonus excluded). Local only.
 
+        Updates the EMA of the accepted tokens and of the share of requests that rejected a
+        draft token (``accept < steps``), and the weight — except for a goodput round at depth 0,
+        which has no acceptance signal (its requests still count the round).
+
         ``executed`` is what this rank's worker actually ran (its applied depth, graph or eager,
         bucket, forward mode); its hash travels in the next round's vector, so the next
         pre-flight check catches a rank whose worker strayed from the agreed plan.
@@ -161,8 +186,11 @@ class AdaptiveController:
         for a in accepts:
             if not isinstance(a, int) or isinstance(a, bool) or not 0 <= a <= steps:
                 raise ValueError(f"accept length {a!r} outside [0, {steps}] (steps in force)")
-        self.ema = ema_update(self.ema, accepts, self.config.ema_alpha)
-        self.weight += len(accepts)
+        if measures_acceptance(self.config, steps):
+            alpha = self.config.ema_alpha
+            self.ema = ema_update(self.ema, accepts, alpha)
+            self.ema_fail = ema_fail_update(self.ema_fail, accepts, steps, alpha)
+            self.weight += len(accepts)
         self._prev_n_req = len(accepts)
         self.stats.accept_histogram.update(accepts)
 
@@ -171,10 +199,11 @@ class AdaptiveController:
         if prev is None:
             return None
         cluster = int(sum(consensus.column(matrix, "prev_n_req")))
-        local_ema = self.ema
+        local_ema, local_fail = self.ema, self.ema_fail
         self.state, decision = decide(
             self.config, self.state, cluster,
             consensus.column(matrix, "ema"), consensus.column(matrix, "weight"),
+            ema_fails=consensus.column(matrix, "ema_fail"), batch=prev.batch_pad,
         )
         if decision.decision_point:
             self.weight = 0
@@ -183,7 +212,8 @@ class AdaptiveController:
         if decision.switched:
             self.stats.switches += 1
             self.stats.steps_timeline.append((self.round, self.steps))
-        return RoundOutcome(prev.round, prev.steps, prev.use_graph, local_ema, decision)
+        return RoundOutcome(prev.round, prev.steps, prev.use_graph, local_ema, decision,
+                            local_fail, prev.batch_pad)
 
     def _plan(self, matrix, switched: bool) -> RoundPlan:
         n_req = [int(v) for v in consensus.column(matrix, "n_req")]

@@ -1,14 +1,32 @@
-"""The adaptive policy as pure functions of agreed inputs (no collectives, no rank-local state).
+"""The adaptive policies as pure functions of agreed inputs (no collectives, no rank-local state).
 
-Every rank calls ``decide`` with the same gathered values and gets the same answer; this module
-is also the single-process reference the multi-rank tests compare against.
+Every rank calls ``decide`` with the same gathered values and gets the same answer. The rules are
+those of docs/policy.md: ``ema`` (the ladder), ``goodput`` (expected tokens per unit of round
+cost, with probes out of depth 0) and ``static``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from adaptive_dist.config import AdaptiveConfig
+from adaptive_dist.config import AdaptiveConfig, RoundCost
+
+
+def initial_ema(cfg: AdaptiveConfig) -> float:
+    """A rank's EMA before any round: ``initial_steps - 1`` (goodput: at least 0, so the
+    acceptance rate of a run that starts at depth 0 is defined)."""
+    start = float(cfg.initial_steps - 1)
+    return max(start, 0.0) if cfg.policy == "goodput" else start
+
+
+INITIAL_EMA_FAIL = 1.0
+"""A rank's ``ema_fail`` before any round."""
+
+
+def measures_acceptance(cfg: AdaptiveConfig, steps: int) -> bool:
+    """Whether a round run at ``steps`` updates the rank's EMAs and weight: always, except a
+    goodput round at depth 0 (no draft, so no acceptance signal)."""
+    return steps > 0 or cfg.policy != "goodput"
 
 
 def ema_update(ema: float, accepts: Sequence[int], alpha: float) -> float:
@@ -16,6 +34,17 @@ def ema_update(ema: float, accepts: Sequence[int], alpha: float) -> float:
     if len(accepts) == 0:
         return ema
     return (1.0 - alpha) * ema + alpha * (sum(accepts) / len(accepts))
+
+
+def fail_flags(accepts: Sequence[int], steps: int) -> list[float]:
+    """Per request, 1.0 if it rejected a draft token (``accept < steps``), else 0.0."""
+    return [1.0 if a < steps else 0.0 for a in accepts]
+
+
+def ema_fail_update(ema_fail: float, accepts: Sequence[int], steps: int, alpha: float) -> float:
+    """``(1-α)·ema_fail + α·(share of requests with accept < steps)``; unchanged for an empty
+    round (the same rule as ``ema_update``)."""
+    return ema_update(ema_fail, fail_flags(accepts, steps), alpha)
 
 
 def reduce_emas(emas: Sequence[float], weights: Sequence[float], reducer: str) -> Optional[float]:
@@ -56,6 +85,98 @@ def is_decision_point(counted: int, warmup: int, interval: int) -> bool:
     return counted > warmup and (counted - warmup) % interval == 0
 
 
+def decision_points_upto(counted: int, warmup: int, interval: int) -> int:
+    """How many decision points counted rounds ``1..counted`` hold (0 for ``counted <= 0``)."""
+    return max(0, (counted - warmup) // interval)
+
+
+# ------------------------------------------------------------------------------------ goodput
+def acceptance_rate(ema: float, ema_fail: float) -> float:
+    """A rank's per-token acceptance rate ``ema / (ema + ema_fail)``; 1.0 when both are 0."""
+    den = ema + ema_fail
+    return 1.0 if den == 0 else ema / den
+
+
+def cluster_rate(emas: Sequence[float], ema_fails: Sequence[float], weights: Sequence[float],
+                 reducer: str) -> Optional[float]:
+    """The cluster's acceptance rate over ranks with weight > 0, in rank order; None if Σw = 0.
+
+    ``weighted_mean`` pools: ``Σw·ema / (Σw·ema + Σw·ema_fail)`` (1.0 when both sums are 0);
+    ``min`` / ``max`` take the smallest / largest per-rank rate."""
+    live = [(e, f, w) for e, f, w in zip(emas, ema_fails, weights) if w > 0]
+    if not live:
+        return None
+    if reducer == "weighted_mean":
+        acc = 0.0
+        fail = 0.0
+        for e, f, w in live:
+            acc += w * e
+            fail += w * f
+        return acceptance_rate(acc, fail)
+    rates = [acceptance_rate(e, f) for e, f, _ in live]
+    if reducer == "min":
+        return min(rates)
+    if reducer == "max":
+        return max(rates)
+    raise ValueError(f"reducer={reducer!r}; allowed: weighted_mean, min, max")
+
+
+def expected_accepted(p: float, steps: int) -> float:
+    """``E(S) = p + p² + … + p^S``: the terms ``t₁ = p``, ``t_k = t_{k-1}·p``, added in that
+    order (float64); ``E(0) = 0``."""
+    total = 0.0
+    term = 1.0
+    for _ in range(steps):
+        term *= p
+        total += term
+    return total
+
+
+def goodput_score(p: float, steps: int, cost: float) -> float:
+    """``(1 + E(S)) / cost``: expected tokens a request gains per unit of round cost."""
+    return (1.0 + expected_accepted(p, steps)) / cost
+
+
+def cost_row(table: RoundCost, batch: int) -> int:
+    """The row of ``table`` a round of padded batch ``batch`` uses: the smallest bucket
+    ``>= batch``, the largest bucket for larger batches; row 0 of a flat table."""
+    if table.buckets is None:
+        return 0
+    for i, b in enumerate(table.buckets):
+        if b >= batch:
+            return i
+    return len(table.buckets) - 1
+
+
+def goodput_scores(cfg: AdaptiveConfig, p: float, batch: int) -> list[float]:
+    """The score of every candidate (ascending depth) at rate ``p`` and padded batch ``batch``."""
+    assert cfg.round_cost is not None, "goodput needs round_cost"
+    costs = dict(cfg.round_cost.rows[cost_row(cfg.round_cost, batch)])
+    return [goodput_score(p, s, costs[s]) for s in cfg.candidate_steps]
+
+
+def goodput_pick(scores: Sequence[float], index: int, margin: float) -> int:
+    """The best candidate (highest score, ties to the smaller depth) if it differs from
+    ``index`` and ``score(best) > (1 + margin)·score(current)``; else ``index``."""
+    best = 0
+    for i in range(1, len(scores)):
+        if scores[i] > scores[best]:
+            best = i
+    if best != index and scores[best] > (1.0 + margin) * scores[index]:
+        return best
+    return index
+
+
+def probe_due(cfg: AdaptiveConfig, index: int, counted: int, last_switch: int) -> bool:
+    """At depth 0, whether ``probe_every`` decision points have passed since the last switch
+    (since the start when there was none), counting the one at ``counted``."""
+    if cfg.candidate_steps[index] != 0:
+        return False
+    w, n = cfg.warmup_batches, cfg.update_interval
+    since = decision_points_upto(counted, w, n) - decision_points_upto(last_switch, w, n)
+    return since >= cfg.probe_every
+
+
 @dataclass(frozen=True)
 class PolicyState:
     """What every rank must hold identically: the tier, the counted rounds, the last switch."""
@@ -78,16 +199,35 @@ class Decision:
     global_ema: Optional[float]
     old_index: int
     new_index: int
+    accept_rate: Optional[float] = None  # goodput: the cluster's acceptance rate (None: Σw = 0)
+    cost_row: Optional[int] = None       # goodput: bucket of the round_cost row used (flat: None)
+    probe: bool = False                  # goodput: the switch is a probe out of depth 0
 
     @property
     def switched(self) -> bool:
         return self.new_index != self.old_index
 
 
+def goodput_step(cfg: AdaptiveConfig, state: PolicyState, rate: Optional[float],
+                 batch: int) -> tuple[int, bool]:
+    """The goodput decision at a decision point the dwell allows: (new index, is a probe).
+    At depth 0 only the probe moves; elsewhere the best score with the margin."""
+    if cfg.candidate_steps[state.index] == 0:
+        if probe_due(cfg, state.index, state.counted, state.last_switch):
+            return state.index + 1, True
+        return state.index, False
+    if rate is None:
+        return state.index, False
+    return goodput_pick(goodput_scores(cfg, rate, batch), state.index, cfg.switch_margin), False
+
+
 def decide(cfg: AdaptiveConfig, state: PolicyState, cluster_requests: int,
-           emas: Sequence[float], weights: Sequence[float]) -> tuple[PolicyState, Decision]:
+           emas: Sequence[float], weights: Sequence[float],
+           ema_fails: Optional[Sequence[float]] = None, batch: int = 0
+           ) -> tuple[PolicyState, Decision]:
     """One round's decision under ``cfg.policy`` from cluster-wide values (identical on every
-    rank)."""
+    rank). ``ema_fails`` (one per rank) and ``batch`` (the round's padded batch, which picks the
+    ``round_cost`` row) are read by the goodput policy only."""
     if cluster_requests <= 0:
         return state, Decision(False, False, None, state.index, state.index)
     counted = state.counted + 1
@@ -96,10 +236,22 @@ def decide(cfg: AdaptiveConfig, state: PolicyState, cluster_requests: int,
     point = is_decision_point(counted, cfg.warmup_batches, cfg.update_interval)
     new_index = state.index
     dwell_ok = state.last_switch < 0 or counted - state.last_switch >= cfg.min_dwell_rounds
-    if cfg.adaptive and point and global_ema is not None and dwell_ok:
+    rate, row, probe = None, None, False
+    if cfg.policy == "goodput":
+        if ema_fails is None or len(ema_fails) != len(emas):
+            raise ValueError("the goodput policy needs one ema_fail per rank")
+        if cfg.round_cost is None:
+            raise ValueError("the goodput policy needs round_cost (measure it and call "
+                             "agree_round_cost, or set it in the config)")
+        rate = cluster_rate(emas, ema_fails, weights, cfg.reducer)
+        if cfg.round_cost.buckets is not None:
+            row = cfg.round_cost.buckets[cost_row(cfg.round_cost, batch)]
+        if point and dwell_ok:
+            new_index, probe = goodput_step(cfg, state, rate, batch)
+    elif cfg.adaptive and point and global_ema is not None and dwell_ok:
         new_index = ladder_walk(cfg.candidate_steps, state.index, global_ema,
                                 cfg.up_hysteresis, cfg.down_hysteresis)
-    decision = Decision(True, point, global_ema, state.index, new_index)
+    decision = Decision(True, point, global_ema, state.index, new_index, rate, row, probe)
     if new_index != state.index:
         state = replace(state, index=new_index, last_switch=counted)
     return state, decision

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from collectives import CollectiveTimeoutError, DistContext, DivergenceError, Group, LockstepGuard
 from adaptive_dist import __version__, consensus
-from adaptive_dist.config import AdaptiveConfig
+from adaptive_dist.config import AdaptiveConfig, ConfigError
 from adaptive_dist.controller import AdaptiveController, RoundOutcome
 from adaptive_dist.outputs import OutputError, check_output_dir, check_output_file, write_lines
 from adaptive_dist.startup import agree_settings, all_ranks_or_none, exchange
@@ -36,17 +36,42 @@ class ReplayResult:
     controller: Optional[AdaptiveController] = None
 
 
-def outcome_record(outcome: RoundOutcome, rank: int) -> dict:
+GOODPUT_KEYS = ("local_ema_fail", "accept_rate", "cost_row", "probe")
+"""Keys the goodput policy adds to each output line."""
+
+
+def outcome_record(outcome: RoundOutcome, rank: int, goodput: bool = False) -> dict:
+    """One output line; ``goodput`` adds the rank's ``local_ema_fail``, the cluster's
+    ``accept_rate`` (null when no rank has weight), the ``round_cost`` row used (``cost_row``,
+    its bucket; null for a flat table) and whether the switch is a ``probe`` out of depth 0."""
     d = outcome.decision
-    return {"round": outcome.round, "rank": rank, "steps": outcome.steps,
-            "local_ema": outcome.local_ema, "global_ema": d.global_ema,
-            "switched": d.switched, "graph": outcome.use_graph}
+    rec = {"round": outcome.round, "rank": rank, "steps": outcome.steps,
+           "local_ema": outcome.local_ema, "global_ema": d.global_ema,
+           "switched": d.switched, "graph": outcome.use_graph}
+    if goodput:
+        rec.update(local_ema_fail=outcome.local_ema_fail, accept_rate=d.accept_rate,
+                   cost_row=d.cost_row, probe=d.probe)
+    return rec
+
+
+def require_round_cost(config: AdaptiveConfig) -> AdaptiveConfig:
+    """Consensus-only mode runs no model, so nothing can measure the cost of a round: the
+    goodput policy needs ``round_cost`` in the config file. Returns ``config``."""
+    if config.needs_round_cost:
+        raise ConfigError(
+            "--policy goodput in consensus-only mode needs round_cost in the --config file "
+            "(no model runs here to measure the cost of a round at each depth): e.g. "
+            '{"round_cost": {"1": 1.2, "3": 1.5, "7": 2.2}} with one relative cost per '
+            "candidate depth, or one such table per padded batch bucket "
+            '{"round_cost": {"8": {...}, "64": {...}}}')
+    return config
 
 
 def replay(trace: list[TraceRound], config: AdaptiveConfig, group: Group,
            guard: Optional[LockstepGuard] = None, progress=None) -> ReplayResult:
     """Replay ``trace`` on this rank in lockstep with the other members of ``group``."""
     ctrl = AdaptiveController(config, group, guard=guard)
+    goodput = config.policy == "goodput"
     records: list[dict] = []
     times: list[float] = []
     r = 0
@@ -61,7 +86,7 @@ def replay(trace: list[TraceRound], config: AdaptiveConfig, group: Group,
         times.append((time.perf_counter() - t0) * 1e6)
         out = ctrl.last_outcome
         if out is not None and out.decision.counted:
-            records.append(outcome_record(out, group.global_rank))
+            records.append(outcome_record(out, group.global_rank, goodput))
         if plan.all_done:
             break
         ctrl.end_round([min(a, plan.steps) for a in full])
@@ -130,6 +155,14 @@ def summary(records: list[dict], result: ReplayResult, world: int, config: Adapt
         by_rank.setdefault(r["rank"], []).append(r["local_ema"])
     ema = ", ".join(f"rank {k}: {v[-1]:.3f}" for k, v in sorted(by_rank.items()))
     lines.append(f"final local EMA: {ema or 'none (no round had requests on any rank)'}")
+    if config.policy == "goodput":
+        last: dict[int, dict] = {}
+        for r in records:
+            last[r["rank"]] = r
+        rates = ", ".join(f"rank {k}: {_rate(v):.3f}" for k, v in sorted(last.items()))
+        probes = sum(1 for r in rank0 if r["probe"])
+        lines.append(f"final local acceptance rate ema/(ema+ema_fail): {rates or 'none'}; "
+                     f"probes out of depth 0: {probes}")
     if result.consensus_us:
         lines.append(f"consensus collective (rank 0): median {statistics.median(result.consensus_us):.1f} us "
                      f"per round")
@@ -138,6 +171,12 @@ def summary(records: list[dict], result: ReplayResult, world: int, config: Adapt
                  f"(digest {result.decision_digest:#014x}, {checks} hash checks, "
                  f"{recorded} collectives recorded per rank)")
     return "\n".join(lines)
+
+
+def _rate(record: dict) -> float:
+    from adaptive_dist.policy import acceptance_rate
+
+    return acceptance_rate(record["local_ema"], record["local_ema_fail"])
 
 
 def write_records(path: str, records: list[dict], flag: str = "--out") -> int:
@@ -178,8 +217,9 @@ def run_consensus(ctx: DistContext, trace_dir: str, policy: str, config_path: Op
 
     layout = ctx.layout(dp=ctx.world_size, tp=ctx.world_size)
     world, dp = layout.group("world"), layout.group("dp")
-    config = all_ranks_or_none(lambda: load_config(config_path, policy, initial_steps), world,
-                               "configuration check")
+    config = all_ranks_or_none(
+        lambda: require_round_cost(load_config(config_path, policy, initial_steps)), world,
+        "configuration check")
     agree_settings(consensus_settings(ctx, config, show_progress, out, record_dir), world,
                    "consensus")
     all_ranks_or_none(lambda: check_outputs(out, record_dir, trace_dir, world.is_first),

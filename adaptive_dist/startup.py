@@ -9,7 +9,7 @@ dies meanwhile, the survivors raise ``CollectiveTimeoutError`` naming the step.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, TypeVar
 
 from adaptive_dist.config import AdaptiveConfig, ConfigError
 from collectives.errors import CollectiveTimeoutError
@@ -96,3 +96,73 @@ def all_ranks_or_none(fn: Callable[[], T], group: "Group", what: str,
         msg = "; ".join(f"rank(s) {ranks}: {err}" for err, ranks in failed.items())
         raise ConfigError(f"{what} failed, {consequence}: {msg}")
     return value  # type: ignore[return-value]
+
+
+# ---- the goodput policy's cost table ------------------------------------------------------------
+
+MeasuredCost = Mapping[int, Mapping[int, float]]
+"""A rank's measured round cost: padded batch bucket -> depth (steps) -> seconds per round."""
+
+
+def agree_round_cost(config: AdaptiveConfig, measured: MeasuredCost,
+                     group: "Group") -> AdaptiveConfig:
+    """``config`` with ``round_cost`` set to the cluster's agreed cost table: for every bucket
+    and depth, the maximum of the members' measurements (a round waits for the slowest rank).
+
+    Call on every member of ``group`` with its own ``measured`` table, after the configuration
+    is agreed and before the first round — and before building the ``AdaptiveController``, whose
+    config hash includes the table. Each table needs the same buckets on every rank and a
+    positive finite number of seconds for every candidate depth (0 included when it is a
+    candidate); a bad or mismatched table is refused on every rank with the same
+    ``ConfigError``. Two exchanges on ``group``'s control group; none for a size-1 group.
+    """
+    what = "agreeing the round cost table"
+
+    def local() -> dict:
+        if config.policy != "goodput":
+            raise ConfigError(f"agree_round_cost: policy={config.policy!r}; round_cost applies "
+                              f"to the goodput policy only")
+        table = measured_as_json(measured)
+        config.replace(round_cost=table)  # validated against the candidates, with key names
+        return table
+
+    mine = all_ranks_or_none(local, group, what)
+    views = exchange(mine, group, what)
+    shapes: dict[str, list[int]] = {}
+    for rank, view in zip(group.ranks, views):
+        shapes.setdefault(repr(sorted(int(b) for b in view)), []).append(rank)
+    if len(shapes) > 1:
+        shown = "; ".join(f"ranks {rs} have {s}" for s, rs in shapes.items())
+        raise ConfigMismatchError(f"{what}: ranks measured different batch buckets, refusing "
+                                  f"to run: {shown}")
+    agreed = {b: {s: max(view[b][s] for view in views) for s in row}
+              for b, row in views[0].items()}
+    return config.replace(round_cost=agreed)
+
+
+def measured_as_json(measured: MeasuredCost) -> dict[str, dict[str, float]]:
+    """A measured table (int keys, seconds) in ``round_cost``'s JSON form (string keys, floats);
+    ``ConfigError`` naming the entry when a key is not an integer or a value not a number."""
+    if not isinstance(measured, Mapping) or not measured:
+        raise ConfigError(f"measured round cost={measured!r}: must be a non-empty mapping "
+                          f"bucket -> steps -> seconds")
+    out: dict[str, dict[str, float]] = {}
+    for bucket, row in measured.items():
+        _measured_key(bucket, "bucket", f"measured round cost[{bucket!r}]")
+        if not isinstance(row, Mapping) or not row:
+            raise ConfigError(f"measured round cost[{bucket!r}]={row!r}: must be a non-empty "
+                              f"mapping steps -> seconds")
+        cells: dict[str, float] = {}
+        for steps, seconds in row.items():
+            where = f"measured round cost[{bucket!r}][{steps!r}]"
+            _measured_key(steps, "steps", where)
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+                raise ConfigError(f"{where}={seconds!r}: must be a number of seconds")
+            cells[str(steps)] = float(seconds)
+        out[str(bucket)] = cells
+    return out
+
+
+def _measured_key(key: Any, name: str, where: str) -> None:
+    if isinstance(key, bool) or not isinstance(key, int):
+        raise ConfigError(f"{where}: the {name} {key!r} must be an integer")

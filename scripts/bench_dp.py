@@ -92,7 +92,8 @@ def run_once(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
         sync(device)
         out["phases"].append({"seconds": time.perf_counter() - start,
                               "tokens": sum(len(r.output_ids) for r in reqs),
-                              "accepts": [a for r in reqs for a in r.accept_lengths]})
+                              "accepted": sum(r.accepted for r in reqs),
+                              "spec_rounds": sum(r.spec_rounds for r in reqs)})
     stats = engine.planner.stats
     out.update(switches=stats.switches, rounds=engine.planner.round - round0,
                rounds_at_steps={str(k): v for k, v in sorted(stats.rounds_at_steps.items())},
@@ -176,9 +177,10 @@ def summarise(policy: str, rep: int, parts: list[dict], layout: Any) -> dict[str
     for i in range(len(parts[0]["phases"])):
         secs = parts[0]["phases"][i]["seconds"]
         tokens = sum(p["phases"][i]["tokens"] for p in leaders)
-        accepts = [a for p in leaders for a in p["phases"][i]["accepts"]]
+        accepted = sum(p["phases"][i]["accepted"] for p in leaders)
+        rounds = sum(p["phases"][i]["spec_rounds"] for p in leaders)
         phases.append({"tokens": tokens, "seconds": secs, "tokens_per_second": tokens / secs,
-                       "mean_accept": sum(accepts) / len(accepts) if accepts else None})
+                       "mean_accept": accepted / rounds if rounds else None})
     total_s = sum(p["seconds"] for p in phases)
     total_t = sum(p["tokens"] for p in phases)
     lead = parts[0]

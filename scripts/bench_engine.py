@@ -68,11 +68,11 @@ def measure(engine: Engine, prompts: list[list[int]], new_tokens: int, device: s
     sync(device)
     elapsed = time.perf_counter() - start
     tokens = sum(len(r.output_ids) for r in reqs)
-    accepts = [a for r in reqs for a in r.accept_lengths]
+    rounds = sum(r.spec_rounds for r in reqs)
     return {"tokens": tokens, "elapsed_s": elapsed, "tokens_per_second": tokens / elapsed,
             "rounds": engine.stats.rounds - rounds0,
             "graph_rounds": engine.stats.graph_rounds - graph0,
-            "mean_accept_length": sum(accepts) / len(accepts) if accepts else None}
+            "mean_accept_length": sum(r.accepted for r in reqs) / rounds if rounds else None}
 
 
 def state_bytes(engine: Engine) -> dict[str, int]:

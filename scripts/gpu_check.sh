@@ -71,6 +71,17 @@ step serve_matrix timeout 420 python3 scripts/bench_serve_matrix.py --nproc 2 \
   --out "$OUTDIR/res/serve_matrix"
 step gpu_engine python3 -m pytest -q tests/gpu/test_engine.py tests/gpu/test_torch_backend.py \
   tests/gpu/test_spec_decode_gpu.py -p no:cacheprovider
+# the hot path, before and after, in one call: BEFORE (a tree exported to .gpu/before, e.g.
+# `git archive <ref> collectives adaptive_dist workers/*.py workers/attention workers/model
+# workers/server | tar -x -C .gpu/before`) against this tree
+if [ -d .gpu/before/workers ]; then
+  step hotpath_before env PYTHONPATH=$PWD/.gpu/before:$PYTHONPATH python3 scripts/bench_hotpath.py \
+    --device cuda --label before --model workers/assets/tiny_pair --out "$OUTDIR/res/hotpath"
+fi
+step hotpath_after python3 scripts/bench_hotpath.py --device cuda --label after \
+  --out "$OUTDIR/res/hotpath"
+[ -f "$OUTDIR/res/hotpath/before.json" ] && step hotpath_table python3 scripts/bench_hotpath.py \
+  --merge "$OUTDIR/res/hotpath/before.json" "$OUTDIR/res/hotpath/after.json" --out "$OUTDIR/res/hotpath"
 step bench_consensus bash -c "for ch in control device; do torchrun --nproc-per-node 2 \
   scripts/bench_consensus.py --rounds 3000 --channel \$ch --out $OUTDIR/res/consensus_\$ch || exit 1; done"
 if [ "$(find "$FLASHINFER_WORKSPACE_BASE" -type f | wc -l)" != "$CACHE_BEFORE" ]; then

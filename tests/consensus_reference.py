@@ -11,14 +11,22 @@ from pathlib import Path
 
 
 def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
-    """Expected output records (sorted by round, rank) for ``traces`` (one list per rank)."""
+    """Expected output records (sorted by round, rank) for ``traces`` (one list per rank).
+
+    ``cfg`` is the effective configuration as ``AdaptiveConfig.to_dict()`` gives it (for goodput
+    with ``round_cost``, ``switch_margin`` and ``probe_every``)."""
     cand = sorted(cfg["candidate_steps"])
     idx = cand.index(cfg["initial_steps"])
     world = len(traces)
-    ema = [float(cfg["initial_steps"] - 1)] * world
+    goodput = policy == "goodput"
+    start = float(cfg["initial_steps"] - 1)
+    ema = [max(start, 0.0) if goodput else start] * world
+    fail = [1.0] * world
     weight = [0] * world
     counted, last_switch = 0, None
+    points_since_switch = 0
     buckets = sorted(cfg["graph_buckets"])
+    alpha = cfg["ema_alpha"]
     out = []
     for r in range(max(len(t) for t in traces)):
         steps = cand[idx]
@@ -26,11 +34,14 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
         batches = [len(x["accept"]) for x in rounds]
         for k, x in enumerate(rounds):
             acc = [min(a, steps) for a in x["accept"]]
-            if acc:
-                ema[k] = (1.0 - cfg["ema_alpha"]) * ema[k] + cfg["ema_alpha"] * (sum(acc) / len(acc))
+            if acc and not (goodput and steps == 0):
+                ema[k] = (1.0 - alpha) * ema[k] + alpha * (sum(acc) / len(acc))
+                rejected = len([a for a in acc if a < steps])
+                fail[k] = (1.0 - alpha) * fail[k] + alpha * (rejected / len(acc))
                 weight[k] += len(acc)
         eligible = all(x.get("can_graph", True) for x in rounds)
         graph = eligible and max(batches) <= buckets[-1]
+        pad = min(b for b in buckets if b >= max(batches)) if graph else max(batches)
         if sum(batches) == 0:
             continue
         counted += 1
@@ -48,7 +59,10 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
         else:
             g = max(e for e, _ in live)
         point = counted > cfg["warmup_batches"] and (counted - cfg["warmup_batches"]) % cfg["update_interval"] == 0
+        if point:
+            points_since_switch += 1
         new = idx
+        probe = False
         dwell_ok = last_switch is None or counted - last_switch >= cfg["min_dwell_rounds"]
         if policy == "ema" and point and g is not None and dwell_ok:
             while new > 0 and g <= cand[new - 1] - 0.5 + cfg["down_hysteresis"]:
@@ -56,15 +70,68 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
             if new == idx:
                 while new < len(cand) - 1 and g > cand[new] - 0.5 + cfg["up_hysteresis"]:
                     new += 1
+        if goodput:
+            rate = _reference_rate(ema, fail, weight, cfg["reducer"])
+            row_key, costs = _reference_costs(cfg["round_cost"], pad)
+            if point and dwell_ok and steps == 0:
+                if points_since_switch >= cfg["probe_every"]:
+                    new, probe = idx + 1, True
+            elif point and dwell_ok and rate is not None:
+                scores = [(1.0 + _reference_expected(rate, s)) / costs[str(s)] for s in cand]
+                best = max(range(len(cand)), key=lambda i: (scores[i], -i))
+                if best != idx and scores[best] > (1.0 + cfg["switch_margin"]) * scores[idx]:
+                    new = best
         for k in range(world):
-            out.append({"round": r, "rank": k, "steps": steps, "local_ema": ema[k],
-                        "global_ema": g, "switched": new != idx, "graph": graph})
+            rec = {"round": r, "rank": k, "steps": steps, "local_ema": ema[k],
+                   "global_ema": g, "switched": new != idx, "graph": graph}
+            if goodput:
+                rec.update(local_ema_fail=fail[k], accept_rate=rate, cost_row=row_key,
+                           probe=probe)
+            out.append(rec)
         if point:
             weight = [0] * world
         if new != idx:
             last_switch = counted
+            points_since_switch = 0
         idx = new
     return out
+
+
+def _reference_rate(ema: list[float], fail: list[float], weight: list[int],
+                    reducer: str):
+    """The cluster's acceptance rate (docs/policy.md, goodput), None without live ranks."""
+    live = [k for k in range(len(ema)) if weight[k] > 0]
+    if not live:
+        return None
+    if reducer == "weighted_mean":
+        a = f = 0.0
+        for k in live:
+            a += weight[k] * ema[k]
+            f += weight[k] * fail[k]
+        return 1.0 if a + f == 0 else a / (a + f)
+    rates = [1.0 if ema[k] + fail[k] == 0 else ema[k] / (ema[k] + fail[k]) for k in live]
+    return min(rates) if reducer == "min" else max(rates)
+
+
+def _reference_costs(table: dict, pad: int):
+    """(bucket key of the row or None for a flat table, {steps: cost}) for padded batch ``pad``."""
+    if not isinstance(next(iter(table.values())), dict):
+        return None, table
+    keys = sorted(int(b) for b in table)
+    fits = [b for b in keys if b >= pad]
+    key = fits[0] if fits else keys[-1]
+    return key, table[str(key)]
+
+
+def _reference_expected(p: float, steps: int) -> float:
+    """p + p^2 + ... + p^steps, each power the previous one times p, added left to right."""
+    powers = []
+    for _ in range(steps):
+        powers.append(p * powers[-1] if powers else p)
+    total = 0.0
+    for x in powers:
+        total += x
+    return total
 
 
 def adversarial_traces(world: int, rounds: int, seed: int) -> list[list[dict]]:
@@ -97,6 +164,30 @@ def adversarial_traces(world: int, rounds: int, seed: int) -> list[list[dict]]:
                         line["can_graph"] = False
                     lines.append(line)
                 r += 1
+        traces.append(lines)
+    return traces
+
+
+def phased_traces(world: int, rounds: int, seed: int, low: float = 0.05,
+                  high: float = 0.95) -> list[list[dict]]:
+    """Every rank at acceptance ``low`` for the first half of the rounds and ``high`` after
+    (per-token acceptance probability), with idle rounds and different batch sizes per rank."""
+    rng = random.Random(seed)
+    traces = []
+    for _ in range(world):
+        lines = []
+        for r in range(rounds):
+            if rng.random() < 0.1:
+                lines.append({"accept": []})
+                continue
+            p = low if r < rounds // 2 else high
+            acc = []
+            for _ in range(rng.randint(1, 6)):
+                a = 0
+                while a < 12 and rng.random() < p:
+                    a += 1
+                acc.append(a)
+            lines.append({"accept": acc, "num_tokens": 3 * len(acc)})
         traces.append(lines)
     return traces
 

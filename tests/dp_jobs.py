@@ -117,6 +117,8 @@ def _spec(mode: str) -> AdaptiveConfig:
     cfg = AdaptiveConfig(warmup_batches=1, update_interval=1, ema_alpha=0.5, lockstep_check_every=4)
     if mode == "forced":  # the static policy underneath: only the forced switches move the depth
         return cfg.replace(policy="static", candidate_steps=(1, 2, 3, 5, 7))
+    if mode == "goodput":  # the cost table is measured and agreed at start-up
+        return cfg.replace(policy="goodput", candidate_steps=(0, 1, 3, 7), probe_every=2)
     return cfg
 
 
@@ -171,6 +173,7 @@ def generate_job(rank: int, root: str, dp: int, modes: list[str], prompts: list[
                          "hist": dict(engine.stats.accept_histogram),
                          "graph_rounds": engine.stats.graph_rounds,
                          "captures": [captured, captures_after],
+                         "round_cost": engine.planner.config.to_dict().get("round_cost"),
                          "log": [e.signature() for e in ctx.recorder.log[start:]]}
         return out
     finally:

@@ -192,3 +192,27 @@ def progress_mismatch_job(rank: int, trace_dir: str) -> str:
         return str(exc)
     finally:
         ctx.shutdown(aborted=True)
+
+
+def round_cost_job(rank: int, measured_per_rank: dict, cfg_dict: dict, rounds: int = 0) -> dict:
+    """Agree the config, then the goodput cost table from this rank's measurement
+    (``measured_per_rank[rank]``: bucket -> steps -> seconds); run ``rounds`` consensus rounds
+    with the agreed config (the pre-flight compares config hashes). Returns what start-up said."""
+    from adaptive_dist.startup import agree_round_cost
+
+    ctx = _ctx(None)
+    world = ctx.layout().group("world")
+    try:
+        cfg = agree_config(lambda: AdaptiveConfig.from_dict({**cfg_dict, "policy": "goodput"}),
+                           world)
+        cfg = agree_round_cost(cfg, measured_per_rank[rank], world)
+        ctrl = AdaptiveController(cfg, world)
+        for _ in range(rounds):
+            plan = ctrl.begin_round(2)
+            ctrl.end_round([min(1, plan.steps)] * 2)
+        return {"ok": True, "round_cost": cfg.to_dict()["round_cost"], "digest": cfg.digest(),
+                "steps": ctrl.steps}
+    except ValueError as exc:
+        return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+    finally:
+        ctx.shutdown(aborted=True)

@@ -46,6 +46,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--adaptive", action="store_true",
                       help="adaptive draft depth (EMA policy over candidate tiers)")
     mode.add_argument("--no-spec", action="store_true", help="plain decoding with the target")
+    p.add_argument("--policy", choices=("ema", "goodput"), default=None,
+                   help="with --adaptive: ema (the acceptance ladder, default) or goodput "
+                        "(expected tokens per unit of measured round cost)")
     p.add_argument("--config", metavar="FILE", help="JSON file of adaptive settings (--adaptive only)")
     p.add_argument("--model", default=str(DEFAULT_MODEL), metavar="DIR",
                    help="the target: a Hugging Face directory (config.json, weights, "
@@ -160,15 +163,6 @@ def _sizes(args: argparse.Namespace, model_cfg: Any, prompts: list, encoded: lis
 
 # ---- report -----------------------------------------------------------------------------------
 
-def _mode(config: Any) -> str:
-    spec = config.spec
-    if not config.speculative:
-        return "no speculation"
-    if spec.adaptive:
-        return f"adaptive ({spec.policy} over {list(spec.candidate_steps)}, start {spec.initial_steps})"
-    return f"static steps={spec.initial_steps}"
-
-
 def summary(args: argparse.Namespace, prompts: list, report: dict, cluster: Any) -> dict[str, Any]:
     """The JSON object of `--json` (also the source of the text table)."""
     tokenizer = cluster.tokenizer
@@ -189,7 +183,7 @@ def summary(args: argparse.Namespace, prompts: list, report: dict, cluster: Any)
         if spec else None,
         "accept_histogram": {str(k): v for k, v in sorted(hist.items())},
         "tokens_per_second": generated / elapsed if elapsed > 0 else 0.0,
-        "switches": stats["switches"], "mode": _mode(cluster.config),
+        "switches": stats["switches"], "mode": cluster.config.mode,
         "steps_timeline": stats["steps_timeline"],
         "rounds": max(rep["rounds"] for rep in report["replicas"]),
         "cluster_rounds": stats["cluster_rounds"],

@@ -107,6 +107,17 @@ class EngineConfig:
         top = pick_bucket(self.max_batch_size, buckets) or buckets[-1]
         return tuple(b for b in buckets if b <= top)
 
+    @property
+    def mode(self) -> str:
+        """A short description of the decoding mode (for reports, /v1/models and logs)."""
+        spec = self.spec
+        if not self.speculative:
+            return "no speculation"
+        if spec.adaptive:
+            return (f"adaptive ({spec.policy} over {list(spec.candidate_steps)}, "
+                    f"start {spec.initial_steps})")
+        return f"static steps={spec.initial_steps}"
+
     def kv_tokens(self, prompt_len: int, max_new_tokens: int) -> int:
         """KV tokens a request may ever hold (what admission reserves)."""
         return prompt_len + max_new_tokens + self.max_steps + 1

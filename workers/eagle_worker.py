@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from workers.attention import ForwardMode, PaddedBatch, StaticBackend, build_metadata
@@ -39,30 +40,41 @@ from workers.config import EngineConfig
 from workers.cuda_graphs import CudaGraphRunner, GraphEntry
 from workers.kv_cache import DUMMY_PAGE, KVPool, pages_for
 from workers.runtime_state import SpecRuntimeState
-from workers.sampling import accept_rejection, sample, target_probs
 from workers.scheduler import Request
+from workers.spec_decode import SALT_SAMPLE, draft_step, sample_tokens, verify
 
-PHASES = ("logits", "draft", "verify", "extend")
+PHASES = ("draft", "verify", "extend")
+
+
+@dataclass
+class RoundResult:
+    """What the host reads of a round, one row per request: its first token (drawn at prefill),
+    its accepted draft tokens, and the round's candidate tokens (`tokens[b, :accept[b] + 1]`
+    are committed)."""
+
+    first: np.ndarray
+    accept: np.ndarray
+    tokens: np.ndarray
 
 
 @dataclass
 class StepBuffers:
-    """The static inputs of one tier's padded forwards (fixed addresses), and its graphs."""
+    """One tier's static buffers (fixed addresses: what its CUDA graphs read and write) and its
+    graphs, keyed by (phase, bucket, all_greedy)."""
 
     steps: int
-    rows: torch.Tensor       # [Bmax] slot of each batch row
-    ids: torch.Tensor        # [Bmax * W] token ids
-    pos: torch.Tensor        # [Bmax * W] positions
-    feats: torch.Tensor      # [Bmax * W, d] head feature inputs
-    page_tab: torch.Tensor   # [Bmax, P] page table of each row
-    cached: torch.Tensor     # [Bmax] KV tokens before the forward
-    qo_len: torch.Tensor     # [Bmax] real new tokens of each row (0: a dummy row)
-    graphs: dict[tuple[str, int], GraphEntry] = field(default_factory=dict)
+    rows: torch.Tensor       # [Bmax] in: the slot of each batch row (dummy slot for padding)
+    drafts: torch.Tensor     # [Bmax, S] draft tokens          (draft -> verify)
+    q: torch.Tensor          # [Bmax, S, V] draft distributions (draft -> verify)
+    hidden: torch.Tensor     # [Bmax * W, d] verify features   (verify -> extend)
+    accept: torch.Tensor     # [Bmax] accepted drafts           (verify -> extend, host)
+    tokens: torch.Tensor     # [Bmax, W] committed candidates   (verify -> extend, host)
+    out: torch.Tensor        # [Bmax, 2 + W] staging of what the host reads once per round
+    graphs: dict[tuple[str, int, bool], GraphEntry] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.rows, self.ids, self.pos, self.feats, self.page_tab, self.cached,
-                   self.qo_len)
+        tensors = (self.rows, self.drafts, self.q, self.hidden, self.accept, self.tokens, self.out)
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -85,10 +97,23 @@ class EagleWorker:
         slots, reach = config.max_batch_size + 1, config.pages_per_request
         self.dummy_slot = config.max_batch_size
         dim, dtype = target.config.hidden_size, next(target.parameters()).dtype
-        self.slot_pages = torch.full((slots, reach), DUMMY_PAGE, dtype=torch.int64, device=self.device)
-        self.slot_len = torch.zeros(slots, dtype=torch.int64, device=self.device)
-        self.slot_last = torch.zeros(slots, dtype=torch.int64, device=self.device)
-        self.slot_feature = torch.zeros(slots, dim, dtype=dtype, device=self.device)
+
+        def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dt, device=self.device)
+
+        # per-request state, one row per batch slot (the last row is the dummy slot)
+        self.slot_pages = torch.full((slots, reach), DUMMY_PAGE, dtype=torch.int64,
+                                     device=self.device)
+        self.slot_len = zeros(slots)            # n: tokens in each cache
+        self.slot_last = zeros(slots)           # x_n: the last committed token
+        self.slot_feature = zeros(slots, dim, dt=dtype)   # g_n: the head's last output
+        self.slot_seed = zeros(slots)
+        self.slot_temp = zeros(slots, dt=torch.float32)
+        self.slot_top_p = torch.ones(slots, dtype=torch.float32, device=self.device)
+        pin = self.device.type == "cuda"
+        self._rows_host = torch.zeros(max([slots, *config.graph_buckets]), dtype=torch.int64,
+                                      pin_memory=pin)
+        self._out_host: torch.Tensor | None = None
         self.graphs = CudaGraphRunner(self.device) if config.graph_buckets else None
         self.buckets = config.graph_buckets
         self.state: SpecRuntimeState | None = None
@@ -131,15 +156,15 @@ class EagleWorker:
             raise ValueError(f"steps={steps}: must be in [0, max_steps={self.config.max_steps}]")
         width, dim = steps + 1, self.target.config.hidden_size
         top = max([self.config.max_batch_size, *self.buckets])
-        dtype = self.slot_feature.dtype
+        vocab = self.target.config.vocab_size
 
         def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dt, device=self.device)
 
-        bufs = StepBuffers(steps=steps, rows=zeros(top), ids=zeros(top * width),
-                           pos=zeros(top * width), feats=zeros(top * width, dim, dt=dtype),
-                           page_tab=zeros(top, self.config.pages_per_request), cached=zeros(top),
-                           qo_len=zeros(top))
+        bufs = StepBuffers(steps=steps, rows=zeros(top), drafts=zeros(top, steps),
+                           q=zeros(top, steps, vocab, dt=torch.float32),
+                           hidden=zeros(top * width, dim, dt=self.slot_feature.dtype),
+                           accept=zeros(top), tokens=zeros(top, width), out=zeros(top, 2 + width))
         nbytes = bufs.nbytes
         if self.graphs is not None:
             before = self.graphs.pool_bytes()
@@ -151,123 +176,177 @@ class EagleWorker:
         """Make `state` the one in force (a reference swap: nothing is built or allocated)."""
         self.state = state
 
-    def _phases(self, steps: int) -> list[tuple[str, int]]:
-        """(phase, width) of every padded forward a round at `steps` runs."""
-        if steps == 0:
-            return [("verify", 1)]
-        out = [("verify", steps + 1), ("extend", steps + 1), ("logits", 1)]
-        return out + ([("draft", 1)] if steps > 1 else [])
-
     def _capture(self, bufs: StepBuffers) -> None:
-        """Capture every phase at every bucket, largest bucket first (start-up only)."""
+        """Capture every phase at every bucket, largest bucket first (start-up only): the whole
+        draft loop, verify + accept, draft-extend + the slot update; the draft and verify phases
+        once with device sampling (any request) and once greedy-only (argmax, cheaper)."""
         bufs.rows.fill_(self.dummy_slot)
-        bufs.page_tab.fill_(DUMMY_PAGE)
-        bufs.cached.zero_()
-        bufs.qo_len.zero_()
-        reach = bufs.page_tab.shape[1]
+        reach = self.slot_pages.shape[1]
         for bucket in sorted(self.buckets, reverse=True):
-            for phase, width in self._phases(bufs.steps):
-                body = self._body(bufs, phase, bucket, width, reach)
-                name = f"{phase}/steps={bufs.steps}/bucket={bucket}"
-                bufs.graphs[(phase, bucket)] = self.graphs.capture_body(name, body)
+            for phase in self._phases(bufs.steps):
+                for greedy in ((False, True) if phase != "extend" else (True,)):
+                    body = self._body(bufs, phase, bucket, reach, greedy)
+                    name = f"{phase}/steps={bufs.steps}/bucket={bucket}/greedy={greedy}"
+                    bufs.graphs[(phase, bucket, greedy)] = self.graphs.capture_body(name, body)
+        self.slot_len[self.dummy_slot] = 0
 
-    # ---- the padded forwards ------------------------------------------------------------------
-    def _body(self, bufs: StepBuffers, phase: str, rows: int, width: int,
-              reach: int) -> Callable[[], Any]:
-        """One padded forward of `rows` rows by `width` tokens over `bufs` (what a graph holds)."""
-        n = rows * width
+    def _phases(self, steps: int) -> tuple[str, ...]:
+        """The phases of a round at `steps`. Depth 0 with a head (a tier the goodput policy may
+        pick) still runs draft-extend over the committed token, so the draft cache and the head's
+        feature stay current for when drafting resumes."""
+        if steps > 0:
+            return PHASES
+        return ("verify", "extend") if self.speculative else ("verify",)
 
-        def attn(pool: KVPool) -> Any:
-            meta = PaddedBatch(bufs.page_tab[:rows, :reach], bufs.cached[:rows],
-                               bufs.qo_len[:rows], width)
-            return self.static.plan(meta, pool)
+    # ---- the round's three bodies (what a graph holds; eager rounds call them directly) ---------
+    def _body(self, bufs: StepBuffers, phase: str, bp: int, reach: int,
+              greedy: bool) -> Callable[[], None]:
+        """Phase `phase` of a round over `bp` rows whose KV reach is `reach` pages; reads and
+        writes only the tier's static buffers and the slot state."""
+        fn = {"draft": self._draft_phase, "verify": self._verify_phase,
+              "extend": self._extend_phase}[phase]
+        return lambda: fn(bufs, bp, reach, greedy)
 
-        def verify() -> tuple[torch.Tensor, torch.Tensor]:
-            hidden = self.target(bufs.ids[:n], bufs.pos[:n], attn(self.target_kv))
-            return hidden, self.target.compute_logits(hidden)
+    def _rows(self, bufs: StepBuffers, bp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(slot of each row, its cache length n, 1 for a real row / 0 for a dummy one)."""
+        rows = bufs.rows[:bp]
+        return rows, self.slot_len[rows], (rows != self.dummy_slot).to(torch.int64)
 
-        def extend() -> torch.Tensor:
-            return self.head(bufs.ids[:n], bufs.feats[:n], bufs.pos[:n], attn(self.draft_kv))
+    def _attn(self, pool: KVPool, rows: torch.Tensor, reach: int, cached: torch.Tensor,
+              qo_len: torch.Tensor, width: int) -> Any:
+        meta = PaddedBatch(self.slot_pages[rows][:, :reach], cached, qo_len, width)
+        return self.static.plan(meta, pool)
 
-        def draft() -> tuple[torch.Tensor, torch.Tensor]:
-            g = extend()
-            return g, self.head.compute_logits(g)
+    def _sampling(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.slot_temp[rows], self.slot_top_p[rows], self.slot_seed[rows]
 
-        def logits() -> torch.Tensor:
-            return self.head.compute_logits(bufs.feats[:rows])
+    def _draft_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
+        """`steps` draft tokens per row (chain drafting) and their distributions."""
+        rows, n, real = self._rows(bufs, bp)
+        temp, top_p, seed = self._sampling(rows)
+        g = self.slot_feature[rows]
+        for k in range(1, bufs.steps + 1):
+            if k > 1:  # the head over d_{k-1} at position n+k-1 (draft KV index n+k-2)
+                attn = self._attn(self.draft_kv, rows, reach, n + k - 2, real, 1)
+                g = self.head(bufs.drafts[:bp, k - 2], g, n + k - 1, attn)
+            logits = self.head.compute_logits(g)
+            token, q = draft_step(logits.float(), temp, top_p, seed, n, k, all_greedy=greedy)
+            bufs.drafts[:bp, k - 1] = token
+            bufs.q[:bp, k - 1] = q
 
-        return {"verify": verify, "extend": extend, "draft": draft, "logits": logits}[phase]
+    def _verify_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
+        """The target over `[x_n, d_1..d_S]`, then acceptance on the device."""
+        steps, width = bufs.steps, bufs.steps + 1
+        rows, n, real = self._rows(bufs, bp)
+        temp, top_p, seed = self._sampling(rows)
+        offsets = torch.arange(width, device=self.device)
+        ids = torch.cat([self.slot_last[rows][:, None], bufs.drafts[:bp]], dim=1).reshape(-1)
+        attn = self._attn(self.target_kv, rows, reach, n, real * width, width)
+        hidden = self.target(ids, (n[:, None] + offsets).reshape(-1), attn)
+        logits = self.target.compute_logits(hidden).float().view(bp, width, -1)
+        if steps == 0:
+            tokens = sample_tokens(logits[:, 0], temp, top_p, seed, n, SALT_SAMPLE,
+                                   all_greedy=greedy)[:, None]
+            accept = torch.zeros_like(n)
+        else:
+            accept, tokens = verify(bufs.drafts[:bp], bufs.q[:bp], logits, temp, top_p, seed, n,
+                                    real * steps, all_greedy=greedy)
+        bufs.hidden[:bp * width] = hidden
+        bufs.accept[:bp] = accept * real
+        bufs.tokens[:bp] = tokens
+        bufs.out[:bp, 0] = self.slot_last[rows]
+        if steps == 0 and not self.speculative:
+            self._advance(bufs, bp, rows, n, None)
 
-    def _run(self, phase: str, width: int, bp: int, bucket: int | None, reach: int) -> Any:
-        """Replay the graph of `phase` at `bucket`, or run the same body eagerly at `bp` rows."""
-        bufs: StepBuffers = self.state.payload
-        if bucket is None:
-            return self._body(bufs, phase, bp, width, reach)()
-        entry = bufs.graphs.get((phase, bucket))
-        if entry is None:
-            raise RuntimeError(f"no CUDA graph for {phase} at steps={bufs.steps}, bucket {bucket} "
-                               f"(captured buckets {list(self.buckets)})")
-        return entry.replay()
+    def _extend_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
+        """The head over the committed tokens at positions n+1.. (draft KV index n..), fed the
+        target features f_n.. (verify rows 0..a); its row a is the next g; the slots advance."""
+        width = bufs.steps + 1
+        rows, n, real = self._rows(bufs, bp)
+        accept = bufs.accept[:bp]
+        offsets = torch.arange(width, device=self.device)
+        attn = self._attn(self.draft_kv, rows, reach, n, real * (accept + 1), width)
+        out = self.head(bufs.tokens[:bp].reshape(-1), bufs.hidden[:bp * width],
+                        (n[:, None] + 1 + offsets).reshape(-1), attn)
+        g = out.view(bp, width, -1)[torch.arange(bp, device=self.device), accept]
+        self._advance(bufs, bp, rows, n, g)
+
+    def _advance(self, bufs: StepBuffers, bp: int, rows: torch.Tensor, n: torch.Tensor,
+                 g: torch.Tensor | None) -> None:
+        """Move every row's slot past its committed tokens and stage what the host reads."""
+        accept = bufs.accept[:bp]
+        index = torch.arange(bp, device=self.device)
+        self.slot_len.index_copy_(0, rows, n + accept + 1)
+        self.slot_last.index_copy_(0, rows, bufs.tokens[:bp][index, accept])
+        if g is not None:
+            self.slot_feature.index_copy_(0, rows, g)
+        self.slot_len[self.dummy_slot:].zero_()
+        bufs.out[:bp, 1] = accept
+        bufs.out[:bp, 2:] = bufs.tokens[:bp]
 
     # ---- prefill ------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, reqs: list[Request], pad_tokens: int, pad_requests: int) -> None:
-        """Run new requests' prompts through the target (and the head) and commit their first
-        token. Every rank calls it when any rank prefills: `pad_tokens` / `pad_requests` are the
-        round's agreed sizes (this rank's rows beyond its own are padding)."""
+        """Run new requests' prompts through the target (and the head); their first token is
+        drawn on the device into their slot (the host reads it with the round's tokens). Every
+        rank calls it when any rank prefills: `pad_tokens` / `pad_requests` are the round's
+        agreed sizes (this rank's rows beyond its own are padding)."""
         lens = [len(r.prompt_ids) for r in reqs]
         total = sum(lens)
         if total > pad_tokens or len(reqs) > pad_requests:
             raise RuntimeError(f"prefill of {len(reqs)} requests / {total} tokens exceeds the "
                                f"agreed {pad_requests} / {pad_tokens}")
-        for req in reqs:
-            self.slot_pages[req.slot].fill_(DUMMY_PAGE)
-            self.slot_pages[req.slot, :len(req.pages)] = torch.tensor(req.pages)
-        ps = self.config.page_size
+        self._set_slots(reqs)
         ids = self._tensor([t for r in reqs for t in r.prompt_ids], pad_tokens)
         pos = self._tensor([i for n in lens for i in range(n)], pad_tokens)
         meta = build_metadata(ForwardMode.EXTEND, [r.pages for r in reqs], [0] * len(reqs), lens,
-                              ps, self.device)
+                              self.config.page_size, self.device)
         hidden = self.target(ids, pos, self.backend.plan(meta, self.target_kv))
         ends = [sum(lens[:i + 1]) - 1 for i in range(len(reqs))]
         last = self._tensor(ends, pad_requests)
-        logits = self.target.compute_logits(hidden[last])
-        first = self._pick(logits, reqs)
-        slots = self._tensor([r.slot for r in reqs])
-        firsts = self._tensor(first)
-        for req, token in zip(reqs, first):
-            req.commit([token])
-        if self.speculative:
-            shifted = [t for r, n in zip(reqs, lens) for t in r.prompt_ids[1:n] + [r.output_ids[0]]]
-            ids2 = self._tensor(shifted, pad_tokens)
+        logits = self.target.compute_logits(hidden[last]).float()
+        slots = self._tensor([r.slot for r in reqs] + [self.dummy_slot] * (pad_requests - len(reqs)))
+        temp, top_p, seed = self._sampling(slots)
+        first = sample_tokens(logits, temp, top_p, seed, self._tensor(lens, pad_requests) - 1,
+                              SALT_SAMPLE, all_greedy=all(r.params.greedy for r in reqs))
+        if self.speculative:  # the head over x_1 .. x_P with f_0 .. f_{P-1}: positions 1 .. P
+            nxt = self._tensor([t for r, n in zip(reqs, lens) for t in r.prompt_ids[1:n] + [0]],
+                               pad_tokens)
+            nxt[last[:len(reqs)]] = first[:len(reqs)]
             pos2 = self._tensor([i + 1 for n in lens for i in range(n)], pad_tokens)
-            out = self.head(ids2, hidden, pos2, self.backend.plan(meta, self.draft_kv))
-            self.slot_feature.index_copy_(0, slots, out[last[:len(reqs)]])
-        self.slot_len.index_copy_(0, slots, self._tensor(lens))
-        self.slot_last.index_copy_(0, slots, firsts)
+            out = self.head(nxt, hidden, pos2, self.backend.plan(meta, self.draft_kv))
+            self.slot_feature.index_copy_(0, slots, out[last])
+        self.slot_len.index_copy_(0, slots, self._tensor(lens, pad_requests))
+        self.slot_last.index_copy_(0, slots, first)
+        self.slot_len[self.dummy_slot:].zero_()
+
+    def _set_slots(self, reqs: list[Request]) -> None:
+        """Page tables and sampling settings of newly admitted requests into their slots."""
+        for req in reqs:
+            self.slot_pages[req.slot].fill_(DUMMY_PAGE)
+            self.slot_pages[req.slot, :len(req.pages)] = torch.tensor(req.pages)
+        if reqs:
+            slots = self._tensor([r.slot for r in reqs])
+            self.slot_seed.index_copy_(0, slots, self._tensor([r.seed for r in reqs]))
+            self.slot_temp.index_copy_(0, slots, torch.tensor(
+                [float(r.params.temperature) for r in reqs], device=self.device))
+            self.slot_top_p.index_copy_(0, slots, torch.tensor(
+                [float(r.params.top_p) for r in reqs], device=self.device))
 
     def _tensor(self, values: list[int], pad_to: int | None = None) -> torch.Tensor:
         """`values` (zero-padded to `pad_to`) as an int64 device tensor."""
         pad = [] if pad_to is None else [0] * (pad_to - len(values))
         return torch.tensor(values + pad, dtype=torch.int64).to(self.device)
 
-    def _pick(self, logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
-        """The next token of each request from its row of `logits` (argmax, or a sample)."""
-        tokens = logits.argmax(-1)[:len(reqs)].tolist()
-        for b, req in enumerate(reqs):
-            if not req.params.greedy:
-                p = target_probs(logits[b][None], req.params.temperature, req.params.top_p)
-                tokens[b] = int(sample(p, req.generator))
-        return tokens
-
     # ---- the speculative round ------------------------------------------------------------------
     @torch.inference_mode()
     def spec_round(self, reqs: list[Request], batch_pad: int,
-                   graph_bucket: int | None = None) -> list[int]:
+                   graph_bucket: int | None = None) -> "RoundResult":
         """One round at the depth in force over `reqs`, padded to `batch_pad` rows (the plan's
-        batch); `graph_bucket` replays the CUDA graphs of that bucket (None: eager). Returns the
-        accept lengths (draft tokens accepted, bonus excluded) in the order of `reqs`."""
-        steps, width = self.steps, self.steps + 1
+        batch); `graph_bucket` replays the CUDA graphs of that bucket (None: the same bodies,
+        eager). Returns the round's rows for `reqs` (first tokens of fresh requests, accept lengths
+        — draft tokens accepted, bonus excluded — and candidate tokens), read from the device once;
+        the scheduler commits them."""
         bp = graph_bucket if graph_bucket is not None else batch_pad
         if len(reqs) > bp:
             raise RuntimeError(f"{len(reqs)} requests do not fit the agreed batch of {bp}")
@@ -275,116 +354,41 @@ class EagleWorker:
             raise RuntimeError(f"the plan says CUDA graphs at bucket {graph_bucket}, but this "
                                f"worker captured {list(self.buckets)}")
         bufs: StepBuffers = self.state.payload
-        reach = self._reach(reqs, bufs, graph_bucket)
-        bufs.rows[:bp].copy_(self._tensor([r.slot for r in reqs]
-                                          + [self.dummy_slot] * (bp - len(reqs))))
-        rows = bufs.rows[:bp]
-        real = (rows != self.dummy_slot).to(torch.int64)
-        n = self.slot_len[rows]
-        bufs.page_tab[:bp].copy_(self.slot_pages[rows])
-        drafts, probs = self._draft(reqs, bufs, rows, n, real, bp, graph_bucket, reach)
-        tokens_in = torch.cat([self.slot_last[rows][:, None], drafts], dim=1)
-        self._fill(bufs, bp, width, tokens_in, n[:, None] + torch.arange(width, device=self.device),
-                   cached=n, qo_len=real * width)
-        hidden, logits = self._run("verify", width, bp, graph_bucket, reach)
-        accept, committed = self._accept(reqs, logits.view(bp, width, -1), drafts, probs, real)
-        row_idx = torch.arange(bp, device=self.device)
-        if steps > 0:
-            self._fill(bufs, bp, width, committed,
-                       n[:, None] + 1 + torch.arange(width, device=self.device),
-                       cached=n, qo_len=real * (accept + 1), feats=hidden)
-            out = self._run("extend", width, bp, graph_bucket, reach)
-            self.slot_feature.index_copy_(0, rows, out.view(bp, width, -1)[row_idx, accept])
-        self.slot_len.index_copy_(0, rows, n + accept + 1)
-        self.slot_last.index_copy_(0, rows, committed[row_idx, accept])
-        self.slot_len[self.dummy_slot] = 0
-        host = torch.cat([accept[:, None], committed], dim=1)[:len(reqs)].tolist()  # the one read
-        for req, row in zip(reqs, host):
-            req.accept_lengths.append(row[0])
-            req.commit(row[1:row[0] + 2])
-        return [row[0] for row in host]
+        staged = self._rows_host[:bp]
+        staged.fill_(self.dummy_slot)
+        staged[:len(reqs)] = torch.tensor([r.slot for r in reqs], dtype=torch.int64)
+        bufs.rows[:bp].copy_(staged, non_blocking=True)
+        greedy = all(r.params.greedy for r in reqs)
+        reach = self._reach(reqs, graph_bucket)
+        for phase in self._phases(bufs.steps):
+            if graph_bucket is None:
+                self._body(bufs, phase, bp, reach, greedy)()
+            else:
+                bufs.graphs[(phase, graph_bucket, greedy)].replay()
+        return self._read(bufs, reqs)
 
-    def _reach(self, reqs: Sequence[Request], bufs: StepBuffers, bucket: int | None) -> int:
+    def _read(self, bufs: StepBuffers, reqs: list[Request]) -> "RoundResult":
+        """The round's one device-to-host read (pinned staging on CUDA)."""
+        out = bufs.out[:len(reqs)]
+        if self.device.type == "cuda":
+            if self._out_host is None or self._out_host.shape != bufs.out.shape:
+                self._out_host = torch.empty(bufs.out.shape, dtype=torch.int64, pin_memory=True)
+            host = self._out_host[:len(reqs)]
+            host.copy_(out, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            host = out
+        rows = host.numpy()
+        return RoundResult(first=rows[:, 0].copy(), accept=rows[:, 1].copy(),
+                           tokens=rows[:, 2:].copy())
+
+    def _reach(self, reqs: Sequence[Request], bucket: int | None) -> int:
         """Pages of KV each row may read: the captured reach for graphs, else what this batch
         needs (attention is local to the rank, so eager ranks may differ)."""
-        if bucket is not None or not reqs:
-            return bufs.page_tab.shape[1] if bucket is not None else 1
-        longest = max(r.num_tokens for r in reqs) + self.steps
-        return min(pages_for(longest, self.config.page_size), bufs.page_tab.shape[1])
-
-    def _fill(self, bufs: StepBuffers, bp: int, width: int, ids: torch.Tensor, pos: torch.Tensor,
-              cached: torch.Tensor, qo_len: torch.Tensor, feats: torch.Tensor | None = None) -> None:
-        """Write one padded forward's inputs into the tier's static buffers."""
-        rows = bp * width
-        bufs.ids[:rows].copy_(ids.reshape(-1))
-        bufs.pos[:rows].copy_(pos.reshape(-1))
-        bufs.cached[:bp].copy_(cached)
-        bufs.qo_len[:bp].copy_(qo_len)
-        if feats is not None:
-            bufs.feats[:rows].copy_(feats.reshape(rows, -1))
-
-    def _draft(self, reqs: list[Request], bufs: StepBuffers, rows: torch.Tensor, n: torch.Tensor,
-               real: torch.Tensor, bp: int, bucket: int | None, reach: int,
-               ) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
-        """`steps` draft tokens per row [Bp, S] (chain drafting) and, for sampling requests, the
-        draft distributions they were drawn from (by row)."""
-        steps = self.steps
-        drafts: list[torch.Tensor] = []
-        probs: dict[int, list[torch.Tensor]] = {}
-        if steps == 0:
-            return torch.zeros(bp, 0, dtype=torch.int64, device=self.device), probs
-        g = self.slot_feature[rows]
-        bufs.feats[:bp].copy_(g)
-        logits = self._run("logits", 1, bp, bucket, reach)
-        for k in range(1, steps + 1):
-            if k > 1:
-                self._fill(bufs, bp, 1, drafts[-1], n + k - 1, cached=n + k - 2, qo_len=real,
-                           feats=g)
-                g, logits = self._run("draft", 1, bp, bucket, reach)
-            drafts.append(self._draft_tokens(logits, reqs, probs))
-        return torch.stack(drafts, dim=1), probs
-
-    def _draft_tokens(self, logits: torch.Tensor, reqs: list[Request],
-                      probs: dict[int, list[torch.Tensor]]) -> torch.Tensor:
-        """One draft token per row: argmax (on the device), or drawn from q for sampling rows."""
-        tokens = logits.argmax(-1)
-        sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
-        if not sampled:
-            return tokens
-        picks = tokens.tolist()
-        for b in sampled:
-            req = reqs[b]
-            q = target_probs(logits[b][None], req.params.temperature, req.params.top_p)
-            picks[b] = int(sample(q, req.generator))
-            probs.setdefault(b, []).append(q[0])
-        return torch.tensor(picks, dtype=torch.int64, device=self.device)
-
-    def _accept(self, reqs: list[Request], logits: torch.Tensor, drafts: torch.Tensor,
-                probs: dict[int, list[torch.Tensor]], real: torch.Tensor,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(accepted drafts [Bp], committed tokens [Bp, W]): row b commits `committed[b, :a+1]`.
-        Greedy rows on the device: the target's argmax matches the drafts for `a` tokens, and the
-        committed tokens are exactly the argmax row. Sampling rows: rejection sampling."""
-        argmax = logits.argmax(-1)
-        steps = drafts.shape[1]
-        if steps:
-            accept = (drafts == argmax[:, :steps]).to(torch.int64).cumprod(dim=1).sum(dim=1)
-        else:
-            accept = torch.zeros_like(real)
-        accept = accept * real
-        sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
-        if not sampled:
-            return accept, argmax
-        accept_host, committed_host = accept.tolist(), argmax.tolist()
-        draft_host = drafts.tolist()
-        for b in sampled:
-            req = reqs[b]
-            p = target_probs(logits[b], req.params.temperature, req.params.top_p)
-            if steps == 0:
-                a, toks = 0, [int(sample(p[:1], req.generator))]
-            else:
-                a, toks = accept_rejection(draft_host[b], torch.stack(probs[b]), p, req.generator)
-            accept_host[b] = a
-            committed_host[b][:len(toks)] = toks
-        return (torch.tensor(accept_host, dtype=torch.int64, device=self.device),
-                torch.tensor(committed_host, dtype=torch.int64, device=self.device))
+        full = self.slot_pages.shape[1]
+        if bucket is not None:
+            return full
+        if not reqs:
+            return 1
+        longest = max(r.num_tokens for r in reqs) + self.steps + 1
+        return min(pages_for(longest, self.config.page_size), full)

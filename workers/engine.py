@@ -14,14 +14,17 @@ One engine step (every rank of the cluster, idle ones too):
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from adaptive_dist.controller import AdaptiveController, RoundPlan
+from adaptive_dist.startup import agree_round_cost
 from collectives import Group, LockstepGuard
 from workers.attention import make_backend
 from workers.config import EngineConfig
@@ -90,7 +93,7 @@ class Engine:
     """Continuous batching over one `EagleWorker`, each round planned with the cluster."""
 
     def __init__(self, config: EngineConfig, worker: EagleWorker, scheduler: Scheduler,
-                 planner: RoundPlanner, guard: LockstepGuard | None = None) -> None:
+                 planner: RoundPlanner | None, guard: LockstepGuard | None = None) -> None:
         self.config, self.worker, self.scheduler, self.planner = config, worker, scheduler, planner
         self.guard = guard
         self.stats = EngineStats()
@@ -188,21 +191,46 @@ class Engine:
         if not plan.cluster_requests:
             return []
         bucket = plan.batch_bucket if plan.use_graph else None
-        accepts = self.worker.spec_round(live, plan.batch_pad, bucket)
+        result = self.worker.spec_round(live, plan.batch_pad, bucket)
+        self.scheduler.commit_round(live, result.first, result.accept, result.tokens)
         if live:
             self.stats.record_plan(plan.steps, plan.switched)
             self.stats.graph_rounds += bucket is not None
             if self.config.speculative:
-                self.stats.accept_histogram.update(accepts)
+                counts = np.bincount(result.accept)
+                self.stats.accept_histogram.update(
+                    {int(k): int(v) for k, v in enumerate(counts) if v})
             self.stats.rounds += 1
-        return accepts
+        return result.accept.tolist()
+
+    def measure_round_costs(self, repeats: int = 5) -> dict[int, dict[int, float]]:
+        """Seconds of one round at every tier and batch bucket (dummy rows, the graphs when the
+        engine has them; the median of `repeats`): what the goodput policy weighs depths with.
+        Collective: every rank measures the same tiers and buckets in the same order."""
+        buckets = self.worker.buckets or tuple(b for b in self.config.spec.graph_buckets
+                                               if b <= self.config.max_batch_size) or (1,)
+        sync = (torch.cuda.synchronize if self.worker.device.type == "cuda" else (lambda: None))
+        table: dict[int, dict[int, float]] = {}
+        for bucket in buckets:
+            for steps in self.pool.states:
+                self.pool.apply(steps)
+                times = []
+                for _ in range(repeats + 1):  # the first is a warm-up
+                    sync()
+                    start = time.perf_counter()
+                    self.worker.spec_round([], bucket, bucket if self.worker.buckets else None)
+                    sync()
+                    times.append(time.perf_counter() - start)
+                table.setdefault(bucket, {})[steps] = statistics.median(times[1:])
+        self.pool.apply(self.config.spec.initial_steps)
+        return table
 
     def warmup(self) -> None:
         """One dummy prefill and one dummy round on every rank (all rows padding): connects
         every process group and runs every kernel once, so the first request does not pay for
         it. Collective: every rank of the cluster calls it at start-up."""
         self.worker.prefill([], 1, 1)
-        if self.planner.steps == self.worker.steps:
+        if self.planner is not None and self.planner.steps == self.worker.steps:
             self.worker.spec_round([], 1, None)
 
     def _refuse_stuck(self) -> None:
@@ -255,5 +283,11 @@ def build_engine(config: EngineConfig, target: torch.nn.Module, head: torch.nn.M
                           lambda r: config.kv_tokens(len(r.prompt_ids), r.params.max_new_tokens),
                           device=config.device)
     group = group if group is not None else Group.single(config.device, name="world")
-    controller = AdaptiveController(config.spec, group, guard=guard)
-    return Engine(config, worker, scheduler, controller, guard)
+    engine = Engine(config, worker, scheduler, None, guard)  # every tier built (and captured)
+    if config.spec.needs_round_cost:
+        # goodput: measure this rank's round costs on the built tiers and agree the table (the
+        # element-wise maximum over the ranks) before the controller, whose hash includes it
+        spec = agree_round_cost(config.spec, engine.measure_round_costs(), group)
+        engine.config = config = config.replace(spec=spec)
+    engine.planner = AdaptiveController(config.spec, group, guard=guard)
+    return engine

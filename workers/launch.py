@@ -123,7 +123,10 @@ def _spec(args: argparse.Namespace) -> Any:
 
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps {args.steps}: must be >= 1 (use --no-spec for no speculation)")
-    spec = load_config(args.config, "ema" if args.adaptive else "static", initial_steps=args.steps)
+    if args.policy is not None and not args.adaptive:
+        raise ValueError(f"--policy {args.policy} applies to --adaptive only")
+    policy = (args.policy or "ema") if args.adaptive else "static"
+    spec = load_config(args.config, policy, initial_steps=args.steps)
     if spec.max_steps > MAX_STEPS_LIMIT:
         where = f"--steps {args.steps}" if args.steps is not None else "candidate_steps"
         raise ValueError(f"{where}: draft depth {spec.max_steps} is beyond the maximum of "

@@ -8,9 +8,9 @@
   rejection the replacement comes from normalize(max(p - q, 0)); when all are kept the bonus token
   comes from p at the last position.
 
-Randomness only ever comes from an explicit `torch.Generator` (one per request in the engine, so a
-request's samples do not depend on what else is in the batch). Under tensor parallelism every TP
-rank holds the same full logits and the same seeded generators, so all ranks draw the same tokens.
+These are the host-side reference implementations (randomness from an explicit
+`torch.Generator`); the engine samples and accepts on the device with `workers.spec_decode`, whose
+tests compare against them.
 """
 from __future__ import annotations
 
@@ -65,14 +65,6 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torc
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of `probs` [N, V] -> [N] int64, drawn with `generator`."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None) -> int:
-    """The next token of one request from its logits [V] (argmax when greedy)."""
-    if params.greedy:
-        return int(logits.argmax())
-    return int(sample(target_probs(logits[None], params.temperature, params.top_p), generator))
 
 
 def accept_greedy(draft: list[int], target_argmax: list[int]) -> tuple[int, list[int]]:

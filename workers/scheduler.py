@@ -1,7 +1,8 @@
 """Requests and continuous batching.
 
-A `Request` carries its prompt, its sampling parameters, its generated tokens and its own seeded
-`torch.Generator`; `Request.commit` appends tokens and stops at a stop token or `max_new_tokens`
+A `Request` carries its prompt, its sampling parameters, its generated tokens and its
+seed (its random draws are a hash of the seed and the position, so they do not depend on the rest
+of the batch); `Request.commit` appends tokens and stops at a stop token or `max_new_tokens`
 (tokens past the stop are dropped). The `Scheduler` owns KV admission: it keeps a FIFO of waiting
 requests and the running batch; between rounds it admits waiting requests while the batch has a
 free slot and the page allocator can give them their worst case (their page table and batch slot
@@ -19,24 +20,83 @@ from typing import Callable
 
 import torch
 
+import numpy as np
+
 from workers.kv_cache import PageAllocator
 from workers.sampling import SamplingParams
 
 
-@dataclass
+MAX_STOP_IDS = 8
+"""Stop token ids a request may have (end-of-sequence ids of real tokenizers are 1-3)."""
+
+
+class OutputBuffer:
+    """Generated tokens of the running requests, one row per batch slot, committed for the whole
+    batch at once (numpy, no loop over requests): a row keeps the round's candidates up to its
+    accepted count, its first stop token and its `max_new_tokens`."""
+
+    def __init__(self, slots: int, capacity: int) -> None:
+        self.tokens = np.zeros((slots, capacity), dtype=np.int64)
+        self.count = np.zeros(slots, dtype=np.int64)
+        self.limit = np.zeros(slots, dtype=np.int64)
+        self.stops = np.full((slots, MAX_STOP_IDS), -1, dtype=np.int64)
+        self.accepted = np.zeros(slots, dtype=np.int64)   # draft tokens accepted, summed
+        self.rounds = np.zeros(slots, dtype=np.int64)     # speculative rounds run
+
+    def open(self, slot: int, params: SamplingParams) -> None:
+        """Empty row `slot` for a request with `params`."""
+        if len(params.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"{len(params.stop_token_ids)} stop token ids; at most "
+                             f"{MAX_STOP_IDS} are supported")
+        self.count[slot] = self.accepted[slot] = self.rounds[slot] = 0
+        self.limit[slot] = params.max_new_tokens
+        self.stops[slot] = -1
+        self.stops[slot, :len(params.stop_token_ids)] = params.stop_token_ids
+
+    def row(self, slot: int) -> list[int]:
+        return self.tokens[slot, :self.count[slot]].tolist()
+
+    def commit(self, slots: np.ndarray, cand: np.ndarray, counts: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """Append `cand[b, :counts[b]]` to row `slots[b]` for every b (cut at a stop token and at
+        the row's limit). Returns (finished by a stop token, finished by the limit), per b."""
+        width = cand.shape[1]
+        col = np.arange(width)[None, :]
+        valid = col < np.minimum(counts, self.limit[slots] - self.count[slots])[:, None]
+        stop = (cand[:, :, None] == self.stops[slots][:, None, :]).any(-1) & valid
+        stopped = stop.any(1)
+        first = np.where(stopped, stop.argmax(1), width)
+        valid &= col <= first[:, None]
+        rows, cols = np.nonzero(valid)
+        self.tokens[slots[rows], self.count[slots][rows] + cols] = cand[rows, cols]
+        self.count[slots] += valid.sum(1)
+        return stopped, ~stopped & (self.count[slots] >= self.limit[slots])
+
+
+@dataclass(eq=False)
 class Request:
-    """One generation request and everything it produced so far."""
+    """One generation request and everything it produced so far. While it runs, its tokens live
+    in the scheduler's `OutputBuffer` (committed for the whole batch at once); at retirement they
+    move into the request."""
 
     rid: int
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None       # "stop" (a stop token) or "length" (max_new_tokens)
-    accept_lengths: list[int] = field(default_factory=list)  # per speculative round
-    generator: torch.Generator | None = None
+    finish_reason: str | None = None       # "stop", "length" or "abort"
     slot: int | None = None                 # batch slot while admitted
     pages: list[int] = field(default_factory=list)  # KV page table while admitted
+    buffer: OutputBuffer | None = field(default=None, repr=False)
+    _output: list[int] = field(default_factory=list, repr=False)
+    accepted: int = 0      # draft tokens accepted, over its speculative rounds (when retired)
+    spec_rounds: int = 0   # speculative rounds it ran (when retired)
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The tokens generated so far (a copy while the request runs)."""
+        if self.buffer is not None and self.slot is not None:
+            return self.buffer.row(self.slot)
+        return self._output
 
     @property
     def finished(self) -> bool:
@@ -51,23 +111,30 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Length of `tokens`."""
-        return len(self.prompt_ids) + len(self.output_ids)
+        count = self.buffer.count[self.slot] if self.buffer is not None and self.slot is not None \
+            else len(self._output)
+        return len(self.prompt_ids) + int(count)
 
-    def make_generator(self, device: torch.device) -> None:
-        """Create this request's generator (seeded with `seed`) on `device`, if it samples."""
-        if not self.params.greedy:
-            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+    @property
+    def mean_accept_length(self) -> float | None:
+        """Draft tokens accepted per speculative round (bonus excluded)."""
+        return self.accepted / self.spec_rounds if self.spec_rounds else None
 
     def commit(self, tokens: list[int]) -> None:
-        """Append generated `tokens`, stopping at a stop token or at `max_new_tokens`."""
-        for token in tokens:
-            if self.finished:
-                return
-            self.output_ids.append(int(token))
-            if token in self.params.stop_token_ids:
-                self.finish_reason = "stop"
-            elif len(self.output_ids) >= self.params.max_new_tokens:
-                self.finish_reason = "length"
+        """Append generated `tokens` (a request not in a batch), stopping at a stop token or at
+        `max_new_tokens` — the same rule `OutputBuffer.commit` applies to a batch."""
+        buf = OutputBuffer(1, self.params.max_new_tokens)
+        buf.open(0, self.params)
+        buf.tokens[0, :len(self._output)] = self._output
+        buf.count[0] = len(self._output)
+        if self.finished or not tokens:
+            return
+        stopped, full = buf.commit(np.zeros(1, dtype=np.int64),
+                                   np.asarray([list(tokens)], dtype=np.int64),
+                                   np.asarray([len(tokens)]))
+        self._output = buf.row(0)
+        if stopped[0] or full[0]:
+            self.finish_reason = "stop" if stopped[0] else "length"
 
 
 class Scheduler:
@@ -85,6 +152,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
+        self.outputs = OutputBuffer(max_batch_size + 1, max_context_len)
 
     def validate(self, req: Request, what: str | None = None) -> None:
         """Raise `ValueError` naming what is wrong (and `what`, default "request <rid>") if
@@ -122,10 +190,32 @@ class Scheduler:
             req = self.waiting.popleft()
             req.pages = self.allocator.allocate(req.rid, self.kv_tokens(req))
             req.slot = self._free_slots.pop()
-            req.make_generator(self.device)
+            self.outputs.open(req.slot, req.params)
+            req.buffer = self.outputs
             self.running.append(req)
             admitted.append(req)
         return admitted
+
+    def commit_round(self, reqs: list[Request], first: np.ndarray, accept: np.ndarray,
+                     tokens: np.ndarray) -> None:
+        """Commit a round for the whole batch at once: row b brings `first[b]` (its first token,
+        drawn at prefill; committed if it has none yet), then `tokens[b, :accept[b] + 1]`.
+        Requests that reach a stop token or their limit are marked finished."""
+        if not reqs:
+            return
+        slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
+        out = self.outputs
+        fresh = out.count[slots] == 0
+        cand = np.concatenate([first[:, None], tokens], axis=1)
+        shift = np.where(fresh, 0, 1)
+        cand = np.take_along_axis(cand, np.minimum(np.arange(cand.shape[1])[None, :]
+                                                   + shift[:, None], cand.shape[1] - 1), axis=1)
+        out.accepted[slots] += accept
+        out.rounds[slots] += 1
+        stopped, full = out.commit(slots, cand, accept + 1 + fresh)
+        for b in np.flatnonzero(stopped | full):  # only the requests that just finished
+            if not reqs[b].finished:
+                reqs[b].finish_reason = "stop" if stopped[b] else "length"
 
     def abort(self, req: Request) -> None:
         """Finish `req` with reason "abort": a waiting one leaves the queue at once, a running
@@ -141,6 +231,9 @@ class Scheduler:
             self.running = [r for r in self.running if not r.finished]
             for req in done:
                 self.allocator.free(req.rid)
+                req._output = self.outputs.row(req.slot)
+                req.accepted = int(self.outputs.accepted[req.slot])
+                req.spec_rounds = int(self.outputs.rounds[req.slot])
                 self._free_slots.append(req.slot)
-                req.slot, req.pages = None, []
+                req.slot, req.pages, req.buffer = None, [], None
         return done

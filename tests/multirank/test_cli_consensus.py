@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from collectives import free_port
-from consensus_reference import adversarial_traces, simulate, write_traces
+from consensus_reference import adversarial_traces, phased_traces, simulate, write_traces
 from adaptive_dist.config import AdaptiveConfig
 
 pytestmark = pytest.mark.multirank
@@ -82,3 +82,53 @@ def test_flags_that_change_the_collectives_must_agree(tmp_path):
     res = run_ranks(rank_jobs.progress_mismatch_job, 2, str(tmp_path / "tr"), timeout=60)
     msgs = {r.value for r in res}
     assert len(msgs) == 1 and "progress" in msgs.pop()
+
+
+GOODPUT_FILE = {"candidate_steps": [0, 1, 3, 7], "initial_steps": 3, "reducer": "max",
+                "warmup_batches": 2, "update_interval": 2, "probe_every": 2,
+                "round_cost": {"2": {"0": 1.0, "1": 1.3, "3": 1.7, "7": 2.6},
+                               "64": {"0": 3.0, "1": 4.5, "3": 6.0, "7": 10.0}}}
+
+
+def test_consensus_goodput_matches_reference(tmp_path):
+    traces = phased_traces(3, rounds=120, seed=5)
+    write_traces(traces, tmp_path / "tr")
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(json.dumps(GOODPUT_FILE))
+    out_file = tmp_path / "out.jsonl"
+    res = torchrun(3, "consensus", "--trace", str(tmp_path / "tr"), "--policy", "goodput",
+                   "--config", str(cfg_file), "--out", str(out_file), "--no-progress")
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    assert lines[-1].startswith("lockstep OK"), res.stdout
+    assert "policy goodput" in lines[0]
+    assert any(ln.startswith("final local acceptance rate") and "probes out of depth 0" in ln
+               for ln in lines)
+    got = [json.loads(ln) for ln in out_file.read_text().splitlines()]
+    cfg = AdaptiveConfig.from_dict({**GOODPUT_FILE, "policy": "goodput"}).to_dict()
+    assert got == simulate(traces, cfg, "goodput")
+    assert any(rec["probe"] for rec in got) and any(rec["steps"] == 7 for rec in got)
+
+
+def test_consensus_goodput_without_round_cost_refused_on_every_rank(tmp_path):
+    write_traces(adversarial_traces(2, rounds=20, seed=1), tmp_path / "tr")
+    res = torchrun(2, "consensus", "--trace", str(tmp_path / "tr"), "--policy", "goodput")
+    assert res.returncode != 0 and "exitcode  : 2" in res.stderr, res.stderr[-3000:]
+    msgs = [ln for ln in res.stderr.splitlines() if "error:" in ln and "needs round_cost" in ln]
+    assert len(msgs) == 2, res.stderr[-3000:]
+    assert len({m.split("] ", 1)[1] for m in msgs}) == 1
+    assert "--config" in msgs[0] and "consensus-only" in msgs[0]
+
+
+def test_config_command_goodput(tmp_path):
+    cmd = [sys.executable, "-m", "adaptive_dist", "config", "--policy", "goodput"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    shown = json.loads(res.stdout)
+    assert shown["policy"] == "goodput" and shown["round_cost"] is None
+    assert shown["switch_margin"] == 0.05 and shown["probe_every"] == 8
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(json.dumps({"round_cost": {"1": 1.0, "3": 1.5}}))
+    res = subprocess.run(cmd + ["--config", str(cfg_file)], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2 and "missing ['7']" in res.stderr

@@ -86,7 +86,7 @@ def models_job(rank: int, roots: list[str], dp: int, modes: list[str],
                 engine.close()
                 guard.close()
                 res[mode] = {"outputs": [r.output_ids for r in reqs],
-                             "accepts": [r.accept_lengths for r in reqs],
+                             "accepts": [(r.accepted, r.spec_rounds) for r in reqs],
                              "digest": engine.planner.decision_digest(),
                              "hist": dict(engine.stats.accept_histogram)}
             out[root] = res
@@ -105,7 +105,7 @@ def _single(root: Path, prompts, new_tokens, modes: list[str]) -> list[dict]:
         rep = {"nospec": [r.output_ids for r in engine_for(target, None, "nospec").generate(mine, params)]}
         for mode in (m for m in modes if m.startswith("static")):
             reqs = engine_for(target, head, "static", steps=int(mode[6:])).generate(mine, params)
-            rep[mode] = [r.accept_lengths for r in reqs]
+            rep[mode] = [(r.accepted, r.spec_rounds) for r in reqs]
         out.append(rep)
     return out
 

@@ -296,3 +296,172 @@ def test_digest_same_for_equal_numbers():
     assert a == b  # dataclass equality already says they are the same configuration
     assert b.digest() == a.digest(), (
         f"digest differs for up_hysteresis=0 vs 0.0: {b.digest()} != {a.digest()}")
+
+
+# ====================================================================================== goodput
+from adaptive_dist.config import RoundCost  # noqa: E402
+
+FLAT = {"1": 1.25, "3": 1.5, "7": 2.0}
+
+
+def gp(**kw) -> AdaptiveConfig:
+    return AdaptiveConfig(policy="goodput", **kw)
+
+
+def test_goodput_defaults_and_round_cost_unset():
+    c = load_config(None, policy="goodput")
+    assert c.policy == "goodput" and c.adaptive and c.round_cost is None
+    assert c.switch_margin == 0.05 and c.probe_every == 8
+    assert c.needs_round_cost and not gp(round_cost=FLAT).needs_round_cost
+    assert not AdaptiveConfig().needs_round_cost
+    assert c.tiers == (1, 3, 7)
+    assert c.to_dict()["round_cost"] is None
+
+
+def test_round_cost_flat_and_bucketed_round_trip():
+    flat = gp(round_cost={"7": 2, "1": 1.25, "3": 1.5})
+    assert flat.round_cost == RoundCost(None, (((1, 1.25), (3, 1.5), (7, 2.0)),))
+    assert flat.to_dict()["round_cost"] == {"1": 1.25, "3": 1.5, "7": 2.0}
+    table = {"64": {"1": 3.0, "3": 4.0, "7": 6.0}, "8": FLAT}
+    nested = gp(round_cost=table)
+    assert nested.round_cost.buckets == (8, 64)
+    assert nested.to_dict()["round_cost"] == {"8": FLAT, "64": {"1": 3.0, "3": 4.0, "7": 6.0}}
+    for c in (flat, nested):
+        assert AdaptiveConfig.from_dict(c.to_dict()) == c
+        assert c.replace(switch_margin=0.1).round_cost == c.round_cost  # replace re-validates
+        hash(c)  # frozen and hashable
+
+
+def test_round_cost_from_file(tmp_path):
+    p = tmp_path / "cfg.json"
+    p.write_text(json.dumps({"candidate_steps": [0, 1, 3], "initial_steps": 1,
+                             "round_cost": {"0": 1.0, "1": 1.2, "3": 1.6}, "probe_every": 3}))
+    c = load_config(str(p), policy="goodput")
+    assert c.round_cost.rows == (((0, 1.0), (1, 1.2), (3, 1.6)),) and c.probe_every == 3
+    assert load_config(str(p), "goodput", initial_steps=0).initial_steps == 0
+
+
+@pytest.mark.parametrize("value,shown", [
+    ({"1": 1.0, "3": 1.5}, "missing ['7']"),
+    ({"1": 1.0, "3": 1.5, "7": 2.0, "5": 1.8}, "['5'], which are not candidates"),
+    ({"8": {"1": 1.0, "3": 1.5}}, "round_cost['8']"),
+    ({"1": 1.0, "3": 0, "7": 2.0}, "round_cost['3']=0"),
+    ({"1": 1.0, "3": -1.5, "7": 2.0}, "round_cost['3']=-1.5"),
+    ({"1": 1.0, "3": math.nan, "7": 2.0}, "nan"),
+    ({"1": 1.0, "3": math.inf, "7": 2.0}, "inf"),
+    ({"1": 1.0, "3": "1.5", "7": 2.0}, "'1.5'"),
+    ({"1": 1.0, "3": True, "7": 2.0}, "True"),
+    ({"1": 1.0, "3": None, "7": 2.0}, "None"),
+    ({1: 1.0, 3: 1.5, 7: 2.0}, "key 1 must be an integer"),
+    ({"01": 1.0, "3": 1.5, "7": 2.0}, "key '01'"),
+    ({"1.0": 1.0, "3": 1.5, "7": 2.0}, "key '1.0'"),
+    ({" 1": 1.0, "3": 1.5, "7": 2.0}, "key ' 1'"),
+    ({"-1": 1.0, "3": 1.5, "7": 2.0}, "key '-1'"),
+    ({"0": FLAT}, "key '0' must be an integer >= 1"),
+    ({"8": FLAT, "1": 1.0}, "mixes"),
+    ({"8": {}}, "round_cost['8']={}"),
+    ({}, "non-empty"),
+    ([1.0, 1.5, 2.0], "non-empty JSON object"),
+    ("1.0", "non-empty JSON object"),
+])
+def test_round_cost_refused(value, shown):
+    msg = raises(["round_cost", shown], policy="goodput", round_cost=value)
+    assert "round_cost" in msg
+
+
+def test_round_cost_messages_state_what_is_allowed():
+    msg = raises(["round_cost", "missing ['7']"], policy="goodput", round_cost={"1": 1, "3": 2})
+    assert "allowed: one cost for every candidate depth ['1', '3', '7']" in msg
+    assert "positive finite number" in raises(["round_cost['3']=0"], policy="goodput",
+                                              round_cost={"1": 1, "3": 0, "7": 2})
+
+
+def test_round_cost_only_for_goodput(tmp_path):
+    msg = raises(["round_cost", "goodput policy only", "policy='ema'"], round_cost=FLAT)
+    assert "1.25" in msg
+    p = tmp_path / "cfg.json"
+    p.write_text(json.dumps({"round_cost": FLAT}))
+    with pytest.raises(ConfigError, match="goodput policy only"):
+        load_config(str(p), policy="ema")
+
+
+def test_round_cost_follows_the_candidates():
+    with pytest.raises(ConfigError, match="missing"):
+        gp(round_cost=FLAT).replace(candidate_steps=(1, 3, 7, 9))
+
+
+@pytest.mark.parametrize("key,value,shown", [
+    ("switch_margin", -0.01, "-0.01"),
+    ("switch_margin", math.nan, "nan"),
+    ("switch_margin", math.inf, "inf"),
+    ("switch_margin", 1000.0, "1000.0"),
+    ("switch_margin", "0.05", "'0.05'"),
+    ("switch_margin", True, "True"),
+    ("switch_margin", None, "None"),
+    ("probe_every", 0, "probe_every=0"),
+    ("probe_every", -2, "-2"),
+    ("probe_every", 1.5, "1.5"),
+    ("probe_every", True, "True"),
+    ("probe_every", "8", "'8'"),
+])
+def test_goodput_keys_validated(key, value, shown):
+    msg = raises([key, shown], policy="goodput", **{key: value})
+    assert ("[0, 1000)" in msg) if key == "switch_margin" else (">= 1" in msg)
+
+
+def test_goodput_boundaries_accepted():
+    gp(switch_margin=0, probe_every=1)
+    gp(switch_margin=999.5)
+    assert gp(switch_margin=0).switch_margin == 0.0 and isinstance(gp(switch_margin=0).switch_margin, float)
+
+
+def test_depth_zero_candidate():
+    cost = {"0": 1.0, "1": 1.25, "3": 1.5}
+    c = gp(candidate_steps=[0, 1, 3], initial_steps=0, round_cost=cost)
+    assert c.tiers == (0, 1, 3) and c.initial_index == 0
+    msg = raises(["candidate_steps", "static and goodput policies only"],
+                 candidate_steps=[0, 1, 3], initial_steps=1)  # ema still refuses 0
+    assert "[0, 1, 3]" in msg
+    AdaptiveConfig(policy="static", candidate_steps=[0, 3], initial_steps=0)
+    with pytest.raises(ConfigError, match=r"\['7'\], which are not candidates"):
+        gp(candidate_steps=[0, 1, 3], initial_steps=1, round_cost={**FLAT, "0": 1.0})
+
+
+def test_initial_steps_override_goodput():
+    with pytest.raises(ConfigError, match=r"initial_steps=0: must be one of candidate_steps"):
+        load_config(None, policy="goodput", initial_steps=0)  # 0 is not a default candidate
+    with pytest.raises(ConfigError, match=r"initial_steps=-1: must be an integer >= 0"):
+        load_config(None, policy="goodput", initial_steps=-1)
+    with pytest.raises(ConfigError, match=r"initial_steps=0: must be an integer >= 1"):
+        load_config(None, policy="ema", initial_steps=0)  # as before
+
+
+def test_goodput_file_with_other_policy_flag(tmp_path):
+    p = tmp_path / "cfg.json"
+    p.write_text(json.dumps({"policy": "goodput", "round_cost": FLAT}))
+    with pytest.raises(ConfigError, match="sets policy='goodput'"):
+        load_config(str(p), policy="ema")
+    assert load_config(str(p), policy="goodput").round_cost is not None
+
+
+@pytest.mark.parametrize("key,value", [
+    ("round_cost", {"1": 1.25, "3": 1.5, "7": 2.5}),
+    ("round_cost", {"8": FLAT}),      # one bucketed row is not the flat table
+    ("switch_margin", 0.1),
+    ("probe_every", 3),
+])
+def test_digest_differs_on_goodput_keys(key, value):
+    base = gp(round_cost=FLAT)
+    assert base.replace(**{key: value}).digest() != base.digest()
+
+
+def test_digest_same_for_equal_cost_numbers():
+    a = gp(round_cost={"1": 1, "3": 1.5, "7": 2}, switch_margin=0)
+    b = gp(round_cost={"7": 2.0, "3": 1.5, "1": 1.0}, switch_margin=0.0)
+    assert a == b and a.digest() == b.digest()
+
+
+def test_goodput_keys_in_every_effective_config():
+    # the new keys are part of every effective config; ema ignores their values
+    d = AdaptiveConfig().to_dict()
+    assert d["round_cost"] is None and d["switch_margin"] == 0.05 and d["probe_every"] == 8

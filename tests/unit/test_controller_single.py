@@ -343,3 +343,128 @@ def test_done_flag():
     assert ctl.begin_round(0, done=True).all_done is True
     ctl.end_round([])
     assert ctl.begin_round(0, done=False).all_done is False
+
+
+# ====================================================================================== goodput
+# candidates [0, 1, 3], initial 1 (EMA starts at 0.0, ema_fail at 1.0), alpha 0.5, warmup 0,
+# interval 1, margin 0, probe_every 2, flat costs 0: 1.0, 1: 1.25, 3: 1.5.
+#   r0 steps 1 [0, 0]: ema 0.0, fail 1.0 -> p 0: s0 1.0 > s1 0.8 -> down to 0 (c1, last switch 1)
+#   r1 steps 0 [0, 0]: no signal (EMAs, weight unchanged); c2: 1 point since the switch -> stay
+#   r2 idle: not counted, nothing changes
+#   r3 steps 0 [0]:    c3: 2 points since -> probe: up to 1 (last switch 3)
+#   r4 steps 1 [1, 1]: ema 0.5, fail 0.5 -> p 0.5: s0 1.0, s1 1.5/1.25 = 1.2,
+#                      s3 1.875/1.5 = 1.25 -> up to 3
+#   r5 steps 3 [3, 3]: ema 1.75, fail 0.25 -> p 0.875: s3 = (1+.875+.765625+.669921875)/1.5
+#                      = 2.20703125 > s1 = 1.5, s0 = 1 -> stays
+GP_CFG = dict(policy="goodput", candidate_steps=[0, 1, 3], initial_steps=1, ema_alpha=0.5,
+              warmup_batches=0, update_interval=1, switch_margin=0.0, probe_every=2,
+              round_cost={"0": 1.0, "1": 1.25, "3": 1.5})
+GP_ROWS = [  # (requests, full accepts, steps that ran, ema, ema_fail, weight after end_round)
+    (2, [0, 0], 1, 0.0, 1.0, 2),
+    (2, [5, 5], 0, 0.0, 1.0, 0),
+    (0, [], 0, 0.0, 1.0, 0),
+    (1, [4], 0, 0.0, 1.0, 0),
+    (2, [1, 1], 1, 0.5, 0.5, 2),
+    (2, [3, 3], 3, 1.75, 0.25, 2),
+]
+
+
+def test_goodput_hand_worked_sequence_down_to_zero_probe_and_up():
+    ctl = AdaptiveController(AdaptiveConfig(**GP_CFG), Group.single())
+    assert (ctl.ema, ctl.ema_fail) == (0.0, 1.0)
+    got, outcomes = [], []
+    for n, full, *_ in GP_ROWS:
+        plan = ctl.begin_round(n)
+        outcomes.append(ctl.last_outcome)
+        ctl.end_round([min(a, plan.steps) for a in full])
+        got.append((plan.steps, ctl.ema, ctl.ema_fail, ctl.weight))
+    assert got == [(s, e, f, w) for _, _, s, e, f, w in GP_ROWS]
+    d = [o.decision for o in outcomes[1:]]  # decisions on rounds 0..4
+    assert [x.counted for x in d] == [True, True, False, True, True]
+    assert [x.accept_rate for x in d] == [0.0, None, None, None, 0.5]
+    assert [x.switched for x in d] == [True, False, False, True, True]
+    assert [x.probe for x in d] == [False, False, False, True, False]
+    assert [x.cost_row for x in d] == [None] * 5  # a flat table
+    assert outcomes[4].local_ema_fail == 1.0 and outcomes[5].local_ema_fail == 0.5
+    assert ctl.stats.steps_timeline == [(0, 1), (1, 0), (4, 1), (5, 3)]
+    plan = ctl.begin_round(1)
+    assert plan.steps == 3 and not plan.switched
+    assert ctl.last_outcome.decision.accept_rate == 0.875
+
+
+def test_goodput_ema_fail_idle_rounds_and_start():
+    ctl = AdaptiveController(AdaptiveConfig(**{**GP_CFG, "initial_steps": 3}), Group.single())
+    assert (ctl.ema, ctl.ema_fail) == (2.0, 1.0)
+    ctl.begin_round(4)
+    ctl.end_round([0, 3, 1, 3])  # steps 3: ema 1.0 + 0.875 = 1.875; share 2/4 -> 0.75
+    assert (ctl.ema, ctl.ema_fail) == (1.875, 0.75)
+    ctl.begin_round(0)
+    ctl.end_round([])            # idle: both unchanged
+    assert (ctl.ema, ctl.ema_fail) == (1.875, 0.75)
+
+
+def test_ema_fail_travels_with_ema_for_every_policy():
+    from adaptive_dist import consensus
+
+    assert consensus.MAGIC == 0x5ADA
+    assert consensus.FIELDS.index("ema_fail") == consensus.FIELDS.index("ema") + 1
+    vec = consensus.RoundVector(0, 4, 16, 0, True, False, 0, False, 4, 2.5, 4, 3, 0, -1, 7, 9,
+                                ema_fail=0.375)
+    values = vec.values()
+    assert len(values) == len(consensus.FIELDS)
+    assert values[consensus.COL["ema"]] == 2.5 and values[consensus.COL["ema_fail"]] == 0.375
+    assert values[consensus.COL["weight"]] == 4.0
+    ctl = make(ema_alpha=0.5)   # ema: the same update runs, the decision ignores it
+    ctl.begin_round(2)
+    ctl.end_round([3, 1])       # share 1/2: 0.5*1.0 + 0.25 = 0.75
+    assert ctl.ema_fail == 0.75
+
+
+def test_goodput_without_round_cost_refused():
+    with pytest.raises(ValueError, match="agree_round_cost"):
+        make("goodput")
+
+
+def test_goodput_bucket_row_from_the_plan():
+    # rows "1" and "8": batch 1 uses "1", batch 3 (graph bucket 4) uses "8", batch 65 (eager,
+    # padded to 65) uses "8" (the largest)
+    cost = {"1": {"1": 1.0, "3": 1.5, "7": 2.0}, "8": {"1": 1.0, "3": 2.0, "7": 4.0}}
+    ctl = make("goodput", round_cost=cost, warmup_batches=0, update_interval=1)
+    rows = []
+    for n in (1, 3, 65, 2):
+        ctl.begin_round(n)
+        if ctl.last_outcome is not None:
+            rows.append((ctl.last_outcome.batch_pad, ctl.last_outcome.decision.cost_row))
+        ctl.end_round([0] * n)
+    assert rows == [(1, 1), (4, 8), (65, 8)]
+
+
+def test_goodput_goes_to_zero_on_low_acceptance_and_comes_back():
+    """A long run: acceptance collapses (every request rejects the first draft token), the
+    policy goes to 0; probes go to depth 1, find nothing and return to 0; acceptance rises
+    (every draft token accepted), the next probe stays up and climbs to the deepest tier."""
+    cfg = AdaptiveConfig(policy="goodput", candidate_steps=[0, 1, 3, 7], initial_steps=3,
+                         warmup_batches=2, update_interval=2, probe_every=3,
+                         round_cost={"0": 1.0, "1": 1.25, "3": 1.6, "7": 2.4})
+    ctl = AdaptiveController(cfg, Group.single())
+    steps, probes = [], []
+    for r in range(200):
+        full = [0, 0, 0] if r < 100 else [9, 9, 9]
+        plan = ctl.begin_round(3)
+        steps.append(plan.steps)
+        if ctl.last_outcome is not None and ctl.last_outcome.decision.probe:
+            probes.append(r - 1)
+        ctl.end_round([min(a, plan.steps) for a in full])
+    low, high = steps[:100], steps[100:]
+    assert 0 in low and low[-1] == 0
+    first_zero = low.index(0)
+    assert all(s in (0, 1) for s in low[first_zero:])     # at 0, or probing at 1
+    low_probes = [p for p in probes if p < 100]
+    assert len(low_probes) >= 3                           # probed repeatedly, came back to 0
+    assert high[-1] == 7 and all(s == 7 for s in high[-50:])
+    # a cycle at low acceptance: one interval (2 rounds) probing at depth 1, then back at 0 for
+    # probe_every (3) decision points of interval 2 (6 rounds): a probe every 8 rounds
+    gaps = [b - a for a, b in zip(low_probes, low_probes[1:])]
+    assert gaps == [8] * (len(low_probes) - 1)
+    # the first probe after the rise (decided at round 103) stays up and climbs
+    assert ctl.stats.steps_timeline[-3:] == [(104, 1), (108, 3), (112, 7)]

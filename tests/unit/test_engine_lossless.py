@@ -115,7 +115,7 @@ def test_switch_is_a_reference_swap(pair) -> None:
     for steps, state in pool.states.items():
         pool.apply(steps)
         assert engine.worker.state is state
-        assert engine.worker.state.payload.ids.numel() == 4 * (steps + 1)
+        assert engine.worker.state.payload.tokens.shape == (4, steps + 1)
     assert pool.nbytes == sum(s.nbytes for s in pool.states.values()) > 0
 
 
@@ -162,4 +162,18 @@ def test_abort_frees_kv_and_leaves_the_others_intact(pair, prompts, reference) -
             assert req.finish_reason == "abort" and ref[:len(req.output_ids)] == req.output_ids
         else:
             assert req.output_ids == ref
+    _check_pages_back(engine)
+
+
+def test_goodput_with_a_depth_0_tier_equals_plain_greedy(pair, prompts, reference) -> None:
+    """The goodput policy measures its round costs at start-up and may pick depth 0 (plain decode,
+    the draft cache kept current) and come back; the tokens are plain greedy's."""
+    config = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=1,
+                            warmup_batches=1, update_interval=1, probe_every=2)
+    engine = engine_for(*pair, "ema", config=config)
+    costs = engine.planner.config.round_cost
+    assert costs is not None and engine.config.spec.round_cost == costs
+    out = engine.generate(prompts, _params(len(prompts)))
+    assert [r.output_ids for r in out] == reference
+    assert engine.planner.stats.switches >= 1
     _check_pages_back(engine)

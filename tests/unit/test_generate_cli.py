@@ -167,3 +167,12 @@ def test_python_dash_m_adaptive_dist_generate(model_dir) -> None:
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert len(_json(proc.stdout)["outputs"][0]["token_ids"]) == 4
+
+
+def test_depth_beyond_the_maximum_in_a_config_file_is_named(capsys, model_dir, tmp_path) -> None:
+    cfg = tmp_path / "deep.json"
+    cfg.write_text('{"candidate_steps": [1, 3, 5000], "initial_steps": 3}')
+    code, out, err = _run(capsys, "--prompt", "a", "--adaptive", "--config", str(cfg),
+                          "--max-new-tokens", "4", "--model", str(model_dir))
+    assert code == 2 and out == ""
+    assert "candidate_steps: draft depth 5000 is beyond the maximum of 32 steps" in err, err

@@ -345,3 +345,315 @@ class TestPickBucket:
         assert pick_bucket(5, (4, 12)) == 12
         assert pick_bucket(4, (4, 12)) == 4
         assert pick_bucket(13, (4, 12)) is None
+
+
+# ====================================================================================== goodput
+# docs/policy.md, "goodput". Costs are dyadic where possible so expected values are exact.
+from adaptive_dist.config import RoundCost  # noqa: E402
+from adaptive_dist.policy import (  # noqa: E402
+    acceptance_rate,
+    cluster_rate,
+    cost_row,
+    decision_points_upto,
+    ema_fail_update,
+    expected_accepted,
+    goodput_pick,
+    goodput_score,
+    goodput_scores,
+    initial_ema,
+    measures_acceptance,
+    probe_due,
+)
+
+FLAT = {"1": 1.25, "3": 1.5, "7": 2.0}
+ZERO_FLAT = {"0": 1.0, "1": 1.25, "3": 1.5}
+
+
+def gp(**kw) -> AdaptiveConfig:
+    kw.setdefault("round_cost", FLAT)
+    kw.setdefault("warmup_batches", 0)
+    kw.setdefault("update_interval", 1)
+    return AdaptiveConfig(policy="goodput", **kw)
+
+
+class TestEmaFail:
+    def test_share_of_requests_that_rejected(self):
+        # steps 3: [0, 3, 1, 3] -> rejected 0 and 1 -> share 2/4; 0.5*1.0 + 0.5*0.5 = 0.75
+        assert ema_fail_update(1.0, [0, 3, 1, 3], 3, 0.5) == 0.75
+
+    def test_all_accepted_and_all_rejected(self):
+        assert ema_fail_update(0.5, [7, 7], 7, 0.25) == 0.375   # 0.75*0.5 + 0
+        assert ema_fail_update(0.5, [0, 6], 7, 0.25) == 0.625   # 0.75*0.5 + 0.25*1
+
+    def test_non_dyadic_share(self):
+        # steps 1: [1, 1, 0] -> share 1/3; 0.8*1.0 + 0.2/3
+        assert ema_fail_update(1.0, [1, 1, 0], 1, 0.2) == pytest.approx(0.8 + 0.2 / 3, abs=1e-15)
+
+    def test_idle_round_leaves_unchanged(self):
+        assert ema_fail_update(0.3125, [], 3, 0.5) == 0.3125
+
+    def test_sequence_with_idle(self):
+        f = 1.0
+        f = ema_fail_update(f, [3, 3], 3, 0.5)   # 0.5
+        f = ema_fail_update(f, [], 3, 0.5)       # 0.5 (idle)
+        f = ema_fail_update(f, [1, 3], 3, 0.5)   # 0.25 + 0.25 = 0.5
+        f = ema_fail_update(f, [0], 1, 0.5)      # 0.25 + 0.5 = 0.75
+        assert f == 0.75
+
+    def test_start_values(self):
+        assert initial_ema(gp(initial_steps=3)) == 2.0
+        assert initial_ema(gp(candidate_steps=[0, 1, 3], initial_steps=0,
+                              round_cost=ZERO_FLAT)) == 0.0  # goodput: never below 0
+        assert initial_ema(AdaptiveConfig(policy="static", candidate_steps=[0, 3],
+                                          initial_steps=0)) == -1.0  # static: as before
+
+    def test_depth_zero_measures_nothing_under_goodput_only(self):
+        assert not measures_acceptance(gp(), 0)
+        assert measures_acceptance(gp(), 1)
+        assert measures_acceptance(AdaptiveConfig(policy="static"), 0)
+        assert measures_acceptance(AdaptiveConfig(), 3)
+
+
+class TestAcceptanceRate:
+    def test_per_rank(self):
+        assert acceptance_rate(1.5, 0.5) == 0.75
+        assert acceptance_rate(0.0, 1.0) == 0.0
+        assert acceptance_rate(2.0, 0.0) == 1.0
+        assert acceptance_rate(0.0, 0.0) == 1.0  # both 0: defined as 1.0
+
+    def test_weighted_mean_pools(self):
+        # A = 1*1.0 + 3*3.0 = 10, F = 1*1.0 + 3*0.5 = 2.5 -> 10/12.5 = 0.8 (rank 2: w=0, out).
+        # Not the weighted mean of the rates: (0.5 + 3*6/7)/4 = 0.767...
+        assert cluster_rate([1.0, 3.0, 100.0], [1.0, 0.5, 0.0], [1, 3, 0], "weighted_mean") == 0.8
+
+    def test_min_max_of_rates(self):
+        # rates: 1/(1+1) = 0.5, 3/(3+0.5) = 6/7; the w=0 rank (rate 1.0) is ignored
+        emas, fails, w = [1.0, 3.0, 100.0], [1.0, 0.5, 0.0], [100, 1, 0]
+        assert cluster_rate(emas, fails, w, "min") == 0.5
+        assert cluster_rate(emas, fails, w, "max") == 3.0 / 3.5
+
+    def test_pooled_both_sums_zero(self):
+        assert cluster_rate([0.0, 0.0], [0.0, 0.0], [2, 1], "weighted_mean") == 1.0
+
+    @pytest.mark.parametrize("reducer", ["weighted_mean", "min", "max"])
+    def test_no_weight_is_none(self, reducer):
+        assert cluster_rate([1.0, 2.0], [0.5, 0.5], [0, 0], reducer) is None
+
+
+class TestExpectedAndScore:
+    @pytest.mark.parametrize("p,steps,expected", [
+        (0.5, 0, 0.0), (0.5, 1, 0.5), (0.5, 3, 0.875), (0.5, 7, 0.9921875),  # 1 - 2^-S
+        (1.0, 7, 7.0), (0.0, 7, 0.0), (0.75, 3, 1.734375),                  # .75+.5625+.421875
+        (0.25, 2, 0.3125),
+    ])
+    def test_expected_accepted(self, p, steps, expected):
+        assert expected_accepted(p, steps) == expected
+
+    def test_expected_order_of_terms(self):
+        # t1 = p, t_k = t_{k-1}*p, added left to right (docs/policy.md)
+        p = 0.7
+        t1 = p
+        t2 = t1 * p
+        t3 = t2 * p
+        assert expected_accepted(p, 3) == (0.0 + t1) + t2 + t3
+
+    def test_scores(self):
+        # p = 0.5, costs 1.25 / 1.5 / 2.0: (1+0.5)/1.25 = 1.2, (1+0.875)/1.5 = 1.25,
+        # (1+0.9921875)/2 = 0.99609375
+        assert goodput_score(0.5, 1, 1.25) == 1.2
+        assert goodput_score(0.5, 3, 1.5) == 1.25
+        assert goodput_score(0.5, 7, 2.0) == 0.99609375
+        assert goodput_score(0.3, 0, 0.8) == 1.25  # E(0) = 0: 1/cost
+        assert goodput_scores(gp(), 0.5, 4) == [1.2, 1.25, 0.99609375]
+
+
+class TestCostRow:
+    TABLE = RoundCost.parse({"32": {"1": 3.0}, "1": {"1": 1.0}, "8": {"1": 2.0}})
+
+    @pytest.mark.parametrize("batch,row", [(0, 0), (1, 0), (2, 1), (8, 1), (9, 2), (32, 2),
+                                           (33, 2), (1000, 2)])
+    def test_smallest_row_at_least_batch_else_largest(self, batch, row):
+        assert self.TABLE.buckets == (1, 8, 32)
+        assert cost_row(self.TABLE, batch) == row
+
+    def test_flat_table_one_row(self):
+        t = RoundCost.parse(FLAT)
+        assert t.buckets is None and cost_row(t, 1) == 0 and cost_row(t, 10_000) == 0
+
+    def test_row_picks_the_costs(self):
+        # batch 4 -> row "8": 1: 2.0, 3: 2.0, 7: 4.0. p 0.5: 1.5/2 = 0.75, 1.875/2 = 0.9375,
+        # 1.9921875/4 = 0.498046875 ; batch 1 -> row "1": FLAT scores above
+        c = gp(round_cost={"1": FLAT, "8": {"1": 2.0, "3": 2.0, "7": 4.0}})
+        assert goodput_scores(c, 0.5, 4) == [0.75, 0.9375, 0.498046875]
+        assert goodput_scores(c, 0.5, 1) == [1.2, 1.25, 0.99609375]
+        assert goodput_scores(c, 0.5, 64) == [0.75, 0.9375, 0.498046875]  # past the largest
+
+
+class TestGoodputPick:
+    def test_best_beats_margin(self):
+        assert goodput_pick([1.0, 1.5, 1.25], 0, 0.25) == 1  # 1.5 > 1.25*1.0
+
+    def test_exactly_at_margin_stays(self):
+        assert goodput_pick([1.0, 1.25], 0, 0.25) == 0          # 1.25 is not > 1.25
+        assert goodput_pick([1.0, 1.2500001], 0, 0.25) == 1
+
+    def test_ties_go_to_smaller_depth(self):
+        assert goodput_pick([1.0, 2.0, 2.0], 0, 0.0) == 1
+        assert goodput_pick([2.0, 2.0, 1.0], 2, 0.0) == 0
+
+    def test_tie_with_current_stays(self):
+        # best is index 0 (tie, smaller), but 2.0 > 2.0 is false
+        assert goodput_pick([2.0, 2.0], 1, 0.0) == 1
+
+    def test_current_is_best(self):
+        assert goodput_pick([1.0, 3.0, 2.0], 1, 0.0) == 1
+
+    def test_several_tiers_at_once(self):
+        assert goodput_pick([5.0, 1.0, 0.5, 0.1], 3, 0.05) == 0
+
+
+class TestGoodputDecide:
+    # p = 0.75 (ema 1.5, fail 0.5), flat costs 1.25 / 1.5 / 2.0:
+    #   s1 = 1.75/1.25 = 1.4; s3 = 2.734375/1.5 = 1.822916..; s7 = (1 + 3(1 - .75^7))/2 = 1.79977..
+    def test_moves_to_best(self):
+        st, d = decide(gp(), PolicyState(index=0), 1, [1.5], [1], ema_fails=[0.5], batch=1)
+        assert d.accept_rate == 0.75 and d.decision_point
+        assert st.index == 1 and d.switched and not d.probe and st.last_switch == 1
+
+    def test_margin_blocks_a_small_gain(self):
+        # from 7: best 3 by 1.2% < 5% -> stays; with margin 0 it moves
+        st, d = decide(gp(), PolicyState(index=2), 1, [1.5], [1], ema_fails=[0.5], batch=1)
+        assert st.index == 2 and not d.switched
+        st, d = decide(gp(switch_margin=0.0), PolicyState(index=2), 1, [1.5], [1],
+                       ema_fails=[0.5], batch=1)
+        assert st.index == 1 and d.switched
+
+    def test_high_acceptance_goes_deep(self):
+        # p = 0.9: s7 = (1 + 9(1 - .9^7))/2 = 2.8477 > 1.05 * s3 = 1.05 * 3.439/1.5 = 2.4073
+        st, _ = decide(gp(), PolicyState(index=1), 1, [0.9], [0.1], ema_fails=[0.1], batch=1)
+        assert st.index == 2
+
+    def test_no_decision_without_point_or_weight(self):
+        c = gp(warmup_batches=3)
+        st, d = decide(c, PolicyState(index=0), 1, [1.5], [1], ema_fails=[0.5], batch=1)
+        assert not d.decision_point and st.index == 0 and d.accept_rate == 0.75
+        st, d = decide(gp(), PolicyState(index=0), 1, [1.5], [0], ema_fails=[0.5], batch=1)
+        assert d.decision_point and d.accept_rate is None and st.index == 0
+
+    def test_idle_round_not_counted(self):
+        st0 = PolicyState(index=0, counted=2)
+        st, d = decide(gp(), st0, 0, [1.5], [1], ema_fails=[0.5], batch=1)
+        assert st == st0 and not d.counted and d.accept_rate is None
+
+    @pytest.mark.parametrize("reducer,rate,index", [
+        # rank rates 0.25 (ema 0.25, fail 0.75) and 0.9 (0.9, 0.1), w 1 and 1:
+        # pooled (0.25+0.9)/(0.25+0.9+0.75+0.1) = 1.15/2.0 = 0.575
+        ("weighted_mean", 0.575, 1),  # s1 = 1.26, s3 = (1+.575+.330625+.190109375)/1.5 = 1.397
+        ("min", 0.25, 0),             # s1 = 1.0, s3 = 1.328125/1.5 = 0.885, s7 = 0.666
+        ("max", 0.9, 2),
+    ])
+    def test_reducer_drives_decision(self, reducer, rate, index):
+        st, d = decide(gp(reducer=reducer), PolicyState(index=1), 2, [0.25, 0.9], [1, 1],
+                       ema_fails=[0.75, 0.1], batch=1)
+        assert d.accept_rate == rate and st.index == index
+
+    def test_bucket_row_drives_decision(self):
+        # p = 0.5. Row "1" (FLAT): best is 3 (1.25 vs 1.2). Row "8": costs 1: 1.0, 3: 2.0, 7: 4.0
+        # -> 1.5, 0.9375, 0.498.. best is 1. Batch 2 uses row "8".
+        c = gp(round_cost={"1": FLAT, "8": {"1": 1.0, "3": 2.0, "7": 4.0}}, switch_margin=0.0)
+        st, d = decide(c, PolicyState(index=2), 1, [1.0], [1], ema_fails=[1.0], batch=1)
+        assert d.cost_row == 1 and st.index == 1
+        st, d = decide(c, PolicyState(index=2), 1, [1.0], [1], ema_fails=[1.0], batch=2)
+        assert d.cost_row == 8 and st.index == 0
+        st, d = decide(c, PolicyState(index=2), 1, [1.0], [1], ema_fails=[1.0], batch=65)
+        assert d.cost_row == 8 and st.index == 0
+        _, d = decide(gp(), PolicyState(index=2), 1, [1.0], [1], ema_fails=[1.0], batch=2)
+        assert d.cost_row is None  # flat table
+
+    def test_dwell(self):
+        c = gp(min_dwell_rounds=3, switch_margin=0.0)
+        st = PolicyState(index=1)
+        hi, lo = ([0.9], [0.1]), ([0.0], [1.0])
+        st, d = decide(c, st, 1, hi[0], [1], ema_fails=hi[1], batch=1)   # c1: up to 7
+        assert st.index == 2 and st.last_switch == 1
+        st, d = decide(c, st, 1, lo[0], [1], ema_fails=lo[1], batch=1)   # c2: blocked
+        assert d.decision_point and st.index == 2
+        st, d = decide(c, st, 1, lo[0], [1], ema_fails=lo[1], batch=1)   # c3: blocked
+        assert st.index == 2
+        st, d = decide(c, st, 1, lo[0], [1], ema_fails=lo[1], batch=1)   # c4: 3 rounds since
+        assert st.index == 0 and d.switched and st.last_switch == 4
+
+    def test_needs_ema_fails_and_round_cost(self):
+        with pytest.raises(ValueError, match="ema_fail"):
+            decide(gp(), PolicyState(index=0), 1, [1.5], [1])
+        with pytest.raises(ValueError, match="round_cost"):
+            decide(gp(round_cost=None), PolicyState(index=0), 1, [1.5], [1], ema_fails=[0.5])
+
+    def test_ema_ignores_the_goodput_inputs(self):
+        c = cfg(warmup_batches=0, update_interval=1)
+        a = decide(c, PolicyState(index=1), 1, [6.0], [1])
+        b = decide(c, PolicyState(index=1), 1, [6.0], [1], ema_fails=[0.0], batch=64)
+        assert a == b and a[1].accept_rate is None and a[1].cost_row is None
+
+
+class TestProbe:
+    def cfg0(self, **kw) -> AdaptiveConfig:
+        return gp(candidate_steps=[0, 1, 3], initial_steps=0, round_cost=ZERO_FLAT, **kw)
+
+    def test_points_upto(self):
+        assert [decision_points_upto(c, 2, 3) for c in (-1, 0, 2, 4, 5, 7, 8, 11)] == \
+            [0, 0, 0, 0, 1, 1, 2, 3]
+
+    def test_probe_from_the_start(self):
+        # interval 1, probe_every 3, start at 0 with no switch: points c1, c2, c3 -> probe at c3
+        c = self.cfg0(probe_every=3)
+        st = PolicyState.initial(c)
+        got = []
+        for _ in range(3):
+            st, d = decide(c, st, 2, [0.0], [0], ema_fails=[1.0], batch=2)
+            got.append((st.index, d.probe))
+        assert got == [(0, False), (0, False), (1, True)]
+        assert st.last_switch == 3
+
+    def test_probe_counts_points_since_the_switch_into_zero(self):
+        # warmup 0, interval 2: points at 2, 4, 6, 8. Switched to 0 at counted 5 (say, a point
+        # of another schedule); probe_every 2: points 6 and 8 are after it -> probe at 8.
+        c = self.cfg0(update_interval=2, probe_every=2)
+        assert not probe_due(c, 0, 6, 5)
+        assert probe_due(c, 0, 8, 5)
+        st = PolicyState(index=0, counted=5, last_switch=5)
+        idx = []
+        for _ in range(3):  # counted 6, 7, 8
+            st, d = decide(c, st, 1, [0.0], [0], ema_fails=[1.0], batch=1)
+            idx.append(st.index)
+        assert idx == [0, 0, 1] and d.probe and st.last_switch == 8
+
+    def test_probe_waits_for_dwell(self):
+        # probe_every 1, dwell 4, switched into 0 at counted 2: points 3, 4, 5 blocked; 6 probes
+        c = self.cfg0(probe_every=1, min_dwell_rounds=4)
+        st = PolicyState(index=0, counted=2, last_switch=2)
+        idx = []
+        for _ in range(4):
+            st, _ = decide(c, st, 1, [0.0], [0], ema_fails=[1.0], batch=1)
+            idx.append(st.index)
+        assert idx == [0, 0, 0, 1]
+
+    def test_at_zero_only_the_probe_moves(self):
+        # even with live weight and a high rate, depth 0 waits for the probe
+        c = self.cfg0(probe_every=2)
+        st, d = decide(c, PolicyState(index=0), 1, [6.0], [5], ema_fails=[0.0], batch=1)
+        assert st.index == 0 and d.accept_rate == 1.0
+
+    def test_probe_only_at_zero(self):
+        c = self.cfg0(probe_every=1)
+        assert not probe_due(c, 1, 10, -1)
+
+    def test_low_acceptance_goes_to_zero(self):
+        # p = 0.2: best is 0 (s0 = 1/1 = 1.0, s1 = 1.2/1.25 = 0.96), but 1.0 is not
+        # > 1.05 * 0.96 = 1.008 -> stays at 1.
+        # p = 0.1: s1 = 1.1/1.25 = 0.88 and 1.0 > 1.05 * 0.88 = 0.924 -> to 0
+        c = self.cfg0()
+        st, _ = decide(c, PolicyState(index=1), 1, [0.2], [1], ema_fails=[0.8], batch=1)
+        assert st.index == 1
+        st, d = decide(c, PolicyState(index=1), 1, [0.1], [1], ema_fails=[0.9], batch=1)
+        assert st.index == 0 and d.switched and not d.probe

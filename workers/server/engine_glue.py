@@ -156,13 +156,3 @@ class EngineAdapter:
             steps=current_steps(engine), rounds=self.rounds,
             round_seconds_total=self.round_seconds, engine=eng_numbers, planner=plan_numbers,
             accept_histogram=eng_hist)
-
-
-def mode_name(config: Any) -> str:
-    """A short description of the decoding mode, for /v1/models and logs."""
-    spec = config.spec
-    if not config.speculative:
-        return "no speculation"
-    if spec.adaptive:
-        return f"adaptive ({spec.policy} over {list(spec.candidate_steps)})"
-    return f"static steps={spec.initial_steps}"

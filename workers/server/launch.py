@@ -225,7 +225,7 @@ def _build_loop(ctx: Any, first: Any, args: argparse.Namespace, role: RankRole, 
     """Load the model, build the engine (every rank agrees every setting), announce readiness;
     the loop to run."""
     from workers.launch import start_engine
-    from workers.server.engine_glue import EngineAdapter, mode_name, serving_sizes
+    from workers.server.engine_glue import EngineAdapter, serving_sizes
     from workers.server.protocol import ModelInfo, Ready
     from workers.server.rank import RankLoop
 
@@ -237,7 +237,7 @@ def _build_loop(ctx: Any, first: Any, args: argparse.Namespace, role: RankRole, 
     mcfg, engine, tok = cluster.target.config, cluster.engine, cluster.tokenizer
     eos = tuple(tok.eos_token_ids)
     adapter = EngineAdapter(engine, eos, role.dp_rank)
-    mode = mode_name(cluster.config)
+    mode = cluster.config.mode
     info = ModelInfo(max_context_len=cluster.config.max_context_len,
                      bos_token_id=tok.bos_token_id, eos_token_ids=list(eos),
                      vocab_size=mcfg.vocab_size, mode=mode,

@@ -1,0 +1,295 @@
+"""Adaptive against static depth on phased workloads: the benchmark the goodput policy is judged by.
+
+    python scripts/bench_adaptive.py [--device cuda] [--batches 1 16 64] [--repeats 3]
+        [--workloads transition code high_entropy repetitive] [--new-tokens 64] [--out DIR]
+    torchrun --nproc-per-node 2 scripts/bench_adaptive.py --dp 2 --device cuda \
+        --workloads heterogeneous [...]
+
+Workloads are sequences of phases; a phase gives every DP replica `batch` prompts of one regime
+(code, high_entropy, repetitive) run to completion (greedy, `--new-tokens` each):
+`code`, `high_entropy`, `repetitive` (one phase each), `transition` (code -> high_entropy ->
+repetitive -> high_entropy), `heterogeneous` (DP: replica 0 high-entropy while replica 1
+repetitive, then swapped). Policies: static 0 (no speculation), 1, 3, 7; ema (weighted_mean);
+ema_min (the min vote); goodput (candidates 0, 1, 3, 7; its cost table measured at start-up);
+and the oracle, computed from the static runs: per phase the best static depth's median
+tokens/s. One engine per policy, built once (graphs captured once); every run starts its policy
+afresh; runs are interleaved over the repeats. Per run: tokens/s overall and per phase, switches,
+switches per phase change (and per hour at the run's rate), rounds at each depth, the depth
+timeline. Writes `OUT/results.json`, `OUT/<workload>_b<batch>.png` (tokens/s per policy with
+spread, depth timelines over the phases) and prints the goals table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import collectives as C  # noqa: E402
+from adaptive_dist.config import AdaptiveConfig, load_config  # noqa: E402
+from adaptive_dist.controller import AdaptiveController  # noqa: E402
+from regimes import make_prompts  # noqa: E402
+from workers.config import EngineConfig, no_spec  # noqa: E402
+from workers.engine import Engine, build_engine  # noqa: E402
+from workers.loading import DEFAULT_MODEL, encode_prompt, load_pair  # noqa: E402
+from workers.model import ModelParallel  # noqa: E402
+from workers.sampling import SamplingParams  # noqa: E402
+
+STATIC = ("static0", "static1", "static3", "static7")
+POLICIES = STATIC + ("ema", "ema_min", "goodput")
+WORKLOADS = {
+    "code": [("code", "code")], "high_entropy": [("high_entropy", "high_entropy")],
+    "repetitive": [("repetitive", "repetitive")],
+    "transition": [("code", "code"), ("high_entropy", "high_entropy"),
+                   ("repetitive", "repetitive"), ("high_entropy", "high_entropy")],
+    "heterogeneous": [("high_entropy", "repetitive"), ("repetitive", "high_entropy")],
+}
+"""Phases: (regime of even replicas, regime of odd replicas)."""
+
+
+def spec_of(policy: str) -> AdaptiveConfig:
+    if policy == "static0":
+        return no_spec()
+    if policy.startswith("static"):
+        return load_config(None, "static", initial_steps=int(policy[len("static"):]))
+    if policy == "goodput":
+        return AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=3)
+    return AdaptiveConfig(reducer="min" if policy == "ema_min" else "weighted_mean")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    p.add_argument("--workloads", nargs="+", default=["transition", "code", "high_entropy",
+                                                      "repetitive"], choices=list(WORKLOADS))
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="runs/bench_adaptive")
+    return p.parse_args()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
+               device: str) -> dict[str, Any]:
+    """Every phase on this replica; per phase: seconds and tokens; and the policy's trace."""
+    out: dict[str, Any] = {"phases": [], "phase_rounds": []}
+    round0 = engine.planner.round
+    for prompts in phases:
+        sync(device)
+        start = time.perf_counter()
+        reqs = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
+        sync(device)
+        out["phases"].append({"seconds": time.perf_counter() - start,
+                              "tokens": sum(len(r.output_ids) for r in reqs)})
+        out["phase_rounds"].append(engine.planner.round - round0)
+    stats = engine.planner.stats
+    out.update(switches=stats.switches, timeline=[list(x) for x in stats.steps_timeline],
+               rounds_at_steps={str(k): v for k, v in sorted(stats.rounds_at_steps.items())})
+    return out
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(1 if args.device == "cpu" else 4)
+    ctx = C.init_distributed(timeout_s=300, backend="gloo" if args.device == "cpu" else None)
+    layout = ctx.layout(dp=args.dp)
+    world, par = layout.group("world"), ModelParallel.from_layout(layout)
+    device = str(ctx.device) if args.device == "cuda" and ctx.device.type == "cuda" else args.device
+    target, head = load_pair(args.model, par, device)
+    if args.device == "cuda":
+        target, head = target.half(), head.half()
+        target.reset_buffers()
+        head.reset_buffers()
+    top = max(args.batches)
+    texts = make_prompts(top, seed=2)
+    enc = {k: [encode_prompt(t, target.config) for t in v] for k, v in texts.items()}
+    context = max(len(p) for ps in enc.values() for p in ps) + args.new_tokens + 1
+    guard = ctx.guard(world, check_every=16) if ctx.distributed else None
+    engines = {}
+    for policy in args.policies:
+        cfg = EngineConfig(spec=spec_of(policy), max_batch_size=top, max_context_len=context,
+                           device=device, cuda_graphs=args.device == "cuda", dp=args.dp,
+                           attn_tp=layout.attn_tp)
+        engines[policy] = build_engine(cfg, target, head, group=world, guard=guard)
+        engines[policy].warmup()
+    jobs = [(w, b, p) for w in args.workloads for b in args.batches for p in args.policies]
+    bar = None
+    if ctx.rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.repeats * len(jobs), desc="bench_adaptive", unit="run")
+    records = []
+    for rep in range(args.repeats):
+        shift = rep % len(jobs)
+        for workload, batch, policy in jobs[shift:] + jobs[:shift]:
+            engine = engines[policy]
+            spec = engine.config.spec  # goodput: with its agreed round_cost
+            engine.planner = AdaptiveController(spec, world, guard=guard)
+            engine.pool.apply(spec.initial_steps)
+            regime = [phase[par.replica % 2] for phase in WORKLOADS[workload]]
+            phases = [enc[r][:batch] for r in regime]
+            res = run_phases(engine, phases, args.new_tokens, args.device)
+            parts: list[Any] = [res]
+            if world.size > 1:
+                import torch.distributed as dist
+
+                parts = [None] * world.size
+                dist.all_gather_object(parts, res, group=world.control_pg)
+            if ctx.rank == 0:
+                records.append(summarise(workload, batch, policy, rep, parts, layout.attn_tp))
+                if bar is not None:
+                    bar.set_postfix_str(f"{workload} b{batch} {policy}: "
+                                        f"{records[-1]['tokens_per_second']:.0f} tok/s")
+                    bar.update()
+    if bar is not None:
+        bar.close()
+    for engine in engines.values():
+        engine.close()
+    if guard is not None:
+        guard.close()
+    if ctx.rank == 0:
+        write(args, records, ctx)
+    ctx.shutdown()
+    return 0
+
+
+def summarise(workload: str, batch: int, policy: str, rep: int, parts: list[dict],
+              attn_tp: int) -> dict[str, Any]:
+    leaders, lead = parts[::attn_tp], parts[0]
+    phases = []
+    for i, ph in enumerate(lead["phases"]):
+        tokens = sum(p["phases"][i]["tokens"] for p in leaders)
+        phases.append({"tokens": tokens, "seconds": ph["seconds"],
+                       "tokens_per_second": tokens / ph["seconds"]})
+    total_s = sum(p["seconds"] for p in phases)
+    changes = max(len(phases) - 1, 1)
+    return {"workload": workload, "batch": batch, "policy": policy, "repeat": rep,
+            "tokens_per_second": sum(p["tokens"] for p in phases) / total_s, "phases": phases,
+            "switches": lead["switches"], "switches_per_phase_change": lead["switches"] / changes,
+            "switches_per_hour": lead["switches"] * 3600 / total_s,
+            "rounds_at_steps": lead["rounds_at_steps"], "timeline": lead["timeline"],
+            "phase_rounds": lead["phase_rounds"]}
+
+
+def med(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def analyse(records: list[dict]) -> dict[str, Any]:
+    """Medians per (workload, batch, policy), the oracle, and the goals."""
+    out: dict[str, Any] = {}
+    for w, b in sorted({(r["workload"], r["batch"]) for r in records}):
+        runs = [r for r in records if (r["workload"], r["batch"]) == (w, b)]
+        pols: dict[str, Any] = {}
+        for p in dict.fromkeys(r["policy"] for r in runs):
+            mine = [r for r in runs if r["policy"] == p]
+            pols[p] = {"tokens_per_second": med([r["tokens_per_second"] for r in mine]),
+                       "phase_tokens_per_second": [
+                           statistics.median(r["phases"][i]["tokens_per_second"] for r in mine)
+                           for i in range(len(mine[0]["phases"]))],
+                       "switches_per_phase_change": med([r["switches_per_phase_change"]
+                                                         for r in mine]),
+                       "switches_per_hour": med([r["switches_per_hour"] for r in mine]),
+                       "rounds_at_steps": mine[0]["rounds_at_steps"]}
+        static = {p: v for p, v in pols.items() if p in STATIC}
+        entry: dict[str, Any] = {"policies": pols}
+        if static:
+            phases = len(next(iter(static.values()))["phase_tokens_per_second"])
+            best_phase = [max(v["phase_tokens_per_second"][i] for v in static.values())
+                          for i in range(phases)]
+            tokens = [next(r for r in runs)["phases"][i]["tokens"] for i in range(phases)]
+            oracle = sum(tokens) / sum(t / s for t, s in zip(tokens, best_phase))
+            best_static = max(v["tokens_per_second"]["median"] for v in static.values())
+            entry.update(oracle_tokens_per_second=oracle, oracle_phase=best_phase,
+                         best_static=best_static)
+            entry["vs"] = {p: {"vs_best_static": v["tokens_per_second"]["median"] / best_static,
+                               "vs_oracle": v["tokens_per_second"]["median"] / oracle,
+                               "worst_phase_vs_oracle": min(
+                                   a / o for a, o in zip(v["phase_tokens_per_second"],
+                                                         best_phase))}
+                           for p, v in pols.items()}
+        out[f"{w} | b={b}"] = entry
+    return out
+
+
+def write(args: argparse.Namespace, records: list[dict], ctx: Any) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    analysis = analyse(records)
+    meta = {"world": ctx.world_size, "dp": args.dp, "device": args.device,
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "torch": torch.__version__, "new_tokens": args.new_tokens, "repeats": args.repeats,
+            "workloads": {w: WORKLOADS[w] for w in args.workloads},
+            "command": " ".join(sys.argv)}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "analysis": analysis,
+                                                  "runs": records}, indent=1))
+    for key, entry in analysis.items():
+        plot(key, entry, records, out / (key.replace(" | b=", "_b") + ".png"))
+        print(f"== {key}: best static {entry.get('best_static', 0):.0f} tok/s, oracle "
+              f"{entry.get('oracle_tokens_per_second', 0):.0f}")
+        for p, v in entry["policies"].items():
+            vs = entry.get("vs", {}).get(p, {})
+            print(f"   {p:<8}{v['tokens_per_second']['median']:>9.0f} tok/s  "
+                  f"x{vs.get('vs_best_static', float('nan')):.2f} best static  "
+                  f"x{vs.get('vs_oracle', float('nan')):.2f} oracle  worst phase "
+                  f"x{vs.get('worst_phase_vs_oracle', float('nan')):.2f}  switches/phase change "
+                  f"{v['switches_per_phase_change']['median']:.1f}")
+    print(f"wrote {out / 'results.json'}")
+
+
+def plot(key: str, entry: dict, records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workload, batch = key.split(" | b=")
+    pols = entry["policies"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.2))
+    names = list(pols)
+    medv = [pols[n]["tokens_per_second"]["median"] for n in names]
+    err = [[m - pols[n]["tokens_per_second"]["min"] for n, m in zip(names, medv)],
+           [pols[n]["tokens_per_second"]["max"] - m for n, m in zip(names, medv)]]
+    ax.bar(names, medv, yerr=err, capsize=3)
+    if "oracle_tokens_per_second" in entry:
+        ax.axhline(entry["oracle_tokens_per_second"], color="k", ls="--", label="oracle")
+        ax.legend()
+    ax.set_title(f"{workload}, batch {batch}: tokens/s (median, min-max)")
+    ax.tick_params(axis="x", rotation=30)
+    ax.grid(axis="y", alpha=0.3)
+    for n in names:
+        if n.startswith(("ema", "goodput")):
+            run = next(r for r in records if (r["workload"], r["batch"], r["policy"])
+                       == (workload, int(batch), n))
+            pts = run["timeline"] + [[run["phase_rounds"][-1], run["timeline"][-1][1]]]
+            ax2.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=n)
+            for x in run["phase_rounds"][:-1]:
+                ax2.axvline(x, color="gray", lw=0.5)
+    ax2.set_xlabel("round (grey: phase changes)")
+    ax2.set_ylabel("depth in force")
+    ax2.legend()
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Where a speculative round's time goes: tokens/s, round wall time, GPU kernel time per round and
+host synchronisations per round, per batch, depth and prompt regime.
+
+    python scripts/bench_hotpath.py [--device cuda] [--batches 1 16 64] [--modes nospec 1 3 7]
+        [--new-tokens 48] [--repeats 3] [--label after] [--out DIR]
+    python scripts/bench_hotpath.py --merge BEFORE.json AFTER.json --out DIR   # one table
+
+One engine per depth (torch attention; CUDA graphs on a GPU, eager on a CPU), built once and
+warmed on every batch shape. Timed runs are interleaved over the repeats (every configuration
+once per repeat); tokens/s and round wall time are medians with min-max. Then one profiled run
+per configuration (torch.profiler): the sum of CUDA kernel time divided by the rounds (GPU kernel
+time per round), its ratio to the round's wall time, and the host synchronisations per round
+(`cudaStreamSynchronize`, `cudaDeviceSynchronize`, `cudaEventSynchronize` calls) and
+device-to-host copies. Writes `OUT/<label>.json` and `OUT/hotpath.png`; `--merge` writes
+`OUT/before_after.json`, `OUT/before_after.png` and prints the table the hot-path issue asks for.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from regimes import KINDS, make_prompts  # noqa: E402
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    p.add_argument("--modes", nargs="+", default=["nospec", "1", "3", "7"])
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--label", default="after")
+    p.add_argument("--model", default=None, help="default: the bundled pair")
+    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--merge", nargs=2, metavar=("BEFORE", "AFTER"), default=None)
+    p.add_argument("--out", default="runs/bench_hotpath")
+    return p.parse_args()
+
+
+def build(mode: str, target: Any, head: Any, device: str, max_batch: int, context: int) -> Any:
+    from adaptive_dist.config import load_config
+    from workers.config import EngineConfig, no_spec
+    from workers.engine import build_engine
+
+    spec = no_spec() if mode == "nospec" else load_config(None, "static", initial_steps=int(mode))
+    cfg = EngineConfig(spec=spec, max_batch_size=max_batch, max_context_len=context,
+                       device=device, cuda_graphs=device == "cuda")
+    return build_engine(cfg, target, head)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(engine: Any, prompts: list[list[int]], new_tokens: int, device: str) -> dict:
+    from workers.sampling import SamplingParams
+
+    rounds0 = engine.stats.rounds
+    sync(device)
+    start = time.perf_counter()
+    reqs = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
+    sync(device)
+    wall = time.perf_counter() - start
+    rounds = max(engine.stats.rounds - rounds0, 1)
+    tokens = sum(len(r.output_ids) for r in reqs)
+    spec = sum(getattr(r, "spec_rounds", 0) for r in reqs)
+    accepted = sum(getattr(r, "accepted", 0) for r in reqs)
+    if not spec and hasattr(reqs[0], "accept_lengths"):  # an older engine (the "before" tree)
+        spec = sum(len(r.accept_lengths) for r in reqs)
+        accepted = sum(sum(r.accept_lengths) for r in reqs)
+    return {"tokens_per_second": tokens / wall, "round_ms": 1000 * wall / rounds,
+            "rounds": rounds, "accept": accepted / spec if spec else None}
+
+
+def profiled(engine: Any, prompts: list[list[int]], new_tokens: int, device: str) -> dict:
+    """One run under the profiler: kernel time, syncs and device-to-host copies per round."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from workers.sampling import SamplingParams
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    rounds0 = engine.stats.rounds
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=acts) as prof:
+        engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
+        sync(device)
+    wall = time.perf_counter() - start
+    rounds = max(engine.stats.rounds - rounds0, 1)
+    kernel_us = syncs = d2h = 0.0
+    for e in prof.events():
+        if device == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA:
+            kernel_us += e.device_time if hasattr(e, "device_time") else e.cuda_time
+        elif e.name in SYNC_CALLS:
+            syncs += 1
+        elif e.name == "Memcpy DtoH (Device -> Pinned)" or e.name == "Memcpy DtoH (Device -> Pageable)":
+            d2h += 1
+    return {"gpu_kernel_ms_per_round": kernel_us / 1000 / rounds,
+            "profiled_round_ms": 1000 * wall / rounds,
+            "gpu_busy": (kernel_us / 1e6) / wall if wall > 0 else None,
+            "host_syncs_per_round": syncs / rounds, "d2h_copies_per_round": d2h / rounds}
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from workers.loading import DEFAULT_MODEL, encode_prompt, load_pair
+
+    torch.set_num_threads(1 if args.device == "cpu" else 4)
+    target, head = load_pair(args.model or DEFAULT_MODEL, device=args.device)
+    texts = make_prompts(max(args.batches), seed=0)
+    prompts = {k: [encode_prompt(t, target.config) for t in v] for k, v in texts.items()}
+    context = max(len(p) for ps in prompts.values() for p in ps) + args.new_tokens + 1
+    engines = {m: build(m, target, head, args.device, max(args.batches), context)
+               for m in args.modes}
+    for engine in engines.values():  # warm every batch shape
+        for b in args.batches:
+            timed(engine, prompts["code"][:b], 4, args.device)
+    configs = [(m, k, b) for m in args.modes for k in KINDS for b in args.batches]
+    samples: dict[tuple, list[dict]] = {c: [] for c in configs}
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.repeats * len(configs) + (0 if args.no_profile else len(configs)),
+               desc=f"bench_hotpath ({args.label})", unit="run")
+    for rep in range(args.repeats):
+        shift = rep % len(configs)
+        for m, k, b in configs[shift:] + configs[:shift]:
+            samples[(m, k, b)].append(timed(engines[m], prompts[k][:b], args.new_tokens,
+                                            args.device))
+            bar.update()
+    records = []
+    for (m, k, b), runs in samples.items():
+        rec = {"mode": m, "prompts": k, "batch": b,
+               "tokens_per_second": spread([r["tokens_per_second"] for r in runs]),
+               "round_ms": spread([r["round_ms"] for r in runs]), "accept": runs[0]["accept"]}
+        if not args.no_profile:
+            rec.update(profiled(engines[m], prompts[k][:b], args.new_tokens, args.device))
+            bar.update()
+        records.append(rec)
+    bar.close()
+    for engine in engines.values():
+        engine.close()
+    meta = {"label": args.label, "device": args.device,
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "torch": torch.__version__, "new_tokens": args.new_tokens, "repeats": args.repeats,
+            "command": " ".join(sys.argv)}
+    return {"meta": meta, "records": records}
+
+
+def table(before: dict | None, after: dict) -> str:
+    def key(r: dict) -> tuple:
+        return (r["mode"], r["prompts"], r["batch"])
+
+    old = {key(r): r for r in (before or {}).get("records", [])}
+    head = (f"{'mode':<7}{'prompts':<14}{'batch':>6}{'tok/s':>10}{'before':>9}{'round ms':>10}"
+            f"{'GPU ms':>8}{'busy':>7}{'syncs':>7}{'before':>8}")
+    lines = [head]
+    for r in after["records"]:
+        b = old.get(key(r), {})
+        busy = r.get("gpu_busy")
+        lines.append(
+            f"{r['mode']:<7}{r['prompts']:<14}{r['batch']:>6}"
+            f"{r['tokens_per_second']['median']:>10.0f}"
+            f"{b.get('tokens_per_second', {}).get('median', float('nan')):>9.0f}"
+            f"{r['round_ms']['median']:>10.2f}{r.get('gpu_kernel_ms_per_round', float('nan')):>8.2f}"
+            f"{(100 * busy if busy is not None else float('nan')):>6.0f}%"
+            f"{r.get('host_syncs_per_round', float('nan')):>7.1f}"
+            f"{b.get('host_syncs_per_round', float('nan')):>8.1f}")
+    return "\n".join(lines)
+
+
+def plot(before: dict | None, after: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in after["records"]})
+    modes = list(dict.fromkeys(r["mode"] for r in after["records"]))
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        for label, data, off in (("before", before, -0.2), ("after", after, 0.2)):
+            if data is None:
+                continue
+            ys = [statistics.mean(r["tokens_per_second"]["median"] for r in data["records"]
+                                  if r["batch"] == b and r["mode"] == m) for m in modes]
+            ax.bar([i + off for i in range(len(modes))], ys, 0.4, label=label)
+        ax.set_xticks(range(len(modes)), [f"steps {m}" if m != "nospec" else "no spec"
+                                          for m in modes])
+        ax.set_title(f"batch {b} (tokens/s, mean over the prompt regimes)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    args = parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        before, after = (json.loads(Path(p).read_text()) for p in args.merge)
+        (out / "before_after.json").write_text(json.dumps({"before": before, "after": after},
+                                                          indent=1))
+        plot(before, after, out / "before_after.png")
+        print(table(before, after))
+        return 0
+    result = run(args)
+    (out / f"{args.label}.json").write_text(json.dumps(result, indent=1))
+    plot(None, result, out / "hotpath.png")
+    print(table(None, result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
