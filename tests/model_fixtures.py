@@ -281,22 +281,6 @@ def write_tokenizer(path: Path, kind: str = "bytelevel", vocab: int = 300) -> in
     return tok.get_vocab_size(with_added_tokens=True)
 
 
-# ---- what the engine's worker must do for EAGLE-3 -------------------------------------------------
-
-def worker_takes_wide_features() -> bool:
-    """Whether the engine's worker sizes its feature buffers by ``target.feature_size`` (an
-    EAGLE-3 target's features are ``2 * hidden_size`` wide) rather than ``hidden_size``."""
-    import inspect
-
-    from workers import eagle_worker
-
-    return "feature_size" in inspect.getsource(eagle_worker)
-
-
-WIDE_FEATURES_REASON = ("the engine's worker sizes its feature buffers by target.config.hidden_size;"
-                        " EAGLE-3 needs target.feature_size (see docs/ARCHITECTURE.md, EAGLE-3)")
-
-
 # ---- the models alone, without the engine ---------------------------------------------------------
 
 @torch.no_grad()

@@ -5,9 +5,9 @@ vocabulary split over every rank like the target's), under ``--tp 2`` and ``--dp
 - greedy speculative output equals one process's greedy output without speculation, token for
   token, at static depths and adaptive (and, under DP, with a forced tier switch every round);
   every rank made the same decisions;
-- at static depths every request's accept lengths equal one process's (a draft that went wrong
-  under the split — the draft vocabulary, the d2t map, the captured layers — would show here
-  even though verification keeps the output right);
+- at static depths every request's accepted drafts and rounds equal one process's (a draft that
+  went wrong under the split — the draft vocabulary, the d2t map, the captured layers — would show
+  here even though verification keeps the output right);
 - the ``generate`` command with ``--model T --draft-model D`` (a tokenizer.json target) under
   ``--dp 2`` prints one process's tokens and text.
 """
@@ -33,7 +33,6 @@ from model_fixtures import (
     random_head,
     random_target,
     target_config,
-    worker_takes_wide_features,
     write_checkpoint,
     write_tokenizer,
 )
@@ -43,12 +42,6 @@ from workers.sampling import SamplingParams
 
 pytestmark = pytest.mark.multirank
 S = draft_vocab(64, 32)
-WIDE = worker_takes_wide_features()
-
-
-def _pairs(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """`pairs`, without the EAGLE-3 ones while the worker cannot feed them (see model_fixtures)."""
-    return [p for p in pairs if p[1] != "eagle3" or WIDE]
 
 
 def _write_pair(root: Path, arch: str, kind: str, fmt: str) -> Path:
@@ -132,7 +125,7 @@ NEW_TP = [[20, 9, 14, 24, 6]]
 
 
 def test_tp2_models_lossless(tmp_path: Path) -> None:
-    pairs = _pairs([("llama3", "eagle3"), ("qwen2", "eagle"), ("qwen3", "eagle3")])
+    pairs = [("llama3", "eagle3"), ("qwen2", "eagle"), ("qwen3", "eagle3")]
     roots = [_write_pair(tmp_path / f"{a}-{k}", a, k, fmt)
              for (a, k), fmt in zip(pairs, ["safetensors-sharded", "bin", "safetensors"])]
     modes = ["static1", "static3", "static7", "ema"]
@@ -151,7 +144,7 @@ NEW_DP = [[4], [22, 9, 18, 12, 16]]
 
 
 def test_dp2_models_lossless_in_lockstep(tmp_path: Path) -> None:
-    pairs = _pairs([("qwen3", "eagle3"), ("llama", "eagle"), ("qwen2", "eagle3")])
+    pairs = [("qwen3", "eagle3"), ("llama", "eagle"), ("qwen2", "eagle3")]
     roots = [_write_pair(tmp_path / f"{a}-{k}", a, k, fmt)
              for (a, k), fmt in zip(pairs, ["bin-sharded", "safetensors", "bin"])]
     modes = ["static1", "static3", "ema", "forced"]
@@ -177,10 +170,9 @@ def cli_job(rank: int, argv: list[str]) -> str:
 def test_generate_dp2_with_model_and_draft_model(tmp_path: Path, capsys) -> None:
     from workers.cli import main
 
-    kind = "eagle3" if WIDE else "eagle"
     write_tokenizer(tmp_path / "target", "bytelevel", vocab=300)
     target = random_target(target_config("qwen3", vocab=320, max_pos=128), seed=5)
-    head = random_head(kind, target, list(range(1, 320, 2)) if kind == "eagle3" else None)
+    head = random_head("eagle3", target, list(range(1, 320, 2)))
     write_checkpoint(target, tmp_path / "target", "safetensors-sharded")
     write_checkpoint(head, tmp_path / "draft", "bin")
     prompts = tmp_path / "p.jsonl"

@@ -1,8 +1,9 @@
 """The engine on real checkpoint layouts (one process): greedy speculative output equals greedy
 output without speculation, token for token, for Llama-3 / Llama / Qwen2 / Qwen3 targets with
-EAGLE (the EAGLE project's layout, ours) and EAGLE-3 heads, at every tier and adaptive; EAGLE-3
-acceptance follows its vocabulary map; speculative sampling with an EAGLE-3 head (draft
-distribution mapped into target ids) keeps the target's distribution."""
+EAGLE (the EAGLE project's layout, ours) and EAGLE-3 heads, at every tier and adaptive (the ema
+and the goodput policies); EAGLE-3 acceptance follows its vocabulary map; speculative sampling
+with an EAGLE-3 head (draft distribution mapped into target ids) keeps the target's
+distribution."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +16,6 @@ from engine_fixtures import check_pages_back, engine_for, random_prompts
 from model_fixtures import (
     ARCHS,
     FORMATS,
-    WIDE_FEATURES_REASON,
     bigram_map,
     draft_vocab,
     mixed_eps,
@@ -24,7 +24,6 @@ from model_fixtures import (
     random_head,
     random_target,
     target_config,
-    worker_takes_wide_features,
     write_checkpoint,
 )
 from workers.model import load_eagle, load_llama
@@ -34,13 +33,11 @@ torch.set_num_threads(1)
 S = draft_vocab(64, 32)
 PAIRS = [(a, k) for a in ARCHS for k in ("eagle", "eagle3")] + [("llama", "own")]
 MODES = [("static", 1, None), ("static", 3, None), ("static", 7, None),
-         ("ema", 3, AdaptiveConfig(warmup_batches=1, update_interval=1))]
+         ("ema", 3, AdaptiveConfig(warmup_batches=1, update_interval=1)),
+         # goodput: round costs measured at start-up; its depth-0 tier still runs draft-extend
+         ("ema", 1, AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=1,
+                                   warmup_batches=1, update_interval=1, probe_every=2))]
 STOP = 13
-
-
-def needs_wide_features(kind: str) -> None:
-    if kind == "eagle3" and not worker_takes_wide_features():
-        pytest.skip(WIDE_FEATURES_REASON)
 
 
 def oracle_pair(arch: str, kind: str, eps: float, root: Path, fmt: str = "safetensors"):
@@ -56,7 +53,6 @@ def oracle_pair(arch: str, kind: str, eps: float, root: Path, fmt: str = "safete
 
 @pytest.mark.parametrize("arch,kind", PAIRS)
 def test_greedy_speculation_equals_no_speculation(tmp_path: Path, arch: str, kind: str) -> None:
-    needs_wide_features(kind)
     target, head = oracle_pair(arch, kind, mixed_eps(arch, kind), tmp_path,
                                FORMATS[PAIRS.index((arch, kind)) % 4])
     prompts = random_prompts(6, 64, seed=11, lo=1, hi=20)
@@ -78,7 +74,6 @@ def test_greedy_speculation_equals_no_speculation(tmp_path: Path, arch: str, kin
 def test_eagle3_acceptance_follows_the_vocabulary_map(tmp_path: Path, right: bool) -> None:
     """The oracle head at eps 0: with the right d2t every draft is accepted, with d2t shifted by
     one draft row none is (and the output is the same: verification is against the target)."""
-    needs_wide_features("eagle3")
     target, head = oracle_pair("qwen2", "eagle3", 0.0, tmp_path)
     if not right:
         head.set_vocab_map(torch.tensor(S[1:] + S[:1]) - torch.arange(32))
@@ -97,7 +92,6 @@ def test_eagle3_acceptance_follows_the_vocabulary_map(tmp_path: Path, right: boo
 def test_eagle3_speculative_sampling_keeps_the_target_distribution() -> None:
     """Draft distributions live on a draft vocabulary of 4 of the 6 target ids; mapped into
     target ids (zero elsewhere), rejection sampling still yields the target's joint law."""
-    needs_wide_features("eagle3")
     from sampling_reference import ALPHA, PROMPT, VOCAB, chi_square_pvalue, exact_joint
 
     cfg = target_config("qwen3", vocab=VOCAB, hidden=32)
@@ -115,3 +109,11 @@ def test_eagle3_speculative_sampling_keeps_the_target_distribution() -> None:
     assert hist.get(0, 0) > 0 and sum(v for k, v in hist.items() if k > 0) > 0, hist
     assert chi_square_pvalue(counts, exact_joint(target, 1.0, 1.0)) > ALPHA
     assert chi_square_pvalue(counts, exact_joint(target, 1.3, 1.0)) < ALPHA
+
+
+def test_worker_refuses_a_head_of_another_feature_width() -> None:
+    """An EAGLE-3 head widens its target's features; an EAGLE head on that target is refused."""
+    target = random_target(target_config("llama"), seed=1)
+    random_head("eagle3", target, S)                   # attaches its feature tap
+    with pytest.raises(ValueError, match="reads 64-wide features, the target gives 128"):
+        engine_for(target, random_head("eagle", target), "static")

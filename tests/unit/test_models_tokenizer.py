@@ -15,11 +15,9 @@ import pytest
 import torch
 
 from model_fixtures import (
-    WIDE_FEATURES_REASON,
     random_head,
     random_target,
     target_config,
-    worker_takes_wide_features,
     write_checkpoint,
     write_generation_config,
     write_tokenizer,
@@ -135,8 +133,6 @@ def test_frontend_codec_uses_the_model_tokenizer_without_torch(tok_dir: Path) ->
 @pytest.fixture(scope="module", params=["eagle", "eagle3"])
 def hf_pair(request, tmp_path_factory) -> tuple[Path, Path]:
     """A Qwen2 target with a byte-level tokenizer.json (and generation_config.json), and a head."""
-    if request.param == "eagle3" and not worker_takes_wide_features():
-        pytest.skip(WIDE_FEATURES_REASON)
     root = tmp_path_factory.mktemp(f"hf_{request.param}")
     vocab = write_tokenizer(root / "target", "bytelevel", vocab=300)
     eot = json.loads((root / "target" / "tokenizer.json").read_text())["added_tokens"][2]["id"]
