@@ -179,3 +179,35 @@ def test_generate_without_a_draft_head_is_refused(capsys, hf_pair) -> None:
     target, _ = hf_pair
     code, _, err = _generate(capsys, "--prompt", "x", "--steps", "2", "--model", str(target))
     assert code == 2 and "has no draft head" in err and "--draft-model" in err
+
+
+def test_serve_with_model_and_draft_model(capsys, hf_pair) -> None:
+    """`serve --model T --draft-model D`: the target's tokenizer encodes the prompt and decodes
+    the output; the tokens are `generate --no-spec`'s, and the streamed pieces (never half a
+    character) join into the same text."""
+    import httpx
+
+    from serve_helpers import sse_chunks, start_server
+
+    target, draft = hf_pair
+    prompt = "héllo ✓ def f(x):"
+    code, plain, err = _generate(capsys, "--prompt", prompt, "--max-new-tokens", "12", "--json",
+                                 "--model", str(target), "--no-spec")
+    assert code == 0, err
+    want = plain["outputs"][0]
+    server = start_server(["--model", str(target), "--draft-model", str(draft), "--steps", "3",
+                           "--max-batch-size", "2", "--max-model-len", "128"])
+    try:
+        body = {"model": target.name, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "return_token_ids": True}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert (choice["token_ids"], choice["text"]) == (want["token_ids"], want["text"])
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True},
+                          timeout=60) as resp:
+            parts = [c for chunk in sse_chunks(resp) for c in chunk.get("choices", [])]
+        assert [t for p in parts for t in p["token_ids"]] == want["token_ids"]
+        assert "".join(p["text"] for p in parts) == want["text"]
+    finally:
+        server.stop()
