@@ -70,6 +70,23 @@ def test_greedy_speculation_equals_no_speculation(tmp_path: Path, arch: str, kin
     assert hist.get(0, 0) > 0 and sum(v for k, v in hist.items() if k >= 3) > 0, hist
 
 
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_eagle3_graph_path_equals_no_speculation(tmp_path: Path, arch: str) -> None:
+    """The bodies CUDA graphs capture (on a CPU run uncaptured, at the bucket's padded shapes):
+    the draft loop through the head's d2t map, verify over the target's wide features, draft-extend
+    — greedy output equal to no speculation at a static depth, adaptive and under goodput."""
+    target, head = oracle_pair(arch, "eagle3", mixed_eps(arch, "eagle3"), tmp_path)
+    prompts = random_prompts(6, 64, seed=12, lo=1, hi=20)
+    params = [SamplingParams(max_new_tokens=9 + 6 * (i % 3)) for i in range(6)]
+    reference = [r.output_ids for r in engine_for(target, None, "nospec").generate(prompts, params)]
+    for mode, steps, cfg in MODES[1:]:
+        engine = engine_for(target, head, mode, steps=steps, config=cfg, cuda_graphs=True)
+        assert [r.output_ids for r in engine.generate(prompts, params)] == reference, (mode, steps)
+        assert engine.stats.graph_rounds == engine.stats.rounds > 0
+        engine.close()
+        check_pages_back(engine)
+
+
 @pytest.mark.parametrize("right", [True, False])
 def test_eagle3_acceptance_follows_the_vocabulary_map(tmp_path: Path, right: bool) -> None:
     """The oracle head at eps 0: with the right d2t every draft is accepted, with d2t shifted by
