@@ -57,14 +57,31 @@ WORKLOADS = {
 """Phases: (regime of even replicas, regime of odd replicas)."""
 
 
-def spec_of(policy: str) -> AdaptiveConfig:
+def spec_of(policy: str, knobs: dict[str, Any] | None = None) -> AdaptiveConfig:
+    """The policy's config; `knobs` (the `--set` values) apply to every adaptive policy alike."""
     if policy == "static0":
         return no_spec()
     if policy.startswith("static"):
         return load_config(None, "static", initial_steps=int(policy[len("static"):]))
     if policy == "goodput":
-        return AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=3)
-    return AdaptiveConfig(reducer="min" if policy == "ema_min" else "weighted_mean")
+        spec = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=3)
+    else:
+        spec = AdaptiveConfig(reducer="min" if policy == "ema_min" else "weighted_mean")
+    return spec.replace(**knobs) if knobs else spec
+
+
+def parse_knobs(items: list[str]) -> dict[str, Any]:
+    """`key=value` pairs (values parsed as JSON numbers where they are) for AdaptiveConfig."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected key=value")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def parse_args() -> argparse.Namespace:
@@ -80,6 +97,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--set", dest="knobs", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config key for every adaptive policy alike (e.g. update_interval=2)")
     p.add_argument("--out", default="runs/bench_adaptive")
     return p.parse_args()
 
@@ -110,6 +129,7 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
 
 def main() -> int:
     args = parse_args()
+    knobs = parse_knobs(args.knobs)
     torch.set_num_threads(1 if args.device == "cpu" else 4)
     ctx = C.init_distributed(timeout_s=300, backend="gloo" if args.device == "cpu" else None)
     layout = ctx.layout(dp=args.dp)
@@ -128,11 +148,14 @@ def main() -> int:
     guard = ctx.guard(world, check_every=16) if ctx.distributed else None
     engines = {}
     for policy in args.policies:
-        cfg = EngineConfig(spec=spec_of(policy), max_batch_size=top, max_context_len=context,
+        cfg = EngineConfig(spec=spec_of(policy, knobs), max_batch_size=top, max_context_len=context,
                            device=device, cuda_graphs=args.device == "cuda", dp=args.dp,
                            attn_tp=layout.attn_tp)
         engines[policy] = build_engine(cfg, target, head, group=world, guard=guard)
         engines[policy].warmup()
+    # the cost tables the goodput engines measured and agreed at start-up (relative costs)
+    round_costs = {p: e.config.spec.round_cost.to_json() for p, e in engines.items()
+                   if e.config.spec.round_cost is not None}
     jobs = [(w, b, p) for w in args.workloads for b in args.batches for p in args.policies]
     bar = None
     if ctx.rank == 0:
@@ -162,14 +185,14 @@ def main() -> int:
                     bar.set_postfix_str(f"{workload} b{batch} {policy}: "
                                         f"{records[-1]['tokens_per_second']:.0f} tok/s")
                     bar.update()
+        if ctx.rank == 0:  # results so far (a run cut short keeps its finished repeats)
+            write(args, records, ctx, quiet=rep + 1 < args.repeats, round_costs=round_costs)
     if bar is not None:
         bar.close()
     for engine in engines.values():
         engine.close()
     if guard is not None:
         guard.close()
-    if ctx.rank == 0:
-        write(args, records, ctx)
     ctx.shutdown()
     return 0
 
@@ -233,17 +256,22 @@ def analyse(records: list[dict]) -> dict[str, Any]:
     return out
 
 
-def write(args: argparse.Namespace, records: list[dict], ctx: Any) -> None:
+def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool = False,
+          round_costs: dict[str, Any] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     analysis = analyse(records)
     meta = {"world": ctx.world_size, "dp": args.dp, "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-            "torch": torch.__version__, "new_tokens": args.new_tokens, "repeats": args.repeats,
+            "torch": torch.__version__, "new_tokens": args.new_tokens,
+            "knobs": parse_knobs(args.knobs), "round_cost": round_costs, "repeats": args.repeats,
+            "repeats_done": len({r["repeat"] for r in records}),
             "workloads": {w: WORKLOADS[w] for w in args.workloads},
             "command": " ".join(sys.argv)}
     (out / "results.json").write_text(json.dumps({"meta": meta, "analysis": analysis,
                                                   "runs": records}, indent=1))
+    if quiet:
+        return
     for key, entry in analysis.items():
         plot(key, entry, records, out / (key.replace(" | b=", "_b") + ".png"))
         print(f"== {key}: best static {entry.get('best_static', 0):.0f} tok/s, oracle "

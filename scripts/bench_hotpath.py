@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--label", default="after")
     p.add_argument("--model", default=None, help="default: the bundled pair")
     p.add_argument("--draft-model", default=None, help="draft head directory (as generate)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--merge", nargs=2, metavar=("BEFORE", "AFTER"), default=None)
     p.add_argument("--out", default="runs/bench_hotpath")
@@ -102,18 +103,35 @@ def profiled(engine: Any, prompts: list[list[int]], new_tokens: int, device: str
         sync(device)
     wall = time.perf_counter() - start
     rounds = max(engine.stats.rounds - rounds0, 1)
-    kernel_us = syncs = d2h = 0.0
+    kernel_us = syncs = d2h = kernels = 0.0
+    by_name: dict[str, list[float]] = {}
     for e in prof.events():
         if device == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA:
-            kernel_us += e.device_time if hasattr(e, "device_time") else e.cuda_time
+            us = e.device_time if hasattr(e, "device_time") else e.cuda_time
+            kernel_us += us
+            kernels += 1
+            entry = by_name.setdefault(e.name[:90], [0.0, 0])
+            entry[0] += us
+            entry[1] += 1
         elif e.name in SYNC_CALLS:
             syncs += 1
         elif e.name == "Memcpy DtoH (Device -> Pinned)" or e.name == "Memcpy DtoH (Device -> Pageable)":
             d2h += 1
     return {"gpu_kernel_ms_per_round": kernel_us / 1000 / rounds,
+            "gpu_kernels_per_round": kernels / rounds,
+            "top_kernels": [{"name": n, "us_per_round": t / rounds, "per_round": c / rounds}
+                            for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]],
             "profiled_round_ms": 1000 * wall / rounds,
-            "gpu_busy": (kernel_us / 1e6) / wall if wall > 0 else None,
+            "gpu_busy_profiled": (kernel_us / 1e6) / wall if wall > 0 else None,
             "host_syncs_per_round": syncs / rounds, "d2h_copies_per_round": d2h / rounds}
+
+
+def busy(rec: dict) -> dict:
+    """GPU busy share of a round: the profiled GPU kernel time per round over the (unprofiled)
+    median round wall time — the profiler's own host overhead would otherwise count as idle."""
+    kernel = rec.get("gpu_kernel_ms_per_round")
+    rec["gpu_busy"] = kernel / rec["round_ms"]["median"] if kernel else None
+    return rec
 
 
 def spread(xs: list[float]) -> dict[str, float]:
@@ -133,6 +151,11 @@ def run(args: argparse.Namespace) -> dict:
     else:
         target, head = loading.load_pair(model, device=args.device)
         encode = lambda text: loading.encode_prompt(text, target.config)  # noqa: E731
+    if args.dtype != "float32":
+        dtype = getattr(torch, args.dtype)
+        target, head = target.to(dtype), head.to(dtype)
+        target.reset_buffers()
+        head.reset_buffers()
     texts = make_prompts(max(args.batches), seed=0)
     prompts = {k: [encode(t) for t in v] for k, v in texts.items()}
     context = max(len(p) for ps in prompts.values() for p in ps) + args.new_tokens + 1
@@ -161,6 +184,7 @@ def run(args: argparse.Namespace) -> dict:
         if not args.no_profile:
             rec.update(profiled(engines[m], prompts[k][:b], args.new_tokens, args.device))
             bar.update()
+        busy(rec)
         records.append(rec)
     bar.close()
     for engine in engines.values():
@@ -168,6 +192,7 @@ def run(args: argparse.Namespace) -> dict:
     meta = {"label": args.label, "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "new_tokens": args.new_tokens, "repeats": args.repeats,
+            "dtype": args.dtype,
             "command": " ".join(sys.argv)}
     return {"meta": meta, "records": records}
 
@@ -176,19 +201,25 @@ def table(before: dict | None, after: dict) -> str:
     def key(r: dict) -> tuple:
         return (r["mode"], r["prompts"], r["batch"])
 
-    old = {key(r): r for r in (before or {}).get("records", [])}
+    old = {key(r): busy(r) for r in (before or {}).get("records", [])}
+    for r in after["records"]:
+        busy(r)
     head = (f"{'mode':<7}{'prompts':<14}{'batch':>6}{'tok/s':>10}{'before':>9}{'round ms':>10}"
-            f"{'GPU ms':>8}{'busy':>7}{'syncs':>7}{'before':>8}")
+            f"{'GPU ms':>8}{'busy':>7}{'before':>8}{'kernels':>9}{'before':>8}{'syncs':>7}"
+            f"{'before':>8}")
     lines = [head]
     for r in after["records"]:
         b = old.get(key(r), {})
-        busy = r.get("gpu_busy")
+        share = r.get("gpu_busy")
         lines.append(
             f"{r['mode']:<7}{r['prompts']:<14}{r['batch']:>6}"
             f"{r['tokens_per_second']['median']:>10.0f}"
             f"{b.get('tokens_per_second', {}).get('median', float('nan')):>9.0f}"
             f"{r['round_ms']['median']:>10.2f}{r.get('gpu_kernel_ms_per_round', float('nan')):>8.2f}"
-            f"{(100 * busy if busy is not None else float('nan')):>6.0f}%"
+            f"{(100 * share if share is not None else float('nan')):>6.0f}%"
+            f"{100 * (b.get('gpu_busy') or float('nan')):>7.0f}%"
+            f"{r.get('gpu_kernels_per_round', float('nan')):>9.0f}"
+            f"{b.get('gpu_kernels_per_round', float('nan')):>8.0f}"
             f"{r.get('host_syncs_per_round', float('nan')):>7.1f}"
             f"{b.get('host_syncs_per_round', float('nan')):>8.1f}")
     return "\n".join(lines)

@@ -4,7 +4,8 @@
 # flashinfer, device-side sampling), the consensus cost on each channel, the DP-attention benchmark,
 # and `generate --dp 2` against one process. Prints a short table last.
 #   bash scripts/gpu_check.sh [OUTDIR]       (OUTDIR defaults to $OUT or runs/gpu)
-# STEPS="a b" runs only those steps (names below); BENCH_REPEATS sets bench_dp's repeats.
+# STEPS="a b" runs only those steps (names below); BENCH_REPEATS sets the benchmarks' repeats;
+# ADAPTIVE_ARGS adds arguments to both bench_adaptive runs (e.g. "--new-tokens 256 --set ...").
 # Wheels for packages the machine lacks (flashinfer, tvm-ffi, pyzmq, the server stack) are taken
 # from .whl/ if present; flashinfer's compiled kernels are restored from .gpu/flashinfer_cache.tar
 # and saved back to OUTDIR when they changed (the first use compiles for about 90 s).
@@ -70,11 +71,14 @@ step serve_matrix timeout 420 python3 scripts/bench_serve_matrix.py --nproc 2 \
   --serve "--dp 2 --device cuda" --concurrency 4 32 --repeats "${BENCH_REPEATS:-3}" \
   --out "$OUTDIR/res/serve_matrix"
 step gpu_engine python3 -m pytest -q tests/gpu/test_engine.py tests/gpu/test_torch_backend.py \
-  tests/gpu/test_spec_decode_gpu.py -p no:cacheprovider
+  tests/gpu/test_spec_decode_gpu.py tests/unit/test_kernels.py -p no:cacheprovider
 # the hot path, before and after, in one call: BEFORE (a tree exported to .gpu/before, e.g.
 # `git archive <ref> collectives adaptive_dist workers/*.py workers/attention workers/model
 # workers/server | tar -x -C .gpu/before`) against this tree
-if [ -d .gpu/before/workers ]; then
+# (.gpu/hotpath_before.json: a 'before' run kept from an earlier call, used as it is)
+if [ -f .gpu/hotpath_before.json ]; then
+  mkdir -p "$OUTDIR/res/hotpath" && cp .gpu/hotpath_before.json "$OUTDIR/res/hotpath/before.json"
+elif [ -d .gpu/before/workers ]; then
   step hotpath_before env PYTHONPATH=$PWD/.gpu/before:$PYTHONPATH python3 scripts/bench_hotpath.py \
     --device cuda --label before --model workers/assets/tiny_pair --out "$OUTDIR/res/hotpath"
 fi
@@ -82,6 +86,14 @@ step hotpath_after python3 scripts/bench_hotpath.py --device cuda --label after 
   --out "$OUTDIR/res/hotpath"
 [ -f "$OUTDIR/res/hotpath/before.json" ] && step hotpath_table python3 scripts/bench_hotpath.py \
   --merge "$OUTDIR/res/hotpath/before.json" "$OUTDIR/res/hotpath/after.json" --out "$OUTDIR/res/hotpath"
+# adaptive against static depth (issue: goodput): one GPU, then heterogeneous DP on two
+step bench_adaptive timeout "${ADAPTIVE_TIMEOUT:-400}" python3 scripts/bench_adaptive.py --device cuda \
+  --batches ${ADAPTIVE_BATCHES:-1 16 64} --repeats "${BENCH_REPEATS:-3}" ${ADAPTIVE_ARGS:-} \
+  --out "$OUTDIR/res/bench_adaptive"
+step bench_adaptive_dp2 timeout "${ADAPTIVE_TIMEOUT:-400}" torchrun --nproc-per-node 2 \
+  scripts/bench_adaptive.py --dp 2 --device cuda --workloads heterogeneous transition \
+  --batches ${ADAPTIVE_BATCHES:-1 16 64} --repeats "${BENCH_REPEATS:-3}" ${ADAPTIVE_ARGS:-} \
+  --out "$OUTDIR/res/bench_adaptive_dp2"
 step bench_consensus bash -c "for ch in control device; do torchrun --nproc-per-node 2 \
   scripts/bench_consensus.py --rounds 3000 --channel \$ch --out $OUTDIR/res/consensus_\$ch || exit 1; done"
 if [ "$(find "$FLASHINFER_WORKSPACE_BASE" -type f | wc -l)" != "$CACHE_BEFORE" ]; then

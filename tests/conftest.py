@@ -8,9 +8,15 @@ this folder, which pytest puts on ``sys.path`` (spawned ranks inherit it).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Without a GPU, triton's kernels (workers.kernels) run in its interpreter: the switch must be set
+# before triton is first imported.
+if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "" or not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HERE = Path(__file__).resolve().parent
 

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from workers.attention import ForwardMode, PaddedBatch, StaticBackend, build_metadata
-from workers.attention.base import AttentionBackend
+from workers.attention.base import AttentionBackend, upload
 from workers.config import EngineConfig
 from workers.cuda_graphs import CudaGraphRunner, GraphEntry
 from workers.kv_cache import DUMMY_PAGE, KVPool, pages_for
@@ -306,46 +306,55 @@ class EagleWorker:
             raise RuntimeError(f"prefill of {len(reqs)} requests / {total} tokens exceeds the "
                                f"agreed {pad_requests} / {pad_tokens}")
         self._set_slots(reqs)
-        ids = self._tensor([t for r in reqs for t in r.prompt_ids], pad_tokens)
-        pos = self._tensor([i for n in lens for i in range(n)], pad_tokens)
+        pad = pad_requests - len(reqs)
+        ends = [sum(lens[:i + 1]) - 1 for i in range(len(reqs))]
+        fields = {  # every host value of the prefill, uploaded in one copy
+            "ids": self._padded([t for r in reqs for t in r.prompt_ids], pad_tokens),
+            "pos": self._padded([i for n in lens for i in range(n)], pad_tokens),
+            "last": self._padded(ends, pad_requests),
+            "slots": [r.slot for r in reqs] + [self.dummy_slot] * pad,
+            "lens": self._padded(lens, pad_requests)}
+        if self.speculative:  # the head over x_1 .. x_P with f_0 .. f_{P-1}: positions 1 .. P
+            fields["nxt"] = self._padded(
+                [t for r, n in zip(reqs, lens) for t in r.prompt_ids[1:n] + [0]], pad_tokens)
+            fields["pos2"] = self._padded([i + 1 for n in lens for i in range(n)], pad_tokens)
+        dev = dict(zip(fields, upload(self.device, *fields.values())))
         meta = build_metadata(ForwardMode.EXTEND, [r.pages for r in reqs], [0] * len(reqs), lens,
                               self.config.page_size, self.device)
-        hidden = self.target(ids, pos, self.backend.plan(meta, self.target_kv))
-        ends = [sum(lens[:i + 1]) - 1 for i in range(len(reqs))]
-        last = self._tensor(ends, pad_requests)
+        hidden = self.target(dev["ids"], dev["pos"], self.backend.plan(meta, self.target_kv))
+        last, slots = dev["last"], dev["slots"]
         logits = self.target.compute_logits(hidden[last]).float()
-        slots = self._tensor([r.slot for r in reqs] + [self.dummy_slot] * (pad_requests - len(reqs)))
         temp, top_p, seed = self._sampling(slots)
-        first = sample_tokens(logits, temp, top_p, seed, self._tensor(lens, pad_requests) - 1,
-                              SALT_SAMPLE, all_greedy=all(r.params.greedy for r in reqs))
-        if self.speculative:  # the head over x_1 .. x_P with f_0 .. f_{P-1}: positions 1 .. P
-            nxt = self._tensor([t for r, n in zip(reqs, lens) for t in r.prompt_ids[1:n] + [0]],
-                               pad_tokens)
+        first = sample_tokens(logits, temp, top_p, seed, dev["lens"] - 1, SALT_SAMPLE,
+                              all_greedy=all(r.params.greedy for r in reqs))
+        if self.speculative:
+            nxt = dev["nxt"]
             nxt[last[:len(reqs)]] = first[:len(reqs)]
-            pos2 = self._tensor([i + 1 for n in lens for i in range(n)], pad_tokens)
-            out = self.head(nxt, hidden, pos2, self.backend.plan(meta, self.draft_kv))
+            out = self.head(nxt, hidden, dev["pos2"], self.backend.plan(meta, self.draft_kv))
             self.slot_feature.index_copy_(0, slots, out[last])
-        self.slot_len.index_copy_(0, slots, self._tensor(lens, pad_requests))
+        self.slot_len.index_copy_(0, slots, dev["lens"])
         self.slot_last.index_copy_(0, slots, first)
         self.slot_len[self.dummy_slot:].zero_()
 
     def _set_slots(self, reqs: list[Request]) -> None:
-        """Page tables and sampling settings of newly admitted requests into their slots."""
-        for req in reqs:
-            self.slot_pages[req.slot].fill_(DUMMY_PAGE)
-            self.slot_pages[req.slot, :len(req.pages)] = torch.tensor(req.pages)
-        if reqs:
-            slots = self._tensor([r.slot for r in reqs])
-            self.slot_seed.index_copy_(0, slots, self._tensor([r.seed for r in reqs]))
-            self.slot_temp.index_copy_(0, slots, torch.tensor(
-                [float(r.params.temperature) for r in reqs], device=self.device))
-            self.slot_top_p.index_copy_(0, slots, torch.tensor(
-                [float(r.params.top_p) for r in reqs], device=self.device))
+        """Page tables and sampling settings of newly admitted requests into their slots (two
+        host-to-device copies, whatever the number of requests)."""
+        if not reqs:
+            return
+        reach = self.slot_pages.shape[1]
+        tables = [r.pages + [DUMMY_PAGE] * (reach - len(r.pages)) for r in reqs]
+        slots, seeds, pages = upload(self.device, [r.slot for r in reqs], [r.seed for r in reqs],
+                                           [p for t in tables for p in t])
+        self.slot_pages.index_copy_(0, slots, pages.view(len(reqs), reach))
+        self.slot_seed.index_copy_(0, slots, seeds)
+        temp, top_p = upload(self.device, [float(r.params.temperature) for r in reqs],
+                                   [float(r.params.top_p) for r in reqs], dtype=torch.float32)
+        self.slot_temp.index_copy_(0, slots, temp)
+        self.slot_top_p.index_copy_(0, slots, top_p)
 
-    def _tensor(self, values: list[int], pad_to: int | None = None) -> torch.Tensor:
-        """`values` (zero-padded to `pad_to`) as an int64 device tensor."""
-        pad = [] if pad_to is None else [0] * (pad_to - len(values))
-        return torch.tensor(values + pad, dtype=torch.int64).to(self.device)
+    @staticmethod
+    def _padded(values: list[int], size: int) -> list[int]:
+        return values + [0] * (size - len(values))
 
     # ---- the speculative round ------------------------------------------------------------------
     @torch.inference_mode()

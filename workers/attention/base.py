@@ -125,20 +125,30 @@ def build_metadata(mode: ForwardMode, page_tables: Sequence[Sequence[int]],
     slots = [table[i // page_size] * page_size + i % page_size
              for table, c, n in zip(used, cached_lens, qo_lens) for i in range(c, c + n)]
 
-    def dev(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+    fields = [_prefix_sum(qo_lens), _prefix_sum([len(t) for t in used]),
+              [p for t in used for p in t],
+              [(s - 1) % page_size + 1 if s else 0 for s in seq_lens], list(cached_lens), seq_lens,
+              slots]
+    qo_indptr, kv_indptr, pages, last_len, cached, seqs, out_slots = upload(device, *fields)
     i32 = torch.int32
     return AttnMetadata(
         mode=mode, page_size=page_size, batch_size=len(seq_lens), num_tokens=len(slots),
-        qo_indptr=dev(_prefix_sum(qo_lens), i32),
-        kv_indptr=dev(_prefix_sum([len(t) for t in used]), i32),
-        kv_page_indices=dev([p for t in used for p in t], i32),
-        kv_last_page_len=dev([(s - 1) % page_size + 1 if s else 0 for s in seq_lens], i32),
-        cached_lens=dev(list(cached_lens), i32), seq_lens=dev(seq_lens, i32),
-        out_slots=dev(slots, torch.int64),
+        qo_indptr=qo_indptr.to(i32), kv_indptr=kv_indptr.to(i32), kv_page_indices=pages.to(i32),
+        kv_last_page_len=last_len.to(i32), cached_lens=cached.to(i32), seq_lens=seqs.to(i32),
+        out_slots=out_slots,
         host_qo_lens=list(qo_lens), host_cached_lens=list(cached_lens), host_seq_lens=seq_lens,
         host_pages=used)
+
+
+def upload(device: torch.device | str, *lists: Sequence, dtype: torch.dtype = torch.int64
+           ) -> list[torch.Tensor]:
+    """Host lists as 1-D tensors of `dtype` on `device`, in one copy: staged in pinned memory on
+    CUDA, so the host does not wait for the device (no synchronisation)."""
+    host = torch.tensor([x for values in lists for x in values], dtype=dtype)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True)
+    return list(flat.split([len(values) for values in lists]))
 
 
 def gather_kv(pages: torch.Tensor, slots: torch.Tensor, num_q_heads: int, head_dim: int,

@@ -6,13 +6,16 @@ the dummy page). From `page_tab`, `cached` and `qo_len` (device tensors, read at
 computes on the device, once per forward: the flat slot of every KV index, the causal mask, and
 the write slot of every token slot (real tokens: their own slot; padding and dummy rows: a slot of
 the dummy page). Every row sees KV index 0, so no row is fully masked and every output is finite;
-outputs of padding rows are dropped by the caller.
+outputs of padding rows are dropped by the caller. On CUDA the gather, mask and attention are
+one fused kernel per layer (`workers.kernels.padded_attention`, the same rule: token slot `w` of
+row `b` sees KV indices `0 .. cached[b] + w` within the row's reach).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from workers import kernels
 from workers.attention.base import PaddedBatch, gather_kv
 from workers.kv_cache import DUMMY_PAGE, KVPool
 
@@ -34,11 +37,15 @@ class StaticAttention:
         self.pool, self.width, self.batch = pool, meta.width, meta.batch
         page_tab, ps = meta.page_tab, pool.page_size
         device = page_tab.device
-        kv_idx = torch.arange(page_tab.shape[1] * ps, device=device)
-        self.slots = page_tab[:, kv_idx // ps] * ps + kv_idx % ps              # [B, L]
+        # on CUDA one fused kernel per layer reads the pages directly (workers.kernels)
+        self.fused = kernels.enabled(page_tab)
+        self.page_tab, self.cached = page_tab.contiguous(), meta.cached
         rows = torch.arange(meta.width, device=device)
         kv_pos = meta.cached[:, None] + rows[None, :]                           # [B, W]
-        self.mask = (kv_idx[None, None, :] <= kv_pos[:, :, None])[:, None]      # [B, 1, W, L]
+        if not self.fused:
+            kv_idx = torch.arange(page_tab.shape[1] * ps, device=device)
+            self.slots = page_tab[:, kv_idx // ps] * ps + kv_idx % ps          # [B, L]
+            self.mask = (kv_idx[None, None, :] <= kv_pos[:, :, None])[:, None]  # [B, 1, W, L]
         real = rows[None, :] < meta.qo_len[:, None]
         page = page_tab.gather(1, (kv_pos // ps).clamp(max=page_tab.shape[1] - 1))
         self.out_slots = torch.where(real, page * ps + kv_pos % ps, DUMMY_PAGE * ps).reshape(-1)
@@ -49,6 +56,9 @@ class StaticAttention:
         pool = self.pool
         pool.write(layer_id, self.out_slots, k, v)
         num_q_heads, head_dim = q.shape[1], q.shape[2]
+        if self.fused:
+            return kernels.padded_attention(q, pool.k[layer_id], pool.v[layer_id], self.page_tab,
+                                            self.cached, self.width, head_dim ** -0.5)
         query = q.reshape(self.batch, self.width, num_q_heads, head_dim).transpose(1, 2)
         keys = gather_kv(pool.k[layer_id], self.slots, num_q_heads, head_dim, q.dtype)
         values = gather_kv(pool.v[layer_id], self.slots, num_q_heads, head_dim, q.dtype)

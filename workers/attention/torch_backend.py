@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.attention.base import AttnMetadata, gather_kv, padded_forward
+from workers.attention.base import AttnMetadata, gather_kv, padded_forward, upload
 from workers.kv_cache import KVPool
 
 
@@ -24,36 +24,31 @@ class TorchBackend:
         return TorchAttention(meta, pool)
 
 
-def _slots(meta: AttnMetadata, device: torch.device) -> torch.Tensor:
-    """[B, L] flat KV slot of every token of every request, padded with slot 0 (masked out)."""
-    ps, length = meta.page_size, max(meta.max_seq_len, 1)
-    rows = []
+def _tables(meta: AttnMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, L] flat KV slot of every token of every request, padded with slot 0 (masked out);
+    [T] position of each new token in the flattened padded `[B * Q]` query block), in one copy."""
+    ps, length, q_len = meta.page_size, max(meta.max_seq_len, 1), max(meta.max_qo_len, 1)
+    slots = []
     for pages, seq_len in zip(meta.host_pages, meta.host_seq_lens):
         flat = [p * ps + i for p in pages for i in range(ps)][:seq_len]
-        rows.append(flat + [0] * (length - seq_len))
-    return torch.tensor(rows, dtype=torch.int64).to(device)
+        slots.extend(flat + [0] * (length - seq_len))
+    index = [b * q_len + i for b, n in enumerate(meta.host_qo_lens) for i in range(n)]
+    flat_slots, q_index = upload(device, slots, index)
+    return flat_slots.view(meta.batch_size, length), q_index
 
 
 def _causal_mask(meta: AttnMetadata, device: torch.device) -> torch.Tensor:
     """[B, 1, Q, L] bool: new token i of request b sees KV indices <= cached_lens[b] + i."""
     q_len, kv_len = max(meta.max_qo_len, 1), max(meta.max_seq_len, 1)
-    cached = torch.tensor(meta.host_cached_lens, dtype=torch.int64, device=device)
+    cached, qo_lens = meta.cached_lens.long(), meta.qo_indptr.diff().long()
     q_pos = torch.arange(q_len, device=device)[None, :] + cached[:, None]
     kv_idx = torch.arange(kv_len, device=device)
     mask = kv_idx[None, None, :] <= q_pos[:, :, None]
     # NOTE: padded query rows (i >= qo_len) see KV index 0 only, so they stay finite; they are
     # dropped when the output is gathered back.
-    qo_lens = torch.tensor(meta.host_qo_lens, device=device)
     pad_rows = torch.arange(q_len, device=device)[None, :] >= qo_lens[:, None]
-    mask[pad_rows] = kv_idx == 0
+    mask = torch.where(pad_rows[:, :, None], (kv_idx == 0)[None, None, :], mask)
     return mask[:, None]
-
-
-def _query_index(meta: AttnMetadata, device: torch.device) -> torch.Tensor:
-    """[T] position of each new token in the flattened padded `[B * Q]` query block."""
-    q_len = max(meta.max_qo_len, 1)
-    index = [b * q_len + i for b, n in enumerate(meta.host_qo_lens) for i in range(n)]
-    return torch.tensor(index, dtype=torch.int64).to(device)
 
 
 class TorchAttention:
@@ -63,9 +58,8 @@ class TorchAttention:
         device = pool.device
         self.meta, self.pool = meta, pool
         if meta.num_tokens:
-            self.slots = _slots(meta, device)
+            self.slots, self.q_index = _tables(meta, device)
             self.mask = _causal_mask(meta, device)
-            self.q_index = _query_index(meta, device)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:

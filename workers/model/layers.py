@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from collectives import Group
+from workers import kernels
 from workers.model.config import RopeScaling
 from workers.model.parallel import ModelParallel
 
@@ -50,9 +51,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.enabled(x):
+            return kernels.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the norm of its result: ``(x + delta, norm(x + delta))``."""
+        if kernels.enabled(x):
+            return kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        total = x + delta
+        return total, self.forward(total)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (the SwiGLU activation)."""
+    if kernels.enabled(gate):
+        return kernels.silu_mul(gate, up)
+    return F.silu(gate) * up
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -95,6 +112,8 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [T, H, D] by per-token angles (``cos``/``sin`` [T, D/2]); rotate-half layout."""
+    if kernels.enabled(x):
+        return kernels.rope(x, cos, sin)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     c, s = cos[:, None, :], sin[:, None, :]

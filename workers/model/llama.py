@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from collectives import ops
@@ -46,6 +45,7 @@ from workers.model.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
     apply_rope,
+    silu_mul,
 )
 from workers.model.parallel import ModelParallel
 
@@ -101,7 +101,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = self.par.gather(x)
-        partial = self.down_proj(F.silu(self.gate_proj(tokens)) * self.up_proj(tokens))
+        partial = self.down_proj(silu_mul(self.gate_proj(tokens), self.up_proj(tokens)))
         return self.par.scatter_sum(partial)
 
 
@@ -119,8 +119,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: LayerAttention) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(
+            x, self.self_attn(self.input_layernorm(x), cos, sin, attn))
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

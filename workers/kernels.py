@@ -1,0 +1,220 @@
+"""Fused Triton kernels for the round's hot path: RMSNorm (with the residual add), rotary
+embedding, SiLU-and-multiply, and attention over a padded batch of paged KV.
+
+A speculative round of a small or medium model is a long chain of small kernels; on the GPU their
+number, not their arithmetic, sets the round's time. Each kernel here replaces a chain of torch
+ops with one launch and computes in float32 like the torch code it replaces:
+
+- ``rms_norm(x, w, eps)``: ``w * (x * rsqrt(mean(x^2) + eps))``, 1 launch instead of 6;
+- ``add_rms_norm(x, delta, w, eps)``: ``s = x + delta`` (rounded to the input dtype, as the torch
+  residual add is) and ``rms_norm(s)``, both returned, 1 launch instead of 7;
+- ``rope(x, cos, sin)``: rotate-half RoPE of ``x`` [T, H, D], 1 launch instead of 7;
+- ``silu_mul(g, u)``: ``silu(g) * u``, 1 launch instead of 2;
+- ``padded_attention(...)``: causal attention of a padded batch (``B`` rows of ``width`` token
+  slots) over its paged KV, online softmax in float32, grouped-query heads; 1 launch instead of
+  the gather / repeat / mask / SDPA chain of ``workers.attention.static_backend``.
+
+``enabled(x)`` says whether the model code uses them for tensor ``x``: on CUDA tensors when triton
+imports, unless ``ADAPTIVE_DIST_FUSED=0``. The kernels themselves run wherever triton runs — on a
+CPU under ``TRITON_INTERPRET=1`` (how the CPU tests check them against the torch code). Kernels are
+defined on first use, so the interpreter setting in force then decides how they run.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def _triton() -> Any:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    return triton
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether the fused kernels serve tensor `x` (CUDA, triton present, not switched off)."""
+    return (x.is_cuda and os.environ.get("ADAPTIVE_DIST_FUSED", "1") != "0"
+            and _triton() is not None)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every kernel)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_d, n, eps,
+                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_DELTA:
+            delta = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + delta.to(tl.float32)).to(x.dtype)
+            tl.store(sum_ptr + row * n + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
+        y = (xf * r).to(x.dtype).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + row * n + cols, (w.to(tl.float32) * y).to(w.dtype), mask=mask)
+
+    @triton.jit
+    def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, heads, half,
+                    BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < half
+        base = x_ptr + t * stride_xt + h * stride_xh
+        x1 = tl.load(base + cols, mask=mask, other=0.0)
+        x2 = tl.load(base + half + cols, mask=mask, other=0.0)
+        c = tl.load(cos_ptr + t * half + cols, mask=mask, other=0.0)
+        s = tl.load(sin_ptr + t * half + cols, mask=mask, other=0.0)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        out = out_ptr + (t * heads + h) * 2 * half
+        tl.store(out + cols, (a * c - b * s).to(x1.dtype), mask=mask)
+        tl.store(out + half + cols, (b * c + a * s).to(x1.dtype), mask=mask)
+
+    @triton.jit
+    def silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0)
+        u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        tl.store(out_ptr + row * n + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype),
+                 mask=mask)
+
+    @triton.jit
+    def padded_attention_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, cached_ptr, out_ptr,
+                                stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                                stride_pb, width, groups, reach_tokens, head_dim, scale,
+                                PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+        tok = tl.program_id(0)          # row b, token slot w: tok = b * width + w
+        h = tl.program_id(1)            # query head
+        heads = tl.num_programs(1)
+        b = tok // width
+        kvh = h // groups
+        n_kv = tl.minimum(tl.load(cached_ptr + b) + tok % width + 1, reach_tokens)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < head_dim
+        q = tl.load(q_ptr + tok * stride_qt + h * stride_qh + d, mask=dmask, other=0.0)
+        q = q.to(tl.float32) * scale
+        m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
+        l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for start in range(0, n_kv, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            pmask = pos < n_kv
+            page = tl.load(pages_ptr + b * stride_pb + pos // PAGE, mask=pmask, other=0)
+            slot = page.to(tl.int64) * PAGE + pos % PAGE
+            m2 = pmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                        mask=m2, other=0.0).to(tl.float32)
+            s = tl.where(pmask, tl.sum(k * q[None, :], axis=1), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            p = tl.exp(s - m_new)
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                        mask=m2, other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+        out = out_ptr + (tok * heads + h) * head_dim + d
+        tl.store(out, (acc / l_i).to(out_ptr.dtype.element_ty), mask=dmask)
+
+    return SimpleNamespace(rms_norm=rms_norm_kernel, rope=rope_kernel, silu_mul=silu_mul_kernel,
+                           padded_attention=padded_attention_kernel)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as [rows, last] with a unit stride along the last dimension."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension (float32 statistics, the result in `weight`'s dtype)."""
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=weight.dtype, device=x.device)
+    if x2.shape[0]:
+        _kernels().rms_norm[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0,
+                                            x2.shape[1], eps, HAS_DELTA=False,
+                                            BLOCK=_pow2(x2.shape[1]))
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + delta`` and ``rms_norm(s)``, in one launch: returns ``(s, norm)``."""
+    x2, d2 = _rows(x), _rows(delta)
+    total = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=weight.dtype, device=x.device)
+    if x2.shape[0]:
+        _kernels().rms_norm[(x2.shape[0],)](x2, d2, weight, out, total, x2.stride(0),
+                                            d2.stride(0), x2.shape[1], eps, HAS_DELTA=True,
+                                            BLOCK=_pow2(x2.shape[1]))
+    return total.view(x.shape), out.view(x.shape)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of `x` [T, H, D] by `cos`/`sin` [T, D/2] (float32)."""
+    t, heads, dim = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    out = torch.empty((t, heads, dim), dtype=x.dtype, device=x.device)
+    if t:
+        half = dim // 2
+        _kernels().rope[(t, heads)](x, cos, sin, out, x.stride(0), x.stride(1), heads, half,
+                                    BLOCK=_pow2(half))
+    return out
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` for `g`, `u` of the same shape."""
+    g2, u2 = _rows(g), _rows(u)
+    rows, n = g2.shape
+    out = torch.empty((rows, n), dtype=g.dtype, device=g.device)
+    if rows:
+        block = min(_pow2(n), 1024)
+        _kernels().silu_mul[(rows, -(-n // block))](g2, u2, out, g2.stride(0), u2.stride(0), n,
+                                                    BLOCK=block)
+    return out.view(g.shape)
+
+
+def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                     page_tab: torch.Tensor, cached: torch.Tensor, width: int,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of a padded batch: `q` [B*width, Hq, D]; token slot `w` of row `b` sees
+    KV indices ``0 .. cached[b] + w`` (capped at the row's reach, ``page_tab.shape[1]`` pages)
+    through its page table `page_tab` [B, P]; `k_pages`/`v_pages` [N, page_size, Hkv, Ds]
+    (Ds >= D; channels beyond D ignored). Returns [B*width, Hq, D] in `q`'s dtype."""
+    tokens, heads, dim = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
+    k_flat = k_pages.view(-1, kv_heads, k_pages.shape[3])
+    v_flat = v_pages.view(-1, kv_heads, v_pages.shape[3])
+    out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
+    if tokens:
+        _kernels().padded_attention[(tokens, heads)](
+            q, k_flat, v_flat, page_tab, cached, out, q.stride(0), q.stride(1),
+            k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
+            page_tab.stride(0), width, heads // kv_heads, page_tab.shape[1] * page_size, dim,
+            scale, PAGE=page_size, BLOCK_D=_pow2(dim), BLOCK_N=64, num_warps=2)
+    return out
