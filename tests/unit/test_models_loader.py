@@ -339,3 +339,20 @@ def test_eagle_project_head_with_qkv_biases(tmp_path: Path) -> None:
     _edit(tmp_path / "d2", **{"layers.0.self_attn.k_proj.bias": None})
     with pytest.raises(CheckpointError, match="tensor 'layers.0.self_attn.k_proj.bias' is missing"):
         load_eagle(tmp_path / "d2", t2)
+
+
+@pytest.mark.parametrize("arch,kind", [("qwen3", "eagle3"), ("qwen2", "eagle"), ("llama3", "eagle3")])
+def test_fused_kernels_serve_every_layout(monkeypatch: pytest.MonkeyPatch, arch: str,
+                                          kind: str) -> None:
+    """The fused kernels (`workers.kernels`: RMSNorm with the residual add, RoPE, SiLU-mul) that
+    serve CUDA tensors, here forced on for CPU tensors in triton's interpreter: the same features
+    and logits as the torch code for Qwen3's per-head q/k norms (head_dim apart from d / heads),
+    Qwen2's biases, the EAGLE project's head without an input norm and the EAGLE-3 midlayer."""
+    pytest.importorskip("triton", reason="the fused kernels need triton")
+    from workers import kernels
+
+    target, head = _pair(arch, kind)
+    want = _outputs(target, head, n=7)
+    monkeypatch.setattr(kernels, "enabled", lambda x: True)
+    for a, b in zip(_outputs(target, head, n=7), want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -61,8 +61,9 @@ class Eagle3Layer(nn.Module):
     def forward(self, embedding: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, attn: LayerAttention) -> torch.Tensor:
         both = torch.cat((self.input_layernorm(embedding), self.hidden_norm(hidden)), dim=-1)
-        x = hidden + self.self_attn(both, cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(hidden,
+                                                         self.self_attn(both, cos, sin, attn))
+        return x + self.mlp(h)
 
 
 def vocab_map_problem(d2t: torch.Tensor, t2d: Optional[torch.Tensor], vocab: int) -> Optional[str]:
