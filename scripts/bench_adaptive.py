@@ -1,6 +1,7 @@
 """Adaptive against static depth on phased workloads: the benchmark the goodput policy is judged by.
 
-    python scripts/bench_adaptive.py [--device cuda] [--batches 1 16 64] [--repeats 3]
+    python scripts/bench_adaptive.py [--device cuda] [--model DIR [--draft-model DIR]]
+        [--batches 1 16 64] [--repeats 3]
         [--workloads transition code high_entropy repetitive] [--new-tokens 64] [--out DIR]
     torchrun --nproc-per-node 2 scripts/bench_adaptive.py --dp 2 --device cuda \
         --workloads heterogeneous [...]
@@ -40,7 +41,7 @@ from adaptive_dist.controller import AdaptiveController  # noqa: E402
 from regimes import make_prompts  # noqa: E402
 from workers.config import EngineConfig, no_spec  # noqa: E402
 from workers.engine import Engine, build_engine  # noqa: E402
-from workers.loading import DEFAULT_MODEL, encode_prompt, load_pair  # noqa: E402
+from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_paths  # noqa: E402
 from workers.model import ModelParallel  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 
@@ -87,7 +88,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="target directory, or a directory with target/ and eagle/ (as generate)")
+    p.add_argument("--draft-model", default=None, help="draft head directory (as generate)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--workloads", nargs="+", default=["transition", "code", "high_entropy",
                                                       "repetitive"], choices=list(WORKLOADS))
@@ -132,14 +135,15 @@ def main() -> int:
     layout = ctx.layout(dp=args.dp)
     world, par = layout.group("world"), ModelParallel.from_layout(layout)
     device = str(ctx.device) if args.device == "cuda" and ctx.device.type == "cuda" else args.device
-    target, head = load_pair(args.model, par, device)
+    target, head = load_pair(args.model, par, device, draft=args.draft_model)
     if args.device == "cuda":
         target, head = target.half(), head.half()
         target.reset_buffers()
         head.reset_buffers()
     top = max(args.batches)
     texts = make_prompts(top, seed=2)
-    enc = {k: [encode_prompt(t, target.config) for t in v] for k, v in texts.items()}
+    tok = load_tokenizer_for(model_paths(args.model, args.draft_model), target.config.vocab_size)
+    enc = {k: [tok.encode(t) for t in v] for k, v in texts.items()}
     context = max(len(p) for ps in enc.values() for p in ps) + args.new_tokens + 1
     guard = ctx.guard(world, check_every=16) if ctx.distributed else None
     engines = {}

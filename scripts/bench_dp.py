@@ -1,7 +1,7 @@
 """DP attention under a phased, heterogeneous workload: static depths against adaptive policies.
 
     torchrun --nproc-per-node N scripts/bench_dp.py --dp D [--attn-tp A] [--device cpu|cuda]
-        [--batch B] [--new-tokens T] [--repeats R] [--policies static1 static3 static7 ema ema_min]
+        [--model DIR [--draft-model DIR]] [--batch B] [--new-tokens T] [--repeats R] [--policies static1 static3 static7 ema ema_min]
         [--out DIR]
 
 Two phases: in phase A replica 0 gets high-entropy prompts (random base64: the draft is almost
@@ -37,7 +37,7 @@ from adaptive_dist.controller import AdaptiveController  # noqa: E402
 from regimes import make_prompts  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import Engine, build_engine  # noqa: E402
-from workers.loading import DEFAULT_MODEL, encode_prompt, load_pair  # noqa: E402
+from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_paths  # noqa: E402
 from workers.model import ModelParallel  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 
@@ -56,7 +56,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--attn-tp", type=int, default=None)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="target directory, or a directory with target/ and eagle/ (as generate)")
+    p.add_argument("--draft-model", default=None, help="draft head directory (as generate)")
     p.add_argument("--batch", type=int, default=8, help="requests per replica per phase")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -111,13 +113,14 @@ def main() -> int:
     world = layout.group("world")
     par = ModelParallel.from_layout(layout)
     device = str(ctx.device) if args.device == "cuda" else "cpu"
-    target, head = load_pair(args.model, par, device)
+    target, head = load_pair(args.model, par, device, draft=args.draft_model)
     if args.device == "cuda":
         target, head = target.half(), head.half()
         target.reset_buffers()
         head.reset_buffers()
     texts = make_prompts(args.batch, seed=1)
-    enc = {k: [encode_prompt(t, target.config) for t in v] for k, v in texts.items()}
+    tok = load_tokenizer_for(model_paths(args.model, args.draft_model), target.config.vocab_size)
+    enc = {k: [tok.encode(t) for t in v] for k, v in texts.items()}
     mine = par.replica % 2
     regimes = [["high_entropy", "repetitive"][mine], ["repetitive", "high_entropy"][mine]]
     phases = [enc[r] for r in regimes]

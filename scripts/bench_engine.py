@@ -2,7 +2,7 @@
 on code, high-entropy and repetitive prompts; on CUDA also eager versus CUDA graphs and the torch
 versus the flashinfer attention backend.
 
-    python scripts/bench_engine.py [--device cpu|cuda] [--model DIR] [--out DIR]
+    python scripts/bench_engine.py [--device cpu|cuda] [--model DIR [--draft-model DIR]] [--out DIR]
         [--new-tokens N] [--variants torch/eager torch/graphs flashinfer/eager flashinfer/graphs]
         [--max-seconds S]
 
@@ -34,8 +34,7 @@ from adaptive_dist.config import load_config  # noqa: E402
 from workers.config import EngineConfig, no_spec  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.engine import build_engine as build  # noqa: E402
-from workers.loading import DEFAULT_MODEL, encode_prompt  # noqa: E402
-from workers.model import load_eagle, load_llama  # noqa: E402
+from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_paths  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -91,7 +90,9 @@ def graph_pool_bytes(engine: Engine) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="directory with target/ and eagle/")
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="target directory, or a directory with target/ and eagle/ (as generate)")
+    p.add_argument("--draft-model", default=None, help="draft head directory (as generate)")
     p.add_argument("--out", default="runs/bench_engine", help="output directory")
     p.add_argument("--new-tokens", type=int, default=None,
                    help="tokens per request (default: 32 on cpu, 48 on cuda)")
@@ -110,9 +111,8 @@ def default_variants(device: str) -> list[str]:
     return ["torch/eager", "torch/graphs", "flashinfer/eager", "flashinfer/graphs"]
 
 
-def load_models(root: str, device: str, dtype: torch.dtype):
-    target = load_llama(Path(root) / "target", dtype=dtype, device=device)
-    return target, load_eagle(Path(root) / "eagle", target)
+def load_models(root: str, draft: str | None, device: str, dtype: torch.dtype):
+    return load_pair(root, device=device, draft=draft, dtype=dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,9 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         variants = [v for v in variants if not v.startswith("flashinfer")]
         notes.append("flashinfer not importable: its variants were skipped")
     dtype = torch.float16 if args.device == "cuda" else torch.float32
-    target, head = load_models(args.model, args.device, dtype)
+    target, head = load_models(args.model, args.draft_model, args.device, dtype)
+    tok = load_tokenizer_for(model_paths(args.model, args.draft_model), target.config.vocab_size)
     texts = make_prompts(max(BATCHES), args.seed)
-    prompts = {k: [encode_prompt(t, target.config) for t in v] for k, v in texts.items()}
+    prompts = {k: [tok.encode(t) for t in v] for k, v in texts.items()}
     longest = max(len(p) for ps in prompts.values() for p in ps)
     max_context = -(-(longest + new_tokens + 1) // 64) * 64
     out_dir = Path(args.out)
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     meta = {"device": args.device, "device_name": torch.cuda.get_device_name()
             if args.device == "cuda" else platform.processor() or platform.machine(),
-            "torch": torch.__version__, "model": str(args.model), "dtype": str(dtype),
+            "torch": torch.__version__, "model": str(args.model),
+            "draft_model": args.draft_model, "dtype": str(dtype),
             "new_tokens": new_tokens, "batches": list(BATCHES), "modes": [str(m) for m in MODES],
             "threads": torch.get_num_threads(), "command": " ".join(sys.argv),
             "wall_s": time.perf_counter() - start, "notes": notes}

@@ -1,7 +1,8 @@
 """Where a speculative round's time goes: tokens/s, round wall time, GPU kernel time per round and
 host synchronisations per round, per batch, depth and prompt regime.
 
-    python scripts/bench_hotpath.py [--device cuda] [--batches 1 16 64] [--modes nospec 1 3 7]
+    python scripts/bench_hotpath.py [--device cuda] [--model DIR [--draft-model DIR]]
+        [--batches 1 16 64] [--modes nospec 1 3 7]
         [--new-tokens 48] [--repeats 3] [--label after] [--out DIR]
     python scripts/bench_hotpath.py --merge BEFORE.json AFTER.json --out DIR   # one table
 
@@ -43,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--label", default="after")
     p.add_argument("--model", default=None, help="default: the bundled pair")
+    p.add_argument("--draft-model", default=None, help="draft head directory (as generate)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--merge", nargs=2, metavar=("BEFORE", "AFTER"), default=None)
@@ -137,17 +139,25 @@ def spread(xs: list[float]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from workers.loading import DEFAULT_MODEL, encode_prompt, load_pair
+    from workers import loading
 
     torch.set_num_threads(1 if args.device == "cpu" else 4)
-    target, head = load_pair(args.model or DEFAULT_MODEL, device=args.device)
+    model = args.model or loading.DEFAULT_MODEL
+    if hasattr(loading, "load_tokenizer_for"):  # an older tree (the "before" run) has neither
+        target, head = loading.load_pair(model, device=args.device, draft=args.draft_model)
+        tok = loading.load_tokenizer_for(loading.model_paths(model, args.draft_model),
+                                         target.config.vocab_size)
+        encode = tok.encode
+    else:
+        target, head = loading.load_pair(model, device=args.device)
+        encode = lambda text: loading.encode_prompt(text, target.config)  # noqa: E731
     if args.dtype != "float32":
         dtype = getattr(torch, args.dtype)
         target, head = target.to(dtype), head.to(dtype)
         target.reset_buffers()
         head.reset_buffers()
     texts = make_prompts(max(args.batches), seed=0)
-    prompts = {k: [encode_prompt(t, target.config) for t in v] for k, v in texts.items()}
+    prompts = {k: [encode(t) for t in v] for k, v in texts.items()}
     context = max(len(p) for ps in prompts.values() for p in ps) + args.new_tokens + 1
     engines = {m: build(m, target, head, args.device, max(args.batches), context)
                for m in args.modes}

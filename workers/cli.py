@@ -4,7 +4,8 @@ torchrun) and print the text and acceptance statistics.
     python -m adaptive_dist generate (--prompt TEXT | --prompts FILE.jsonl) \
         [--steps K | --adaptive [--config FILE] | --no-spec] [--temperature T] [--top-p P] \
         [--max-new-tokens N] [--attention-backend torch|flashinfer] [--seed S] [--json]
-        [--dp D] [--attn-tp A] [--model DIR] [--device cpu|cuda] [--eager]
+        [--dp D] [--attn-tp A] [--model DIR [--draft-model DRAFT_DIR]] [--device cpu|cuda]
+        [--eager]
     torchrun --nproc-per-node N -m adaptive_dist generate --dp D [--attn-tp A] ...   (N = D x A)
 
 Plugged into `python -m adaptive_dist` through the `adaptive_dist.commands` entry point; this module
@@ -49,9 +50,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --adaptive: ema (the acceptance ladder, default) or goodput "
                         "(expected tokens per unit of measured round cost)")
     p.add_argument("--config", metavar="FILE", help="JSON file of adaptive settings (--adaptive only)")
-    p.add_argument("--model", default=str(DEFAULT_MODEL),
-                   help="directory with target/ and eagle/ in Hugging Face layout "
-                        "(default: the bundled tiny pair)")
+    p.add_argument("--model", default=str(DEFAULT_MODEL), metavar="DIR",
+                   help="the target: a Hugging Face directory (config.json, weights, "
+                        "tokenizer.json; Llama, Qwen2, Qwen3), or a directory holding target/ "
+                        "and eagle/ (default: the bundled tiny pair)")
+    p.add_argument("--draft-model", default=None, metavar="DRAFT_DIR",
+                   help="the draft head: an EAGLE (our layout or the EAGLE project's) or EAGLE-3 "
+                        "head directory (default: DIR/eagle when --model DIR holds target/)")
     p.add_argument("--dp", type=int, default=1,
                    help="DP-attention replicas (each owns its requests and KV cache)")
     p.add_argument("--attn-tp", type=int, default=None,
@@ -100,12 +105,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _generate(ctx: Any, args: argparse.Namespace, closers: Any) -> Optional[str]:
     """The whole job on one rank; returns what rank 0 prints (None elsewhere)."""
     from workers.launch import start_engine
-    from workers.loading import Prompt, assign_replicas, encode_prompt, read_prompts
+    from workers.loading import Prompt, assign_replicas, load_tokenizer_for, model_paths, read_prompts
     from workers.sampling import SamplingParams
 
     prompts = [Prompt(args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
     if args.prompt == "":
         raise ValueError("--prompt: the prompt is empty; give at least one character")
+    tok = load_tokenizer_for(model_paths(args.model, args.draft_model))  # the sizes need it
+    encoded = [tok.encode(p.text) for p in prompts]
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens)
     digest = hashlib.sha256(json.dumps([[p.text, p.dp_rank] for p in prompts]).encode())
@@ -114,14 +121,14 @@ def _generate(ctx: Any, args: argparse.Namespace, closers: Any) -> Optional[str]
                                   "--max-new-tokens": args.max_new_tokens, "--seed": args.seed,
                                   "--json": args.json,
                                   "--prompt/--prompts (contents)": digest.hexdigest()[:16]},
-                           size_for=lambda cfg, dp: _sizes(args, cfg, prompts, dp))
-    engine, par, model_cfg = cluster.engine, cluster.par, cluster.target.config
+                           size_for=lambda cfg, dp: _sizes(args, cfg, prompts, encoded, dp))
+    engine, par = cluster.engine, cluster.par
     params = SamplingParams(temperature=params.temperature, top_p=params.top_p,
                             max_new_tokens=params.max_new_tokens,
-                            stop_token_ids=model_cfg.eos_token_ids)
+                            stop_token_ids=cluster.tokenizer.eos_token_ids)
     replicas = assign_replicas(prompts, cluster.config.dp)
     mine = [i for i, r in enumerate(replicas) if r == par.replica]
-    reqs = engine.generate([encode_prompt(prompts[i].text, model_cfg) for i in mine], params,
+    reqs = engine.generate([encoded[i] for i in mine], params,
                            seeds=[args.seed + i for i in mine])
     report = cluster.gather_report(mine, reqs)
     if report is None:
@@ -134,21 +141,22 @@ def _generate(ctx: Any, args: argparse.Namespace, closers: Any) -> Optional[str]
     return "\n".join(texts) + "\n" + stats_table(out)
 
 
-def _sizes(args: argparse.Namespace, model_cfg: Any, prompts: list, dp: int) -> dict[str, int]:
+def _sizes(args: argparse.Namespace, model_cfg: Any, prompts: list, encoded: list[list[int]],
+           dp: int) -> dict[str, int]:
     """Engine sizes for this run, the same on every rank: a batch no larger than the busiest
     replica needs, a context (and KV reach) just long enough for the longest request."""
-    from workers.loading import assign_replicas, encode_prompt
+    from workers.loading import assign_replicas
 
     replicas = assign_replicas(prompts, dp)
     busiest = max(replicas.count(r) for r in range(dp))
     context = model_cfg.max_position_embeddings
-    for i, p in enumerate(prompts):  # before anything is allocated
-        n = len(encode_prompt(p.text, model_cfg))
+    for i, ids in enumerate(encoded):  # before anything is allocated
+        n = len(ids)
         if n >= context or n + args.max_new_tokens > context:
             raise ValueError(f"prompt {i}: {n} prompt tokens + --max-new-tokens "
                              f"{args.max_new_tokens} = {n + args.max_new_tokens} exceeds the "
                              f"model's context of {context} tokens")
-    longest = max(len(encode_prompt(p.text, model_cfg)) for p in prompts) + args.max_new_tokens
+    longest = max(len(ids) for ids in encoded) + args.max_new_tokens
     return {"max_batch_size": max(1, min(args.max_batch_size, busiest)),
             "max_context_len": longest}
 
@@ -157,8 +165,7 @@ def _sizes(args: argparse.Namespace, model_cfg: Any, prompts: list, dp: int) -> 
 
 def summary(args: argparse.Namespace, prompts: list, report: dict, cluster: Any) -> dict[str, Any]:
     """The JSON object of `--json` (also the source of the text table)."""
-    from workers import tokenizer
-
+    tokenizer = cluster.tokenizer
     hist: dict[int, int] = {}
     for rep in report["replicas"]:
         for k, v in rep["accept_histogram"].items():

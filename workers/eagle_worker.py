@@ -18,6 +18,11 @@ dummy slot whose pages are the dummy page):
 5. the slots advance on the device (`n += a+1`, last token, feature); the host reads the accepted
    lengths and tokens once and commits them to the requests.
 Rejected tokens need no cleanup: their KV slots are past `n` and the next round overwrites them.
+Features are `target.feature_size` (F) wide: the final hidden state (EAGLE), or with an EAGLE-3
+head `[hidden | fc(three captured target states)]`, computed inside the target's forward (so
+inside the verify graph); the head's own output has the same width. An EAGLE-3 head's
+`compute_logits` scatters its draft-vocabulary logits to target ids through `d2t` (`-inf`
+elsewhere), so the drafts and their distributions `q` are over target ids before verify sees them.
 At `S = 0` (no speculation) the round is one target forward of `x_n` and a sampled token.
 
 Every forward of the round is padded (`attention.static_backend`), so the eager path and the CUDA
@@ -66,7 +71,7 @@ class StepBuffers:
     rows: torch.Tensor       # [Bmax] in: the slot of each batch row (dummy slot for padding)
     drafts: torch.Tensor     # [Bmax, S] draft tokens          (draft -> verify)
     q: torch.Tensor          # [Bmax, S, V] draft distributions (draft -> verify)
-    hidden: torch.Tensor     # [Bmax * W, d] verify features   (verify -> extend)
+    hidden: torch.Tensor     # [Bmax * W, F] verify features   (verify -> extend)
     accept: torch.Tensor     # [Bmax] accepted drafts           (verify -> extend, host)
     tokens: torch.Tensor     # [Bmax, W] committed candidates   (verify -> extend, host)
     out: torch.Tensor        # [Bmax, 2 + W] staging of what the host reads once per round
@@ -88,6 +93,10 @@ class EagleWorker:
                  config: EngineConfig, backend: AttentionBackend) -> None:
         if config.speculative and head is None:
             raise ValueError("speculative decoding needs a draft head; use --no-spec without one")
+        if head is not None and head.feature_size != target.feature_size:
+            raise ValueError(f"the draft head reads {head.feature_size}-wide features, the target "
+                             f"gives {target.feature_size} (an EAGLE-3 head attaches its feature "
+                             f"tap to the target it is built for)")
         self.target, self.head, self.backend, self.config = target, head, backend, config
         self.device = torch.device(config.device)
         self.static = StaticBackend()
@@ -96,7 +105,7 @@ class EagleWorker:
         self.draft_kv = self._pool(head, attn_tp) if config.speculative else None
         slots, reach = config.max_batch_size + 1, config.pages_per_request
         self.dummy_slot = config.max_batch_size
-        dim, dtype = target.config.hidden_size, next(target.parameters()).dtype
+        dim, dtype = target.feature_size, next(target.parameters()).dtype
 
         def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dt, device=self.device)
@@ -154,7 +163,7 @@ class EagleWorker:
         """Pre-allocate (and capture, with graphs) everything a round at `steps` needs."""
         if not 0 <= steps <= self.config.max_steps:
             raise ValueError(f"steps={steps}: must be in [0, max_steps={self.config.max_steps}]")
-        width, dim = steps + 1, self.target.config.hidden_size
+        width, dim = steps + 1, self.target.feature_size
         top = max([self.config.max_batch_size, *self.buckets])
         vocab = self.target.config.vocab_size
 

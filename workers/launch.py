@@ -54,6 +54,8 @@ class Cluster:
     world: Any           # Group: every rank (the round's consensus runs over it)
     target: Any
     engine: Any
+    tokenizer: Any = None    # workers.tokenizer.Tokenizer of the target
+    target_dir: Any = None   # Path of the target's directory (its tokenizer files)
 
     def gather_report(self, mine: list[int], reqs: list) -> Optional[dict]:
         """Every replica's outputs (by prompt index) and statistics, on rank 0 (None elsewhere).
@@ -137,7 +139,7 @@ def _prepare(ctx: Any, args: argparse.Namespace) -> tuple[Any, tuple[int, int], 
     must agree). Raises `ValueError` naming the flag."""
     import torch
 
-    from workers.loading import model_digest
+    from workers.loading import model_paths, pair_digest
 
     device = _device(args)
     if device == "cuda" and not torch.cuda.is_available():
@@ -149,11 +151,13 @@ def _prepare(ctx: Any, args: argparse.Namespace) -> tuple[Any, tuple[int, int], 
         raise ValueError(f"--max-batch-size {args.max_batch_size}: must be >= 1")
     degrees = resolve_degrees(args, ctx.world_size)
     spec = _spec(args)
+    paths = model_paths(args.model, args.draft_model)  # a missing head: refused after the target
     try:
-        digest = model_digest(args.model)
+        digest = pair_digest(paths)
     except OSError as err:
-        raise ValueError(f"--model {args.model!r}: cannot be read ({err.strerror})") from None
-    settings = {"--model (contents)": digest, "--device": device,
+        raise ValueError(f"--model/--draft-model ({paths.describe()}): cannot be read "
+                         f"({err.strerror})") from None
+    settings = {"--model/--draft-model (contents)": digest, "--device": device,
                 "--attention-backend": args.attention_backend, "--eager": args.eager,
                 "--mlp-scatter": args.mlp_scatter, "--timeout": ctx.timeout_s,
                 "--dp": degrees[0], "--attn-tp": degrees[1],
@@ -174,7 +178,7 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
     from adaptive_dist.startup import agree_settings, all_ranks_or_none
     from workers.config import EngineConfig
     from workers.engine import build_engine
-    from workers.loading import load_pair
+    from workers.loading import load_pair, load_tokenizer_for, model_paths
     from workers.model import ModelParallel
 
     # NOTE: a dp=1 layout is valid whatever the flags say, so the checks run over its world group
@@ -189,13 +193,17 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
     on_gpu = settings["--device"] == "cuda"
     device = "cpu" if not on_gpu else (str(ctx.device) if ctx.device.type == "cuda" else "cuda")
 
-    def load() -> tuple[Any, Any]:
+    def load() -> tuple[Any, Any, Any]:
         try:
-            return load_pair(args.model, par, device, with_head=spec.max_steps > 0)
+            target, head = load_pair(args.model, par, device, with_head=spec.max_steps > 0,
+                                     draft=args.draft_model)
+            tok = load_tokenizer_for(model_paths(args.model, args.draft_model),
+                                     target.config.vocab_size)
+            return target, head, tok
         except OSError as err:
             raise ValueError(str(err)) from None
 
-    target, head = all_ranks_or_none(load, world, "loading the model")
+    target, head, tokenizer = all_ranks_or_none(load, world, "loading the model")
     config = EngineConfig(spec=spec, attention_backend=args.attention_backend, device=device,
                           cuda_graphs=on_gpu and not args.eager,
                           dp=dp, attn_tp=attn_tp, mlp_scatter=args.mlp_scatter,
@@ -210,4 +218,5 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
     closers.callback(engine.close)
     engine.warmup()
     torch.set_grad_enabled(False)
-    return Cluster(ctx, config, par, world, target, engine)
+    return Cluster(ctx, config, par, world, target, engine, tokenizer,
+                   model_paths(args.model, args.draft_model).target)

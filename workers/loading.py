@@ -1,5 +1,6 @@
 """Library helpers shared by the commands (`generate`, `serve`) and the scripts: the bundled model
-pair, loading a pair split over a cluster, prompt files and prompt encoding.
+pair, loading a pair split over a cluster (`--model` / `--draft-model`, see
+`workers.model_files.ModelPaths`), its tokenizer, prompt files and prompt encoding.
 
 A prompts file is JSON lines, one object per prompt: `{"prompt": "<text>"}`, optionally with
 `"dp_rank": k` to pin it to DP replica `k`. Unpinned prompts are spread round-robin: prompt `i`
@@ -11,9 +12,13 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "tiny_pair"
+
+if TYPE_CHECKING:
+    from workers.model_files import ModelPaths
+    from workers.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,8 @@ def assign_replicas(prompts: list[Prompt], dp: int) -> list[int]:
 
 
 def encode_prompt(text: str, config: Any) -> list[int]:
-    """Byte ids of `text`, preceded by the model's BOS id when it has one."""
+    """Byte ids of `text`, preceded by the model's BOS id when it has one (the bundled pair's
+    tokenizer; `load_tokenizer(...).encode` is the general way)."""
     from workers import tokenizer
 
     ids = tokenizer.encode(text)
@@ -84,15 +90,55 @@ def model_digest(root: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def load_pair(root: str | Path, par: Any = None, device: str = "cpu",
-              with_head: bool = True) -> tuple[Any, Optional[Any]]:
-    """Load `root/target` (and `root/eagle`), this rank's shards of them (`par`: a
-    `ModelParallel`, default one process); errors name the missing or broken file."""
+def pair_digest(paths: "ModelPaths") -> str:
+    """`model_digest` of the target and the draft directory together."""
+    parts = [model_digest(paths.target), model_digest(paths.draft) if paths.draft else "-"]
+    return hashlib.sha256(":".join(parts).encode()).hexdigest()[:16]
+
+
+def model_paths(model: Optional[str | Path], draft: Optional[str | Path] = None) -> "ModelPaths":
+    """The target and draft directories `--model` / `--draft-model` name (see
+    `workers.model_files.ModelPaths`)."""
+    from workers.model_files import ModelPaths
+
+    return ModelPaths.resolve(model, draft)
+
+
+def load_pair(root: Optional[str | Path], par: Any = None, device: str = "cpu",
+              with_head: bool = True, draft: Optional[str | Path] = None,
+              dtype: Any = None) -> tuple[Any, Optional[Any]]:
+    """Load the target (and its draft head) that `root` (`--model`) and `draft`
+    (`--draft-model`) name, this rank's shards of them (`par`: a `ModelParallel`, default one
+    process; `dtype`: default float32); errors name the missing or broken file."""
+    import torch
+
     from workers.model import load_eagle, load_llama
 
-    root = Path(root)
-    if not root.is_dir():
-        raise FileNotFoundError(f"--model: directory {str(root)!r} does not exist")
-    target = load_llama(root / "target", par=par, device=device)
-    head = load_eagle(root / "eagle", target) if with_head else None
-    return target, head
+    paths = model_paths(root, draft)
+    target = load_llama(paths.target, par=par, device=device, dtype=dtype or torch.float32)
+    if not with_head:
+        return target, None
+    if paths.draft is None:
+        raise ValueError(f"--model {str(root)!r} has no draft head (no eagle/ beside target/); "
+                         f"give --draft-model DRAFT_DIR, or run --no-spec")
+    return target, load_eagle(paths.draft, target)
+
+
+def load_tokenizer_for(paths: "ModelPaths", vocab_size: Optional[int] = None) -> "Tokenizer":
+    """The target's tokenizer (`workers.tokenizer.load_tokenizer`), checked against the model's
+    vocabulary when `vocab_size` is given: `ValueError` naming the file when it produces ids the
+    model does not have."""
+    from workers.tokenizer import TOKENIZER_FILE, load_tokenizer
+
+    tok = load_tokenizer(paths.target)
+    if vocab_size is not None:
+        where = paths.target / (TOKENIZER_FILE if (paths.target / TOKENIZER_FILE).is_file()
+                                else "config.json")
+        if tok.vocab_size > vocab_size:
+            raise ValueError(f"{str(where)!r}: the tokenizer has {tok.vocab_size} tokens, the "
+                             f"model's vocab_size is {vocab_size}")
+        special = [i for i in (tok.bos_token_id, *tok.eos_token_ids) if i is not None]
+        if any(i >= vocab_size for i in special):
+            raise ValueError(f"{str(where)!r}: BOS/EOS ids {special} reach beyond the model's "
+                             f"vocab_size {vocab_size}")
+    return tok

@@ -2,7 +2,7 @@
 
 Two tiers of checks (the CPU-emulated graph path is in `tests/unit/test_graph_path.py`):
 - CUDA: graph replay equals eager (the float64 tiny pair, so no near-tie
-  can flip an argmax), a tier switch captures and allocates nothing;
+  can flip an argmax; an EAGLE-3 oracle pair too), a tier switch captures and allocates nothing;
 - `gpu` + flashinfer (skipped when it is not importable): its attention equals the torch
   backend's on every forward mode, and greedy outputs agree with the torch backend's (the bundled
   pair in float16, flashinfer's dtype; two float16 backends sum in different orders, so outputs may
@@ -125,6 +125,34 @@ def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference
     assert engine.stats.switches >= 1 and engine.stats.graph_rounds == engine.stats.rounds
     assert runner.num_captures == captured, "a tier switch captured a graph"
     _close_and_check_pages(engine)
+
+
+@gpu
+@needs_cuda
+def test_eagle3_cuda_graph_replay_equals_eager(prompts) -> None:
+    """An EAGLE-3 oracle pair (`model_fixtures`, float64) on the GPU: the captured draft loop (the
+    d2t map inside the head's logits), verify (the target's three captured states inside its
+    forward) and draft-extend replay to the no-speculation output at static depths and adaptive;
+    drafts are accepted (a wrong map or wrong features would show as acceptance 0)."""
+    from model_fixtures import (bigram_map, draft_vocab, mixed_eps, oracle_head, oracle_target,
+                                target_config)
+
+    ids = draft_vocab(64, 32)
+    f = bigram_map(64, ids)
+    target = oracle_target(target_config("qwen3"), f, mixed_eps("qwen3", "eagle3"))
+    head = oracle_head("eagle3", target, f, ids)
+    target, head = target.to("cuda"), head.to("cuda")
+    params = _params(len(prompts))
+    reference = _outputs(_engine(target, None, "nospec", device="cuda"), prompts, params)
+    config = AdaptiveConfig(warmup_batches=1, update_interval=1, ema_alpha=0.6, initial_steps=7)
+    for mode, steps in (("static", 1), ("static", 3), ("static", 7), ("ema", 3)):
+        engine = _engine(target, head, mode, steps, graphs=True, device="cuda",
+                         config=config if mode == "ema" else None)
+        assert _outputs(engine, prompts, params) == reference, (mode, steps)
+        assert engine.stats.graph_rounds == engine.stats.rounds > 0
+        hist = engine.stats.accept_histogram
+        assert sum(v for k, v in hist.items() if k > 0) > 0, hist
+        _close_and_check_pages(engine)
 
 
 # ---- flashinfer ---------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def test_config_validation_names_key_value_and_allowed(key, value, match):
 @pytest.mark.parametrize("key,value,match", [
     ("hidden_act", "gelu", "'hidden_act' is 'gelu'; supported: 'silu'"),
     ("attention_bias", True, "'attention_bias' is True"),
-    ("head_dim", 32, "'head_dim' is 32"),
+    ("mlp_bias", True, "'mlp_bias' is True"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "'rope_scaling.rope_type' is 'yarn'"),
 ])
 def test_config_refuses_unsupported_math(key, value, match):
@@ -102,7 +102,7 @@ def test_eagle_config_must_fit_target():
     with pytest.raises(ValueError, match="'hidden_size' is 128; allowed: the target's hidden_size \\(64\\)"):
         EagleConfig.for_target(target, hidden_size=128).check_target(target)
     raw = EagleConfig.for_target(target).to_hf()
-    raw["architectures"] = ["LlamaForCausalLM"]
+    raw["architectures"] = ["MistralForCausalLM"]
     with pytest.raises(ValueError, match="unsupported architecture.*EagleLlamaHead"):
         EagleConfig.from_hf(raw)
 

@@ -1,21 +1,48 @@
 """Model configurations in Hugging Face ``config.json`` layout.
 
-``LlamaConfig`` describes the target (``architectures: ["LlamaForCausalLM"]``),
-``EagleConfig`` the EAGLE draft head (``architectures: ["EagleLlamaHead"]``). Both are
-frozen dataclasses validated in ``__post_init__``; every error names the key, the value
-and what is allowed. Unknown keys in a ``config.json`` are ignored, as Hugging Face does;
-keys whose values would change the math and that this implementation does not support
-(biases, another activation, an unknown RoPE scaling) are refused.
+* ``LlamaConfig``: the target — Llama (``LlamaForCausalLM``, Llama-3 RoPE scaling, tied or untied
+  embeddings) and the small deltas of Qwen2 (``Qwen2ForCausalLM``: q/k/v biases) and Qwen3
+  (``Qwen3ForCausalLM``: RMSNorm of every query and key head; ``head_dim`` explicit).
+* ``EagleConfig``: an EAGLE (1/2) head: ``fc([embed; feature]) -> decoder layer(s) -> [norm]``,
+  in our own layout (``EagleLlamaHead``) or the EAGLE project's (``LlamaForCausalLM`` or
+  ``LlamaForCausalLMEagle`` in a draft directory; ``fc``'s bias, the first layer's input norm and
+  the final norm present or not, as the checkpoint's tensors say).
+* ``Eagle3Config``: an EAGLE-3 head (``LlamaForCausalLMEagle3``): see ``workers.model.eagle3``.
+
+All are frozen dataclasses validated in ``__post_init__``; every error names the key, the value
+and what is allowed. Unknown keys in a ``config.json`` are ignored, as Hugging Face does; keys
+whose values would change the math and that this implementation does not compute (another
+activation, an MLP bias, sliding windows, an unknown RoPE scaling) are refused.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping, Optional
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+QWEN2_ARCHITECTURE = "Qwen2ForCausalLM"
+QWEN3_ARCHITECTURE = "Qwen3ForCausalLM"
 EAGLE_ARCHITECTURE = "EagleLlamaHead"
+EAGLE_PROJECT_ARCHITECTURES = (LLAMA_ARCHITECTURE, "LlamaForCausalLMEagle")
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+@dataclass(frozen=True)
+class TargetArchitecture:
+    """What a target architecture changes in the Llama decoder."""
+
+    model_type: str
+    qkv_bias: bool          # q/k/v projections have biases (Qwen2)
+    qk_norm: bool           # RMSNorm over each query and key head before RoPE (Qwen3)
+
+
+TARGET_ARCHITECTURES = {
+    LLAMA_ARCHITECTURE: TargetArchitecture("llama", qkv_bias=False, qk_norm=False),
+    QWEN2_ARCHITECTURE: TargetArchitecture("qwen2", qkv_bias=True, qk_norm=False),
+    QWEN3_ARCHITECTURE: TargetArchitecture("qwen3", qkv_bias=False, qk_norm=True),
+}
 
 
 @dataclass(frozen=True)
@@ -60,6 +87,11 @@ def _check_positive_float(name: str, value: Any) -> None:
         raise ValueError(f"config key {name!r} is {value!r}; allowed: a finite number > 0")
 
 
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"config key {name!r} is {value!r}; allowed: true or false")
+
+
 def _check_token_id(name: str, value: Any, vocab_size: int) -> None:
     if value is None:
         return
@@ -69,7 +101,10 @@ def _check_token_id(name: str, value: Any, vocab_size: int) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class _DecoderDims:
-    """Dimensions shared by the target and the draft head (validated together)."""
+    """Dimensions shared by the target and the draft heads (validated together).
+
+    ``explicit_head_dim`` is ``config.json``'s ``head_dim`` (Qwen3 sets it apart from
+    ``hidden_size / num_attention_heads``); ``head_dim`` is the value in force."""
 
     vocab_size: int
     hidden_size: int
@@ -81,6 +116,7 @@ class _DecoderDims:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     rope_scaling: RopeScaling | None = None
+    explicit_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -88,21 +124,36 @@ class _DecoderDims:
             _check_int(name, getattr(self, name))
         _check_positive_float("rms_norm_eps", self.rms_norm_eps)
         _check_positive_float("rope_theta", self.rope_theta)
-        if self.hidden_size % self.num_attention_heads:
+        if self.explicit_head_dim is not None:
+            _check_int("head_dim", self.explicit_head_dim)
+        elif self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"config key 'hidden_size' is {self.hidden_size}; allowed: a multiple of "
-                f"num_attention_heads ({self.num_attention_heads})")
+                f"num_attention_heads ({self.num_attention_heads}), or give head_dim")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"config key 'num_key_value_heads' is {self.num_key_value_heads}; allowed: a divisor "
                 f"of num_attention_heads ({self.num_attention_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim (hidden_size / num_attention_heads) is {self.head_dim}; allowed: even")
+            raise ValueError(f"head_dim is {self.head_dim}; allowed: even (RoPE rotates pairs)")
 
     @property
     def head_dim(self) -> int:
-        """Per-head dimension: ``hidden_size // num_attention_heads``."""
+        """Per-head dimension: ``head_dim`` when the config gives it, else
+        ``hidden_size // num_attention_heads``."""
+        if self.explicit_head_dim is not None:
+            return self.explicit_head_dim
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the q/k/v projections have biases."""
+        return False
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether every query and key head is RMS-normalised before RoPE."""
+        return False
 
     def check_tp(self, attn_tp: int, mlp_tp: int | None = None) -> None:
         """Raise ``ValueError`` unless the heads and KV heads split evenly over ``attn_tp`` ranks
@@ -118,63 +169,84 @@ class _DecoderDims:
                     f"multiple of {size}")
 
 
-_UNSUPPORTED = {  # key -> the only value this implementation computes correctly
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-}
-
-
-def _check_architecture(raw: Mapping[str, Any], expected: str) -> None:
+def _architecture(raw: Mapping[str, Any], supported: Collection[str]) -> str:
+    """The first entry of ``architectures`` this implementation supports."""
     archs = raw.get("architectures")
-    if not isinstance(archs, list) or expected not in archs:
-        raise ValueError(
-            f"unsupported architecture {archs!r} in config.json; supported: [{expected!r}]")
+    if isinstance(archs, list):
+        for arch in archs:
+            if arch in supported:
+                return arch
+    raise ValueError(f"unsupported architecture {archs!r} in config.json; supported: "
+                     f"{sorted(supported)!r}")
 
 
-def _check_unsupported(raw: Mapping[str, Any]) -> None:
-    for key, allowed in _UNSUPPORTED.items():
+def _check_unsupported(raw: Mapping[str, Any], attention_bias_ok: bool = False) -> None:
+    refused = {"hidden_act": "silu", "mlp_bias": False, "use_sliding_window": False}
+    if not attention_bias_ok:
+        refused["attention_bias"] = False
+    for key, allowed in refused.items():
         if key in raw and raw[key] != allowed:
             raise ValueError(f"config key {key!r} is {raw[key]!r}; supported: {allowed!r}")
-    if "head_dim" in raw and raw["head_dim"] is not None:
-        derived = raw.get("hidden_size", 0) // max(1, raw.get("num_attention_heads", 1))
-        if raw["head_dim"] != derived:
-            raise ValueError(
-                f"config key 'head_dim' is {raw['head_dim']!r}; supported: hidden_size / "
-                f"num_attention_heads ({derived})")
 
 
-def _dims_kwargs(raw: Mapping[str, Any], required: tuple[str, ...], optional: tuple[str, ...]) -> dict:
+def _dims_kwargs(raw: Mapping[str, Any]) -> dict:
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads")
     missing = [k for k in required if k not in raw]
     if missing:
         raise ValueError(f"config.json lacks required keys {missing}")
     kwargs = {k: raw[k] for k in required}
-    kwargs.update({k: raw[k] for k in optional if k in raw})
-    if "num_key_value_heads" not in raw or raw["num_key_value_heads"] is None:
-        kwargs["num_key_value_heads"] = raw["num_attention_heads"]
+    kwargs.update({k: raw[k] for k in ("rms_norm_eps", "rope_theta", "max_position_embeddings")
+                   if k in raw})
+    heads = raw.get("num_key_value_heads")
+    kwargs["num_key_value_heads"] = heads if heads is not None else raw["num_attention_heads"]
     kwargs["rope_scaling"] = RopeScaling.from_hf(raw.get("rope_scaling"))
+    head_dim, heads = raw.get("head_dim"), raw["num_attention_heads"]
+    derived = raw["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else None
+    if head_dim is not None and (head_dim != derived or raw["hidden_size"] % heads):
+        kwargs["explicit_head_dim"] = head_dim  # a head_dim equal to the derived one is no news
     return kwargs
 
 
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-_OPTIONAL = ("num_key_value_heads", "rms_norm_eps", "rope_theta", "max_position_embeddings")
+def _dims_to_hf(cfg: _DecoderDims) -> dict[str, Any]:
+    names = [f.name for f in dataclasses.fields(_DecoderDims) if f.name != "explicit_head_dim"]
+    out: dict[str, Any] = {name: getattr(cfg, name) for name in names}
+    out["rope_scaling"] = cfg.rope_scaling.to_hf() if cfg.rope_scaling else None
+    out.update(hidden_act="silu", mlp_bias=False, head_dim=cfg.head_dim, torch_dtype="bfloat16")
+    return out
+
+
+def _dims_of(cfg: _DecoderDims) -> dict[str, Any]:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(_DecoderDims)}
 
 
 @dataclass(frozen=True, kw_only=True)
 class LlamaConfig(_DecoderDims):
-    """The target model: a Llama decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)."""
+    """The target model: a Llama decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU), or
+    the Qwen2 / Qwen3 variant named by ``architecture``."""
 
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    architecture: str = LLAMA_ARCHITECTURE
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"config key 'tie_word_embeddings' is {self.tie_word_embeddings!r}; allowed: true or false")
+        _check_bool("tie_word_embeddings", self.tie_word_embeddings)
+        if self.architecture not in TARGET_ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r}; supported: "
+                             f"{sorted(TARGET_ARCHITECTURES)!r}")
         _check_token_id("bos_token_id", self.bos_token_id, self.vocab_size)
         for eos in self.eos_token_ids:
             _check_token_id("eos_token_id", eos, self.vocab_size)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return TARGET_ARCHITECTURES[self.architecture].qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return TARGET_ARCHITECTURES[self.architecture].qk_norm
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -188,55 +260,76 @@ class LlamaConfig(_DecoderDims):
     @staticmethod
     def from_hf(raw: Mapping[str, Any]) -> LlamaConfig:
         """Build from a parsed Hugging Face ``config.json``; ``ValueError`` on anything unsupported."""
-        _check_architecture(raw, LLAMA_ARCHITECTURE)
-        kwargs = _dims_kwargs(raw, _REQUIRED, _OPTIONAL)
-        _check_unsupported(raw)
+        arch = _architecture(raw, TARGET_ARCHITECTURES)
+        kwargs = _dims_kwargs(raw)
+        _check_unsupported(raw, attention_bias_ok=TARGET_ARCHITECTURES[arch].qkv_bias)
         for key in ("tie_word_embeddings", "bos_token_id"):
             if key in raw:
                 kwargs[key] = raw[key]
         eos = raw.get("eos_token_id")
         kwargs["eos_token_id"] = tuple(eos) if isinstance(eos, list) else eos
-        return LlamaConfig(**kwargs)
+        return LlamaConfig(**kwargs, architecture=arch)
 
     def to_hf(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` dict (weights are written in bfloat16)."""
         out = _dims_to_hf(self)
-        out.update(architectures=[LLAMA_ARCHITECTURE], model_type="llama",
+        out.update(architectures=[self.architecture],
+                   model_type=TARGET_ARCHITECTURES[self.architecture].model_type,
                    tie_word_embeddings=self.tie_word_embeddings, bos_token_id=self.bos_token_id,
                    eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
                    else self.eos_token_id)
+        if not self.qkv_bias:
+            out["attention_bias"] = False
         return out
 
 
-def _dims_to_hf(cfg: _DecoderDims) -> dict[str, Any]:
-    out: dict[str, Any] = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(_DecoderDims)}
-    out["rope_scaling"] = cfg.rope_scaling.to_hf() if cfg.rope_scaling else None
-    out.update(hidden_act="silu", attention_bias=False, mlp_bias=False, head_dim=cfg.head_dim,
-               torch_dtype="bfloat16")
-    return out
+def _check_fits(key: str, mine: int, theirs: int, their_key: Optional[str] = None) -> None:
+    if mine != theirs:
+        raise ValueError(f"draft config key {key!r} is {mine}; allowed: the target's "
+                         f"{their_key or key} ({theirs})")
 
 
 @dataclass(frozen=True, kw_only=True)
 class EagleConfig(_DecoderDims):
-    """The EAGLE draft head: ``fc([embed; feature]) -> num_hidden_layers decoder layers -> norm``.
+    """An EAGLE (1/2) draft head: ``fc([embed; feature]) -> num_hidden_layers decoder layers
+    -> norm``.
 
     Its dimensions are the decoder layer's; ``hidden_size`` and ``vocab_size`` must equal the
-    target's (the head shares the target's embedding and LM head). ``fc_bias`` says whether
-    ``fc`` has a bias (the EAGLE paper's head does).
+    target's (the head shares the target's embedding and LM head). ``layout`` is ``"own"``
+    (``EagleLlamaHead``: ``fc_bias`` from the config, every norm present) or ``"eagle"`` (the
+    EAGLE project's: ``fc_bias``, ``first_input_norm``, ``final_norm`` and ``attention_qkv_bias``
+    say which of ``fc.bias``, ``layers.0.input_layernorm.weight``, ``norm.weight`` and
+    ``layers.0.self_attn.{q,k,v}_proj.bias`` (its heads for Qwen2 targets) the checkpoint holds;
+    a head without the final norm hands its output to the target's LM head as it is).
     """
 
     num_hidden_layers: int = 1
     fc_bias: bool = True
+    layout: str = "own"
+    first_input_norm: bool = True
+    final_norm: bool = True
+    attention_qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.fc_bias, bool):
-            raise ValueError(f"config key 'fc_bias' is {self.fc_bias!r}; allowed: true or false")
+        for key in ("fc_bias", "first_input_norm", "final_norm", "attention_qkv_bias"):
+            _check_bool(key, getattr(self, key))
+        if self.layout not in ("own", "eagle"):
+            raise ValueError(f"EAGLE layout {self.layout!r}; allowed: 'own', 'eagle'")
+        if self.layout == "own" and (not (self.first_input_norm and self.final_norm)
+                                     or self.attention_qkv_bias):
+            raise ValueError("an EagleLlamaHead has every norm and no attention bias; other heads "
+                             "are in the EAGLE project's layout (layout='eagle')")
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the head's q/k/v projections have biases (``attention_qkv_bias``)."""
+        return self.attention_qkv_bias
 
     @staticmethod
     def for_target(target: LlamaConfig, **overrides: Any) -> EagleConfig:
         """A one-layer head with the target's dimensions (``overrides`` replace fields)."""
-        base = {f.name: getattr(target, f.name) for f in dataclasses.fields(_DecoderDims)}
+        base = _dims_of(target)
         base.update(num_hidden_layers=1)
         base.update(overrides)
         return EagleConfig(**base)
@@ -244,23 +337,140 @@ class EagleConfig(_DecoderDims):
     def check_target(self, target: LlamaConfig) -> None:
         """Raise ``ValueError`` unless this head fits ``target`` (hidden size and vocabulary)."""
         for key in ("hidden_size", "vocab_size"):
-            mine, theirs = getattr(self, key), getattr(target, key)
-            if mine != theirs:
-                raise ValueError(
-                    f"EAGLE config key {key!r} is {mine}; allowed: the target's {key} ({theirs})")
+            _check_fits(key, getattr(self, key), getattr(target, key))
 
     @staticmethod
-    def from_hf(raw: Mapping[str, Any]) -> EagleConfig:
-        """Build from a parsed ``config.json`` of an EAGLE head; ``ValueError`` on anything unsupported."""
-        _check_architecture(raw, EAGLE_ARCHITECTURE)
-        kwargs = _dims_kwargs(raw, _REQUIRED, _OPTIONAL)
-        _check_unsupported(raw)
-        kwargs["fc_bias"] = raw.get("fc_bias", True)
-        return EagleConfig(**kwargs)
+    def from_hf(raw: Mapping[str, Any], tensor_names: Collection[str] = ()) -> EagleConfig:
+        """Build from a parsed ``config.json`` of an EAGLE head (``tensor_names``: the checkpoint's
+        tensors, which decide the optional parts of the EAGLE project's layout)."""
+        arch = _architecture(raw, (EAGLE_ARCHITECTURE, *EAGLE_PROJECT_ARCHITECTURES))
+        kwargs = _dims_kwargs(raw)
+        _check_unsupported(raw, attention_bias_ok=arch != EAGLE_ARCHITECTURE)  # tensors decide
+        if arch == EAGLE_ARCHITECTURE:
+            return EagleConfig(**kwargs, fc_bias=raw.get("fc_bias", True))
+        names = set(tensor_names)
+        return EagleConfig(**kwargs, layout="eagle", fc_bias="fc.bias" in names,
+                           first_input_norm="layers.0.input_layernorm.weight" in names,
+                           final_norm="norm.weight" in names,
+                           attention_qkv_bias=any(f"layers.0.self_attn.{p}_proj.bias" in names
+                                                  for p in "qkv"))
 
     def to_hf(self) -> dict[str, Any]:
         """The ``config.json`` dict of the head."""
         out = _dims_to_hf(self)
-        out.update(architectures=[EAGLE_ARCHITECTURE], model_type="eagle_llama_head",
-                   fc_bias=self.fc_bias)
+        out["attention_bias"] = self.attention_qkv_bias
+        if self.layout == "own":
+            out.update(architectures=[EAGLE_ARCHITECTURE], model_type="eagle_llama_head",
+                       fc_bias=self.fc_bias)
+        else:  # the EAGLE project writes a Llama config (its optional parts live in the tensors)
+            out.update(architectures=[LLAMA_ARCHITECTURE], model_type="llama", bias=self.fc_bias)
         return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Eagle3Config(_DecoderDims):
+    """An EAGLE-3 draft head (see ``workers.model.eagle3``).
+
+    ``draft_vocab_size``: rows of its own LM head (mapped to target ids by ``d2t``);
+    ``aux_layer_ids``: ``eagle_config.eagle_aux_hidden_state_layer_ids`` as the config gives them
+    (id ``k`` names the output of target layer ``k``, i.e. the residual entering layer ``k + 1``;
+    ``None``: the residual entering layers ``2``, ``L // 2`` and ``L - 3``);
+    ``target_hidden_size``: the width of each target hidden state ``fc`` takes (default
+    ``hidden_size``); ``fc_bias`` / ``own_embedding``: whether the checkpoint holds ``fc.bias`` /
+    ``embed_tokens.weight`` (without it the head uses the target's embedding).
+    """
+
+    num_hidden_layers: int = 1
+    draft_vocab_size: int
+    aux_layer_ids: Optional[tuple[int, ...]] = None
+    target_hidden_size: Optional[int] = None
+    fc_bias: bool = False
+    own_embedding: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_hidden_layers != 1:
+            raise ValueError(f"config key 'num_hidden_layers' is {self.num_hidden_layers!r}; "
+                             f"allowed: 1 (an EAGLE-3 head has one midlayer)")
+        _check_int("draft_vocab_size", self.draft_vocab_size)
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"config key 'draft_vocab_size' is {self.draft_vocab_size}; allowed: "
+                             f"at most vocab_size ({self.vocab_size})")
+        if self.target_hidden_size is not None:
+            _check_int("target_hidden_size", self.target_hidden_size)
+        for key in ("fc_bias", "own_embedding"):
+            _check_bool(key, getattr(self, key))
+        if self.aux_layer_ids is not None and (
+                len(self.aux_layer_ids) != 3 or not all(
+                    isinstance(i, int) and not isinstance(i, bool) for i in self.aux_layer_ids)):
+            raise ValueError(f"config key 'eagle_config.eagle_aux_hidden_state_layer_ids' is "
+                             f"{list(self.aux_layer_ids)!r}; allowed: three layer ids")
+
+    @property
+    def fused_width(self) -> int:
+        """Width of ``fc``'s input: three target hidden states."""
+        return 3 * (self.target_hidden_size or self.hidden_size)
+
+    def capture_layers(self, num_target_layers: int) -> tuple[int, ...]:
+        """The target layers whose entering residual stream ``fc`` fuses (index ``L``: after the
+        last layer, before the final norm)."""
+        n = num_target_layers
+        layers = ((2, n // 2, n - 3) if self.aux_layer_ids is None
+                  else tuple(k + 1 for k in self.aux_layer_ids))
+        if not all(0 <= i <= n for i in layers):
+            given = ("the default (2, L//2, L-3)" if self.aux_layer_ids is None
+                     else f"eagle_config.eagle_aux_hidden_state_layer_ids "
+                          f"{list(self.aux_layer_ids)}")
+            raise ValueError(f"EAGLE-3 layers to capture {list(layers)} (from {given}) are outside "
+                             f"the target's {n} layers; allowed: layer ids in [-1, {n - 1}]")
+        return layers
+
+    def check_target(self, target: LlamaConfig) -> None:
+        """Raise ``ValueError`` unless this head fits ``target``."""
+        _check_fits("hidden_size", self.hidden_size, target.hidden_size)
+        _check_fits("vocab_size", self.vocab_size, target.vocab_size)
+        if self.target_hidden_size is not None:
+            _check_fits("target_hidden_size", self.target_hidden_size, target.hidden_size,
+                        "hidden_size")
+        self.capture_layers(target.num_hidden_layers)
+
+    @staticmethod
+    def for_target(target: LlamaConfig, draft_vocab_size: int, **overrides: Any) -> Eagle3Config:
+        """A head with the target's dimensions (``overrides`` replace fields)."""
+        base = _dims_of(target)
+        base.update(num_hidden_layers=1, draft_vocab_size=draft_vocab_size, explicit_head_dim=None)
+        base.update(overrides)
+        return Eagle3Config(**base)
+
+    @staticmethod
+    def from_hf(raw: Mapping[str, Any], tensor_names: Collection[str] = ()) -> Eagle3Config:
+        """Build from a parsed ``config.json`` (``tensor_names``: the checkpoint's tensors)."""
+        _architecture(raw, (EAGLE3_ARCHITECTURE,))
+        kwargs = _dims_kwargs(raw)
+        _check_unsupported(raw)
+        eagle = raw.get("eagle_config") or {}
+        if not isinstance(eagle, dict):
+            raise ValueError(f"config key 'eagle_config' is {eagle!r}; allowed: an object")
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if ids is not None and not isinstance(ids, list):
+            raise ValueError(f"config key 'eagle_config.eagle_aux_hidden_state_layer_ids' is "
+                             f"{ids!r}; allowed: a list of three layer ids")
+        names = set(tensor_names)
+        return Eagle3Config(**kwargs, draft_vocab_size=raw.get("draft_vocab_size", raw["vocab_size"]),
+                            aux_layer_ids=tuple(ids) if ids is not None else None,
+                            target_hidden_size=raw.get("target_hidden_size"),
+                            fc_bias="fc.bias" in names, own_embedding="embed_tokens.weight" in names)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The ``config.json`` dict of the head, in the EAGLE-3 layout."""
+        out = _dims_to_hf(self)
+        out.update(architectures=[EAGLE3_ARCHITECTURE], model_type="llama", attention_bias=False,
+                   draft_vocab_size=self.draft_vocab_size)
+        if self.aux_layer_ids is not None:
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
+        if self.target_hidden_size is not None:
+            out["target_hidden_size"] = self.target_hidden_size
+        return out
+
+
+DraftConfig = EagleConfig | Eagle3Config

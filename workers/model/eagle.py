@@ -1,4 +1,8 @@
-"""The EAGLE draft head: ``fc([embed(token); feature]) -> decoder layer(s) -> norm -> feature``.
+"""The EAGLE (1/2) draft head: ``fc([embed(token); feature]) -> decoder layer(s) -> [norm] ->
+feature``, in our own layout (``EagleLlamaHead``) or the EAGLE project's (no norm before the first
+layer's attention, no final norm: the output goes to the target's LM head as it is; ``fc`` with
+or without a bias). Parameter names are the checkpoints' (``fc.weight``, ``layers.0.self_attn.
+q_proj.weight``, ...).
 
 API (same shape as the target's):
 
@@ -50,8 +54,9 @@ class EagleHead(nn.Module):
         d = cfg.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=cfg.fc_bias)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, target.par) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+            LlamaDecoderLayer(cfg, i, target.par, input_norm=i > 0 or cfg.first_input_norm)
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.final_norm else nn.Identity()
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     @property
@@ -72,6 +77,11 @@ class EagleHead(nn.Module):
     def compute_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab_size] through the target's LM head."""
         return self.target.compute_logits(features)
+
+    @property
+    def feature_size(self) -> int:
+        """Width of ``forward``'s input features and of its output: ``hidden_size``."""
+        return self.config.hidden_size
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (RoPE frequencies) after ``to_empty``/dtype changes."""

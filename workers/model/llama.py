@@ -1,10 +1,11 @@
-"""The Llama target model, split over the groups of a ``ModelParallel`` (DP attention).
+"""The target model — Llama, or its Qwen2 / Qwen3 variant — split over the groups of a
+``ModelParallel`` (DP attention).
 
 API (one rank; every tensor below lives on that rank's device):
 
     model = LlamaForCausalLM(cfg, par)
-    hidden = model(input_ids [T], positions [T], attn)   # -> [T, hidden_size]
-    logits = model.compute_logits(hidden)                # -> [T, vocab_size], full vocabulary
+    feats = model(input_ids [T], positions [T], attn)    # -> [T, model.feature_size]
+    logits = model.compute_logits(feats)                 # -> [T, vocab_size], full vocabulary
 
 The batch is this replica's flattened ragged batch of T tokens, T padded to the size the round
 agreed across replicas (padding rows carry any id/position; their outputs are dropped by the
@@ -12,9 +13,12 @@ caller). ``positions`` gives each token's position in its own sequence (RoPE); `
 ``workers.attention.LayerAttention``) knows which tokens belong to which sequence and owns the KV
 cache. Decoder layer ``i`` calls ``attn.forward(i, q, k, v)``.
 
-**The EAGLE feature** is the hidden state this ``forward`` returns: the output of the final RMSNorm
-(``model.norm``), i.e. exactly the tensor ``compute_logits`` feeds the LM head. The draft head
-(``workers.model.eagle``) consumes it and produces its own in the same space.
+**The features** ``forward`` returns are what a draft head consumes. Plain: the output of the final
+RMSNorm (``model.norm``), ``hidden_size`` wide — exactly what ``compute_logits`` feeds the LM head
+(the EAGLE feature; ``workers.model.eagle``). With a ``FeatureTap`` attached (an EAGLE-3 head,
+``workers.model.eagle3``): ``[final-norm hidden | tap.project(residuals entering tap.layers)]``,
+``2 * hidden_size`` wide, computed inside the forward (so inside CUDA graphs too);
+``compute_logits`` reads the first half. ``feature_size`` says which.
 
 Per layer: Q/K/V are column-parallel over the ``attn`` group (this rank's heads) and O row-parallel
 with one all-reduce over ``attn``; the MLP gathers every replica's tokens, runs gate/up (column)
@@ -24,6 +28,8 @@ vocabulary over every rank. Parameter names are those of Hugging Face ``LlamaFor
 (``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -46,22 +52,36 @@ from workers.model.parallel import ModelParallel
 
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention over this rank's ``Hq/attn_tp`` query and ``Hkv/attn_tp`` KV
-    heads; the output projection's partial sums are all-reduced over the ``attn`` group."""
+    heads; the output projection's partial sums are all-reduced over the ``attn`` group.
 
-    def __init__(self, cfg: _DecoderDims, layer_id: int, par: ModelParallel) -> None:
+    ``in_features`` is the input width (default ``hidden_size``; an EAGLE-3 midlayer attends over
+    ``2 * hidden_size``). ``cfg.qkv_bias`` adds q/k/v biases (Qwen2); ``cfg.qk_norm`` RMS-normalises
+    every query and key head before RoPE (Qwen3: ``q_norm`` / ``k_norm`` over ``head_dim``)."""
+
+    def __init__(self, cfg: _DecoderDims, layer_id: int, par: ModelParallel,
+                 in_features: int | None = None) -> None:
         super().__init__()
         d, hd, group = cfg.hidden_size, cfg.head_dim, par.attn
+        width = in_features or d
         self.layer_id, self.head_dim, self.group = layer_id, hd, group
-        self.q_proj = ColumnParallelLinear(d, cfg.num_attention_heads * hd, group)
-        self.k_proj = ColumnParallelLinear(d, cfg.num_key_value_heads * hd, group)
-        self.v_proj = ColumnParallelLinear(d, cfg.num_key_value_heads * hd, group)
+        self.q_proj = ColumnParallelLinear(width, cfg.num_attention_heads * hd, group, cfg.qkv_bias)
+        self.k_proj = ColumnParallelLinear(width, cfg.num_key_value_heads * hd, group, cfg.qkv_bias)
+        self.v_proj = ColumnParallelLinear(width, cfg.num_key_value_heads * hd, group, cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, d, group)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: LayerAttention) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, -1, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, -1, self.head_dim), cos, sin)
+        q = self.q_proj(x).view(t, -1, self.head_dim)
+        k = self.k_proj(x).view(t, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(t, -1, self.head_dim)
         out = attn.forward(self.layer_id, q, k, v)
         return ops.all_reduce(self.o_proj(out.reshape(t, -1)), self.group)
@@ -86,11 +106,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``. ``input_norm=False``
+    drops the first norm (the first layer of an EAGLE project head has none)."""
 
-    def __init__(self, cfg: _DecoderDims, layer_id: int, par: ModelParallel) -> None:
+    def __init__(self, cfg: _DecoderDims, layer_id: int, par: ModelParallel,
+                 input_norm: bool = True) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
         self.self_attn = LlamaAttention(cfg, layer_id, par)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, par)
@@ -114,16 +136,36 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: LayerAttention) -> torch.Tensor:
+        return self.run(input_ids, positions, attn)[0]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: LayerAttention,
+            capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(final-norm hidden states, the residual stream entering each layer in ``capture``;
+        index ``num_layers``: after the last layer, before the final norm)."""
         cos, sin = self.rotary(positions)
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        seen = {}
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                seen[i] = x
             x = layer(x, cos, sin, attn)
-        return self.norm(x)
+        seen[len(self.layers)] = x
+        return self.norm(x), [seen[i] for i in capture]
+
+
+@dataclass(frozen=True, eq=False)
+class FeatureTap:
+    """What a draft head needs from the target beyond its final hidden state: the residual
+    stream entering ``layers`` (see ``LlamaModel.run``), concatenated and projected by
+    ``project`` (an EAGLE-3 head's ``fc``), inside the target's forward."""
+
+    layers: tuple[int, ...]
+    project: nn.Module
 
 
 class LlamaForCausalLM(nn.Module):
-    """The target: ``forward`` gives post-norm hidden states (the EAGLE feature),
-    ``compute_logits`` the full-vocabulary logits of this replica's rows."""
+    """The target: ``forward`` gives the features (see the module docstring), ``compute_logits``
+    the full-vocabulary logits of this replica's rows."""
 
     def __init__(self, cfg: LlamaConfig, par: ModelParallel | None = None) -> None:
         super().__init__()
@@ -134,16 +176,34 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size, par)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.feature_tap: FeatureTap | None = None  # a plain attribute: the head owns the module
+
+    def attach_feature_tap(self, tap: FeatureTap | None) -> None:
+        """Make ``forward`` also return ``tap``'s projection (an EAGLE-3 head attaches its ``fc``
+        when it is built; the last head attached is the one served). ``None`` detaches."""
+        self.feature_tap = tap
+
+    @property
+    def feature_size(self) -> int:
+        """Width of ``forward``'s rows: ``hidden_size``, or ``2 * hidden_size`` with a tap."""
+        d = self.config.hidden_size
+        return d if self.feature_tap is None else 2 * d
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: LayerAttention) -> torch.Tensor:
-        """Hidden states [T, hidden_size] after the final norm for flattened ``input_ids`` [T]."""
-        return self.model(input_ids, positions, attn)
+        """Features [T, feature_size] for flattened ``input_ids`` [T]: the hidden states after the
+        final norm, followed, with a tap, by the tap's projection of the captured layers."""
+        if self.feature_tap is None:
+            return self.model(input_ids, positions, attn)
+        hidden, aux = self.model.run(input_ids, positions, attn, self.feature_tap.layers)
+        fused = self.feature_tap.project(torch.cat(aux, dim=-1).to(hidden.dtype))
+        return torch.cat((hidden, fused.to(hidden.dtype)), dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [T, vocab_size] from ``forward``'s hidden states (or an EAGLE head's features).
-        Collective over the world: every rank calls it with the same number of rows."""
-        return self.lm_head(hidden)
+        """Logits [T, vocab_size] from ``forward``'s features (their first ``hidden_size``
+        columns) or an EAGLE head's. Collective over the world: every rank calls it with the same
+        number of rows."""
+        return self.lm_head(hidden[..., :self.config.hidden_size])
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, hidden_size] (shared with the EAGLE head; collective like

@@ -1,42 +1,60 @@
 """Load and save models in the Hugging Face layout.
 
-A model directory holds ``config.json`` and either ``model.safetensors`` or a sharded
-``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``) with its shards.
-Each rank reads only its slice of every split tensor (``safetensors`` slices, no full copy): the
-attention projections' slice of its attention-TP group, the MLP's and the vocabulary's slice of
-the world (see ``workers.model.parallel``); a vocabulary that does not split evenly is padded with
-zero rows.
+A model directory holds ``config.json`` and its weights in any format ``workers.model.weights``
+reads (safetensors or ``pytorch_model.bin``, one file or shards with an index). Each rank reads
+only its slice of every split tensor: the attention projections' slice of its attention-TP group,
+the MLP's and the vocabulary's slice of the world (see ``workers.model.parallel``).
 Weights are converted to ``dtype`` (float32 by default) on load; ``save_pretrained`` writes
 bfloat16 by default.
 
-Errors name what is wrong: ``FileNotFoundError`` for a missing directory, ``config.json`` or
-weights file; ``CheckpointError`` (a ``ValueError``) for unreadable JSON, a corrupt safetensors
-file, a missing tensor or a shape mismatch; ``ValueError`` for an unsupported architecture.
+* ``load_llama(dir)``: a target (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+  ``Qwen3ForCausalLM``); ``generation_config.json``'s end-of-sequence ids win over
+  ``config.json``'s.
+* ``load_eagle(dir, target)``: a draft head for ``target``, by its ``architectures``: an EAGLE
+  (1/2) head (``EagleLlamaHead``, or the EAGLE project's ``LlamaForCausalLM`` /
+  ``LlamaForCausalLMEagle``) or an EAGLE-3 head (``LlamaForCausalLMEagle3``).
+
+Errors name the file and what is wrong: ``FileNotFoundError`` for a missing directory,
+``config.json`` or weights file; ``CheckpointError`` (a ``ValueError``) for unreadable JSON or
+weights, a missing tensor, a shape mismatch, a bad ``d2t``, an unsupported architecture or a
+draft that does not fit its target.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from workers.model.config import EagleConfig, LlamaConfig
+from workers.model.config import (
+    EAGLE3_ARCHITECTURE,
+    EAGLE_ARCHITECTURE,
+    EAGLE_PROJECT_ARCHITECTURES,
+    Eagle3Config,
+    EagleConfig,
+    LlamaConfig,
+)
 from workers.model.eagle import EagleHead
-from workers.model.layers import Shard, shard_specs
+from workers.model.eagle3 import Eagle3Head, vocab_map_problem
+from workers.model.layers import shard_specs
 from workers.model.llama import LlamaForCausalLM
 from workers.model.parallel import ModelParallel
+from workers.model.weights import (
+    BIN_FILE,
+    BIN_INDEX_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    WeightFiles,
+)
+from workers.model_files import GENERATION_CONFIG_FILE, eos_token_ids
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory exists but its contents cannot be used."""
+DRAFT_ARCHITECTURES = (EAGLE_ARCHITECTURE, *EAGLE_PROJECT_ARCHITECTURES, EAGLE3_ARCHITECTURE)
+DraftHead = EagleHead | Eagle3Head
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -56,76 +74,12 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-class _Checkpoint:
-    """The tensors of one model directory, by name, across one or several safetensors files."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.files = self._weight_map(root)
-        self._handles: dict[str, Any] = {}
-
-    @staticmethod
-    def _weight_map(root: Path) -> dict[str, str]:
-        index = root / INDEX_FILE
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
-                raise CheckpointError(f"{str(index)!r} is not a valid index (need 'weight_map'): {err!r}") from None
-            return dict(weight_map)
-        single = root / SINGLE_FILE
-        if not single.is_file():
-            raise FileNotFoundError(f"model directory {str(root)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-        return {name: SINGLE_FILE for name in _open(single).keys()}
-
-    def _handle(self, file: str) -> Any:
-        if file not in self._handles:
-            path = self.root / file
-            if not path.is_file():
-                raise FileNotFoundError(f"safetensors shard {str(path)!r} (named in {INDEX_FILE}) is missing")
-            self._handles[file] = _open(path)
-        return self._handles[file]
-
-    def read(self, name: str, shape: tuple[int, ...], shard: Shard | None) -> torch.Tensor:
-        """Tensor ``name`` of full shape ``shape``: this rank's part when it is split."""
-        if name not in self.files:
-            raise CheckpointError(f"tensor {name!r} is missing from checkpoint {str(self.root)!r}")
-        file = self.files[name]
-        try:
-            view = self._handle(file).get_slice(name)
-            found = tuple(view.get_shape())
-        except SafetensorError as err:
-            raise CheckpointError(f"cannot read tensor {name!r} from {str(self.root / file)!r}: {err}") from None
-        if found != shape:
-            raise CheckpointError(
-                f"tensor {name!r} in {str(self.root / file)!r} has shape {list(found)}; expected {list(shape)}")
-        return _read_slice(view, shard, f"{name!r} in {str(self.root / file)!r}")
+def _in_file(root: Path, err: ValueError, file: str = CONFIG_FILE) -> CheckpointError:
+    """``err`` (a config problem) as a ``CheckpointError`` naming the file it came from."""
+    return CheckpointError(f"{str(root / file)!r}: {err}")
 
 
-def _open(path: Path) -> Any:
-    try:
-        return safe_open(str(path), framework="pt", device="cpu")
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(f"{str(path)!r} is not a readable safetensors file: {err}") from None
-
-
-def _read_slice(view: Any, shard: Shard | None, what: str) -> torch.Tensor:
-    try:
-        if shard is None or shard.group.size == 1:
-            return view[:]
-        lo = shard.group.rank * shard.part
-        hi = min(lo + shard.part, shard.full)
-        part = view[lo:hi] if shard.dim == 0 else view[:, lo:hi]
-    except SafetensorError as err:
-        raise CheckpointError(f"cannot read tensor {what}: {err}") from None
-    missing = shard.part - part.shape[shard.dim]
-    if missing:  # the last parts of a vocabulary that does not split evenly: zero rows
-        pad = [0, 0] * (part.dim() - 1 - shard.dim) + [0, missing]
-        part = torch.nn.functional.pad(part, pad)
-    return part
-
-
-def _load_into(module: nn.Module, ckpt: _Checkpoint) -> None:
+def _load_into(module: nn.Module, weights: WeightFiles) -> None:
     specs = shard_specs(module)
     with torch.no_grad():
         for name, param in module.named_parameters():
@@ -133,45 +87,122 @@ def _load_into(module: nn.Module, ckpt: _Checkpoint) -> None:
             shape = list(param.shape)
             if shard is not None:
                 shape[shard.dim] = shard.full
-            param.copy_(ckpt.read(name, tuple(shape), shard))
+            param.copy_(weights.read(name, tuple(shape), shard))
 
 
 def _materialize(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
     module.to_empty(device=device)
-    module.to(dtype)
+    module.to(dtype)  # floating-point tensors only: integer buffers (d2t, t2d) keep theirs
+
+
+def target_config(path: str | Path) -> LlamaConfig:
+    """The target's configuration: ``config.json``, with ``generation_config.json``'s
+    end-of-sequence ids when it gives some. Errors name the file."""
+    root = Path(path)
+    raw = read_config(root)
+    try:
+        cfg = LlamaConfig.from_hf(raw)
+        eos = eos_token_ids(root)
+        if eos and eos != cfg.eos_token_ids:
+            cfg = dataclasses.replace(cfg, eos_token_id=eos)
+    except ValueError as err:
+        where = GENERATION_CONFIG_FILE if "eos_token_id" in str(err) and (
+            root / GENERATION_CONFIG_FILE).is_file() else CONFIG_FILE
+        raise _in_file(root, err, where) from None
+    return cfg
 
 
 def load_llama(path: str | Path, par: ModelParallel | None = None,
                dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> LlamaForCausalLM:
-    """Load a Hugging Face Llama directory; this rank keeps its shards only (``par``)."""
-    cfg = LlamaConfig.from_hf(read_config(path))
-    ckpt = _Checkpoint(Path(path))
+    """Load a target directory; this rank keeps its shards only (``par``)."""
+    root = Path(path)
+    cfg = target_config(root)
+    weights = WeightFiles(root)
     par = par if par is not None else ModelParallel.single(device)
+    try:
+        cfg.check_tp(par.attn.size, par.mlp.size)
+    except ValueError as err:
+        raise _in_file(root, err) from None
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, par)
     _materialize(model, device, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    _load_into(model, ckpt)
+    _load_into(model, weights)
     model.reset_buffers()
     return model.eval()
 
 
+def draft_config(path: str | Path, target: LlamaForCausalLM,
+                 weights: Optional[WeightFiles] = None) -> EagleConfig | Eagle3Config:
+    """The draft head's configuration, checked against ``target``; errors name the file."""
+    root = Path(path)
+    raw = read_config(root)
+    names = (weights or WeightFiles(root)).names
+    try:
+        archs = raw.get("architectures")
+        if isinstance(archs, list) and EAGLE3_ARCHITECTURE in archs:
+            cfg: EagleConfig | Eagle3Config = Eagle3Config.from_hf(raw, names)
+        elif isinstance(archs, list) and any(a in DRAFT_ARCHITECTURES for a in archs):
+            cfg = EagleConfig.from_hf(raw, names)
+        else:
+            raise ValueError(f"unsupported architecture {archs!r} for a draft head; supported: "
+                             f"{list(DRAFT_ARCHITECTURES)!r}")
+        cfg.check_target(target.config)
+        cfg.check_tp(target.par.attn.size, target.par.mlp.size)
+    except ValueError as err:
+        raise _in_file(root, err) from None
+    if "fc.weight" not in names:
+        raise CheckpointError(f"draft model {str(root)!r} has no tensor 'fc.weight': not an EAGLE "
+                              f"head (a standalone draft model is not supported)")
+    return cfg
+
+
 def load_eagle(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype | None = None,
-               device: torch.device | str | None = None) -> EagleHead:
-    """Load an EAGLE head directory for ``target`` (split like the target; dtype/device default to
-    the target's)."""
-    cfg = EagleConfig.from_hf(read_config(path))
-    ckpt = _Checkpoint(Path(path))
+               device: torch.device | str | None = None) -> DraftHead:
+    """Load a draft head directory for ``target`` (split like the target; dtype/device default
+    to the target's): an EAGLE head, or an EAGLE-3 head (which attaches its ``fc`` to
+    ``target``)."""
+    root = Path(path)
+    weights = WeightFiles(root)
+    cfg = draft_config(root, target, weights)
     ref = target.lm_head.weight
+    kind = Eagle3Head if isinstance(cfg, Eagle3Config) else EagleHead
     with torch.device("meta"):
-        head = EagleHead(cfg, target)
+        head = kind(cfg, target)
     _materialize(head, device or ref.device, dtype or ref.dtype)
-    _load_into(head, ckpt)
+    _load_into(head, weights)
+    if isinstance(head, Eagle3Head):
+        _load_vocab_map(head, weights)
     head.reset_buffers()
     return head.eval()
 
+
+def _load_vocab_map(head: Eagle3Head, weights: WeightFiles) -> None:
+    """``d2t`` (required unless the draft vocabulary is the target's) and ``t2d`` (optional),
+    checked: one-to-one into the target's vocabulary, ``t2d`` marking exactly those ids."""
+    cfg = head.config
+    if "d2t" in weights.names:
+        d2t = weights.read("d2t", (cfg.draft_vocab_size,), None)
+    elif cfg.draft_vocab_size == cfg.vocab_size:
+        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+    else:
+        raise CheckpointError(f"tensor 'd2t' is missing from checkpoint {str(weights.root)!r} "
+                              f"(needed: draft_vocab_size {cfg.draft_vocab_size} < vocab_size "
+                              f"{cfg.vocab_size})")
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise CheckpointError(f"tensor 'd2t' in {weights.where('d2t')!r} has dtype {d2t.dtype}; "
+                              f"expected an integer dtype")
+    t2d = weights.read("t2d", (cfg.vocab_size,), None) if "t2d" in weights.names else None
+    problem = vocab_map_problem(d2t, t2d, cfg.vocab_size)
+    if problem is not None:
+        where = weights.where("t2d" if problem.startswith("t2d") else "d2t")
+        raise CheckpointError(f"{where!r}: {problem}")
+    head.set_vocab_map(d2t.to(torch.int64).to(head.d2t.device))
+
+
+# ---- saving -----------------------------------------------------------------------------------
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> Iterator[dict[str, torch.Tensor]]:
     shard: dict[str, torch.Tensor] = {}
@@ -187,31 +218,57 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> Iterator
         yield shard
 
 
-def save_pretrained(model: LlamaForCausalLM | EagleHead, path: str | Path,
-                    dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int | None = None) -> None:
+def _tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Parameters in ``dtype`` and persistent buffers as they are (d2t, t2d), whole, on the CPU."""
+    out = {n: p.detach().to("cpu", dtype).contiguous() for n, p in model.named_parameters()}
+    persistent = set(model.state_dict())
+    out.update({n: b.detach().to("cpu").contiguous() for n, b in model.named_buffers()
+                if n in persistent})
+    return out
+
+
+def save_pretrained(model: LlamaForCausalLM | DraftHead, path: str | Path,
+                    dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int | None = None,
+                    weights_format: str = "safetensors") -> None:
     """Write ``config.json`` and the weights (one file, or shards of at most ``max_shard_bytes``
-    with an index). Only a tp=1 model can be saved (every tensor is whole)."""
-    par = model.target.par if isinstance(model, EagleHead) else model.par
+    with an index) as ``safetensors`` or ``bin`` (``pytorch_model.bin``). Only a one-rank model
+    can be saved (every tensor is whole)."""
+    if weights_format not in ("safetensors", "bin"):
+        raise ValueError(f"weights_format={weights_format!r}; allowed: 'safetensors', 'bin'")
+    par = model.par if isinstance(model, LlamaForCausalLM) else model.target.par
     if par.mlp.size != 1:
         raise ValueError(f"save_pretrained needs a one-rank model; this one is split over "
                          f"{par.mlp.size} ranks")
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    for stale in [root / SINGLE_FILE, root / INDEX_FILE, *root.glob("model-*-of-*.safetensors")]:
+    for stale in [root / SINGLE_FILE, root / INDEX_FILE, root / BIN_FILE, root / BIN_INDEX_FILE,
+                  *root.glob("model-*-of-*.safetensors"), *root.glob("pytorch_model-*-of-*.bin")]:
         stale.unlink(missing_ok=True)
-    tensors = {n: p.detach().to("cpu", dtype).contiguous() for n, p in model.named_parameters()}
+    tensors = _tensors(model, dtype)
     cfg = model.config.to_hf()
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (root / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
     shards = list(_shards(tensors, max_shard_bytes))
+    single, index, stem, ext = ((SINGLE_FILE, INDEX_FILE, "model", "safetensors")
+                                if weights_format == "safetensors"
+                                else (BIN_FILE, BIN_INDEX_FILE, "pytorch_model", "bin"))
     if len(shards) == 1:
-        save_file(shards[0], str(root / SINGLE_FILE), metadata={"format": "pt"})
+        _write(shards[0], root / single)
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(root / file), metadata={"format": "pt"})
+        file = f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
+        _write(shard, root / file)
         weight_map.update({name: file for name in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (root / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (root / index).write_text(json.dumps({"metadata": {"total_size": total},
+                                          "weight_map": weight_map}, indent=2) + "\n")
+
+
+def _write(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    else:
+        torch.save(tensors, str(path))

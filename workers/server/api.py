@@ -26,7 +26,7 @@ from workers.server import openai_io
 from workers.server.cluster import ClusterClient, Failure, Tokens, Unavailable
 from workers.server.metrics import FrontendMetrics, render
 from workers.server.openai_io import ApiError, CompletionParams, Limits
-from workers.server.text import ByteCodec, TextStream
+from workers.server.text import Codec, TextStream, codec_for
 
 log = logging.getLogger("adaptive_dist.serve")
 
@@ -50,11 +50,11 @@ def create_app(cluster: ClusterClient, metrics: FrontendMetrics) -> FastAPI:
     """The FastAPI application over `cluster`."""
     app = FastAPI(title="adaptive_dist", docs_url=None, redoc_url=None)
     served = cluster.config.model_name
-    codecs: dict[str, ByteCodec] = {}
+    codecs: dict[str, Codec] = {}
 
-    def codec() -> ByteCodec:
+    def codec() -> Codec:
         if "codec" not in codecs:
-            codecs["codec"] = ByteCodec(cluster.model.bos_token_id)
+            codecs["codec"] = codec_for(cluster.model)
         return codecs["codec"]
 
     @app.exception_handler(ApiError)
@@ -139,7 +139,7 @@ async def _json_body(request: Request) -> Any:
 class _Job:
     """One /v1/completions request: its sub-requests, their choices, its response."""
 
-    def __init__(self, cluster: ClusterClient, metrics: FrontendMetrics, codec: ByteCodec,
+    def __init__(self, cluster: ClusterClient, metrics: FrontendMetrics, codec: Codec,
                  params: CompletionParams, start: float) -> None:
         self.cluster, self.metrics, self.params, self.start = cluster, metrics, params, start
         self.id = f"cmpl-{uuid.uuid4().hex}"

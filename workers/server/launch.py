@@ -234,13 +234,14 @@ def _build_loop(ctx: Any, first: Any, args: argparse.Namespace, role: RankRole, 
                                    "--max-batch-size": args.max_batch_size},
         size_for=lambda cfg, dp: serving_sizes(cfg, args.max_batch_size, args.max_model_len),
         first_layout=first)
-    mcfg, engine = cluster.target.config, cluster.engine
-    eos = tuple(mcfg.eos_token_ids)
+    mcfg, engine, tok = cluster.target.config, cluster.engine, cluster.tokenizer
+    eos = tuple(tok.eos_token_ids)
     adapter = EngineAdapter(engine, eos, role.dp_rank)
     mode = cluster.config.mode
     info = ModelInfo(max_context_len=cluster.config.max_context_len,
-                     bos_token_id=mcfg.bos_token_id, eos_token_ids=list(eos),
-                     vocab_size=mcfg.vocab_size, mode=mode)
+                     bos_token_id=tok.bos_token_id, eos_token_ids=list(eos),
+                     vocab_size=mcfg.vocab_size, mode=mode,
+                     tokenizer_dir=str(Path(cluster.target_dir).resolve()))
     loop = RankLoop(adapter, inbox, outbox if role.is_leader else None, role.dp_rank, stop,
                     alive=_frontend_check(frontend))
     outbox.send(Ready(role.rank, role.dp_rank, role.is_leader, os.getpid(), info,

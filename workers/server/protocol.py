@@ -71,6 +71,7 @@ class ModelInfo:
     eos_token_ids: list[int]
     vocab_size: int
     mode: str                   # "no speculation", "static steps=3", "adaptive (...)"
+    tokenizer_dir: Optional[str] = None   # the target directory (its tokenizer); None: bytes
 
 
 @dataclass(frozen=True)

@@ -1,57 +1,79 @@
 """Text of the frontend: prompt encoding, and a completion's text emitted in stable pieces and cut
 at the first stop string.
 
-``ByteCodec`` is the one place that knows the tokenizer (the bundled pair's byte tokenizer through
-``workers.loading.encode_prompt`` and ``workers.tokenizer``). ``TextStream`` decodes a growing
-list of token ids: a trailing incomplete UTF-8 sequence, and the last ``len(longest stop) - 1``
-characters (which may be the start of a stop string), are held back until they are settled, so
-every emitted piece is final and the concatenation equals the non-streamed text.
+``Codec`` is the one place that knows the tokenizer: the model's own (``workers.tokenizer.
+load_tokenizer`` over the target directory the ranks announce in ``ModelInfo.tokenizer_dir``: its
+``tokenizer.json``, or the bundled pair's byte tokenizer). ``TextStream`` turns a growing list of
+token ids into text through a ``workers.tokenizer.StreamDecoder`` (a trailing incomplete
+character is held back until it is whole) and holds back the last ``len(longest stop) - 1``
+characters (which may be the start of a stop string) until they are settled, so every emitted
+piece is final and the concatenation equals the non-streamed text. No torch here.
 """
 from __future__ import annotations
 
-import codecs
-from types import SimpleNamespace
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
+
+from workers.tokenizer import ByteTokenizer, StreamDecoder, Tokenizer, load_tokenizer
 
 
-class ByteCodec:
-    """Prompt text -> ids (with the model's BOS) and ids -> text, for the byte tokenizer."""
+class Codec:
+    """Prompt text -> ids (with BOS where the tokenizer says so) and ids -> text."""
 
-    def __init__(self, bos_token_id: Optional[int]) -> None:
-        from workers.loading import encode_prompt
-        from workers import tokenizer
-
-        self._encode_prompt, self._tok = encode_prompt, tokenizer
-        self._config = SimpleNamespace(bos_token_id=bos_token_id)
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
 
     def encode(self, text: str) -> list[int]:
-        return self._encode_prompt(text, self._config)
+        return self.tokenizer.encode(text)
 
-    def decode(self, ids: Sequence[int], final: bool = True) -> str:
-        """The text of `ids`; with `final` False an incomplete trailing character is left out."""
-        if final:
-            return self._tok.decode(list(ids))
-        data = bytes(i for i in ids if not self._tok.is_special(i))
-        return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data, final=False)
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def stream(self) -> StreamDecoder:
+        """A fresh streaming decoder (one per completion)."""
+        return StreamDecoder(self.tokenizer)
+
+
+class ByteCodec(Codec):
+    """The bundled pair's byte tokenizer with the model's BOS id."""
+
+    def __init__(self, bos_token_id: Optional[int]) -> None:
+        super().__init__(ByteTokenizer(bos_token_id, ()))
+
+
+def codec_for(model: Any) -> Codec:
+    """The codec of the model the ranks serve (a ``ModelInfo``): its target directory's
+    tokenizer, or the byte tokenizer when the ranks name no directory."""
+    directory = getattr(model, "tokenizer_dir", None)
+    if directory:
+        return Codec(load_tokenizer(directory))
+    return ByteCodec(model.bos_token_id)
 
 
 class TextStream:
     """One completion's text as tokens arrive; see the module docstring."""
 
-    def __init__(self, codec: ByteCodec, stops: Sequence[str] = ()) -> None:
+    def __init__(self, codec: Codec, stops: Sequence[str] = ()) -> None:
         self.codec = codec
+        self.decoder = codec.stream()
         self.stops = [s for s in stops if s]
         self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.token_ids: list[int] = []
+        self.decoded = ""           # settled text (emitted, or held for a stop string)
         self.text = ""              # emitted so far
         self.stopped = False        # a stop string was found (the text is cut before it)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token id fed so far (until a stop string was found)."""
+        return self.decoder.ids
 
     def feed(self, token_ids: Sequence[int], final: bool) -> str:
         """Add tokens; return the newly settled text (everything left when `final`)."""
         if self.stopped:
             return ""
-        self.token_ids.extend(token_ids)
-        full = self.codec.decode(self.token_ids, final=final)
+        self.decoded += self.decoder.push(token_ids)
+        if final:
+            self.decoded += self.decoder.finish()
+        full = self.decoded
         cut = self._first_stop(full)
         if cut is not None:
             self.stopped = True

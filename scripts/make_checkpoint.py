@@ -1,0 +1,113 @@
+"""Write a random-weight checkpoint pair in the layout of a real one (nothing is downloaded): a
+target of a real model's shape and an EAGLE or EAGLE-3 head for it, for timing on GPUs.
+
+    python scripts/make_checkpoint.py --shape llama3-8b --head eagle3 --out DIR [--layers N]
+    torchrun --nproc-per-node 2 scripts/bench_dp.py --dp 2 --device cuda \
+        --model DIR/target --draft-model DIR/eagle ...
+    torchrun --nproc-per-node 2 -m adaptive_dist generate --tp 2 --device cuda \
+        --model DIR/target --draft-model DIR/eagle --steps 3 --prompt "..."
+
+Shapes: ``llama3-8b`` (Llama-3.1-8B: vocab 128256, d 4096, 32 layers, GQA 32/8, Llama-3 RoPE
+scaling; its EAGLE-3 head drafts over 32000 ids), ``qwen3-8b`` (vocab 151936, d 4096, 36 layers,
+head_dim 128, q/k norms), ``tiny`` (for a smoke test). Weights are bfloat16, N(0, 0.02) (norms 1),
+in 5 GB safetensors shards; the draft vocabulary is a random set of target ids. Random weights
+make acceptance meaningless: time fixed depths (``--steps K``), not acceptance. There is no
+tokenizer.json: prompts go through the byte tokenizer (ids < 256), which every vocabulary holds.
+Needs about twice the target's bfloat16 size in host memory (16 GB for llama3-8b).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from workers.model import (  # noqa: E402
+    Eagle3Config,
+    Eagle3Head,
+    EagleConfig,
+    EagleHead,
+    LlamaConfig,
+    LlamaForCausalLM,
+    save_pretrained,
+)
+from workers.model.config import RopeScaling  # noqa: E402
+
+SHAPES = {
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      rope_theta=500000.0, max_position_embeddings=131072,
+                      rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), bos_token_id=128000,
+                      eos_token_id=(128001, 128008, 128009)),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     explicit_head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960,
+                     eos_token_id=(151645, 151643), architecture="Qwen3ForCausalLM"),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2),
+}
+DRAFT_VOCAB = {"llama3-8b": 32000, "qwen3-8b": 32000, "tiny": 256}
+
+
+@torch.no_grad()
+def fill(model: torch.nn.Module, seed: int) -> None:
+    """bfloat16 on the CPU: matrices N(0, 0.02), vectors (norms) 1."""
+    model.to_empty(device="cpu")
+    model.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        if p.dim() == 1:
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02))
+
+
+def build(shape: str, head: str, layers: int | None, seed: int):
+    kw = dict(SHAPES[shape])
+    if layers is not None:
+        kw["num_hidden_layers"] = layers
+    cfg = LlamaConfig(**kw)
+    with torch.device("meta"):
+        target = LlamaForCausalLM(cfg)
+        if head == "eagle3":
+            draft = Eagle3Head(Eagle3Config.for_target(cfg, DRAFT_VOCAB[shape],
+                                                        rope_theta=cfg.rope_theta,
+                                                        rope_scaling=cfg.rope_scaling), target)
+        else:
+            draft = EagleHead(EagleConfig.for_target(cfg, layout="eagle", fc_bias=True,
+                                                     first_input_norm=False, final_norm=False),
+                              target)
+    fill(target, seed)
+    if cfg.tie_word_embeddings:
+        target.lm_head.weight = target.model.embed_tokens.weight
+    fill(draft, seed + 1)
+    if isinstance(draft, Eagle3Head):
+        gen = torch.Generator().manual_seed(seed + 2)
+        ids = torch.randperm(cfg.vocab_size, generator=gen)[:DRAFT_VOCAB[shape]].sort().values
+        draft.set_vocab_map(ids - torch.arange(ids.numel()))
+    return target, draft
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    p.add_argument("--head", choices=("eagle3", "eagle"), default="eagle3")
+    p.add_argument("--layers", type=int, default=None, help="fewer target layers than the shape's")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="writes OUT/target and OUT/eagle")
+    args = p.parse_args()
+    target, draft = build(args.shape, args.head, args.layers, args.seed)
+    out = Path(args.out)
+    save_pretrained(target, out / "target", max_shard_bytes=5 * 2**30)
+    save_pretrained(draft, out / "eagle", max_shard_bytes=5 * 2**30)
+    params = sum(p.numel() for p in target.parameters()) / 1e9
+    print(f"wrote {out / 'target'} ({params:.2f} B parameters) and {out / 'eagle'} ({args.head})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
