@@ -94,6 +94,9 @@ step bench_adaptive_dp2 timeout "${ADAPTIVE_TIMEOUT:-400}" torchrun --nproc-per-
   scripts/bench_adaptive.py --dp 2 --device cuda --workloads heterogeneous transition \
   --batches ${ADAPTIVE_BATCHES:-1 16 64} --repeats "${BENCH_REPEATS:-3}" ${ADAPTIVE_ARGS:-} \
   --out "$OUTDIR/res/bench_adaptive_dp2"
+# production shapes without a download: an 8B-shaped target + EAGLE-3-shaped head (random bf16)
+step model_shapes bash -c "for l in tp2 dp2; do timeout 280 torchrun --nproc-per-node 2 \
+  scripts/bench_model_shapes.py --layout \$l --out $OUTDIR/res/model_shapes || exit 1; done"
 step bench_consensus bash -c "for ch in control device; do torchrun --nproc-per-node 2 \
   scripts/bench_consensus.py --rounds 3000 --channel \$ch --out $OUTDIR/res/consensus_\$ch || exit 1; done"
 if [ "$(find "$FLASHINFER_WORKSPACE_BASE" -type f | wc -l)" != "$CACHE_BEFORE" ]; then

@@ -1,0 +1,217 @@
+"""Round cost at production shapes without a download: a Llama-3.1-8B-shaped target and an
+EAGLE-3-shaped head with random weights, generated on the GPU in bfloat16.
+
+    torchrun --nproc-per-node 2 scripts/bench_model_shapes.py --layout tp2 --out OUT
+    torchrun --nproc-per-node 2 scripts/bench_model_shapes.py --layout dp2 --out OUT
+
+`tp2`: one replica, attention and MLP tensor-parallel over both GPUs; `dp2`: DP attention, two
+replicas (attention data-parallel, MLP and vocabulary tensor-parallel over both GPUs). The engine
+is built as `--adaptive --policy goodput` builds it (CUDA graphs for every depth and batch bucket,
+candidates 0/1/3/7): at start-up every rank measures one round per depth and bucket (dummy rows,
+graph replays, median of 5) and the ranks agree the table (element-wise maximum). This script
+reports that agreed table (milliseconds per round: what the policy weighs depths with at this
+size), then profiles 10 replays of every (depth, bucket) round: GPU kernel time over wall time
+(NCCL kernels count as busy). The weights are random, so acceptance means nothing here: the
+numbers are costs, not tokens/s. Writes `OUT/<layout>.json` and `OUT/<layout>.png`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import collectives as C  # noqa: E402
+from adaptive_dist.config import AdaptiveConfig  # noqa: E402
+from workers.config import EngineConfig  # noqa: E402
+from workers.engine import build_engine  # noqa: E402
+from workers.model import Eagle3Config, Eagle3Head, LlamaConfig, LlamaForCausalLM, ModelParallel  # noqa: E402
+from workers.model.config import RopeScaling  # noqa: E402
+
+LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                   rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                   tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128009)
+DRAFT_VOCAB = 32000
+TIERS = (0, 1, 3, 7)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layout", choices=("tp2", "dp2"), required=True)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--tiny", action="store_true",
+                   help="a small model of the same layout on the CPU (a smoke test of this script)")
+    p.add_argument("--out", default="runs/bench_model_shapes")
+    return p.parse_args()
+
+
+def random_pair(par: ModelParallel, device: torch.device, seed: int,
+                tiny: bool = False) -> tuple[Any, Any]:
+    """The 8B-shaped target and its EAGLE-3 head, random bf16 weights made on the device."""
+    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)
+    dims = dict(LLAMA_31_8B)
+    draft_vocab = DRAFT_VOCAB
+    if tiny:
+        dims.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                    num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
+        draft_vocab = 128
+    cfg = LlamaConfig(**dims, rope_scaling=scaling)
+    with torch.device("meta"):
+        target = LlamaForCausalLM(cfg, par)
+        head = Eagle3Head(Eagle3Config.for_target(cfg, draft_vocab), target)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    for model in (target, head):
+        model.to_empty(device=device)
+        model.to(dtype)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+    target.reset_buffers()
+    # a one-to-one draft -> target map: draft id i is target id 3 i
+    d2t = 2 * torch.arange(draft_vocab, device=device)
+    head.set_vocab_map(d2t)
+    head.reset_buffers()
+    return target.eval(), head.eval()
+
+
+def profile_rounds(engine: Any, replays: int,
+                   buckets: list[int]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per bucket and depth: wall ms per round and GPU kernel time / wall over `replays` rounds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    worker = engine.worker
+    cuda = worker.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for bucket in buckets:
+        graph = bucket if worker.buckets else None
+        for steps in TIERS:
+            engine.pool.apply(steps)
+            worker.spec_round([], bucket, graph)  # warm
+            sync()
+            start = time.perf_counter()
+            with profile(activities=acts) as prof:
+                for _ in range(replays):
+                    worker.spec_round([], bucket, graph)
+                sync()
+            wall = time.perf_counter() - start
+            kernel_us = sum(e.device_time if hasattr(e, "device_time") else e.cuda_time
+                            for e in prof.events()
+                            if e.device_type == torch.autograd.DeviceType.CUDA)
+            # the unprofiled round time for the busy share (the profiler slows the host)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(replays):
+                worker.spec_round([], bucket, graph)
+            sync()
+            round_ms = 1000 * (time.perf_counter() - t0) / replays
+            out.setdefault(str(bucket), {})[str(steps)] = {
+                "round_ms": round_ms, "gpu_kernel_ms": kernel_us / 1000 / replays,
+                "gpu_busy": kernel_us / 1000 / replays / round_ms,
+                "profiled_wall_ms": 1000 * wall / replays}
+    engine.pool.apply(engine.config.spec.initial_steps)
+    return out
+
+
+def main() -> int:
+    args = parse_args()
+    ctx = C.init_distributed(timeout_s=600, backend="gloo" if args.tiny else None)
+    layout = ctx.layout(dp=2 if args.layout == "dp2" else 1)
+    world, par = layout.group("world"), ModelParallel.from_layout(layout)
+    device = torch.device("cpu") if args.tiny else ctx.device
+    t0 = time.perf_counter()
+    target, head = random_pair(par, device, seed=1234 + ctx.rank, tiny=args.tiny)
+    spec = AdaptiveConfig(policy="goodput", candidate_steps=TIERS, initial_steps=1)
+    cfg = EngineConfig(spec=spec, max_batch_size=args.max_batch, max_context_len=args.context,
+                       device=str(device), cuda_graphs=device.type == "cuda", dp=layout.dp,
+                       attn_tp=layout.attn_tp)
+    if ctx.rank == 0:
+        print(f"[{args.layout}] weights ready in {time.perf_counter() - t0:.0f} s; building the "
+              f"engine (graphs for depths {TIERS}, buckets up to {args.max_batch}) ...", flush=True)
+    t1 = time.perf_counter()
+    engine = build_engine(cfg, target, head, group=world)
+    build_s = time.perf_counter() - t1
+    agreed = engine.config.spec.round_cost.to_json()
+    if ctx.rank == 0:
+        print(f"[{args.layout}] engine built in {build_s:.0f} s; profiling ...", flush=True)
+    rounds = profile_rounds(engine, args.replays, sorted(int(b) for b in agreed))
+    parts: list[Any] = [None] * world.size
+    import torch.distributed as dist
+
+    dist.all_gather_object(parts, rounds, group=world.control_pg)
+    mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    engine.close()
+    if ctx.rank == 0:
+        result = {"layout": args.layout, "dp": layout.dp, "attn_tp": layout.attn_tp,
+                  "model": "Llama-3.1-8B-shaped target + EAGLE-3-shaped head, random bf16 weights",
+                  "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                  "torch": torch.__version__, "tiny": args.tiny,
+                  "max_batch": args.max_batch, "context": args.context,
+                  "build_seconds": build_s, "max_memory_gib_rank0": mem,
+                  "agreed_round_cost_ms": {b: {s: 1000 * v for s, v in row.items()}
+                                           for b, row in agreed.items()},
+                  "rounds_per_rank": parts, "command": " ".join(sys.argv)}
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.layout}.json").write_text(json.dumps(result, indent=1))
+        print_table(result)
+        plot(result, out / f"{args.layout}.png")
+    ctx.shutdown()
+    return 0
+
+
+def print_table(result: dict) -> None:
+    print(f"== {result['layout']}: agreed cost (ms per round) and GPU busy (rank 0) by bucket")
+    print(f"{'bucket':>7}" + "".join(f"{'d' + str(s) + ' ms':>10}{'busy':>6}" for s in TIERS))
+    r0 = result["rounds_per_rank"][0]
+    for bucket, row in result["agreed_round_cost_ms"].items():
+        cells = "".join(f"{row[str(s)]:>10.2f}{100 * r0[bucket][str(s)]['gpu_busy']:>5.0f}%"
+                        for s in TIERS)
+        print(f"{bucket:>7}{cells}")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = result["agreed_round_cost_ms"]
+    buckets = sorted(table, key=int)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    r0 = result["rounds_per_rank"][0]
+    for s in TIERS:
+        ax.plot([int(b) for b in buckets], [table[b][str(s)] for b in buckets], "o-",
+                label=f"depth {s}")
+        ax2.plot([int(b) for b in buckets], [100 * r0[b][str(s)]["gpu_busy"] for b in buckets],
+                 "o-", label=f"depth {s}")
+    for a, title in ((ax, "agreed round cost (ms)"), (ax2, "GPU busy, rank 0 (%)")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("batch bucket")
+        a.set_title(f"{result['layout']}: {title}")
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.suptitle("Llama-3.1-8B-shaped target + EAGLE-3-shaped head, random bf16 weights")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
