@@ -10,8 +10,8 @@ is built as `--adaptive --policy goodput` builds it (CUDA graphs for every depth
 candidates 0/1/3/7): at start-up every rank measures one round per depth and bucket (dummy rows,
 graph replays, median of 5) and the ranks agree the table (element-wise maximum). This script
 reports that agreed table (milliseconds per round: what the policy weighs depths with at this
-size), then profiles 10 replays of every (depth, bucket) round: GPU kernel time over wall time
-(NCCL kernels count as busy). The weights are random, so acceptance means nothing here: the
+size), then profiles 10 replays of every (depth, bucket) round, the ranks in step: GPU busy = GPU
+kernel time per round over the agreed round cost (NCCL kernels count as busy). The weights are random, so acceptance means nothing here: the
 numbers are costs, not tokens/s. Writes `OUT/<layout>.json` and `OUT/<layout>.png`.
 """
 from __future__ import annotations
@@ -45,7 +45,9 @@ TIERS = (0, 1, 3, 7)
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layout", choices=("tp2", "dp2"), required=True)
+    p.add_argument("--layout", choices=("tp2", "dp2"))
+    p.add_argument("--reanalyse", nargs="+", metavar="JSON", help="recompute a finished run's "
+                   "GPU busy shares (kernel time over the agreed cost) and plot")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--replays", type=int, default=10)
@@ -89,9 +91,12 @@ def random_pair(par: ModelParallel, device: torch.device, seed: int,
     return target.eval(), head.eval()
 
 
-def profile_rounds(engine: Any, replays: int,
-                   buckets: list[int]) -> dict[str, dict[str, dict[str, float]]]:
-    """Per bucket and depth: wall ms per round and GPU kernel time / wall over `replays` rounds."""
+def profile_rounds(engine: Any, replays: int, buckets: list[int],
+                   barrier: Any) -> dict[str, dict[str, dict[str, float]]]:
+    """Per bucket and depth: GPU kernel ms per round (profiled) and wall ms per round (not
+    profiled) over `replays` rounds. `barrier()` lines the ranks up before each loop, so no rank
+    times its rounds while another still runs under the profiler (their collectives couple
+    them)."""
     from torch.profiler import ProfilerActivity, profile
 
     out: dict[str, dict[str, dict[str, float]]] = {}
@@ -105,6 +110,7 @@ def profile_rounds(engine: Any, replays: int,
             engine.pool.apply(steps)
             worker.spec_round([], bucket, graph)  # warm
             sync()
+            barrier()
             start = time.perf_counter()
             with profile(activities=acts) as prof:
                 for _ in range(replays):
@@ -114,8 +120,9 @@ def profile_rounds(engine: Any, replays: int,
             kernel_us = sum(e.device_time if hasattr(e, "device_time") else e.cuda_time
                             for e in prof.events()
                             if e.device_type == torch.autograd.DeviceType.CUDA)
-            # the unprofiled round time for the busy share (the profiler slows the host)
+            # the unprofiled round time (the profiler slows the host)
             sync()
+            barrier()
             t0 = time.perf_counter()
             for _ in range(replays):
                 worker.spec_round([], bucket, graph)
@@ -123,7 +130,6 @@ def profile_rounds(engine: Any, replays: int,
             round_ms = 1000 * (time.perf_counter() - t0) / replays
             out.setdefault(str(bucket), {})[str(steps)] = {
                 "round_ms": round_ms, "gpu_kernel_ms": kernel_us / 1000 / replays,
-                "gpu_busy": kernel_us / 1000 / replays / round_ms,
                 "profiled_wall_ms": 1000 * wall / replays}
     engine.pool.apply(engine.config.spec.initial_steps)
     return out
@@ -131,6 +137,12 @@ def profile_rounds(engine: Any, replays: int,
 
 def main() -> int:
     args = parse_args()
+    if args.reanalyse:  # recompute the busy shares and the plot of a finished run
+        for name in args.reanalyse:
+            finish(json.loads(Path(name).read_text()), Path(name))
+        return 0
+    if args.layout is None:
+        raise SystemExit("bench_model_shapes: --layout tp2|dp2 is required (or --reanalyse)")
     ctx = C.init_distributed(timeout_s=600, backend="gloo" if args.tiny else None)
     layout = ctx.layout(dp=2 if args.layout == "dp2" else 1)
     world, par = layout.group("world"), ModelParallel.from_layout(layout)
@@ -150,10 +162,11 @@ def main() -> int:
     agreed = engine.config.spec.round_cost.to_json()
     if ctx.rank == 0:
         print(f"[{args.layout}] engine built in {build_s:.0f} s; profiling ...", flush=True)
-    rounds = profile_rounds(engine, args.replays, sorted(int(b) for b in agreed))
-    parts: list[Any] = [None] * world.size
     import torch.distributed as dist
 
+    rounds = profile_rounds(engine, args.replays, sorted(int(b) for b in agreed),
+                            lambda: dist.barrier(group=world.control_pg))
+    parts: list[Any] = [None] * world.size
     dist.all_gather_object(parts, rounds, group=world.control_pg)
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     engine.close()
@@ -169,15 +182,26 @@ def main() -> int:
                   "rounds_per_rank": parts, "command": " ".join(sys.argv)}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.layout}.json").write_text(json.dumps(result, indent=1))
-        print_table(result)
-        plot(result, out / f"{args.layout}.png")
+        finish(result, out / f"{args.layout}.json")
     ctx.shutdown()
     return 0
 
 
+def finish(result: dict, path: Path) -> None:
+    """GPU busy per (bucket, depth) and rank: GPU kernel time per round over the agreed round
+    cost (the start-up median, taken with every rank in step); write JSON and plot, print."""
+    for part in result["rounds_per_rank"]:
+        for bucket, row in part.items():
+            for steps, rec in row.items():
+                rec["gpu_busy"] = rec["gpu_kernel_ms"] / result["agreed_round_cost_ms"][bucket][steps]
+    path.write_text(json.dumps(result, indent=1))
+    print_table(result)
+    plot(result, path.with_suffix(".png"))
+
+
 def print_table(result: dict) -> None:
-    print(f"== {result['layout']}: agreed cost (ms per round) and GPU busy (rank 0) by bucket")
+    print(f"== {result['layout']}: agreed cost (ms per round) and GPU busy (rank 0: kernel time "
+          f"over the agreed cost) by bucket")
     print(f"{'bucket':>7}" + "".join(f"{'d' + str(s) + ' ms':>10}{'busy':>6}" for s in TIERS))
     r0 = result["rounds_per_rank"][0]
     for bucket, row in result["agreed_round_cost_ms"].items():
