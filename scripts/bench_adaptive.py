@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import collectives as C  # noqa: E402
 from adaptive_dist.config import AdaptiveConfig, load_config  # noqa: E402
 from adaptive_dist.controller import AdaptiveController  # noqa: E402
+from benchlib import spread, sync  # noqa: E402
 from regimes import make_prompts  # noqa: E402
 from workers.config import EngineConfig, no_spec  # noqa: E402
 from workers.engine import Engine, build_engine  # noqa: E402
@@ -101,11 +102,6 @@ def parse_args() -> argparse.Namespace:
                    help="a config key for every adaptive policy alike (e.g. update_interval=2)")
     p.add_argument("--out", default="runs/bench_adaptive")
     return p.parse_args()
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
@@ -215,10 +211,6 @@ def summarise(workload: str, batch: int, policy: str, rep: int, parts: list[dict
             "phase_rounds": lead["phase_rounds"]}
 
 
-def med(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
 def analyse(records: list[dict]) -> dict[str, Any]:
     """Medians per (workload, batch, policy), the oracle, and the goals."""
     out: dict[str, Any] = {}
@@ -227,13 +219,13 @@ def analyse(records: list[dict]) -> dict[str, Any]:
         pols: dict[str, Any] = {}
         for p in dict.fromkeys(r["policy"] for r in runs):
             mine = [r for r in runs if r["policy"] == p]
-            pols[p] = {"tokens_per_second": med([r["tokens_per_second"] for r in mine]),
+            pols[p] = {"tokens_per_second": spread([r["tokens_per_second"] for r in mine]),
                        "phase_tokens_per_second": [
                            statistics.median(r["phases"][i]["tokens_per_second"] for r in mine)
                            for i in range(len(mine[0]["phases"]))],
-                       "switches_per_phase_change": med([r["switches_per_phase_change"]
+                       "switches_per_phase_change": spread([r["switches_per_phase_change"]
                                                          for r in mine]),
-                       "switches_per_hour": med([r["switches_per_hour"] for r in mine]),
+                       "switches_per_hour": spread([r["switches_per_hour"] for r in mine]),
                        "rounds_at_steps": mine[0]["rounds_at_steps"]}
         static = {p: v for p, v in pols.items() if p in STATIC}
         entry: dict[str, Any] = {"policies": pols}

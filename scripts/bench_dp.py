@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import collectives as C  # noqa: E402
 from adaptive_dist.config import AdaptiveConfig, load_config  # noqa: E402
 from adaptive_dist.controller import AdaptiveController  # noqa: E402
+from benchlib import spread, sync  # noqa: E402
 from regimes import make_prompts  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import Engine, build_engine  # noqa: E402
@@ -66,11 +66,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs on cuda")
     p.add_argument("--out", default="runs/bench_dp")
     return p.parse_args()
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def fresh_policy(engine: Engine, spec: AdaptiveConfig, world: Any, guard: Any) -> None:
@@ -195,10 +190,6 @@ def summarise(policy: str, rep: int, parts: list[dict], layout: Any) -> dict[str
             "consensus_us_last_arriver": 1e6 * last["plan_seconds"] / rounds,
             "round_us": 1e6 * lead["round_seconds"] / rounds,
             "consensus_share": lead["plan_seconds"] / max(lead["round_seconds"], 1e-9)}
-
-
-def spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def write(args: argparse.Namespace, records: list[dict], ctx: Any, attn_tp: int) -> None:

@@ -38,6 +38,7 @@ from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_
 from workers.sampling import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
+from benchlib import sync  # noqa: E402
 from regimes import KINDS, make_prompts  # noqa: E402
 
 MODES = ("nospec", 1, 3, 7)
@@ -52,11 +53,6 @@ def build_engine(target, head, mode, backend: str, graphs: bool, device: str,
     config = EngineConfig(spec=spec, max_batch_size=max_batch, max_context_len=max_context,
                           attention_backend=backend, device=device, cuda_graphs=graphs)
     return build(config, target, head)
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def measure(engine: Engine, prompts: list[list[int]], new_tokens: int, device: str) -> dict:

@@ -30,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from benchlib import spread, sync  # noqa: E402
 from regimes import KINDS, make_prompts  # noqa: E402
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -61,11 +62,6 @@ def build(mode: str, target: Any, head: Any, device: str, max_batch: int, contex
     cfg = EngineConfig(spec=spec, max_batch_size=max_batch, max_context_len=context,
                        device=device, cuda_graphs=device == "cuda")
     return build_engine(cfg, target, head)
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(engine: Any, prompts: list[list[int]], new_tokens: int, device: str) -> dict:
@@ -132,10 +128,6 @@ def busy(rec: dict) -> dict:
     kernel = rec.get("gpu_kernel_ms_per_round")
     rec["gpu_busy"] = kernel / rec["round_ms"]["median"] if kernel else None
     return rec
-
-
-def spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -27,19 +27,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import collectives as C  # noqa: E402
 from adaptive_dist.config import AdaptiveConfig  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import build_engine  # noqa: E402
-from workers.model import Eagle3Config, Eagle3Head, LlamaConfig, LlamaForCausalLM, ModelParallel  # noqa: E402
-from workers.model.config import RopeScaling  # noqa: E402
+from make_checkpoint import build  # noqa: E402
+from workers.model import ModelParallel  # noqa: E402
 
-LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                   rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
-                   tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128009)
-DRAFT_VOCAB = 32000
 TIERS = (0, 1, 3, 7)
 
 
@@ -59,34 +55,10 @@ def parse_args() -> argparse.Namespace:
 
 def random_pair(par: ModelParallel, device: torch.device, seed: int,
                 tiny: bool = False) -> tuple[Any, Any]:
-    """The 8B-shaped target and its EAGLE-3 head, random bf16 weights made on the device."""
-    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192)
-    dims = dict(LLAMA_31_8B)
-    draft_vocab = DRAFT_VOCAB
-    if tiny:
-        dims.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                    num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
-        draft_vocab = 128
-    cfg = LlamaConfig(**dims, rope_scaling=scaling)
-    with torch.device("meta"):
-        target = LlamaForCausalLM(cfg, par)
-        head = Eagle3Head(Eagle3Config.for_target(cfg, draft_vocab), target)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    for model in (target, head):
-        model.to_empty(device=device)
-        model.to(dtype)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 0.02, generator=gen)
+    """The Llama-3.1-8B-shaped target and its EAGLE-3 head (`make_checkpoint`'s shapes), random
+    bf16 weights made on `device`; `tiny`: its small shape."""
+    target, head = build("tiny" if tiny else "llama3-8b", "eagle3", None, seed, par, device)
     target.reset_buffers()
-    # a one-to-one draft -> target map: draft id i is target id 3 i
-    d2t = 2 * torch.arange(draft_vocab, device=device)
-    head.set_vocab_map(d2t)
     head.reset_buffers()
     return target.eval(), head.eval()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,25 +55,29 @@ DRAFT_VOCAB = {"llama3-8b": 32000, "qwen3-8b": 32000, "tiny": 256}
 
 
 @torch.no_grad()
-def fill(model: torch.nn.Module, seed: int) -> None:
-    """bfloat16 on the CPU: matrices N(0, 0.02), vectors (norms) 1."""
-    model.to_empty(device="cpu")
+def fill(model: torch.nn.Module, seed: int, device: str | torch.device = "cpu") -> None:
+    """bfloat16 on `device`: matrices N(0, 0.02), vectors (norms) 1."""
+    model.to_empty(device=device)
     model.to(torch.bfloat16)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     for p in model.parameters():
         if p.dim() == 1:
             p.fill_(1.0)
         else:
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02))
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32,
+                                device=device).mul_(0.02))
 
 
-def build(shape: str, head: str, layers: int | None, seed: int):
+def build(shape: str, head: str, layers: int | None, seed: int, par: Any = None,
+          device: str | torch.device = "cpu"):
+    """The target of `shape` and a `head` ("eagle3" / "eagle") with random bf16 weights made on
+    `device`, split over `par` (a `ModelParallel`; default: one process)."""
     kw = dict(SHAPES[shape])
     if layers is not None:
         kw["num_hidden_layers"] = layers
     cfg = LlamaConfig(**kw)
     with torch.device("meta"):
-        target = LlamaForCausalLM(cfg)
+        target = LlamaForCausalLM(cfg, par)
         if head == "eagle3":
             draft = Eagle3Head(Eagle3Config.for_target(cfg, DRAFT_VOCAB[shape],
                                                         rope_theta=cfg.rope_theta,
@@ -81,14 +86,14 @@ def build(shape: str, head: str, layers: int | None, seed: int):
             draft = EagleHead(EagleConfig.for_target(cfg, layout="eagle", fc_bias=True,
                                                      first_input_norm=False, final_norm=False),
                               target)
-    fill(target, seed)
+    fill(target, seed, device)
     if cfg.tie_word_embeddings:
         target.lm_head.weight = target.model.embed_tokens.weight
-    fill(draft, seed + 1)
+    fill(draft, seed + 1, device)
     if isinstance(draft, Eagle3Head):
         gen = torch.Generator().manual_seed(seed + 2)
         ids = torch.randperm(cfg.vocab_size, generator=gen)[:DRAFT_VOCAB[shape]].sort().values
-        draft.set_vocab_map(ids - torch.arange(ids.numel()))
+        draft.set_vocab_map((ids - torch.arange(ids.numel())).to(device))
     return target, draft
 
 
