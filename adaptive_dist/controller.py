@@ -169,8 +169,13 @@ class AdaptiveController:
         self.stats.rounds_at_steps[plan.steps] += 1
         return plan
 
-    def end_round(self, accepts: Sequence[int], executed: Optional[Executed] = None) -> None:
+    def end_round(self, accepts: Sequence[int], executed: Optional[Executed] = None,
+                  plan: Optional[RoundPlan] = None) -> None:
         """Record this rank's accept lengths (draft tokens accepted, bonus excluded). Local only.
+
+        ``plan``: the round these results belong to (default: the last one begun). An engine
+        that overlaps rounds reports round r after beginning round r+1; its decisions then read
+        statistics one round older, the same on every rank.
 
         Updates the EMA of the accepted tokens and of the share of requests that rejected a
         draft token (``accept < steps``), and the weight — except for a goodput round at depth 0,
@@ -182,7 +187,8 @@ class AdaptiveController:
         """
         if executed is not None:
             self._prev_plan_hash = consensus.plan_hash(*executed)
-        steps = self._prev_plan.steps if self._prev_plan is not None else self.steps
+        plan = plan if plan is not None else self._prev_plan
+        steps = plan.steps if plan is not None else self.steps
         for a in accepts:
             if not isinstance(a, int) or isinstance(a, bool) or not 0 <= a <= steps:
                 raise ValueError(f"accept length {a!r} outside [0, {steps}] (steps in force)")

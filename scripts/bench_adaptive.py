@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import collectives as C  # noqa: E402
 from adaptive_dist.config import AdaptiveConfig, load_config  # noqa: E402
 from adaptive_dist.controller import AdaptiveController  # noqa: E402
-from benchlib import spread, sync  # noqa: E402
+from benchlib import add_overlap_argument, overlap_of, spread, sync  # noqa: E402
 from regimes import make_prompts  # noqa: E402
 from workers.config import EngineConfig, no_spec  # noqa: E402
 from workers.engine import Engine, build_engine  # noqa: E402
@@ -87,6 +87,7 @@ def parse_knobs(items: list[str]) -> dict[str, Any]:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_overlap_argument(p)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--model", default=str(DEFAULT_MODEL),
@@ -146,7 +147,7 @@ def main() -> int:
     for policy in args.policies:
         cfg = EngineConfig(spec=spec_of(policy, knobs), max_batch_size=top, max_context_len=context,
                            device=device, cuda_graphs=args.device == "cuda", dp=args.dp,
-                           attn_tp=layout.attn_tp)
+                           attn_tp=layout.attn_tp, **overlap_of(args, args.device))
         engines[policy] = build_engine(cfg, target, head, group=world, guard=guard)
         engines[policy].warmup()
     # the cost tables the goodput engines measured and agreed at start-up (relative costs)
@@ -254,6 +255,7 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
     out.mkdir(parents=True, exist_ok=True)
     analysis = analyse(records)
     meta = {"world": ctx.world_size, "dp": args.dp, "device": args.device,
+            "overlap": bool(overlap_of(args, args.device)),
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "new_tokens": args.new_tokens,
             "knobs": parse_knobs(args.knobs), "round_cost": round_costs, "repeats": args.repeats,

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import collectives as C  # noqa: E402
 from adaptive_dist.config import AdaptiveConfig, load_config  # noqa: E402
 from adaptive_dist.controller import AdaptiveController  # noqa: E402
-from benchlib import spread, sync  # noqa: E402
+from benchlib import add_overlap_argument, overlap_of, spread, sync  # noqa: E402
 from regimes import make_prompts  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import Engine, build_engine  # noqa: E402
@@ -53,6 +53,7 @@ def spec_of(policy: str) -> AdaptiveConfig:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_overlap_argument(p)
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--attn-tp", type=int, default=None)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -126,7 +127,7 @@ def main() -> int:
         spec = spec_of(policy)
         cfg = EngineConfig(spec=spec, max_batch_size=args.batch, max_context_len=longest,
                            device=device, cuda_graphs=args.device == "cuda" and not args.eager,
-                           dp=args.dp, attn_tp=attn_tp)
+                           dp=args.dp, attn_tp=attn_tp, **overlap_of(args, args.device))
         engines[policy] = build_engine(cfg, target, head, group=world, guard=guard)
         engines[policy].warmup()
         run_once(engines[policy], [p[:2] for p in phases], 8, args.device)  # warm every shape
@@ -209,6 +210,7 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, attn_tp: int)
             "consensus_share": spread([r["consensus_share"] for r in mine]),
             "rounds_at_steps": mine[-1]["rounds_at_steps"]}
     meta = {"world": ctx.world_size, "dp": args.dp, "attn_tp": attn_tp, "device": args.device,
+            "overlap": bool(overlap_of(args, args.device)),
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "backend": ctx.backend, "torch": torch.__version__, "batch_per_replica": args.batch,
             "new_tokens": args.new_tokens, "repeats": args.repeats,

@@ -38,7 +38,7 @@ from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_
 from workers.sampling import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from benchlib import sync  # noqa: E402
+from benchlib import add_overlap_argument, overlap_of, sync  # noqa: E402
 from regimes import KINDS, make_prompts  # noqa: E402
 
 MODES = ("nospec", 1, 3, 7)
@@ -48,10 +48,10 @@ BATCHES = (1, 16)
 # ---- engines -------------------------------------------------------------------------------------
 
 def build_engine(target, head, mode, backend: str, graphs: bool, device: str,
-                 max_context: int, max_batch: int) -> Engine:
+                 max_context: int, max_batch: int, extra: dict) -> Engine:
     spec = no_spec() if mode == "nospec" else load_config(None, "static", initial_steps=mode)
     config = EngineConfig(spec=spec, max_batch_size=max_batch, max_context_len=max_context,
-                          attention_backend=backend, device=device, cuda_graphs=graphs)
+                          attention_backend=backend, device=device, cuda_graphs=graphs, **extra)
     return build(config, target, head)
 
 
@@ -98,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop starting new configurations after this many seconds")
     p.add_argument("--seed", type=int, default=0)
+    add_overlap_argument(p)
     return p.parse_args(argv)
 
 
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         t_build = time.perf_counter()
         engine = build_engine(target, head, mode, backend, graphs, args.device, max_context,
-                              max(BATCHES))
+                              max(BATCHES), overlap_of(args, args.device))
         build_s = time.perf_counter() - t_build
         for batch in BATCHES:  # warm-up: lazy kernel loading, allocator, every batch shape
             measure(engine, prompts["code"][:batch], 8, args.device)
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.device == "cuda" else platform.processor() or platform.machine(),
             "torch": torch.__version__, "model": str(args.model),
             "draft_model": args.draft_model, "dtype": str(dtype),
-            "new_tokens": new_tokens, "batches": list(BATCHES), "modes": [str(m) for m in MODES],
+            "new_tokens": new_tokens, "overlap": bool(overlap_of(args, args.device)),
+            "batches": list(BATCHES), "modes": [str(m) for m in MODES],
             "threads": torch.get_num_threads(), "command": " ".join(sys.argv),
             "wall_s": time.perf_counter() - start, "notes": notes}
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))

@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchlib import spread, sync  # noqa: E402
+from benchlib import add_overlap_argument, overlap_of, spread, sync  # noqa: E402
 from regimes import KINDS, make_prompts  # noqa: E402
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -48,19 +48,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-model", default=None, help="draft head directory (as generate)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--no-profile", action="store_true")
+    add_overlap_argument(p)
     p.add_argument("--merge", nargs=2, metavar=("BEFORE", "AFTER"), default=None)
     p.add_argument("--out", default="runs/bench_hotpath")
     return p.parse_args()
 
 
-def build(mode: str, target: Any, head: Any, device: str, max_batch: int, context: int) -> Any:
+def build(mode: str, target: Any, head: Any, device: str, max_batch: int, context: int,
+          extra: dict) -> Any:
     from adaptive_dist.config import load_config
     from workers.config import EngineConfig, no_spec
     from workers.engine import build_engine
 
     spec = no_spec() if mode == "nospec" else load_config(None, "static", initial_steps=int(mode))
     cfg = EngineConfig(spec=spec, max_batch_size=max_batch, max_context_len=context,
-                       device=device, cuda_graphs=device == "cuda")
+                       device=device, cuda_graphs=device == "cuda", **extra)
     return build_engine(cfg, target, head)
 
 
@@ -151,7 +153,8 @@ def run(args: argparse.Namespace) -> dict:
     texts = make_prompts(max(args.batches), seed=0)
     prompts = {k: [encode(t) for t in v] for k, v in texts.items()}
     context = max(len(p) for ps in prompts.values() for p in ps) + args.new_tokens + 1
-    engines = {m: build(m, target, head, args.device, max(args.batches), context)
+    extra = overlap_of(args, args.device)
+    engines = {m: build(m, target, head, args.device, max(args.batches), context, extra)
                for m in args.modes}
     for engine in engines.values():  # warm every batch shape
         for b in args.batches:
@@ -181,7 +184,7 @@ def run(args: argparse.Namespace) -> dict:
     bar.close()
     for engine in engines.values():
         engine.close()
-    meta = {"label": args.label, "device": args.device,
+    meta = {"label": args.label, "device": args.device, "overlap": bool(extra),
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "new_tokens": args.new_tokens, "repeats": args.repeats,
             "dtype": args.dtype,

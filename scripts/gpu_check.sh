@@ -82,8 +82,14 @@ elif [ -d .gpu/before/workers ]; then
   step hotpath_before env PYTHONPATH=$PWD/.gpu/before:$PYTHONPATH python3 scripts/bench_hotpath.py \
     --device cuda --label before --model workers/assets/tiny_pair --out "$OUTDIR/res/hotpath"
 fi
-step hotpath_after python3 scripts/bench_hotpath.py --device cuda --label after \
+step hotpath_after python3 scripts/bench_hotpath.py --device cuda --label after --overlap on \
   --out "$OUTDIR/res/hotpath"
+step hotpath_serial python3 scripts/bench_hotpath.py --device cuda --label serial --overlap off \
+  --out "$OUTDIR/res/hotpath"
+# the issue's yardstick (bench_engine, float16, CUDA graphs), serial and overlapped interleaved
+step engine_overlap bash -c "for r in \$(seq ${BENCH_REPEATS:-3}); do for o in off on; do \
+  python3 scripts/bench_engine.py --device cuda --variants torch/graphs --new-tokens 48 \
+  --overlap \$o --out $OUTDIR/res/engine_overlap/\${o}_\$r | tail -n 8 || exit 1; done; done"
 [ -f "$OUTDIR/res/hotpath/before.json" ] && step hotpath_table python3 scripts/bench_hotpath.py \
   --merge "$OUTDIR/res/hotpath/before.json" "$OUTDIR/res/hotpath/after.json" --out "$OUTDIR/res/hotpath"
 # adaptive against static depth (issue: goodput): one GPU, then heterogeneous DP on two

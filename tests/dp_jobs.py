@@ -103,13 +103,18 @@ class LocalOnly(AdaptiveController):
 class SkipsDummy(Engine):
     """The hazard: an idle rank skips the dummy forwards of the round."""
 
-    def _spec_round(self, plan, live):  # noqa: ANN001
-        if not live:
-            return []
-        return super()._spec_round(plan, live)
+    def _launch(self, plan, live):  # noqa: ANN001
+        if not live:  # as if no rank ran requests: no forward
+            plan = replace(plan, cluster_requests=0)
+        return super()._launch(plan, live)
+
+
+OVERLAP = "+overlap"
+"""A mode's suffix that runs it with `EngineConfig.overlap`."""
 
 
 def _spec(mode: str) -> AdaptiveConfig:
+    mode = mode.removesuffix(OVERLAP)
     if mode == "nospec":
         return no_spec()
     if mode.startswith("static"):
@@ -125,9 +130,10 @@ def _spec(mode: str) -> AdaptiveConfig:
 def _engine(mode: str, target, head, world, guard, max_batch: int, dp: int, attn_tp: int,
             graphs: bool = False) -> Engine:
     spec = _spec(mode)
+    overlap, mode = mode.endswith(OVERLAP), mode.removesuffix(OVERLAP)
     cfg = EngineConfig(spec=spec, max_batch_size=max_batch, page_size=4,
                        max_context_len=target.config.max_position_embeddings, dp=dp,
-                       attn_tp=attn_tp, cuda_graphs=graphs,
+                       attn_tp=attn_tp, cuda_graphs=graphs, overlap=overlap,
                        device=str(next(target.parameters()).device))
     if mode == "forced":  # every tier pre-built, although the policy underneath is static
         cfg = cfg.replace(spec=spec.replace(policy="ema"))

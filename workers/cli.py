@@ -5,7 +5,7 @@ torchrun) and print the text and acceptance statistics.
         [--steps K | --adaptive [--config FILE] | --no-spec] [--temperature T] [--top-p P] \
         [--max-new-tokens N] [--attention-backend torch|flashinfer] [--seed S] [--json]
         [--dp D] [--attn-tp A] [--model DIR [--draft-model DRAFT_DIR]] [--device cpu|cuda]
-        [--eager]
+        [--eager] [--overlap auto|on|off]
     torchrun --nproc-per-node N -m adaptive_dist generate --dp D [--attn-tp A] ...   (N = D x A)
 
 Plugged into `python -m adaptive_dist` through the `adaptive_dist.commands` entry point; this module
@@ -71,6 +71,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager", action="store_true",
                    help="no CUDA graphs (on a CUDA device speculative rounds replay graphs "
                         "per tier and batch bucket by default)")
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="launch round r+1 before reading round r, so the host's bookkeeping runs "
+                        "while the GPU computes (auto: on with CUDA)")
     p.add_argument("--mlp-scatter", choices=("reduce_scatter", "all_reduce"),
                    default="reduce_scatter",
                    help="how MLP outputs return to the DP replicas (the same values)")

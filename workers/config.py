@@ -50,6 +50,9 @@ class EngineConfig:
     """Ranks that split one replica's attention."""
     mlp_scatter: str = "reduce_scatter"
     """How the MLP output goes back to the replicas (see workers.model.parallel)."""
+    overlap: bool = False
+    """Launch round r+1 before reading round r's results (the host's work of a round runs while
+    the device computes the next one); see `workers.engine`."""
 
     def __post_init__(self) -> None:
         for key in ("max_batch_size", "max_context_len", "page_size", "dp", "attn_tp"):
@@ -86,8 +89,9 @@ class EngineConfig:
 
     @property
     def max_kv_tokens(self) -> int:
-        """The most KV tokens one request may hold (context + the deepest draft's overshoot)."""
-        return self.max_context_len + self.max_steps + 1
+        """The most KV tokens one request may hold (context + the deepest draft's overshoot, and
+        with `overlap` one more round's, run before the host knows the request finished)."""
+        return self.max_context_len + self.round_overshoot
 
     @property
     def pages_per_request(self) -> int:
@@ -118,9 +122,16 @@ class EngineConfig:
                     f"start {spec.initial_steps})")
         return f"static steps={spec.initial_steps}"
 
+    @property
+    def round_overshoot(self) -> int:
+        """KV positions a request may write past its last token: a round writes up to
+        `max_steps + 1` beyond it, and with `overlap` the round launched before the host read
+        that the request finished writes as many again."""
+        return (self.max_steps + 1) * (2 if self.overlap else 1)
+
     def kv_tokens(self, prompt_len: int, max_new_tokens: int) -> int:
         """KV tokens a request may ever hold (what admission reserves)."""
-        return prompt_len + max_new_tokens + self.max_steps + 1
+        return prompt_len + max_new_tokens + self.round_overshoot
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -63,6 +63,36 @@ class RoundResult:
 
 
 @dataclass
+class HostStage:
+    """Host memory one launched round uses (pinned on CUDA): the slot of each row, copied in,
+    and the round's results, copied out (flat: a round of `n` requests at width `w` reads the
+    first `n * w` values)."""
+
+    rows: torch.Tensor
+    out: torch.Tensor
+
+    @staticmethod
+    def make(top: int, width: int, device: torch.device) -> "HostStage":
+        pin = device.type == "cuda"
+        return HostStage(rows=torch.zeros(top, dtype=torch.int64, pin_memory=pin),
+                         out=torch.zeros(top * width, dtype=torch.int64, pin_memory=pin))
+
+
+@dataclass
+class LaunchedRound:
+    """A round queued on the device whose results are not read yet: its requests and their
+    slots at launch (a request may finish, and its slot be reused, before it is collected), the
+    host staging its results land in, and the event recorded after that copy (None on the CPU,
+    where the round ran at launch)."""
+
+    reqs: list[Request]
+    slots: np.ndarray
+    host: torch.Tensor
+    done: Any
+    steps: int
+
+
+@dataclass
 class StepBuffers:
     """One tier's static buffers (fixed addresses: what its CUDA graphs read and write) and its
     graphs, keyed by (phase, bucket, all_greedy)."""
@@ -119,10 +149,12 @@ class EagleWorker:
         self.slot_seed = zeros(slots)
         self.slot_temp = zeros(slots, dt=torch.float32)
         self.slot_top_p = torch.ones(slots, dtype=torch.float32, device=self.device)
-        pin = self.device.type == "cuda"
-        self._rows_host = torch.zeros(max([slots, *config.graph_buckets]), dtype=torch.int64,
-                                      pin_memory=pin)
-        self._out_host: torch.Tensor | None = None
+        top = max([slots, *config.graph_buckets])
+        # host staging of a round (rows in, results out), two sets: with overlap the next round is
+        # staged while the device may still copy the previous one's
+        self._stages = [HostStage.make(top, 2 + config.max_steps + 1, self.device)
+                        for _ in range(2)]
+        self._launches = 0
         self.graphs = CudaGraphRunner(self.device) if config.graph_buckets else None
         self.buckets = config.graph_buckets
         self.state: SpecRuntimeState | None = None
@@ -364,7 +396,15 @@ class EagleWorker:
         batch); `graph_bucket` replays the CUDA graphs of that bucket (None: the same bodies,
         eager). Returns the round's rows for `reqs` (first tokens of fresh requests, accept lengths
         — draft tokens accepted, bonus excluded — and candidate tokens), read from the device once;
-        the scheduler commits them."""
+        the scheduler commits them. `launch` then `collect`."""
+        return self.collect(self.launch(reqs, batch_pad, graph_bucket))
+
+    @torch.inference_mode()
+    def launch(self, reqs: list[Request], batch_pad: int,
+               graph_bucket: int | None = None) -> "LaunchedRound":
+        """Queue one round (as `spec_round`) and the copy of its results to the host; returns
+        without waiting for the device. Two launched rounds may be outstanding (their host
+        staging alternates); `collect` them in launch order."""
         bp = graph_bucket if graph_bucket is not None else batch_pad
         if len(reqs) > bp:
             raise RuntimeError(f"{len(reqs)} requests do not fit the agreed batch of {bp}")
@@ -372,9 +412,12 @@ class EagleWorker:
             raise RuntimeError(f"the plan says CUDA graphs at bucket {graph_bucket}, but this "
                                f"worker captured {list(self.buckets)}")
         bufs: StepBuffers = self.state.payload
-        staged = self._rows_host[:bp]
+        stage = self._stages[self._launches % 2]
+        self._launches += 1
+        slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
+        staged = stage.rows[:bp]
         staged.fill_(self.dummy_slot)
-        staged[:len(reqs)] = torch.tensor([r.slot for r in reqs], dtype=torch.int64)
+        staged[:len(reqs)] = torch.from_numpy(slots)
         bufs.rows[:bp].copy_(staged, non_blocking=True)
         greedy = all(r.params.greedy for r in reqs)
         reach = self._reach(reqs, graph_bucket)
@@ -383,20 +426,22 @@ class EagleWorker:
                 self._body(bufs, phase, bp, reach, greedy)()
             else:
                 bufs.graphs[(phase, graph_bucket, greedy)].replay()
-        return self._read(bufs, reqs)
-
-    def _read(self, bufs: StepBuffers, reqs: list[Request]) -> "RoundResult":
-        """The round's one device-to-host read (pinned staging on CUDA)."""
+        width = bufs.out.shape[1]
         out = bufs.out[:len(reqs)]
+        host = stage.out[:len(reqs) * width].view(len(reqs), width)
+        host.copy_(out, non_blocking=True)
+        done = None
         if self.device.type == "cuda":
-            if self._out_host is None or self._out_host.shape != bufs.out.shape:
-                self._out_host = torch.empty(bufs.out.shape, dtype=torch.int64, pin_memory=True)
-            host = self._out_host[:len(reqs)]
-            host.copy_(out, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-        else:
-            host = out
-        rows = host.numpy()
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+        return LaunchedRound(reqs=reqs, slots=slots, host=host, done=done, steps=bufs.steps)
+
+    def collect(self, launched: "LaunchedRound") -> "RoundResult":
+        """Wait for a launched round and read its results (the round's one host synchronisation:
+        on the event recorded after its copy, so later launched work keeps the device busy)."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        rows = launched.host.numpy()
         return RoundResult(first=rows[:, 0].copy(), accept=rows[:, 1].copy(),
                            tokens=rows[:, 2:].copy())
 
@@ -408,5 +453,6 @@ class EagleWorker:
             return full
         if not reqs:
             return 1
-        longest = max(r.num_tokens for r in reqs) + self.steps + 1
+        # the host's token count may lag the device's by the round launched before (overlap)
+        longest = max(r.num_tokens for r in reqs) + self.config.round_overshoot
         return min(pages_for(longest, self.config.page_size), full)

@@ -8,7 +8,15 @@ One engine step (every rank of the cluster, idle ones too):
 3. if any rank admitted requests: one prefill forward of the agreed size on every rank;
 4. if any rank runs requests: one speculative round (or plain decode at depth 0) of the agreed
    batch on every rank — a rank without requests runs it on dummy rows;
-5. `controller.end_round(accepts, executed)` (local); retire finished requests (KV back).
+5. read the round's results (one host synchronisation), commit them to the requests,
+   `controller.end_round(accepts, executed, plan)` (local); retire finished requests (KV back).
+
+With `overlap` (`EngineConfig.overlap`, on by default on CUDA from the command line) step 5 of
+round r runs after round r+1 is launched: while the device computes round r+1, the host reads
+and commits round r, retires what finished and agrees round r+2. What it costs, the same on
+every rank: a request that finished in round r runs round r+1 too (its results are dropped;
+admission reserves KV for that extra round), and the planner decides with statistics one round
+older. Every rank overlaps or none does (the setting is agreed at start-up).
 
 `build_engine` builds the stack from an `EngineConfig` and a loaded target and head.
 """
@@ -28,7 +36,7 @@ from adaptive_dist.startup import agree_round_cost
 from collectives import Group, LockstepGuard
 from workers.attention import make_backend
 from workers.config import EngineConfig
-from workers.eagle_worker import EagleWorker
+from workers.eagle_worker import EagleWorker, RoundResult
 from workers.kv_cache import PageAllocator
 from workers.runtime_state import RuntimeStatePool
 from workers.sampling import SamplingParams
@@ -42,8 +50,9 @@ class RoundPlanner(Protocol):
                     done: bool = False, num_extend: int = 0) -> RoundPlan:
         """Agree this round's plan with the other ranks (every rank, every round, idle too)."""
 
-    def end_round(self, accepts: Sequence[int], executed: tuple | None = None) -> None:
-        """Report this rank's accept lengths of the round and what it ran (local only)."""
+    def end_round(self, accepts: Sequence[int], executed: tuple | None = None,
+                  plan: RoundPlan | None = None) -> None:
+        """Report this rank's accept lengths of round `plan` and what it ran (local only)."""
 
 
 @dataclass
@@ -89,6 +98,16 @@ class EngineStats:
                 "steps_timeline": [list(x) for x in self.steps_timeline]}
 
 
+@dataclass
+class _Launched:
+    """A round the engine launched: its plan, the worker's handle (None: no forward ran) and
+    what this rank ran (reported to the planner with the results)."""
+
+    plan: RoundPlan
+    handle: Any
+    executed: tuple
+
+
 class Engine:
     """Continuous batching over one `EagleWorker`, each round planned with the cluster."""
 
@@ -101,6 +120,7 @@ class Engine:
         self.last_plan: RoundPlan | None = None
         self._next_rid = 0
         self._all_done = False
+        self._launched: _Launched | None = None   # overlap: the round in flight
         # the engine applies the depth the controller decides: one pre-built state per tier
         self.pool = RuntimeStatePool(worker, config.spec.tiers)
         self.pool.apply(config.spec.initial_steps)
@@ -172,12 +192,60 @@ class Engine:
                                f"steps={self.worker.steps}: the runtime state was not applied")
         if plan.extend_tokens:
             self.worker.prefill(admitted, plan.extend_tokens, plan.extend_requests)
-        accepts = self._spec_round(plan, [r for r in batch if not r.finished])
+        launched = self._launch(plan, [r for r in batch if not r.finished])
+        if not self.config.overlap:
+            self._collect(launched)
+            return done + self._retire()
+        # overlap: the device runs this round while the host reads and commits the previous one
+        previous, self._launched = self._launched, launched
+        if previous is not None:
+            self._collect(previous)
+        if plan.all_done or plan.leave:  # no next round to hide it behind
+            self.drain()
+        return done + self._retire()
+
+    def drain(self) -> None:
+        """Read and commit the round still in flight (overlap), if any."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            self._collect(launched)
+
+    def _launch(self, plan: RoundPlan, live: list[Request]) -> "_Launched":
+        """Queue the round's forwards (none when no rank of the cluster runs requests)."""
+        bucket = plan.batch_bucket if plan.use_graph else None
+        handle = (self.worker.launch(live, plan.batch_pad, bucket)
+                  if plan.cluster_requests else None)
         # what this rank ran (an idle rank ran dummy rows of the agreed shape): its worker's
         # applied depth is rank-local state, checked against every other rank before the next round
-        self.planner.end_round(accepts, (self.worker.steps, plan.use_graph, plan.batch_bucket,
-                                         "spec"))
-        return done + self._retire()
+        return _Launched(plan, handle, (self.worker.steps, plan.use_graph, plan.batch_bucket,
+                                        "spec"))
+
+    def _collect(self, launched: "_Launched") -> None:
+        """Read a launched round, commit it to its requests that are still running (with overlap
+        a request may have finished in the round before: its extra round is dropped) and report
+        it to the planner."""
+        accepts: list[int] = []
+        handle, plan = launched.handle, launched.plan
+        if handle is not None:
+            result = self.worker.collect(handle)
+            reqs = handle.reqs
+            if self.config.overlap:
+                keep = np.fromiter((not r.finished for r in reqs), dtype=bool, count=len(reqs))
+                if not keep.all():
+                    reqs = [r for r, k in zip(reqs, keep) if k]
+                    result = RoundResult(result.first[keep], result.accept[keep],
+                                         result.tokens[keep])
+            self.scheduler.commit_round(reqs, result.first, result.accept, result.tokens)
+            if reqs:
+                self.stats.record_plan(plan.steps, plan.switched)
+                self.stats.graph_rounds += plan.use_graph
+                if self.config.speculative:
+                    counts = np.bincount(result.accept)
+                    self.stats.accept_histogram.update(
+                        {int(k): int(v) for k, v in enumerate(counts) if v})
+                self.stats.rounds += 1
+            accepts = result.accept.tolist()
+        self.planner.end_round(accepts, launched.executed, plan)
 
     def _retire(self) -> list[Request]:
         """Retire finished requests (KV and slot back) and forget them."""
@@ -186,22 +254,6 @@ class Engine:
             self.live.pop(req.rid, None)
             self.stats.generated_tokens += len(req.output_ids)
         return done
-
-    def _spec_round(self, plan: RoundPlan, live: list[Request]) -> list[int]:
-        if not plan.cluster_requests:
-            return []
-        bucket = plan.batch_bucket if plan.use_graph else None
-        result = self.worker.spec_round(live, plan.batch_pad, bucket)
-        self.scheduler.commit_round(live, result.first, result.accept, result.tokens)
-        if live:
-            self.stats.record_plan(plan.steps, plan.switched)
-            self.stats.graph_rounds += bucket is not None
-            if self.config.speculative:
-                counts = np.bincount(result.accept)
-                self.stats.accept_histogram.update(
-                    {int(k): int(v) for k, v in enumerate(counts) if v})
-            self.stats.rounds += 1
-        return result.accept.tolist()
 
     def measure_round_costs(self, repeats: int = 5, context: int = 0) -> dict[int, dict[int, float]]:
         """Seconds of one round at every tier and batch bucket (dummy rows, the graphs when the
@@ -252,6 +304,7 @@ class Engine:
         self._all_done = False
         while not self._all_done:
             self.step()
+        self.drain()
         self.stats.elapsed_s += time.perf_counter() - start
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],

@@ -159,6 +159,7 @@ def _prepare(ctx: Any, args: argparse.Namespace) -> tuple[Any, tuple[int, int], 
                          f"({err.strerror})") from None
     settings = {"--model/--draft-model (contents)": digest, "--device": device,
                 "--attention-backend": args.attention_backend, "--eager": args.eager,
+                "--overlap": args.overlap,
                 "--mlp-scatter": args.mlp_scatter, "--timeout": ctx.timeout_s,
                 "--dp": degrees[0], "--attn-tp": degrees[1],
                 "--steps/--adaptive/--no-spec/--config": spec.to_dict()}
@@ -206,6 +207,7 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
     target, head, tokenizer = all_ranks_or_none(load, world, "loading the model")
     config = EngineConfig(spec=spec, attention_backend=args.attention_backend, device=device,
                           cuda_graphs=on_gpu and not args.eager,
+                          overlap=args.overlap == "on" or (args.overlap == "auto" and on_gpu),
                           dp=dp, attn_tp=attn_tp, mlp_scatter=args.mlp_scatter,
                           **size_for(target.config, dp))
     engine_settings = {f"engine {k}": v for k, v in config.to_dict().items()

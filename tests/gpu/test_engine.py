@@ -40,10 +40,11 @@ def _params(n: int) -> list[SamplingParams]:
 
 def _engine(target, head, mode: str, steps: int = 3, *, graphs: bool = False,
             backend: str = "torch", device: str = "cpu", max_batch: int = 4,
-            page_size: int = 4, config: AdaptiveConfig | None = None) -> Engine:
+            page_size: int = 4, config: AdaptiveConfig | None = None,
+            overlap: bool = False) -> Engine:
     return engine_for(target, head, mode, steps, config=config, max_batch=max_batch,
                       page_size=page_size, device=device, cuda_graphs=graphs,
-                      attention_backend=backend)
+                      attention_backend=backend, overlap=overlap)
 
 
 def _outputs(engine: Engine, prompts, params) -> list[list[int]]:
@@ -83,12 +84,16 @@ def gpu_pair():
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 @pytest.mark.parametrize("steps", [0, 1, 3, 7])
-def test_cuda_graph_replay_equals_eager(gpu_pair, prompts, reference, steps: int) -> None:
+def test_cuda_graph_replay_equals_eager(gpu_pair, prompts, reference, steps: int,
+                                        overlap: bool) -> None:
     if steps == 0:
-        engine = _engine(gpu_pair[0], None, "nospec", graphs=True, device="cuda")
+        engine = _engine(gpu_pair[0], None, "nospec", graphs=True, device="cuda",
+                         overlap=overlap)
     else:
-        engine = _engine(*gpu_pair, "static", steps, graphs=True, device="cuda")
+        engine = _engine(*gpu_pair, "static", steps, graphs=True, device="cuda",
+                         overlap=overlap)
     runner = engine.worker.graphs
     # a static run builds only its own tier
     assert runner.capture and runner.num_captures == _captures_per_bucket(steps) * len(
@@ -100,9 +105,28 @@ def test_cuda_graph_replay_equals_eager(gpu_pair, prompts, reference, steps: int
 
 @gpu
 @needs_cuda
-def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference) -> None:
+def test_overlapped_graph_rounds_sample_as_the_serial_engine(gpu_pair, prompts) -> None:
+    """With overlap (round r+1 queued before round r is read) the sampled tokens are the serial
+    engine's: a request's draws depend on its seed and positions, not on when the host reads."""
+    params = [SamplingParams(temperature=0.9, top_p=0.9 if i % 2 else 1.0,
+                             max_new_tokens=6 + 5 * (i % 4)) for i in range(len(prompts))]
+    outs = []
+    for overlap in (False, True):
+        engine = _engine(*gpu_pair, "static", 3, graphs=True, device="cuda", overlap=overlap)
+        outs.append(_outputs(engine, prompts, params))
+        assert engine.stats.graph_rounds == engine.stats.rounds > 0
+        _close_and_check_pages(engine)
+    assert outs[0] == outs[1]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference,
+                                                    overlap: bool) -> None:
     config = AdaptiveConfig(warmup_batches=1, update_interval=1, ema_alpha=0.6, initial_steps=7)
-    engine = _engine(*gpu_pair, "ema", graphs=True, device="cuda", config=config)
+    engine = _engine(*gpu_pair, "ema", graphs=True, device="cuda", config=config,
+                     overlap=overlap)
     runner, pool = engine.worker.graphs, engine.pool
     captured = runner.num_captures
     assert captured == sum(_captures_per_bucket(s) for s in pool.states) * len(engine.worker.buckets)

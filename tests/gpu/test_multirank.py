@@ -81,7 +81,7 @@ def test_nccl_dp2_graphs_lossless_in_lockstep(tmp_path):
     target = load_llama(tmp_path / "target", dtype=torch.float64)
     want = [[r.output_ids for r in engine_for(target, None, "nospec").generate(
         p, [SamplingParams(max_new_tokens=n) for n in lens])] for p, lens in zip(prompts, new)]
-    modes = ["static3", "ema", "forced"]
+    modes = ["static3", "ema", "forced", "static3+overlap", "ema+overlap", "forced+overlap"]
     results = run_ranks(dp_jobs.generate_job, 2, str(tmp_path), 2, modes, prompts, new, 0.0, 0,
                         True, timeout=400)
     for res in results:

@@ -111,7 +111,9 @@ def _check_outputs(results: list, modes: list[str], reference) -> None:
 
 
 def test_dp2_lossless_in_lockstep_under_heterogeneous_load(model_dir: Path) -> None:
-    modes = ["nospec", "static1", "static3", "static7", "ema", "forced", "goodput"]
+    modes = ["nospec", "static1", "static3", "static7", "ema", "forced", "goodput",
+             "nospec+overlap", "static3+overlap", "ema+overlap", "forced+overlap",
+             "goodput+overlap"]
     results = run_ranks(dp_jobs.generate_job, 2, str(model_dir), 2, modes, PROMPTS, NEW,
                         timeout=240)
     _check_outputs(results, modes, _reference(model_dir, PROMPTS, NEW))
@@ -132,7 +134,7 @@ def test_dp2_lossless_in_lockstep_under_heterogeneous_load(model_dir: Path) -> N
 
 def test_dp2_attn_tp2_lossless_in_lockstep(model_dir: Path) -> None:
     """Four ranks: two replicas, each splitting its attention over two ranks; replica 1 light."""
-    modes = ["static3", "ema", "forced"]
+    modes = ["static3", "ema", "forced", "ema+overlap"]
     prompts, new = PROMPTS[::-1], NEW[::-1]
     results = run_ranks(dp_jobs.generate_job, 4, str(model_dir), 2, modes, prompts, new,
                         timeout=300)

@@ -49,9 +49,11 @@ def _stream_until_error(url: str) -> str:
     return "no error event"
 
 
-def test_two_dp_groups_serve_the_reference_output() -> None:
+@pytest.mark.parametrize("overlap", ["auto", "on"])
+def test_two_dp_groups_serve_the_reference_output(overlap: str) -> None:
     server = start_server(["--dp", "2", "--adaptive", "--max-batch-size", "3",
-                           "--max-model-len", "256", "--timeout", str(TIMEOUT)], nproc=2)
+                           "--max-model-len", "256", "--timeout", str(TIMEOUT),
+                           "--overlap", overlap], nproc=2)
     try:
         reference = offline_greedy(PROMPTS, MAX_TOKENS)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)

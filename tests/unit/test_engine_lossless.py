@@ -53,9 +53,11 @@ def test_reference_exercises_stops_and_lengths(reference) -> None:
     assert stopped and any(len(out) < 8 + 7 * 4 for out in stopped)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 @pytest.mark.parametrize("steps", [1, 3, 7])
-def test_static_tier_equals_plain_greedy(pair, prompts, reference, steps: int) -> None:
-    engine = engine_for(*pair, "static", steps=steps)
+def test_static_tier_equals_plain_greedy(pair, prompts, reference, steps: int,
+                                         overlap: bool) -> None:
+    engine = engine_for(*pair, "static", steps=steps, overlap=overlap)
     out = engine.generate(prompts, _params(len(prompts)))
     assert [r.output_ids for r in out] == reference
     hist = engine.stats.accept_histogram
@@ -64,9 +66,10 @@ def test_static_tier_equals_plain_greedy(pair, prompts, reference, steps: int) -
     _check_pages_back(engine)
 
 
-def test_adaptive_equals_plain_greedy_and_switches(pair, prompts, reference) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_adaptive_equals_plain_greedy_and_switches(pair, prompts, reference, overlap) -> None:
     config = AdaptiveConfig(warmup_batches=1, update_interval=1, ema_alpha=0.6, initial_steps=7)
-    engine = engine_for(*pair, "ema", config=config)
+    engine = engine_for(*pair, "ema", config=config, overlap=overlap)
     out = engine.generate(prompts, _params(len(prompts)))
     assert [r.output_ids for r in out] == reference
     assert engine.stats.switches >= 1
@@ -92,12 +95,16 @@ class RandomTierPlanner:
                          extend_requests=num_extend, cluster_requests=num_requests,
                          switched=True, all_done=done)
 
-    def end_round(self, accepts, executed=None) -> None:
-        assert all(0 <= a <= self.steps for a in accepts)
+    def end_round(self, accepts, executed=None, plan=None) -> None:
+        # with overlap the results of a round arrive after the next round was planned
+        steps = plan.steps if plan is not None else self.steps
+        assert executed is None or executed[0] == steps
+        assert all(0 <= a <= steps for a in accepts)
 
 
-def test_forced_random_tier_switch_every_round(pair, prompts, reference) -> None:
-    engine = engine_for(*pair, "static", steps=7)
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_forced_random_tier_switch_every_round(pair, prompts, reference, overlap) -> None:
+    engine = engine_for(*pair, "static", steps=7, overlap=overlap)
     planner = RandomTierPlanner((1, 2, 3, 5, 7), seed=3)
     engine.planner = planner
     engine.pool = RuntimeStatePool(engine.worker, planner.candidates)
@@ -147,8 +154,9 @@ def test_bundled_pair_float32_lossless_at_every_tier_and_adaptive() -> None:
     assert [r.output_ids for r in out] == reference, "adaptive"
 
 
-def test_abort_frees_kv_and_leaves_the_others_intact(pair, prompts, reference) -> None:
-    engine = engine_for(*pair, "static", steps=3)
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_abort_frees_kv_and_leaves_the_others_intact(pair, prompts, reference, overlap) -> None:
+    engine = engine_for(*pair, "static", steps=3, overlap=overlap)
     reqs = [engine.add(p, sp) for p, sp in zip(prompts, _params(len(prompts)))]
     engine.step()
     engine.step()
@@ -157,6 +165,7 @@ def test_abort_frees_kv_and_leaves_the_others_intact(pair, prompts, reference) -
     assert not engine.abort(running.rid)  # already finished
     while engine.scheduler.has_work:
         engine.step()
+    engine.drain()
     for req, ref in zip(reqs, reference):
         if req in (running, waiting):
             assert req.finish_reason == "abort" and ref[:len(req.output_ids)] == req.output_ids
@@ -165,12 +174,14 @@ def test_abort_frees_kv_and_leaves_the_others_intact(pair, prompts, reference) -
     _check_pages_back(engine)
 
 
-def test_goodput_with_a_depth_0_tier_equals_plain_greedy(pair, prompts, reference) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_goodput_with_a_depth_0_tier_equals_plain_greedy(pair, prompts, reference,
+                                                         overlap) -> None:
     """The goodput policy measures its round costs at start-up and may pick depth 0 (plain decode,
     the draft cache kept current) and come back; the tokens are plain greedy's."""
     config = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=1,
                             warmup_batches=1, update_interval=1, probe_every=2)
-    engine = engine_for(*pair, "ema", config=config)
+    engine = engine_for(*pair, "ema", config=config, overlap=overlap)
     costs = engine.planner.config.round_cost
     assert costs is not None and engine.config.spec.round_cost == costs
     out = engine.generate(prompts, _params(len(prompts)))
