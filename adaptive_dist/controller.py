@@ -169,6 +169,13 @@ class AdaptiveController:
         self.stats.rounds_at_steps[plan.steps] += 1
         return plan
 
+    def ran(self, executed: Executed) -> None:
+        """What this rank's worker launched for the round begun last (its applied depth, graph
+        or eager, bucket, forward mode). Local; its hash travels in the next round's vector, so
+        the next pre-flight check catches a rank whose worker strayed from the agreed plan. An
+        engine that reads a round's results later (overlap) reports this at launch."""
+        self._prev_plan_hash = consensus.plan_hash(*executed)
+
     def end_round(self, accepts: Sequence[int], executed: Optional[Executed] = None,
                   plan: Optional[RoundPlan] = None) -> None:
         """Record this rank's accept lengths (draft tokens accepted, bonus excluded). Local only.
@@ -186,7 +193,7 @@ class AdaptiveController:
         pre-flight check catches a rank whose worker strayed from the agreed plan.
         """
         if executed is not None:
-            self._prev_plan_hash = consensus.plan_hash(*executed)
+            self.ran(executed)
         plan = plan if plan is not None else self._prev_plan
         steps = plan.steps if plan is not None else self.steps
         for a in accepts:

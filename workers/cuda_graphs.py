@@ -23,6 +23,7 @@ padded static forwards that the GPU replays.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -97,12 +98,18 @@ class CudaGraphRunner:
         return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
                    if tuple(seg.get("segment_pool_id", ())) == pool)
 
-    def close(self) -> None:
-        """Release every graph and the pool (idempotent). Before the process group goes."""
+    def close(self, wait_s: float = 5.0) -> None:
+        """Release every graph and the pool (idempotent). Before the process group goes.
+
+        Waits at most `wait_s` for the device's queued work: on a failure path a replayed graph
+        may still wait in a collective for a peer that is gone (with overlapped rounds one is
+        always queued), and a plain synchronisation would hang. Graphs still in use are then
+        left to the process's exit."""
         if self.closed:
             return
-        if self.capture:
-            torch.cuda.synchronize(self.device)
+        if self.capture and not device_idle(self.device, wait_s):
+            self.closed = True
+            return
         for entry in self.entries:
             if entry.graph is not None:
                 entry.graph.reset()
@@ -110,3 +117,16 @@ class CudaGraphRunner:
         self.entries.clear()
         self.pool, self.stream = None, None
         self.closed = True
+
+
+def device_idle(device: torch.device, wait_s: float) -> bool:
+    """Whether `device`'s current stream finishes its queued work within `wait_s` seconds
+    (polled, so a stuck kernel cannot hang the caller)."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    deadline = time.monotonic() + wait_s
+    while not done.query():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True

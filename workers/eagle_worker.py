@@ -424,8 +424,8 @@ class EagleWorker:
         for phase in self._phases(bufs.steps):
             if graph_bucket is None:
                 self._body(bufs, phase, bp, reach, greedy)()
-            else:
-                bufs.graphs[(phase, graph_bucket, greedy)].replay()
+            else:  # draft-extend samples nothing: one graph serves both
+                bufs.graphs[(phase, graph_bucket, greedy or phase == "extend")].replay()
         width = bufs.out.shape[1]
         out = bufs.out[:len(reqs)]
         host = stage.out[:len(reqs) * width].view(len(reqs), width)

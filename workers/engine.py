@@ -172,6 +172,11 @@ class Engine:
 
     def _round(self, seq: int, leave: bool, pending: bool) -> list[Request]:
         done = self._retire()
+        if self._launched is not None and not self._may_outlive(self._launched):
+            # every request of the round in flight may finish in it: read it before planning the
+            # next round rather than run a round that may be all dropped rows
+            self.drain()
+            done += self._retire()
         admitted = self.scheduler.admit()
         batch = list(self.scheduler.running)
         if not batch and self.scheduler.waiting:
@@ -193,6 +198,9 @@ class Engine:
         if plan.extend_tokens:
             self.worker.prefill(admitted, plan.extend_tokens, plan.extend_requests)
         launched = self._launch(plan, [r for r in batch if not r.finished])
+        ran = getattr(self.planner, "ran", None)
+        if ran is not None:  # what this rank launched, compared across ranks at the next round
+            ran(launched.executed)
         if not self.config.overlap:
             self._collect(launched)
             return done + self._retire()
@@ -203,6 +211,20 @@ class Engine:
         if plan.all_done or plan.leave:  # no next round to hide it behind
             self.drain()
         return done + self._retire()
+
+    def _may_outlive(self, launched: "_Launched") -> bool:
+        """Whether some request of a launched round is sure to outlive it (its token budget
+        exceeds what the round can commit). Rank-local: a rank that reads its round early sends
+        fresher statistics, and the decisions, made from the gathered vectors, stay the same on
+        every rank."""
+        handle = launched.handle
+        if handle is None:  # nothing ran: reading it costs nothing
+            return False
+        live = [r.slot for r in handle.reqs if not r.finished]
+        if not live:
+            return False
+        out = self.scheduler.outputs
+        return bool((out.limit[live] - out.count[live] > handle.steps + 1).any())
 
     def drain(self) -> None:
         """Read and commit the round still in flight (overlap), if any."""
@@ -245,7 +267,8 @@ class Engine:
                         {int(k): int(v) for k, v in enumerate(counts) if v})
                 self.stats.rounds += 1
             accepts = result.accept.tolist()
-        self.planner.end_round(accepts, launched.executed, plan)
+        self.planner.end_round(accepts, None if hasattr(self.planner, "ran") else
+                               launched.executed, plan)
 
     def _retire(self) -> list[Request]:
         """Retire finished requests (KV and slot back) and forget them."""

@@ -89,3 +89,16 @@ def test_graph_bucket_without_graphs_is_an_error(pair) -> None:
     assert not engine.worker.can_use_graph([])
     with pytest.raises(RuntimeError, match="captured"):
         engine.worker.spec_round([], 4, graph_bucket=4)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_sampled_requests_on_the_graph_path_equal_eager(pair, prompts, overlap: bool) -> None:
+    """Sampled (and mixed greedy/sampled) batches replay the device-sampling graphs of draft and
+    verify and the one draft-extend graph; the tokens are the eager path's."""
+    params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.8, top_p=0.9 if i % 2 else 1.0,
+                             max_new_tokens=6 + 5 * (i % 4)) for i in range(len(prompts))]
+    eager = _outputs(engine_for(*pair, "static", 3), prompts, params)
+    engine = engine_for(*pair, "static", 3, cuda_graphs=True, overlap=overlap)
+    assert _outputs(engine, prompts, params) == eager
+    assert engine.stats.graph_rounds == engine.stats.rounds > 0
+    _close_and_check_pages(engine)
