@@ -2,11 +2,13 @@
 host synchronisations per round, per batch, depth and prompt regime.
 
     python scripts/bench_hotpath.py [--device cuda] [--model DIR [--draft-model DIR]]
-        [--batches 1 16 64] [--modes nospec 1 3 7]
+        [--batches 1 16 64] [--modes nospec 1 3 7 [7+serial 7+overlap ...]] [--overlap auto|on|off]
         [--new-tokens 48] [--repeats 3] [--label after] [--out DIR]
     python scripts/bench_hotpath.py --merge BEFORE.json AFTER.json --out DIR   # one table
 
-One engine per depth (torch attention; CUDA graphs on a GPU, eager on a CPU), built once and
+A mode is a depth (`nospec` or steps), with `--overlap` (default: on with CUDA), or with a
+`+serial` / `+overlap` suffix that sets it for that mode (so both run interleaved in one process).
+One engine per mode (torch attention; CUDA graphs on a GPU, eager on a CPU), built once and
 warmed on every batch shape. Timed runs are interleaved over the repeats (every configuration
 once per repeat); tokens/s and round wall time are medians with min-max. Then one profiled run
 per configuration (torch.profiler): the sum of CUDA kernel time divided by the rounds (GPU kernel
@@ -60,6 +62,9 @@ def build(mode: str, target: Any, head: Any, device: str, max_batch: int, contex
     from workers.config import EngineConfig, no_spec
     from workers.engine import build_engine
 
+    if mode.endswith(("+overlap", "+serial")):  # this mode with overlap forced on / off
+        mode, how = mode.split("+")
+        extra = {"overlap": True} if how == "overlap" else {}
     spec = no_spec() if mode == "nospec" else load_config(None, "static", initial_steps=int(mode))
     cfg = EngineConfig(spec=spec, max_batch_size=max_batch, max_context_len=context,
                        device=device, cuda_graphs=device == "cuda", **extra)
@@ -199,7 +204,7 @@ def table(before: dict | None, after: dict) -> str:
     old = {key(r): busy(r) for r in (before or {}).get("records", [])}
     for r in after["records"]:
         busy(r)
-    head = (f"{'mode':<7}{'prompts':<14}{'batch':>6}{'tok/s':>10}{'before':>9}{'round ms':>10}"
+    head = (f"{'mode':<11}{'prompts':<14}{'batch':>6}{'tok/s':>10}{'before':>9}{'round ms':>10}"
             f"{'GPU ms':>8}{'busy':>7}{'before':>8}{'kernels':>9}{'before':>8}{'syncs':>7}"
             f"{'before':>8}")
     lines = [head]
@@ -207,7 +212,7 @@ def table(before: dict | None, after: dict) -> str:
         b = old.get(key(r), {})
         share = r.get("gpu_busy")
         lines.append(
-            f"{r['mode']:<7}{r['prompts']:<14}{r['batch']:>6}"
+            f"{r['mode']:<11}{r['prompts']:<14}{r['batch']:>6}"
             f"{r['tokens_per_second']['median']:>10.0f}"
             f"{b.get('tokens_per_second', {}).get('median', float('nan')):>9.0f}"
             f"{r['round_ms']['median']:>10.2f}{r.get('gpu_kernel_ms_per_round', float('nan')):>8.2f}"
@@ -233,8 +238,9 @@ def plot(before: dict | None, after: dict, path: Path) -> None:
         for label, data, off in (("before", before, -0.2), ("after", after, 0.2)):
             if data is None:
                 continue
-            ys = [statistics.mean(r["tokens_per_second"]["median"] for r in data["records"]
-                                  if r["batch"] == b and r["mode"] == m) for m in modes]
+            ys = [statistics.mean([r["tokens_per_second"]["median"] for r in data["records"]
+                                   if r["batch"] == b and r["mode"] == m] or [0.0])
+                  for m in modes]  # 0: a mode the other run did not have
             ax.bar([i + off for i in range(len(modes))], ys, 0.4, label=label)
         ax.set_xticks(range(len(modes)), [f"steps {m}" if m != "nospec" else "no spec"
                                           for m in modes])

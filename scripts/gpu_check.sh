@@ -5,7 +5,8 @@
 # and `generate --dp 2` against one process. Prints a short table last.
 #   bash scripts/gpu_check.sh [OUTDIR]       (OUTDIR defaults to $OUT or runs/gpu)
 # STEPS="a b" runs only those steps (names below); BENCH_REPEATS sets the benchmarks' repeats;
-# ADAPTIVE_ARGS adds arguments to both bench_adaptive runs (e.g. "--new-tokens 256 --set ...").
+# ADAPTIVE_ARGS adds arguments to both bench_adaptive runs (e.g. "--new-tokens 256 --set ...");
+# SERVE_K narrows the GPU serving tests (a pytest -k expression).
 # Wheels for packages the machine lacks (flashinfer, tvm-ffi, pyzmq, the server stack) are taken
 # from .whl/ if present; flashinfer's compiled kernels are restored from .gpu/flashinfer_cache.tar
 # and saved back to OUTDIR when they changed (the first use compiles for about 90 s).
@@ -66,7 +67,7 @@ print('flashinfer prefill: one process no-spec == dp2 adaptive graphs, per promp
 sys.exit(0 if all(same) else 1)\""
 step serve_gpu env ADAPTIVE_DIST_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
   tests/multirank/test_serve_cluster.py tests/unit/test_serve_api.py \
-  -k "reference or greedy or bad_requests or client_gone or rank_death"
+  -k "${SERVE_K:-reference or greedy or bad_requests or client_gone or rank_death}"
 step serve_matrix timeout 420 python3 scripts/bench_serve_matrix.py --nproc 2 \
   --serve "--dp 2 --device cuda" --concurrency 4 32 --repeats "${BENCH_REPEATS:-3}" \
   --out "$OUTDIR/res/serve_matrix"
@@ -82,10 +83,9 @@ elif [ -d .gpu/before/workers ]; then
   step hotpath_before env PYTHONPATH=$PWD/.gpu/before:$PYTHONPATH python3 scripts/bench_hotpath.py \
     --device cuda --label before --model workers/assets/tiny_pair --out "$OUTDIR/res/hotpath"
 fi
+# (after: overlapped rounds, and the same depths serial, interleaved in one process)
 step hotpath_after python3 scripts/bench_hotpath.py --device cuda --label after --overlap on \
-  --out "$OUTDIR/res/hotpath"
-step hotpath_serial python3 scripts/bench_hotpath.py --device cuda --label serial --overlap off \
-  --out "$OUTDIR/res/hotpath"
+  --modes nospec 1 3 7 nospec+serial 1+serial 3+serial 7+serial --out "$OUTDIR/res/hotpath"
 # the issue's yardstick (bench_engine, float16, CUDA graphs), serial and overlapped interleaved
 step engine_overlap bash -c "for r in \$(seq ${BENCH_REPEATS:-3}); do for o in off on; do \
   python3 scripts/bench_engine.py --device cuda --variants torch/graphs --new-tokens 48 \
