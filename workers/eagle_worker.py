@@ -25,6 +25,18 @@ inside the verify graph); the head's own output has the same width. An EAGLE-3 h
 elsewhere), so the drafts and their distributions `q` are over target ids before verify sees them.
 At `S = 0` (no speculation) the round is one target forward of `x_n` and a sampled token.
 
+Depth 0 with a head (a tier the goodput policy may pick) is the same plain round: the head does not
+run, so its cache falls behind. Each such round appends the committed token `x_{n+1}` and the
+target feature `f_n` to the slot's lag ring (`lag` entries, at most `catchup_every`); a catch-up
+forward runs the head over the ring (positions `n-lag+1 .. n`, draft KV index `n-lag ..`, one
+padded forward of width `catchup_every`), writes those KV entries, sets `g_n` from its last real
+row and empties the ring. It runs after every `catchup_every`-th consecutive depth-0 round and
+before the first round at a depth > 0, so drafting always resumes from a current draft cache, and
+a depth-0 round costs one head forward per `catchup_every` rounds instead of one per round. The
+count of depth-0 rounds is the worker's own, the same on every rank (every rank launches every
+round of the cluster), so every rank runs the catch-up, and the collectives inside the head, in
+the same round.
+
 Every forward of the round is padded (`attention.static_backend`), so the eager path and the CUDA
 graph path run the same code; under DP attention every rank runs the same forwards with the same
 row counts (an idle rank: all dummy rows), which is what keeps the collectives inside them in
@@ -49,6 +61,7 @@ from workers.scheduler import Request
 from workers.spec_decode import SALT_SAMPLE, draft_step, sample_tokens, verify
 
 PHASES = ("draft", "verify", "extend")
+CATCHUP = "catchup"
 
 
 @dataclass
@@ -98,7 +111,7 @@ class StepBuffers:
     graphs, keyed by (phase, bucket, all_greedy)."""
 
     steps: int
-    rows: torch.Tensor       # [Bmax] in: the slot of each batch row (dummy slot for padding)
+    rows: torch.Tensor       # [Bmax] in: the slot of each row (dummy slot for padding; shared)
     drafts: torch.Tensor     # [Bmax, S] draft tokens          (draft -> verify)
     q: torch.Tensor          # [Bmax, S, V] draft distributions (draft -> verify)
     hidden: torch.Tensor     # [Bmax * W, F] verify features   (verify -> extend)
@@ -118,6 +131,8 @@ class EagleWorker:
 
     Implements `workers.runtime_state.AdaptiveSpecWorker`.
     """
+
+    catchup_every = 8  # depth-0 rounds the draft cache may lag (the catch-up forward's width)
 
     def __init__(self, target: torch.nn.Module, head: torch.nn.Module | None,
                  config: EngineConfig, backend: AttentionBackend) -> None:
@@ -150,6 +165,16 @@ class EagleWorker:
         self.slot_temp = zeros(slots, dt=torch.float32)
         self.slot_top_p = torch.ones(slots, dtype=torch.float32, device=self.device)
         top = max([slots, *config.graph_buckets])
+        # the slot of each row of the round, read by every tier's bodies (one round runs at a
+        # time, and the catch-up of the draft cache runs within whichever tier is in force)
+        self.round_rows = torch.full((top,), self.dummy_slot, dtype=torch.int64,
+                                     device=self.device)
+        # depth 0 with a head: committed tokens not in the draft cache yet (built with tier 0)
+        self.slot_lag: torch.Tensor | None = None     # [slots] entries in the ring
+        self.lag_tokens: torch.Tensor | None = None   # [slots, catchup_every] x_{p}
+        self.lag_features: torch.Tensor | None = None  # [slots, catchup_every, F] f_{p-1}
+        self._lag_rounds = 0                          # depth-0 rounds since the last catch-up
+        self._catchup_graphs: dict[int, GraphEntry] = {}
         # host staging of a round (rows in, results out), two sets: with overlap the next round is
         # staged while the device may still copy the previous one's
         self._stages = [HostStage.make(top, 2 + config.max_steps + 1, self.device)
@@ -202,11 +227,19 @@ class EagleWorker:
         def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dt, device=self.device)
 
-        bufs = StepBuffers(steps=steps, rows=zeros(top), drafts=zeros(top, steps),
+        if steps == 0 and self.speculative and self.slot_lag is None:
+            slots, lag = self.slot_len.shape[0], self.catchup_every
+            self.slot_lag = zeros(slots)
+            self.lag_tokens = zeros(slots, lag)
+            self.lag_features = zeros(slots, lag, dim, dt=self.slot_feature.dtype)
+        bufs = StepBuffers(steps=steps, rows=self.round_rows, drafts=zeros(top, steps),
                            q=zeros(top, steps, vocab, dt=torch.float32),
                            hidden=zeros(top * width, dim, dt=self.slot_feature.dtype),
                            accept=zeros(top), tokens=zeros(top, width), out=zeros(top, 2 + width))
-        nbytes = bufs.nbytes
+        nbytes = bufs.nbytes - self.round_rows.numel() * self.round_rows.element_size()
+        if steps == 0 and self.slot_lag is not None:
+            nbytes += sum(t.numel() * t.element_size()
+                          for t in (self.slot_lag, self.lag_tokens, self.lag_features))
         if self.graphs is not None:
             before = self.graphs.pool_bytes()
             self._capture(bufs)
@@ -229,15 +262,17 @@ class EagleWorker:
                     body = self._body(bufs, phase, bucket, reach, greedy)
                     name = f"{phase}/steps={bufs.steps}/bucket={bucket}/greedy={greedy}"
                     bufs.graphs[(phase, bucket, greedy)] = self.graphs.capture_body(name, body)
+            if bufs.steps == 0 and self.slot_lag is not None and bucket not in self._catchup_graphs:
+                body = self._body(bufs, CATCHUP, bucket, reach, True)
+                self._catchup_graphs[bucket] = self.graphs.capture_body(
+                    f"{CATCHUP}/bucket={bucket}", body)
         self.slot_len[self.dummy_slot] = 0
 
-    def _phases(self, steps: int) -> tuple[str, ...]:
-        """The phases of a round at `steps`. Depth 0 with a head (a tier the goodput policy may
-        pick) still runs draft-extend over the committed token, so the draft cache and the head's
-        feature stay current for when drafting resumes."""
-        if steps > 0:
-            return PHASES
-        return ("verify", "extend") if self.speculative else ("verify",)
+    @staticmethod
+    def _phases(steps: int) -> tuple[str, ...]:
+        """The phases of a round at `steps` (depth 0, with or without a head: the target only;
+        the head's catch-up is scheduled by `launch`)."""
+        return PHASES if steps > 0 else ("verify",)
 
     # ---- the round's three bodies (what a graph holds; eager rounds call them directly) ---------
     def _body(self, bufs: StepBuffers, phase: str, bp: int, reach: int,
@@ -245,7 +280,7 @@ class EagleWorker:
         """Phase `phase` of a round over `bp` rows whose KV reach is `reach` pages; reads and
         writes only the tier's static buffers and the slot state."""
         fn = {"draft": self._draft_phase, "verify": self._verify_phase,
-              "extend": self._extend_phase}[phase]
+              "extend": self._extend_phase, CATCHUP: self._catchup_phase}[phase]
         return lambda: fn(bufs, bp, reach, greedy)
 
     def _rows(self, bufs: StepBuffers, bp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -296,7 +331,12 @@ class EagleWorker:
         bufs.accept[:bp] = accept * real
         bufs.tokens[:bp] = tokens
         bufs.out[:bp, 0] = self.slot_last[rows]
-        if steps == 0 and not self.speculative:
+        if steps == 0:
+            if self.slot_lag is not None:  # the head's inputs at position n+1, for the catch-up
+                lag = self.slot_lag[rows]
+                self.lag_tokens[rows, lag] = tokens[:, 0]
+                self.lag_features[rows, lag] = hidden
+                self.slot_lag.index_copy_(0, rows, lag + real)
             self._advance(bufs, bp, rows, n, None)
 
     def _extend_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
@@ -311,6 +351,24 @@ class EagleWorker:
                         (n[:, None] + 1 + offsets).reshape(-1), attn)
         g = out.view(bp, width, -1)[torch.arange(bp, device=self.device), accept]
         self._advance(bufs, bp, rows, n, g)
+
+    def _catchup_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
+        """The head over each row's lag ring: `lag` tokens at positions n-lag+1 .. n (draft KV
+        index n-lag ..) fed the target features recorded with them; its row lag-1 is the new g.
+        Rows without lag (and dummy rows) write nothing and keep their g."""
+        width = self.catchup_every
+        rows, n, real = self._rows(bufs, bp)
+        lag = self.slot_lag[rows] * real
+        base = n - lag
+        offsets = torch.arange(width, device=self.device)
+        attn = self._attn(self.draft_kv, rows, reach, base, lag, width)
+        out = self.head(self.lag_tokens[rows].reshape(-1),
+                        self.lag_features[rows].reshape(bp * width, -1),
+                        (base[:, None] + 1 + offsets).reshape(-1), attn)
+        g = out.view(bp, width, -1)[torch.arange(bp, device=self.device), (lag - 1).clamp(min=0)]
+        fresh = torch.where((lag > 0)[:, None], g, self.slot_feature[rows])
+        self.slot_feature.index_copy_(0, rows, fresh)
+        self.slot_lag.index_copy_(0, rows, torch.zeros_like(lag))
 
     def _advance(self, bufs: StepBuffers, bp: int, rows: torch.Tensor, n: torch.Tensor,
                  g: torch.Tensor | None) -> None:
@@ -366,6 +424,8 @@ class EagleWorker:
             self.slot_feature.index_copy_(0, slots, out[last])
         self.slot_len.index_copy_(0, slots, dev["lens"])
         self.slot_last.index_copy_(0, slots, first)
+        if self.slot_lag is not None:
+            self.slot_lag.index_copy_(0, slots, torch.zeros_like(slots))
         self.slot_len[self.dummy_slot:].zero_()
 
     def _set_slots(self, reqs: list[Request]) -> None:
@@ -421,11 +481,17 @@ class EagleWorker:
         bufs.rows[:bp].copy_(staged, non_blocking=True)
         greedy = all(r.params.greedy for r in reqs)
         reach = self._reach(reqs, graph_bucket)
+        if bufs.steps > 0 and self._lag_rounds:  # drafting resumes: the draft cache first
+            self._catch_up(bufs, bp, reach, graph_bucket)
         for phase in self._phases(bufs.steps):
             if graph_bucket is None:
                 self._body(bufs, phase, bp, reach, greedy)()
             else:  # draft-extend samples nothing: one graph serves both
                 bufs.graphs[(phase, graph_bucket, greedy or phase == "extend")].replay()
+        if bufs.steps == 0 and self.slot_lag is not None:
+            self._lag_rounds += 1
+            if self._lag_rounds == self.catchup_every:  # the ring is full for a row in every round
+                self._catch_up(bufs, bp, reach, graph_bucket)
         width = bufs.out.shape[1]
         out = bufs.out[:len(reqs)]
         host = stage.out[:len(reqs) * width].view(len(reqs), width)
@@ -435,6 +501,13 @@ class EagleWorker:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
         return LaunchedRound(reqs=reqs, slots=slots, host=host, done=done, steps=bufs.steps)
+
+    def _catch_up(self, bufs: StepBuffers, bp: int, reach: int, graph_bucket: int | None) -> None:
+        if graph_bucket is None:
+            self._catchup_phase(bufs, bp, reach, True)
+        else:
+            self._catchup_graphs[graph_bucket].replay()
+        self._lag_rounds = 0
 
     def collect(self, launched: "LaunchedRound") -> "RoundResult":
         """Wait for a launched round and read its results (the round's one host synchronisation:

@@ -280,24 +280,39 @@ class Engine:
 
     def measure_round_costs(self, repeats: int = 5, context: int = 0) -> dict[int, dict[int, float]]:
         """Seconds of one round at every tier and batch bucket (dummy rows, the graphs when the
-        engine has them; the median of `repeats`): what the goodput policy weighs depths with.
-        `context`: the dummy rows' cache length (their attention reads that many positions of the
-        dummy page). Collective: every rank measures the same tiers and buckets in the same order."""
+        engine has them): what the goodput policy weighs depths with. Each sample is a chain of
+        `worker.catchup_every` rounds run as the engine runs them — back to back, each read
+        after the next is launched, with overlap; launched and read one by one without — divided
+        by its length (so a depth-0 tier's share of the draft cache's catch-up is in it); the
+        median of `repeats` chains after a warm-up chain. `context`: the dummy rows' cache length
+        (their attention reads that many positions of the dummy page). Collective: every rank
+        measures the same tiers and buckets in the same order."""
         buckets = self.worker.buckets or tuple(b for b in self.config.spec.graph_buckets
                                                if b <= self.config.max_batch_size) or (1,)
         sync = (torch.cuda.synchronize if self.worker.device.type == "cuda" else (lambda: None))
+        chain = self.worker.catchup_every
         table: dict[int, dict[int, float]] = {}
         for bucket in buckets:
+            graph = bucket if self.worker.buckets else None
             for steps in self.pool.states:
                 self.pool.apply(steps)
                 times = []
                 for _ in range(repeats + 1):  # the first is a warm-up
-                    self.worker.slot_len[self.worker.dummy_slot] = context
                     sync()
                     start = time.perf_counter()
-                    self.worker.spec_round([], bucket, bucket if self.worker.buckets else None)
+                    previous = None
+                    for _ in range(chain):
+                        if context:
+                            self.worker.slot_len[self.worker.dummy_slot] = context
+                        handle = self.worker.launch([], bucket, graph)
+                        if not self.config.overlap:
+                            self.worker.collect(handle)
+                        elif previous is not None:
+                            self.worker.collect(previous)
+                        previous = handle
+                    self.worker.collect(previous)
                     sync()
-                    times.append(time.perf_counter() - start)
+                    times.append((time.perf_counter() - start) / chain)
                 table.setdefault(bucket, {})[steps] = statistics.median(times[1:])
         self.worker.slot_len[self.worker.dummy_slot] = 0
         self.pool.apply(self.config.spec.initial_steps)

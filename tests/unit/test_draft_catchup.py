@@ -1,0 +1,129 @@
+"""Depth 0 with a draft head is a plain decode round: the head's cache lags and is caught up in one
+forward every `catchup_every` depth-0 rounds and before drafting resumes. The caught-up draft cache
+and head feature must be the ones a prefill of the same tokens gives (what running the head every
+round gave), and the catch-up must run exactly where the rule says, eager and on the graph path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaptive_dist.controller import RoundPlan
+from engine_fixtures import check_pages_back, engine_for, random_prompts, tiny_pair
+from workers.runtime_state import RuntimeStatePool
+from workers.sampling import SamplingParams
+
+
+class ScriptPlanner:
+    """Plans the depth of round i as `script[i]` (the last entry once the script runs out)."""
+
+    def __init__(self, script: list[int], use_graph: bool, bucket: int | None) -> None:
+        self.script, self.use_graph, self.bucket, self.i = script, use_graph, bucket, 0
+
+    def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
+                    done: bool = False, num_extend: int = 0, **serving) -> RoundPlan:
+        steps = self.script[min(self.i, len(self.script) - 1)]
+        self.i += 1
+        graph = self.use_graph and can_graph
+        return RoundPlan(round=self.i, steps=steps, use_graph=graph,
+                         batch_bucket=self.bucket if graph else None,
+                         batch_pad=self.bucket if graph else num_requests,
+                         extend_tokens=num_tokens, extend_requests=num_extend,
+                         cluster_requests=num_requests, switched=True, all_done=done)
+
+    def end_round(self, accepts, executed=None, plan=None) -> None:
+        assert all(a == 0 for a in accepts) or plan.steps > 0
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair(seed=0)
+
+
+def _engine(pair, script: list[int], graphs: bool, tiers=(0, 3)):
+    engine = engine_for(*pair, "static", steps=3, cuda_graphs=graphs)
+    engine.pool = RuntimeStatePool(engine.worker, tiers)
+    engine.planner = ScriptPlanner(script, graphs, 4)
+    return engine
+
+
+def _draft_state(engine, req) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(draft K and V of KV indices 0..n-1 for every layer, the head feature g_n, n)."""
+    worker = engine.worker
+    n = int(worker.slot_len[req.slot])
+    ps = worker.draft_kv.page_size
+    flat = torch.tensor([req.pages[j // ps] * ps + j % ps for j in range(n)])
+    kv = [t.view(-1, *t.shape[2:])[flat] for t in worker.draft_kv.k + worker.draft_kv.v]
+    return torch.stack(kv), worker.slot_feature[req.slot].clone(), n
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
+@pytest.mark.parametrize("rounds", [3, 8, 13])
+def test_caught_up_draft_cache_equals_a_prefill_of_the_same_tokens(pair, rounds, graphs) -> None:
+    prompts = random_prompts(3, vocab=64, seed=11, lo=3, hi=14)
+    engine = _engine(pair, [0], graphs)
+    reqs = [engine.add(p, SamplingParams(max_new_tokens=rounds + 5)) for p in prompts]
+    for _ in range(rounds):
+        engine.step()
+    worker = engine.worker
+    assert all(len(r.output_ids) == rounds + 1 for r in reqs)
+    lag = rounds % worker.catchup_every
+    assert worker._lag_rounds == lag
+    assert [int(worker.slot_lag[r.slot]) for r in reqs] == [lag] * len(reqs)
+    plan = engine.last_plan
+    reach = worker.slot_pages.shape[1]
+    worker._catch_up(worker.state.payload, plan.batch_bucket or len(reqs), reach,
+                     plan.batch_bucket)
+    assert worker._lag_rounds == 0 and all(int(worker.slot_lag[r.slot]) == 0 for r in reqs)
+
+    # reference: a fresh worker prefilling prompt + outputs but the last (greedy: it redraws it)
+    fresh = engine_for(*pair, "static", steps=3)
+    refs = [fresh.add(p + r.output_ids[:-1], SamplingParams(max_new_tokens=4))
+            for p, r in zip(prompts, reqs)]
+    admitted = fresh.scheduler.admit()
+    fresh.worker.prefill(admitted, sum(len(r.prompt_ids) for r in admitted), len(admitted))
+    for req, ref in zip(reqs, refs):
+        assert int(fresh.worker.slot_last[ref.slot]) == req.output_ids[-1]
+        kv, g, n = _draft_state(engine, req)
+        kv_ref, g_ref, n_ref = _draft_state(fresh, ref)
+        assert n == n_ref == len(req.prompt_ids) + rounds
+        torch.testing.assert_close(kv, kv_ref, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-9)
+    engine.close()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
+def test_catch_up_runs_every_catchup_every_rounds_and_before_drafting(pair, graphs) -> None:
+    every = 8
+    script = [0] * 20 + [3, 3] + [0] * 3 + [1] + [0] * 2 + [3]
+    engine = _engine(pair, script, graphs, tiers=(0, 1, 3))
+    worker = engine.worker
+    assert worker.catchup_every == every
+    calls: list[int] = []
+    real = worker._catch_up
+
+    def counted(*args):
+        calls.append(engine.planner.i)
+        real(*args)
+
+    worker._catch_up = counted
+    prompts = random_prompts(2, vocab=64, seed=3)
+    reqs = [engine.add(p, SamplingParams(max_new_tokens=60)) for p in prompts]
+    for _ in range(len(script)):
+        engine.step()
+    # rounds 8 and 16 (full rings), 21 (the first depth-3 round, after 4 depth-0 rounds), 26 (the
+    # depth-1 round after 3 depth-0 rounds), 29 (the depth-3 round after 2)
+    assert calls == [8, 16, 21, 26, 29]
+    assert (len(worker._catchup_graphs) > 0) == graphs
+    while engine.scheduler.has_work:
+        engine.step()
+    engine.drain()
+    plain = engine_for(pair[0], None, "nospec")
+    ref = plain.generate(prompts, SamplingParams(max_new_tokens=60))
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
+    engine.close()
+    check_pages_back(engine)
+
+
+def test_a_head_without_a_depth_0_tier_keeps_no_lag_state(pair) -> None:
+    engine = engine_for(*pair, "static", steps=3)
+    assert engine.worker.slot_lag is None and engine.worker.lag_features is None
