@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from adaptive_dist.config import AdaptiveConfig, load_config
+from adaptive_dist.controller import RoundPlan
 from workers.config import EngineConfig, no_spec
 from workers.engine import Engine, build_engine
 from workers.model import EagleConfig, EagleHead, LlamaConfig, LlamaForCausalLM, save_pretrained
@@ -110,3 +111,25 @@ def engine_for(target: LlamaForCausalLM, head: EagleHead | None, mode: str = "st
     cfg = engine_config(mode, steps, config, max_batch, num_pages, page_size, device,
                         max_context=target.config.max_position_embeddings, **kw)
     return build_engine(cfg, target, head)
+
+
+class ScriptPlanner:
+    """Plans the depth of round i as `script[i]` (the last entry once the script runs out), every
+    round padded to `bucket` rows (None: the batch), through the graphs when `use_graph`."""
+
+    def __init__(self, script: list[int], use_graph: bool, bucket: int | None) -> None:
+        self.script, self.use_graph, self.bucket, self.i = script, use_graph, bucket, 0
+
+    def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
+                    done: bool = False, num_extend: int = 0, **serving) -> RoundPlan:
+        steps = self.script[min(self.i, len(self.script) - 1)]
+        self.i += 1
+        graph = self.use_graph and can_graph
+        return RoundPlan(round=self.i, steps=steps, use_graph=graph,
+                         batch_bucket=self.bucket if graph else None,
+                         batch_pad=self.bucket or num_requests,
+                         extend_tokens=num_tokens, extend_requests=num_extend,
+                         cluster_requests=num_requests, switched=True, all_done=done)
+
+    def end_round(self, accepts, executed=None, plan=None) -> None:
+        assert all(a == 0 for a in accepts) or plan.steps > 0

@@ -122,7 +122,7 @@ class StepBuffers:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.rows, self.drafts, self.q, self.hidden, self.accept, self.tokens, self.out)
+        tensors = (self.drafts, self.q, self.hidden, self.accept, self.tokens, self.out)  # not rows
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -236,7 +236,7 @@ class EagleWorker:
                            q=zeros(top, steps, vocab, dt=torch.float32),
                            hidden=zeros(top * width, dim, dt=self.slot_feature.dtype),
                            accept=zeros(top), tokens=zeros(top, width), out=zeros(top, 2 + width))
-        nbytes = bufs.nbytes - self.round_rows.numel() * self.round_rows.element_size()
+        nbytes = bufs.nbytes
         if steps == 0 and self.slot_lag is not None:
             nbytes += sum(t.numel() * t.element_size()
                           for t in (self.slot_lag, self.lag_tokens, self.lag_features))

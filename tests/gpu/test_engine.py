@@ -18,12 +18,13 @@ import pytest
 import torch
 
 from adaptive_dist.config import AdaptiveConfig
-from engine_fixtures import check_pages_back, engine_for, random_prompts, tiny_pair
+from engine_fixtures import ScriptPlanner, check_pages_back, engine_for, random_prompts, tiny_pair
 from workers.attention import ForwardMode, build_metadata
 from workers.attention.torch_backend import TorchBackend
 from workers.engine import Engine
 from workers.kv_cache import KVPool, PageAllocator
 from workers.model import DenseCausalAttention
+from workers.runtime_state import RuntimeStatePool
 from workers.sampling import SamplingParams
 
 CUDA = torch.cuda.is_available()
@@ -146,6 +147,26 @@ def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference
     assert engine.stats.switches >= 1 and engine.stats.graph_rounds == engine.stats.rounds
     assert runner.num_captures == captured, "a tier switch captured a graph"
     _close_and_check_pages(engine)
+
+
+@gpu
+@needs_cuda
+def test_depth_0_catch_up_graphs_equal_eager(gpu_pair, prompts, reference) -> None:
+    """Depth-0 rounds (the head's cache lagging) and the catch-up forward, replayed from CUDA
+    graphs, leave the draft cache as the eager rounds do: with the same schedule of depths the
+    drafts, hence the accept lengths, are identical, and the tokens are plain greedy's."""
+    script = [0] * 11 + [3] * 3 + [0] * 5 + [1] * 2 + [0] * 9 + [7]
+    runs = []
+    for graphs in (False, True):
+        engine = _engine(*gpu_pair, "static", 3, graphs=graphs, device="cuda")
+        engine.pool = RuntimeStatePool(engine.worker, (0, 1, 3, 7))
+        engine.planner = ScriptPlanner(script, graphs, 4)
+        out = _outputs(engine, prompts, _params(len(prompts)))
+        assert out == reference
+        assert bool(engine.worker._catchup_graphs) == graphs
+        runs.append(dict(engine.stats.accept_histogram))
+        _close_and_check_pages(engine)
+    assert runs[0] == runs[1] and sum(v for k, v in runs[0].items() if k > 0) > 0
 
 
 @gpu

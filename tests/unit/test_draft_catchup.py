@@ -7,31 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaptive_dist.controller import RoundPlan
-from engine_fixtures import check_pages_back, engine_for, random_prompts, tiny_pair
+from engine_fixtures import ScriptPlanner, check_pages_back, engine_for, random_prompts, tiny_pair
 from workers.runtime_state import RuntimeStatePool
 from workers.sampling import SamplingParams
-
-
-class ScriptPlanner:
-    """Plans the depth of round i as `script[i]` (the last entry once the script runs out)."""
-
-    def __init__(self, script: list[int], use_graph: bool, bucket: int | None) -> None:
-        self.script, self.use_graph, self.bucket, self.i = script, use_graph, bucket, 0
-
-    def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
-                    done: bool = False, num_extend: int = 0, **serving) -> RoundPlan:
-        steps = self.script[min(self.i, len(self.script) - 1)]
-        self.i += 1
-        graph = self.use_graph and can_graph
-        return RoundPlan(round=self.i, steps=steps, use_graph=graph,
-                         batch_bucket=self.bucket if graph else None,
-                         batch_pad=self.bucket if graph else num_requests,
-                         extend_tokens=num_tokens, extend_requests=num_extend,
-                         cluster_requests=num_requests, switched=True, all_done=done)
-
-    def end_round(self, accepts, executed=None, plan=None) -> None:
-        assert all(a == 0 for a in accepts) or plan.steps > 0
 
 
 @pytest.fixture(scope="module")
