@@ -158,7 +158,7 @@ def test_depth_0_catch_up_graphs_equal_eager(gpu_pair, prompts, reference) -> No
     script = [0] * 11 + [3] * 3 + [0] * 5 + [1] * 2 + [0] * 9 + [7]
     runs = []
     for graphs in (False, True):
-        engine = _engine(*gpu_pair, "static", 3, graphs=graphs, device="cuda")
+        engine = _engine(*gpu_pair, "static", 7, graphs=graphs, device="cuda")
         engine.pool = RuntimeStatePool(engine.worker, (0, 1, 3, 7))
         engine.planner = ScriptPlanner(script, graphs, 4)
         out = _outputs(engine, prompts, _params(len(prompts)))
