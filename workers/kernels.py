@@ -10,6 +10,8 @@ ops with one launch and computes in float32 like the torch code it replaces:
   residual add is) and ``rms_norm(s)``, both returned, 1 launch instead of 7;
 - ``rope(x, cos, sin)``: rotate-half RoPE of ``x`` [T, H, D], 1 launch instead of 7;
 - ``silu_mul(g, u)``: ``silu(g) * u``, 1 launch instead of 2;
+- ``store_kv(k_cache, v_cache, slots, k, v)``: a layer's new K and V into the paged cache, 1
+  launch instead of 2 (``index_copy_`` each);
 - ``padded_attention(...)``: causal attention of a padded batch (``B`` rows of ``width`` token
   slots) over its paged KV, online softmax in float32, grouped-query heads; 1 launch instead of
   the gather / repeat / mask / SDPA chain of ``workers.attention.static_backend``.
@@ -137,8 +139,25 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         out = out_ptr + (tok * heads + h) * head_dim + d
         tl.store(out, (acc / l_i).to(out_ptr.dtype.element_ty), mask=dmask)
 
+    @triton.jit
+    def store_kv_kernel(k_ptr, v_ptr, slots_ptr, kc_ptr, vc_ptr, stride_kt, stride_kh,
+                        stride_vt, stride_vh, stride_cs, stride_ch, stride_vcs, stride_vch,
+                        head_dim, cache_dim, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        src = d < head_dim
+        dst = d < cache_dim     # channels head_dim..cache_dim-1 of the cache get zeros
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=src, other=0.0)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=src, other=0.0)
+        tl.store(kc_ptr + slot * stride_cs + h * stride_ch + d, k.to(kc_ptr.dtype.element_ty),
+                 mask=dst)
+        tl.store(vc_ptr + slot * stride_vcs + h * stride_vch + d, v.to(vc_ptr.dtype.element_ty),
+                 mask=dst)
+
     return SimpleNamespace(rms_norm=rms_norm_kernel, rope=rope_kernel, silu_mul=silu_mul_kernel,
-                           padded_attention=padded_attention_kernel)
+                           padded_attention=padded_attention_kernel, store_kv=store_kv_kernel)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -195,6 +214,24 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         _kernels().silu_mul[(rows, -(-n // block))](g2, u2, out, g2.stride(0), u2.stride(0), n,
                                                     BLOCK=block)
     return out.view(g.shape)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """``k_cache[slots[t]] = k[t]`` and ``v_cache[slots[t]] = v[t]`` in one launch: `k`, `v`
+    [T, Hkv, D], the caches [S, Hkv, Ds] (Ds >= D: channels beyond D are stored as zeros), values
+    cast to the cache's dtype (as ``KVPool.write``'s two ``index_copy_``)."""
+    tokens, kv_heads, dim = k.shape
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if tokens:
+        slots, cache_dim = slots.contiguous(), k_cache.shape[-1]
+        _kernels().store_kv[(tokens, kv_heads)](
+            k, v, slots, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), dim,
+            cache_dim, BLOCK_D=_pow2(cache_dim))
 
 
 def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

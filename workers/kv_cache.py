@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from workers import kernels
+
 DUMMY_PAGE = 0
 
 
@@ -129,6 +131,9 @@ class KVPool:
         zero channels beyond the model's) of layer `layer` into flat slots `slots` (`[T]`)."""
         flat_k = self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
         flat_v = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
+        if kernels.enabled(k):  # both in one launch
+            kernels.store_kv(flat_k, flat_v, slots, k, v)
+            return
         flat_k.index_copy_(0, slots, _pad_channels(k, self.head_dim).to(flat_k.dtype))
         flat_v.index_copy_(0, slots, _pad_channels(v, self.head_dim).to(flat_v.dtype))
 

@@ -52,7 +52,12 @@ def tp_job(rank: int, root: str) -> dict:
         shapes = {"q": tuple(attn.q_proj.weight.shape), "k": tuple(attn.k_proj.weight.shape),
                   "o": tuple(attn.o_proj.weight.shape),
                   "down": tuple(target.model.layers[0].mlp.down_proj.weight.shape)}
-        return {"logits": logits.numpy(), "draft": draft.numpy(), "shapes": shapes}
+        mlp = target.model.layers[1].mlp
+        fused = {"qkv": attn.qkv.weight.numpy().copy(), "gate_up": mlp.gate_up.weight.numpy().copy(),
+                 "head_qkv": head.layers[0].self_attn.qkv.weight.numpy().copy(),
+                 "views": attn.q_proj.weight.data_ptr() == attn.qkv.weight.data_ptr()}
+        return {"logits": logits.numpy(), "draft": draft.numpy(), "shapes": shapes,
+                "fused": fused, "rank": ctx.rank}
     finally:
         ctx.shutdown()
 
@@ -69,3 +74,17 @@ def test_tp2_logits_equal_tp1(tmp_path):
         assert r.value["shapes"] == {"q": (32, 64), "k": (16, 64), "o": (64, 32), "down": (64, 48)}
         torch.testing.assert_close(torch.from_numpy(r.value["logits"]), want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(torch.from_numpy(r.value["draft"]), want_draft, atol=1e-5, rtol=1e-5)
+        # each rank's fused weights are its own rows [q; k; v] and [gate; up], one buffer
+        rank, fused = r.value["rank"], r.value["fused"]
+        assert fused["views"]
+
+        def rows(w: torch.Tensor) -> torch.Tensor:
+            return w.chunk(2)[rank]
+
+        attn, mlp = target.model.layers[0].self_attn, target.model.layers[1].mlp
+        hattn = head.layers[0].self_attn
+        for got, parts in ((fused["qkv"], (attn.q_proj, attn.k_proj, attn.v_proj)),
+                           (fused["gate_up"], (mlp.gate_proj, mlp.up_proj)),
+                           (fused["head_qkv"], (hattn.q_proj, hattn.k_proj, hattn.v_proj))):
+            want_w = torch.cat([rows(m.weight.detach()) for m in parts])
+            assert torch.equal(torch.from_numpy(got), want_w)

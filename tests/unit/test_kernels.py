@@ -90,3 +90,32 @@ def test_enabled_only_on_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
         assert kernels.enabled(torch.zeros(1, device="cuda"))
         monkeypatch.setenv("ADAPTIVE_DIST_FUSED", "0")
         assert not kernels.enabled(torch.zeros(1, device="cuda"))
+
+
+@pytest.mark.parametrize("cache", [(torch.float32, 16), (torch.bfloat16, 24)])
+def test_store_kv_matches_index_copy(monkeypatch: pytest.MonkeyPatch, cache: tuple) -> None:
+    """One launch for K and V: strided inputs (views of a fused QKV output), a cache in another
+    dtype with wider heads (zero channels), repeated dummy slots."""
+    dtype, stored = cache
+    torch.manual_seed(3)
+    qkv = torch.randn(6, 5 * 2 * 16, device=DEV)
+    k = qkv[:, 64:96].view(6, 2, 16)
+    v = qkv[:, 96:128].view(6, 2, 16)
+    slots = torch.tensor([5, 9, 0, 0, 17, 2], device=DEV)
+
+    def pool() -> KVPool:
+        p = KVPool(2, 4, 8, 2, stored, dtype=dtype, device=DEV)
+        for t in p.k + p.v:
+            t.normal_()
+        return p
+
+    want, got = pool(), pool()
+    for w, g in zip(want.k + want.v, got.k + got.v):
+        g.copy_(w)
+    want.write(1, slots[[0, 1, 2, 4, 5]], k[[0, 1, 2, 4, 5]], v[[0, 1, 2, 4, 5]])
+    monkeypatch.setattr(kernels, "enabled", lambda x: True)
+    got.write(1, slots[[0, 1, 2, 4, 5]], k[[0, 1, 2, 4, 5]], v[[0, 1, 2, 4, 5]])
+    # exact, but triton's interpreter may round bfloat16 differently from the GPU by one unit
+    exact = dtype == torch.float32 or DEV == "cuda"
+    for w, g in zip(want.k + want.v, got.k + got.v):
+        torch.testing.assert_close(g, w, **({"atol": 0, "rtol": 0} if exact else tol(dtype)))

@@ -39,7 +39,7 @@ from torch import nn
 from workers.model.config import EagleConfig
 from workers.attention.base import LayerAttention
 from workers.model.layers import RMSNorm, RotaryEmbedding
-from workers.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+from workers.model.llama import LlamaDecoderLayer, LlamaForCausalLM, run_layers
 
 
 class EagleHead(nn.Module):
@@ -70,9 +70,7 @@ class EagleHead(nn.Module):
         cos, sin = self.rotary(positions)
         emb = self.target.embed(input_ids).to(features.dtype)
         x = self.fc(torch.cat((emb, features), dim=-1))
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+        return run_layers(self.layers, x, cos, sin, attn, self.norm)[1]
 
     def compute_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab_size] through the target's LM head."""

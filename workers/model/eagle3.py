@@ -60,10 +60,17 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, embedding: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, attn: LayerAttention) -> torch.Tensor:
+        x, delta = self.parts(embedding, hidden, cos, sin, attn)
+        return x + delta
+
+    def parts(self, embedding: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, attn: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual after attention, the MLP's output): ``forward`` is their sum, left
+        to the caller's norm to add (one launch)."""
         both = torch.cat((self.input_layernorm(embedding), self.hidden_norm(hidden)), dim=-1)
         x, h = self.post_attention_layernorm.add_forward(hidden,
                                                          self.self_attn(both, cos, sin, attn))
-        return x + self.mlp(h)
+        return x, self.mlp(h)
 
 
 def vocab_map_problem(d2t: torch.Tensor, t2d: Optional[torch.Tensor], vocab: int) -> Optional[str]:
@@ -147,8 +154,9 @@ class Eagle3Head(nn.Module):
         hidden = features[..., d:]
         embed = self.embed_tokens if self.embed_tokens is not None else self.target.embed
         cos, sin = self.rotary(positions)
-        x = self.midlayer(embed(input_ids).to(hidden.dtype), hidden, cos, sin, attn)
-        return torch.cat((self.norm(x), x), dim=-1)
+        x, delta = self.midlayer.parts(embed(input_ids).to(hidden.dtype), hidden, cos, sin, attn)
+        x, normed = self.norm.add_forward(x, delta)
+        return torch.cat((normed, x), dim=-1)
 
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab_size] over target ids: the draft logits at ``draft_to_target``,

@@ -146,6 +146,91 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class FusedColumns:
+    """Sibling ``ColumnParallelLinear`` s of one input read as one: ``y = x [W_1; W_2; ...]^T``,
+    one GEMM instead of one per linear (q/k/v, gate/up). Each linear keeps its own parameters
+    (checkpoint names, shard specs, loading and saving are unchanged), but their storage is one
+    buffer per kind: each parameter is a view of rows of it, so on every rank the fused weight is
+    ``[W_1 local rows; W_2 local rows; ...]`` and the outputs come back as the concatenation of
+    the linears' outputs, split by ``split``. Nothing is held twice.
+
+    The owner calls ``fuse()`` after construction and after anything that gives the parameters
+    new storage (``Module._apply``: ``to``, ``to_empty``, ``cuda``, dtype casts; see
+    ``FusedOwner``). In-place writes into the parameters (loading, initialisation, optimisers)
+    go to the shared buffer. Should the parameters no longer be views of it (e.g. replaced by
+    ``load_state_dict(assign=True)``), or gradients be needed, ``weights()`` concatenates them
+    per call instead: the same math, one more kernel."""
+
+    def __init__(self, *linears: "ColumnParallelLinear") -> None:
+        self.linears = linears
+        self.split = [m.out_local for m in linears]
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self._ptrs: tuple[int, ...] = ()
+        self.has_bias = all(m.bias is not None for m in linears)
+        if any(m.bias is not None for m in linears) and not self.has_bias:
+            raise ValueError("fused linears must all have a bias or none")
+
+    def _params(self) -> list[nn.Parameter]:
+        out = [m.weight for m in self.linears]
+        return out + [m.bias for m in self.linears] if self.has_bias else out
+
+    def release(self) -> None:
+        """Drop the fused buffers (before the parameters get new storage)."""
+        self.weight = self.bias = None
+        self._ptrs = ()
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Make every parameter a view of rows of one buffer (one copy of the weights)."""
+        self.release()
+        self.weight = _fuse_rows([m.weight for m in self.linears])
+        if self.has_bias:
+            self.bias = _fuse_rows([m.bias for m in self.linears])
+        self._ptrs = tuple(p.data_ptr() for p in self._params())
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused (weight, bias) for a forward."""
+        params = self._params()
+        fresh = self.weight is not None and self._ptrs == tuple(p.data_ptr() for p in params)
+        if fresh and not (torch.is_grad_enabled() and params[0].requires_grad):
+            return self.weight, self.bias
+        weight = torch.cat([m.weight for m in self.linears])
+        bias = torch.cat([m.bias for m in self.linears]) if self.has_bias else None
+        return weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., in] -> [..., sum of the linears' local outputs] (theirs, concatenated)."""
+        weight, bias = self.weights()
+        return F.linear(x, weight, bias)
+
+
+def _fuse_rows(params: list[nn.Parameter]) -> torch.Tensor:
+    """Concatenate ``params`` along dim 0 into one buffer and make each a view of its rows."""
+    base = torch.cat([p.data for p in params])
+    lo = 0
+    for p in params:
+        p.data = base[lo:lo + p.shape[0]]
+        lo += p.shape[0]
+    return base
+
+
+class FusedOwner(nn.Module):
+    """A module holding ``FusedColumns`` (in ``self._fused``): re-fuses them whenever its
+    parameters get new storage (every ``to``/``to_empty``/``cuda``/dtype cast goes through
+    ``_apply``), so the fused buffers always follow the parameters' device and dtype."""
+
+    _fused: tuple[FusedColumns, ...] = ()
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN201 (nn.Module's signature)
+        for group in self._fused:
+            group.release()  # the old buffers go with the old storage
+        out = super()._apply(fn, recurse)
+        for group in self._fused:
+            group.fuse()
+        return out
+
+
 class RowParallelLinear(nn.Module):
     """``y = x W^T`` with W's input columns split over ``group``; ``x`` is this rank's input
     slice and the result this rank's partial sum (the caller reduces it over the right group)."""

@@ -39,6 +39,8 @@ from workers.attention.base import LayerAttention
 from workers.model.config import LlamaConfig, _DecoderDims
 from workers.model.layers import (
     ColumnParallelLinear,
+    FusedColumns,
+    FusedOwner,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
@@ -50,13 +52,17 @@ from workers.model.layers import (
 from workers.model.parallel import ModelParallel
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(FusedOwner):
     """Grouped-query self-attention over this rank's ``Hq/attn_tp`` query and ``Hkv/attn_tp`` KV
     heads; the output projection's partial sums are all-reduced over the ``attn`` group.
 
     ``in_features`` is the input width (default ``hidden_size``; an EAGLE-3 midlayer attends over
     ``2 * hidden_size``). ``cfg.qkv_bias`` adds q/k/v biases (Qwen2); ``cfg.qk_norm`` RMS-normalises
-    every query and key head before RoPE (Qwen3: ``q_norm`` / ``k_norm`` over ``head_dim``)."""
+    every query and key head before RoPE (Qwen3: ``q_norm`` / ``k_norm`` over ``head_dim``).
+
+    Q, K and V are one GEMM (``FusedColumns``: this rank's rows ``[q; k; v]`` in one buffer, the
+    parameters ``q_proj``/``k_proj``/``v_proj`` views of it) and, without ``qk_norm``, Q and K
+    are rotated in one RoPE launch (they are adjacent in the GEMM's output)."""
 
     def __init__(self, cfg: _DecoderDims, layer_id: int, par: ModelParallel,
                  in_features: int | None = None) -> None:
@@ -68,6 +74,9 @@ class LlamaAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(width, cfg.num_key_value_heads * hd, group, cfg.qkv_bias)
         self.v_proj = ColumnParallelLinear(width, cfg.num_key_value_heads * hd, group, cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, d, group)
+        self.qkv = FusedColumns(self.q_proj, self.k_proj, self.v_proj)
+        self._fused = (self.qkv,)
+        self.qkv.fuse()
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -76,20 +85,24 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: LayerAttention) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, -1, self.head_dim)
-        k = self.k_proj(x).view(t, -1, self.head_dim)
+        t, hd = x.shape[0], self.head_dim
+        nq, nk, _ = self.qkv.split
+        qkv = self.qkv(x)                                     # [T, (Hq + 2 Hkv) * D]
+        v = qkv[:, nq + nk:].view(t, -1, hd)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = self.v_proj(x).view(t, -1, self.head_dim)
+            q = apply_rope(self.q_norm(qkv[:, :nq].view(t, -1, hd)), cos, sin)
+            k = apply_rope(self.k_norm(qkv[:, nq:nq + nk].view(t, -1, hd)), cos, sin)
+        else:  # q and k heads side by side: one rotation
+            qk = apply_rope(qkv[:, :nq + nk].view(t, -1, hd), cos, sin)
+            q, k = qk[:, :nq // hd], qk[:, nq // hd:]
         out = attn.forward(self.layer_id, q, k, v)
         return ops.all_reduce(self.o_proj(out.reshape(t, -1)), self.group)
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(FusedOwner):
     """SwiGLU ``down(silu(gate(x)) * up(x))`` over every replica's tokens and this rank's slice of
-    the intermediate size; returns this replica's rows summed over the world."""
+    the intermediate size; returns this replica's rows summed over the world. Gate and up are one
+    GEMM (``FusedColumns``, as Q/K/V in ``LlamaAttention``)."""
 
     def __init__(self, cfg: _DecoderDims, par: ModelParallel) -> None:
         super().__init__()
@@ -98,16 +111,25 @@ class LlamaMLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(d, f, par.mlp)
         self.up_proj = ColumnParallelLinear(d, f, par.mlp)
         self.down_proj = RowParallelLinear(f, d, par.mlp)
+        self.gate_up = FusedColumns(self.gate_proj, self.up_proj)
+        self._fused = (self.gate_up,)
+        self.gate_up.fuse()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = self.par.gather(x)
-        partial = self.down_proj(silu_mul(self.gate_proj(tokens), self.up_proj(tokens)))
+        f = self.gate_up.split[0]
+        gate_up = self.gate_up(tokens)                        # [T, 2 * F_local]
+        partial = self.down_proj(silu_mul(gate_up[..., :f], gate_up[..., f:]))
         return self.par.scatter_sum(partial)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``. ``input_norm=False``
-    drops the first norm (the first layer of an EAGLE project head has none)."""
+    drops the first norm (the first layer of an EAGLE project head has none).
+
+    A stack of layers runs as ``enter`` / ``body`` pairs (``run_layers``): a layer's last residual
+    add is left to the next norm, which adds and normalises in one launch
+    (``RMSNorm.add_forward``); the sums are the same."""
 
     def __init__(self, cfg: _DecoderDims, layer_id: int, par: ModelParallel,
                  input_norm: bool = True) -> None:
@@ -119,9 +141,48 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: LayerAttention) -> torch.Tensor:
-        x, h = self.post_attention_layernorm.add_forward(
-            x, self.self_attn(self.input_layernorm(x), cos, sin, attn))
-        return x + self.mlp(h)
+        x, delta = self.body(*self.enter(x, None), cos, sin, attn)
+        return x + delta
+
+    def enter(self, x: torch.Tensor, delta: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream entering the layer, ``x + delta``; its input norm)."""
+        return add_norm(self.input_layernorm, x, delta)
+
+    def body(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             attn: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer over residual ``x`` and its norm ``h``: (the residual after attention, the
+        MLP's output); the layer's output is their sum."""
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, attn))
+        return x, self.mlp(h)
+
+
+def add_norm(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, norm(s))`` for ``s = x + delta`` (``x`` when ``delta`` is None); one launch for an
+    ``RMSNorm`` on the fused path."""
+    if delta is None:
+        return x, norm(x)
+    if isinstance(norm, RMSNorm):
+        return norm.add_forward(x, delta)
+    x = x + delta
+    return x, norm(x)
+
+
+def run_layers(layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attn: LayerAttention, final_norm: nn.Module, capture: tuple[int, ...] = ()
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """``x`` through ``layers`` then ``final_norm``: (the residual stream after the last layer,
+    its norm, the residual stream entering each layer in ``capture``), each residual add fused
+    into the norm that follows it."""
+    delta, seen = None, {}
+    for i, layer in enumerate(layers):
+        x, h = layer.enter(x, delta)
+        if i in capture:
+            seen[i] = x
+        x, delta = layer.body(x, h, cos, sin, attn)
+    x, out = add_norm(final_norm, x, delta)
+    return x, out, seen
 
 
 class LlamaModel(nn.Module):
@@ -143,14 +204,10 @@ class LlamaModel(nn.Module):
         """(final-norm hidden states, the residual stream entering each layer in ``capture``;
         index ``num_layers``: after the last layer, before the final norm)."""
         cos, sin = self.rotary(positions)
-        x = self.embed_tokens(input_ids)
-        seen = {}
-        for i, layer in enumerate(self.layers):
-            if i in capture:
-                seen[i] = x
-            x = layer(x, cos, sin, attn)
+        x, out, seen = run_layers(self.layers, self.embed_tokens(input_ids), cos, sin, attn,
+                                  self.norm, capture)
         seen[len(self.layers)] = x
-        return self.norm(x), [seen[i] for i in capture]
+        return out, [seen[i] for i in capture]
 
 
 @dataclass(frozen=True, eq=False)

@@ -220,11 +220,17 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> Iterator
 
 def _tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Parameters in ``dtype`` and persistent buffers as they are (d2t, t2d), whole, on the CPU."""
-    out = {n: p.detach().to("cpu", dtype).contiguous() for n, p in model.named_parameters()}
+    out = {n: _own(p.detach().to("cpu", dtype).contiguous()) for n, p in model.named_parameters()}
     persistent = set(model.state_dict())
     out.update({n: b.detach().to("cpu").contiguous() for n, b in model.named_buffers()
                 if n in persistent})
     return out
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied when it is a view into a larger buffer (fused Q/K/V, gate/up: see
+    ``workers.model.layers.FusedColumns``), so every saved tensor owns exactly its bytes."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 def save_pretrained(model: LlamaForCausalLM | DraftHead, path: str | Path,

@@ -1,0 +1,224 @@
+"""Device kernels per phase of a speculative round, counted on a CPU (no GPU needed).
+
+    python scripts/count_kernels.py [--batch 16] [--depths 0 1 3 7] [--sampled] [--out FILE]
+        [--ops]                        # also the per-op breakdown of every phase
+    python scripts/count_kernels.py --merge BEFORE.json AFTER.json   # one before/after table
+
+On the GPU a round runs as CUDA graphs whose wall time is about the kernel time plus ~1.4 us per
+kernel node, so the number of kernels a round launches matters as much as their work. This
+script builds the engine with the bundled pair on the CPU, makes the fused kernels of
+``workers.kernels`` serve CPU tensors (``kernels.enabled`` forced on while counting; each triton
+launch is recorded, not run: values do not change which ops run, and triton's interpreter would
+take minutes), and calls each phase body of the worker (``draft``,
+``verify``, ``extend``: exactly what one CUDA graph of a round holds) once under
+``torch.profiler``. It counts:
+
+- every triton launch of ``workers.kernels`` as one kernel (the aten ops the interpreter runs
+  inside a launch are not counted);
+- every aten op that launches a kernel on a device: an op with no counted op below it in the
+  profiler's tree, except pure view / metadata / allocation ops (``VIEW_OPS``). A composite op
+  counts what it calls (``aten::linear`` -> ``aten::mm``).
+
+Not modelled: cuBLAS's split-K reduce kernels (a GEMM counts as one), multi-kernel CUDA
+implementations of one op (sort, cumsum, searchsorted count one each), and ops the CPU
+implements differently. The counts are for comparing trees, not an exact trace of a GPU.
+
+Run it on another tree (e.g. ``git worktree add /tmp/before HEAD``) with
+``PYTHONPATH=/tmp/before``: the script imports ``workers`` from the path, not from its folder.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+
+import torch  # noqa: E402
+
+VIEW_OPS = frozenset(f"aten::{n}" for n in (
+    "view", "reshape", "_reshape_alias", "as_strided", "slice", "select", "expand", "expand_as",
+    "t", "transpose", "permute", "unsqueeze", "squeeze", "detach", "alias", "_unsafe_view",
+    "empty", "empty_strided", "empty_like", "resolve_conj", "resolve_neg", "lift_fresh",
+    "numpy_T", "unflatten", "flatten", "split", "split_with_sizes", "chunk", "unbind",
+    "narrow", "contiguous", "to", "_to_copy_noop", "view_as", "result_type", "is_nonzero",
+    "item", "_local_scalar_dense", "size", "stride", "dim", "sym_size", "sym_stride",
+    "set_", "resize_", "_has_compatible_shallow_copy_type", "new_empty", "new_empty_strided",
+    "_nested_tensor_from_mask_left_aligned", "diagonal", "movedim", "swapaxes", "matrix_H",
+    "type_as", "align_as", "retains_grad", "requires_grad_", "output_nr", "_version",
+    "is_same_size", "broadcast_tensors", "meshgrid", "atleast_1d", "real", "imag", "conj",
+))
+TRITON_PREFIX = "triton::"
+
+
+class _Counting:
+    """While on: the fused kernels of ``workers.kernels`` serve CPU tensors, and every triton
+    launch is a profiler range ``triton::<kernel>`` that does not run the kernel (outputs are left
+    as allocated: the phases' shapes and ops do not depend on values, and the interpreter would
+    take minutes)."""
+
+    on = False
+
+    @classmethod
+    def install(cls) -> None:
+        from types import SimpleNamespace
+
+        from workers import kernels
+
+        real_enabled = kernels.enabled
+        kernels.enabled = lambda x: True if cls.on else real_enabled(x)  # noqa: E731
+
+        class Launcher:
+            def __init__(self, name: str, kernel: Any) -> None:
+                self.name, self.kernel = name, kernel
+
+            def __getitem__(self, grid: Any) -> Any:
+                def run(*args: Any, **kwargs: Any) -> None:
+                    with torch.profiler.record_function(TRITON_PREFIX + self.name):
+                        pass
+                return run
+
+        real = kernels._kernels()
+        wrapped = SimpleNamespace(**{k: Launcher(k, v) for k, v in vars(real).items()})
+        kernels._kernels = lambda: wrapped  # noqa: E731 (read at every launch)
+
+
+def count_events(events: list[Any]) -> Counter:
+    """Kernel launches by op name in a profiler event list (see the module docstring)."""
+    out: Counter = Counter()
+
+    def walk(e: Any) -> Counter:
+        if e.name.startswith(TRITON_PREFIX):
+            return Counter({e.name: 1})
+        below: Counter = Counter()
+        for child in e.cpu_children:
+            below.update(walk(child))
+        if below:
+            return below
+        if e.name.startswith("aten::") and e.name not in VIEW_OPS:
+            return Counter({e.name: 1})
+        return Counter()
+
+    for e in events:
+        if e.cpu_parent is None:
+            out.update(walk(e))
+    return out
+
+
+def profile_call(fn: Any) -> Counter:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return count_events(list(prof.events()))
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[256] + [(7 * i + 3 * j) % 200 + 32 for j in range(24 + i)] for i in range(n)]
+
+
+def count_depth(target: Any, head: Any, depth: int, batch: int, greedy: bool) -> dict:
+    from adaptive_dist.config import load_config
+    from workers.config import EngineConfig, no_spec
+    from workers.engine import build_engine
+    from workers.sampling import SamplingParams
+
+    spec = no_spec() if depth == 0 else load_config(None, "static", initial_steps=depth)
+    cfg = EngineConfig(spec=spec, max_batch_size=batch, max_context_len=128, device="cpu")
+    engine = build_engine(cfg, target, head if depth else None)
+    params = SamplingParams(max_new_tokens=3) if greedy else SamplingParams(
+        max_new_tokens=3, temperature=0.8, top_p=0.9, seed=1)
+    engine.generate(prompts(batch), params)     # warm: fills slots, applies the runtime state
+    worker = engine.worker
+    bufs = worker.state.payload
+    reach = worker.slot_pages.shape[1]
+    lens = worker.slot_len.clone()
+    phases = worker._phases(bufs.steps)
+    res: dict[str, Any] = {}
+    with torch.inference_mode():
+        bufs.rows[:batch] = torch.arange(batch)
+        for phase in phases:
+            body = worker._body(bufs, phase, batch, reach, greedy)
+            worker.slot_len.copy_(lens)
+            worker.slot_len[:batch] = 40
+            _Counting.on = True
+            try:
+                ops = profile_call(body)
+            finally:
+                _Counting.on = False
+            res[phase] = {"kernels": sum(ops.values()), "ops": dict(ops.most_common())}
+    engine.close()
+    res["round"] = sum(res[p]["kernels"] for p in phases)
+    return res
+
+
+def run(args: argparse.Namespace) -> dict:
+    from workers import loading
+
+    torch.set_num_threads(1)
+    target, head = loading.load_pair(loading.DEFAULT_MODEL, device="cpu")
+    _Counting.install()
+    out = {"meta": {"batch": args.batch, "greedy": not args.sampled,
+                    "workers": str(Path(loading.__file__).resolve().parent.parent),
+                    "torch": torch.__version__}, "depths": {}}
+    for depth in args.depths:
+        out["depths"][str(depth)] = count_depth(target, head, depth, args.batch, not args.sampled)
+    return out
+
+
+def table(before: dict | None, after: dict, ops: bool = False) -> str:
+    lines = [f"kernels per phase, batch {after['meta']['batch']}, "
+             f"{'greedy' if after['meta']['greedy'] else 'sampled'}"
+             + ("  (before -> after)" if before else "")]
+    lines.append(f"{'depth':<7}{'draft':>14}{'verify':>14}{'extend':>14}{'round':>14}")
+    for depth, rec in after["depths"].items():
+        old = (before or {}).get("depths", {}).get(depth, {})
+        cells = []
+        for phase in ("draft", "verify", "extend", "round"):
+            now = rec.get(phase)
+            now = now["kernels"] if isinstance(now, dict) else now
+            was = old.get(phase)
+            was = was["kernels"] if isinstance(was, dict) else was
+            if now is None:
+                cells.append(f"{'-':>14}")
+            elif was is None or not before:
+                cells.append(f"{now:>14}")
+            else:
+                cells.append(f"{f'{was} -> {now}':>14}")
+        lines.append(f"{('nospec' if depth == '0' else depth):<7}" + "".join(cells))
+    if ops:
+        for depth, rec in after["depths"].items():
+            for phase in ("draft", "verify", "extend"):
+                if phase in rec:
+                    top = ", ".join(f"{k.split('::')[-1]} {v}" for k, v in rec[phase]["ops"].items())
+                    lines.append(f"  depth {depth} {phase}: {top}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--depths", nargs="+", type=int, default=[0, 1, 3, 7])
+    p.add_argument("--sampled", action="store_true", help="sampled requests (default: greedy)")
+    p.add_argument("--ops", action="store_true", help="print the per-op breakdown")
+    p.add_argument("--merge", nargs=2, metavar=("BEFORE", "AFTER"), default=None)
+    p.add_argument("--out", default=None, help="write the counts as JSON")
+    args = p.parse_args()
+    if args.merge:
+        before, after = (json.loads(Path(f).read_text()) for f in args.merge)
+        print(table(before, after, args.ops))
+        return 0
+    result = run(args)
+    print(table(None, result, args.ops))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
