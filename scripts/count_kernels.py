@@ -57,9 +57,9 @@ TRITON_PREFIX = "triton::"
 
 class _Counting:
     """While on: the fused kernels of ``workers.kernels`` serve CPU tensors, and every triton
-    launch is a profiler range ``triton::<kernel>`` that does not run the kernel (outputs are left
-    as allocated: the phases' shapes and ops do not depend on values, and the interpreter would
-    take minutes)."""
+    launch is a profiler range ``triton::<kernel>`` that does not run the kernel (float outputs
+    are left as allocated, integer arguments are zeroed so ids stay in range: the phases' shapes
+    and ops do not depend on values, and the interpreter would take minutes)."""
 
     on = False
 
@@ -79,7 +79,9 @@ class _Counting:
             def __getitem__(self, grid: Any) -> Any:
                 def run(*args: Any, **kwargs: Any) -> None:
                     with torch.profiler.record_function(TRITON_PREFIX + self.name):
-                        pass
+                        for a in args:  # integer outputs (tokens, lengths) must stay in range
+                            if isinstance(a, torch.Tensor) and not a.is_floating_point():
+                                a.zero_()
                 return run
 
         real = kernels._kernels()

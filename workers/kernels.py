@@ -12,6 +12,8 @@ ops with one launch and computes in float32 like the torch code it replaces:
 - ``silu_mul(g, u)``: ``silu(g) * u``, 1 launch instead of 2;
 - ``store_kv(k_cache, v_cache, slots, k, v)``: a layer's new K and V into the paged cache, 1
   launch instead of 2 (``index_copy_`` each);
+- ``greedy_accept(...)``: greedy acceptance of a round's drafts (``spec_decode.verify``), 1
+  launch instead of ~22; ``one_hot(tokens, V)``: a greedy draft's distribution, 1 instead of 3;
 - ``padded_attention(...)``: causal attention of a padded batch (``B`` rows of ``width`` token
   slots) over its paged KV, online softmax in float32, grouped-query heads; 1 launch instead of
   the gather / repeat / mask / SDPA chain of ``workers.attention.static_backend``.
@@ -142,10 +144,20 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
     @triton.jit
     def store_kv_kernel(k_ptr, v_ptr, slots_ptr, kc_ptr, vc_ptr, stride_kt, stride_kh,
                         stride_vt, stride_vh, stride_cs, stride_ch, stride_vcs, stride_vch,
-                        head_dim, cache_dim, BLOCK_D: tl.constexpr):
+                        head_dim, cache_dim, pages_ptr, cached_ptr, qo_ptr, stride_pb, width,
+                        num_pages, dummy_slot, PADDED: tl.constexpr, PAGE: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)
-        slot = tl.load(slots_ptr + t).to(tl.int64)
+        if PADDED:  # token slot w of row b: KV index cached[b] + w, or the dummy slot
+            b = t // width
+            w = t % width
+            pos = tl.load(cached_ptr + b).to(tl.int64) + w
+            page = tl.load(pages_ptr + b * stride_pb + tl.minimum(pos // PAGE, num_pages - 1))
+            real = w < tl.load(qo_ptr + b)
+            slot = tl.where(real, page.to(tl.int64) * PAGE + pos % PAGE, dummy_slot)
+        else:
+            slot = tl.load(slots_ptr + t).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         src = d < head_dim
         dst = d < cache_dim     # channels head_dim..cache_dim-1 of the cache get zeros
@@ -156,8 +168,31 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         tl.store(vc_ptr + slot * stride_vcs + h * stride_vch + d, v.to(vc_ptr.dtype.element_ty),
                  mask=dst)
 
+    @triton.jit
+    def greedy_accept_kernel(draft_ptr, arg_ptr, nd_ptr, accept_ptr, tokens_ptr, stride_d,
+                             stride_a, steps, vocab, fill, BLOCK_S: tl.constexpr):
+        b = tl.program_id(0)
+        j = tl.arange(0, BLOCK_S)                     # positions 0..steps (steps + 1 of them)
+        x = tl.load(draft_ptr + b * stride_d + j, mask=j < steps, other=-1).to(tl.int64)
+        arg = tl.load(arg_ptr + b * stride_a + j, mask=j <= steps, other=0).to(tl.int64)
+        n_draft = tl.minimum(tl.maximum(tl.load(nd_ptr + b).to(tl.int64), 0), steps)
+        kept = (x == arg) & (x >= 0) & (x < vocab) & (j < n_draft)
+        accept = tl.min(tl.where(kept, steps, j), axis=0)   # the first position not kept
+        final = tl.sum(tl.where(j == accept, arg, 0), axis=0)
+        out = tl.where(j < accept, x, tl.where(j == accept, final, fill))
+        tl.store(tokens_ptr + b * (steps + 1) + j, out, mask=j <= steps)
+        tl.store(accept_ptr + b, accept)
+
+    @triton.jit
+    def one_hot_kernel(tok_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        tok = tl.load(tok_ptr + b)
+        tl.store(out_ptr + b * vocab + cols, (cols == tok).to(tl.float32), mask=cols < vocab)
+
     return SimpleNamespace(rms_norm=rms_norm_kernel, rope=rope_kernel, silu_mul=silu_mul_kernel,
-                           padded_attention=padded_attention_kernel, store_kv=store_kv_kernel)
+                           padded_attention=padded_attention_kernel, store_kv=store_kv_kernel,
+                           greedy_accept=greedy_accept_kernel, one_hot=one_hot_kernel)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -227,11 +262,39 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     if v.stride(-1) != 1:
         v = v.contiguous()
     if tokens:
-        slots, cache_dim = slots.contiguous(), k_cache.shape[-1]
-        _kernels().store_kv[(tokens, kv_heads)](
-            k, v, slots, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), dim,
-            cache_dim, BLOCK_D=_pow2(cache_dim))
+        slots = slots.contiguous()
+        _store_kv(k_cache, v_cache, k, v, slots, slots, slots, slots, 0, 1, 1, 0, 1, False)
+
+
+def store_kv_padded(k_cache: torch.Tensor, v_cache: torch.Tensor, page_tab: torch.Tensor,
+                    cached: torch.Tensor, qo_len: torch.Tensor, width: int, page_size: int,
+                    dummy_slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``store_kv`` of a padded batch (``workers.attention.static_backend``), the slots worked
+    out in the kernel: token slot ``w`` of row ``b`` (token ``b * width + w``) goes to KV index
+    ``cached[b] + w`` through ``page_tab[b]`` (page index capped at its last column) when
+    ``w < qo_len[b]``, else to ``dummy_slot``."""
+    tokens = k.shape[0]
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if tokens:
+        if page_tab.stride(-1) != 1:
+            page_tab = page_tab.contiguous()
+        _store_kv(k_cache, v_cache, k, v, page_tab, page_tab, cached, qo_len, page_tab.stride(0),
+                  width, page_tab.shape[1], dummy_slot, page_size, True)
+
+
+def _store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              slots: torch.Tensor, pages: torch.Tensor, cached: torch.Tensor, qo_len: torch.Tensor,
+              stride_pb: int, width: int, num_pages: int, dummy_slot: int, page: int,
+              padded: bool) -> None:
+    cache_dim = k_cache.shape[-1]
+    _kernels().store_kv[(k.shape[0], k.shape[1])](
+        k, v, slots, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k.shape[2],
+        cache_dim, pages, cached, qo_len, stride_pb, width, num_pages, dummy_slot, PADDED=padded,
+        PAGE=page, BLOCK_D=_pow2(cache_dim))
 
 
 def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -254,4 +317,35 @@ def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
             k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
             page_tab.stride(0), width, heads // kv_heads, page_tab.shape[1] * page_size, dim,
             scale, PAGE=page_size, BLOCK_D=_pow2(dim), BLOCK_N=64, num_warps=2)
+    return out
+
+
+def greedy_accept(draft: torch.Tensor, target_arg: torch.Tensor, num_draft: torch.Tensor,
+                  vocab: int, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of ``workers.spec_decode.verify`` (``all_greedy``) in one launch: draft
+    ``j`` of row ``b`` (``draft`` [B, S]) is kept when it is in ``[0, vocab)``, equals
+    ``target_arg[b, j]`` and ``j < clamp(num_draft[b], 0, S)``; ``accept_len`` counts the leading
+    kept ones; ``tokens`` [B, S+1]: the accepted drafts, ``target_arg[b, accept_len]``, then
+    ``fill``. Returns ``(accept_len [B], tokens [B, S+1])``, int64."""
+    b, steps = draft.shape
+    if draft.stride(-1) != 1:
+        draft = draft.contiguous()
+    if target_arg.stride(-1) != 1:
+        target_arg = target_arg.contiguous()
+    accept = torch.empty(b, dtype=torch.int64, device=draft.device)
+    tokens = torch.empty((b, steps + 1), dtype=torch.int64, device=draft.device)
+    if b:
+        _kernels().greedy_accept[(b,)](draft, target_arg, num_draft.contiguous(), accept, tokens,
+                                       draft.stride(0), target_arg.stride(0), steps, vocab, fill,
+                                       BLOCK_S=_pow2(steps + 1))
+    return accept, tokens
+
+
+def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32: 1.0 at ``tokens[b]`` (in range), 0.0 elsewhere; one launch."""
+    out = torch.empty((tokens.shape[0], vocab), dtype=torch.float32, device=tokens.device)
+    if tokens.shape[0]:
+        block = min(_pow2(vocab), 1024)
+        _kernels().one_hot[(tokens.shape[0], -(-vocab // block))](tokens.contiguous(), out, vocab,
+                                                                   BLOCK=block)
     return out

@@ -63,6 +63,8 @@ from __future__ import annotations
 
 import torch
 
+from workers import kernels
+
 __all__ = [
     "SALT_ACCEPT", "SALT_RESIDUAL", "SALT_BONUS", "SALT_SAMPLE", "draft_salt",
     "uniforms", "probs", "sample_from", "sample_tokens", "draft_step", "verify",
@@ -266,6 +268,8 @@ def draft_step(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Ten
     """
     if all_greedy:
         tokens = logits.argmax(-1)
+        if kernels.enabled(logits):
+            return tokens, kernels.one_hot(tokens, logits.shape[-1])
         rank = torch.arange(logits.shape[-1], device=logits.device)
         return tokens, (rank[None, :] == tokens[:, None]).float()
     q = probs(logits, temperature, top_p, use_top_p=use_top_p)
@@ -314,6 +318,8 @@ def verify(draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
         "num_draft": num_draft})
     dev = target_logits.device
     target_arg = target_logits.argmax(-1)                                  # [B, S+1]
+    if all_greedy and s > 0 and kernels.enabled(target_arg):  # the greedy branch below, 1 launch
+        return kernels.greedy_accept(draft, target_arg, num_draft, vocab, fill)
     draft = draft.to(torch.int64)
     in_range = (draft >= 0) & (draft < vocab)
     x = draft.clamp(0, vocab - 1)

@@ -119,3 +119,67 @@ def test_store_kv_matches_index_copy(monkeypatch: pytest.MonkeyPatch, cache: tup
     exact = dtype == torch.float32 or DEV == "cuda"
     for w, g in zip(want.k + want.v, got.k + got.v):
         torch.testing.assert_close(g, w, **({"atol": 0, "rtol": 0} if exact else tol(dtype)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_static_attention_fused_store_matches_eager(monkeypatch: pytest.MonkeyPatch,
+                                                    dtype: torch.dtype) -> None:
+    """The fused static path (write slots worked out in the store kernel) writes the same cache
+    (the dummy page aside: padding rows race into it) and gives the eager path's outputs."""
+    torch.manual_seed(4)
+    page_size, dim, width, hq, hkv = 4, 8, 3, 4, 2
+    page_tab = torch.full((3, 5), DUMMY_PAGE, dtype=torch.int64)
+    page_tab[0, :4] = torch.tensor([3, 7, 1, 9])
+    page_tab[1, :2] = torch.tensor([2, 5])
+    page_tab = page_tab.to(DEV)
+    meta = PaddedBatch(page_tab, torch.tensor([11, 2, 90], device=DEV),
+                       torch.tensor([3, 2, 0], device=DEV), width)
+    q = torch.randn(3 * width, hq, dim, device=DEV).to(dtype)
+    kv = torch.randn(3 * width, 2 * hkv * dim, device=DEV).to(dtype)   # k, v: strided views
+    k, v = kv[:, :hkv * dim].view(-1, hkv, dim), kv[:, hkv * dim:].view(-1, hkv, dim)
+
+    def run(fused: bool) -> tuple[torch.Tensor, KVPool]:
+        torch.manual_seed(5)
+        pool = KVPool(1, 16, page_size, hkv, dim + 8, dtype=dtype, device=DEV)
+        for t in (pool.k[0], pool.v[0]):
+            t.normal_()
+        monkeypatch.setattr(kernels, "enabled", (lambda x: True) if fused else (lambda x: False))
+        return StaticAttention(meta, pool).forward(0, q, k, v), pool
+
+    (want, ref_pool), (got, pool) = run(False), run(True)
+    real = (torch.arange(width, device=DEV)[None, :] < meta.qo_len[:, None]).reshape(-1)
+    torch.testing.assert_close(got[real], want[real], **tol(dtype))
+    exact = dtype == torch.float32 or DEV == "cuda"
+    for a, b in ((pool.k[0], ref_pool.k[0]), (pool.v[0], ref_pool.v[0])):
+        torch.testing.assert_close(a[1:], b[1:], **({"atol": 0, "rtol": 0} if exact else tol(dtype)))
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3, 7])
+def test_greedy_accept_and_one_hot_match_torch(monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
+    """`verify(..., all_greedy=True)` and greedy `draft_step` with the kernels on equal the torch
+    code: drafts that match or not, out of range, num_draft below S, above S and negative."""
+    from workers.spec_decode import draft_step, verify
+
+    torch.manual_seed(6)
+    b, vocab = 9, 50
+    logits = torch.randn(b, steps + 1, vocab, device=DEV)
+    arg = logits.argmax(-1)
+    draft = torch.where(torch.rand(b, steps, device=DEV) < 0.7, arg[:, :steps],
+                        torch.randint(0, vocab, (b, steps), device=DEV))
+    if steps:
+        draft[0, 0] = vocab + 3          # out of range: never accepted
+        draft[1] = arg[1, :steps]        # all accepted
+    num_draft = torch.tensor([steps, steps, steps - 1, 0, steps + 2, -1, steps, 1, steps],
+                             device=DEV)
+    q = torch.zeros(b, steps, vocab, device=DEV)
+    zeros = torch.zeros(b, device=DEV)
+    args = (draft, q, logits, zeros, zeros + 1, zeros.long(), zeros.long(), num_draft)
+    want = verify(*args, fill=-7, all_greedy=True)
+    want_draft = draft_step(logits[:, 0], zeros, zeros + 1, zeros.long(), zeros.long(), 1,
+                            all_greedy=True)
+    monkeypatch.setattr(kernels, "enabled", lambda x: True)
+    got = verify(*args, fill=-7, all_greedy=True)
+    got_draft = draft_step(logits[:, 0], zeros, zeros + 1, zeros.long(), zeros.long(), 1,
+                           all_greedy=True)
+    for g, w in zip(got + got_draft, want + want_draft):
+        assert g.dtype == w.dtype and torch.equal(g, w)

@@ -5,7 +5,8 @@ CUDA graph, and the eager path of the speculative round too (one code path for b
 the dummy page). From `page_tab`, `cached` and `qo_len` (device tensors, read at run time) the plan
 computes on the device, once per forward: the flat slot of every KV index, the causal mask, and
 the write slot of every token slot (real tokens: their own slot; padding and dummy rows: a slot of
-the dummy page). Every row sees KV index 0, so no row is fully masked and every output is finite;
+the dummy page). On CUDA the plan computes nothing: the store kernel works out the write slots
+(`workers.kernels.store_kv_padded`) and the attention kernel the rest. Every row sees KV index 0, so no row is fully masked and every output is finite;
 outputs of padding rows are dropped by the caller. On CUDA the gather, mask and attention are
 one fused kernel per layer (`workers.kernels.padded_attention`, the same rule: token slot `w` of
 row `b` sees KV indices `0 .. cached[b] + w` within the row's reach).
@@ -40,12 +41,14 @@ class StaticAttention:
         # on CUDA one fused kernel per layer reads the pages directly (workers.kernels)
         self.fused = kernels.enabled(page_tab)
         self.page_tab, self.cached = page_tab.contiguous(), meta.cached
+        self.qo_len = meta.qo_len
+        if self.fused:  # the write slots are worked out inside the store kernel (same rule)
+            return
         rows = torch.arange(meta.width, device=device)
         kv_pos = meta.cached[:, None] + rows[None, :]                           # [B, W]
-        if not self.fused:
-            kv_idx = torch.arange(page_tab.shape[1] * ps, device=device)
-            self.slots = page_tab[:, kv_idx // ps] * ps + kv_idx % ps          # [B, L]
-            self.mask = (kv_idx[None, None, :] <= kv_pos[:, :, None])[:, None]  # [B, 1, W, L]
+        kv_idx = torch.arange(page_tab.shape[1] * ps, device=device)
+        self.slots = page_tab[:, kv_idx // ps] * ps + kv_idx % ps              # [B, L]
+        self.mask = (kv_idx[None, None, :] <= kv_pos[:, :, None])[:, None]      # [B, 1, W, L]
         real = rows[None, :] < meta.qo_len[:, None]
         page = page_tab.gather(1, (kv_pos // ps).clamp(max=page_tab.shape[1] - 1))
         self.out_slots = torch.where(real, page * ps + kv_pos % ps, DUMMY_PAGE * ps).reshape(-1)
@@ -54,11 +57,15 @@ class StaticAttention:
                 v: torch.Tensor) -> torch.Tensor:
         """Store K/V (padding into the dummy page), then attention: [B*W, Hq, D]."""
         pool = self.pool
-        pool.write(layer_id, self.out_slots, k, v)
         num_q_heads, head_dim = q.shape[1], q.shape[2]
         if self.fused:
+            ps, heads, dim = pool.page_size, pool.num_kv_heads, pool.head_dim
+            kernels.store_kv_padded(pool.k[layer_id].view(-1, heads, dim),
+                                    pool.v[layer_id].view(-1, heads, dim), self.page_tab,
+                                    self.cached, self.qo_len, self.width, ps, DUMMY_PAGE * ps, k, v)
             return kernels.padded_attention(q, pool.k[layer_id], pool.v[layer_id], self.page_tab,
                                             self.cached, self.width, head_dim ** -0.5)
+        pool.write(layer_id, self.out_slots, k, v)
         query = q.reshape(self.batch, self.width, num_q_heads, head_dim).transpose(1, 2)
         keys = gather_kv(pool.k[layer_id], self.slots, num_q_heads, head_dim, q.dtype)
         values = gather_kv(pool.v[layer_id], self.slots, num_q_heads, head_dim, q.dtype)
