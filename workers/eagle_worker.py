@@ -288,25 +288,38 @@ class EagleWorker:
         rows = bufs.rows[:bp]
         return rows, self.slot_len[rows], (rows != self.dummy_slot).to(torch.int64)
 
-    def _attn(self, pool: KVPool, rows: torch.Tensor, reach: int, cached: torch.Tensor,
-              qo_len: torch.Tensor, width: int) -> Any:
-        meta = PaddedBatch(self.slot_pages[rows][:, :reach], cached, qo_len, width)
-        return self.static.plan(meta, pool)
+    def _pages(self, rows: torch.Tensor, reach: int) -> torch.Tensor:
+        return self.slot_pages[rows][:, :reach]
 
-    def _sampling(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _attn(self, pool: KVPool, pages: torch.Tensor, cached: torch.Tensor,
+              qo_len: torch.Tensor, width: int) -> Any:
+        return self.static.plan(PaddedBatch(pages, cached, qo_len, width), pool)
+
+    def _sampling(self, rows: torch.Tensor,
+                  greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's temperature, top-p and seed; for an all-greedy round (which reads none of
+        them) views of the right shape instead of three gathers."""
+        if greedy:
+            bp = rows.shape[0]
+            return self.slot_temp[:bp], self.slot_top_p[:bp], self.slot_seed[:bp]
         return self.slot_temp[rows], self.slot_top_p[rows], self.slot_seed[rows]
 
     def _draft_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
-        """`steps` draft tokens per row (chain drafting) and their distributions."""
+        """`steps` draft tokens per row (chain drafting) and their distributions (an all-greedy
+        round keeps only the tokens: its acceptance is an exact match and reads no `q`)."""
         rows, n, real = self._rows(bufs, bp)
-        temp, top_p, seed = self._sampling(rows)
+        temp, top_p, seed = self._sampling(rows, greedy)
+        pages = self._pages(rows, reach) if bufs.steps > 1 else None
         g = self.slot_feature[rows]
         for k in range(1, bufs.steps + 1):
             if k > 1:  # the head over d_{k-1} at position n+k-1 (draft KV index n+k-2)
-                attn = self._attn(self.draft_kv, rows, reach, n + k - 2, real, 1)
+                attn = self._attn(self.draft_kv, pages, n + k - 2, real, 1)
                 g = self.head(bufs.drafts[:bp, k - 2], g, n + k - 1, attn)
             logits = self.head.compute_logits(g)
-            token, q = draft_step(logits.float(), temp, top_p, seed, n, k, all_greedy=greedy)
+            if greedy:
+                bufs.drafts[:bp, k - 1] = logits.argmax(-1)
+                continue
+            token, q = draft_step(logits.float(), temp, top_p, seed, n, k)
             bufs.drafts[:bp, k - 1] = token
             bufs.q[:bp, k - 1] = q
 
@@ -314,10 +327,10 @@ class EagleWorker:
         """The target over `[x_n, d_1..d_S]`, then acceptance on the device."""
         steps, width = bufs.steps, bufs.steps + 1
         rows, n, real = self._rows(bufs, bp)
-        temp, top_p, seed = self._sampling(rows)
+        temp, top_p, seed = self._sampling(rows, greedy)
         offsets = torch.arange(width, device=self.device)
         ids = torch.cat([self.slot_last[rows][:, None], bufs.drafts[:bp]], dim=1).reshape(-1)
-        attn = self._attn(self.target_kv, rows, reach, n, real * width, width)
+        attn = self._attn(self.target_kv, self._pages(rows, reach), n, real * width, width)
         hidden = self.target(ids, (n[:, None] + offsets).reshape(-1), attn)
         logits = self.target.compute_logits(hidden).float().view(bp, width, -1)
         if steps == 0:
@@ -346,7 +359,7 @@ class EagleWorker:
         rows, n, real = self._rows(bufs, bp)
         accept = bufs.accept[:bp]
         offsets = torch.arange(width, device=self.device)
-        attn = self._attn(self.draft_kv, rows, reach, n, real * (accept + 1), width)
+        attn = self._attn(self.draft_kv, self._pages(rows, reach), n, real * (accept + 1), width)
         out = self.head(bufs.tokens[:bp].reshape(-1), bufs.hidden[:bp * width],
                         (n[:, None] + 1 + offsets).reshape(-1), attn)
         g = out.view(bp, width, -1)[torch.arange(bp, device=self.device), accept]
@@ -361,7 +374,7 @@ class EagleWorker:
         lag = self.slot_lag[rows] * real
         base = n - lag
         offsets = torch.arange(width, device=self.device)
-        attn = self._attn(self.draft_kv, rows, reach, base, lag, width)
+        attn = self._attn(self.draft_kv, self._pages(rows, reach), base, lag, width)
         out = self.head(self.lag_tokens[rows].reshape(-1),
                         self.lag_features[rows].reshape(bp * width, -1),
                         (base[:, None] + 1 + offsets).reshape(-1), attn)
