@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 REDUCERS = ("weighted_mean", "min", "max")
-FLOAT_KEYS = ("ema_alpha", "up_hysteresis", "down_hysteresis", "switch_margin")
+FLOAT_KEYS = ("ema_alpha", "up_hysteresis", "down_hysteresis", "switch_margin", "cost_alpha")
 HYSTERESIS_LIMIT = 1000.0
 MARGIN_LIMIT = 1000.0
 POLICIES = ("static", "ema", "goodput")
@@ -139,6 +139,10 @@ class AdaptiveConfig:
     probe_every: int = 8
     """goodput: at depth 0, probe the smallest positive depth after this many decision points
     (>= 1)."""
+    cost_alpha: float = 0.0
+    """goodput: EMA weight of a timed round in the live cost table (in [0, 1]; 0: the table
+    stays as agreed at start-up). The engine's rounds are timed (seconds from one round's begin
+    to the next's, the slowest rank's), so a table in other units must keep 0."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidate_steps",
@@ -280,6 +284,11 @@ def _validate(c: AdaptiveConfig) -> None:
            c.switch_margin, f"must be a finite number in [0, {MARGIN_LIMIT:g})")
     _check(_is_int(c.probe_every) and c.probe_every >= 1, "probe_every", c.probe_every,
            "must be an integer >= 1")
+    _check(_is_number(c.cost_alpha) and 0 <= c.cost_alpha <= 1, "cost_alpha", c.cost_alpha,
+           "must be a number in [0, 1]")
+    if c.cost_alpha:
+        _check(c.policy == "goodput", "cost_alpha", c.cost_alpha,
+               f"applies to the goodput policy only (policy={c.policy!r})")
     if c.round_cost is not None:
         _check(c.policy == "goodput", "round_cost", c.round_cost.to_json(),
                f"applies to the goodput policy only (policy={c.policy!r})")

@@ -19,11 +19,11 @@ import torch
 
 from collectives import DivergenceError, Group, ops
 
-MAGIC = 0x5ADA  # vector format version (0x5AD9: before the ema_fail column)
+MAGIC = 0x5ADB  # vector format version (0x5ADA: before period; 0x5AD9: before ema_fail)
 FIELDS = (
     "magic", "round", "n_req", "num_tokens", "n_extend", "can_graph", "done",  # the upcoming round
     "seq", "leave",                                                     # serving: inbox, stop
-    "prev_n_req", "ema", "ema_fail", "weight",                          # the round that ended
+    "prev_n_req", "ema", "ema_fail", "weight", "period",                # the round that ended
     "steps", "counted", "last_switch", "config_hash", "prev_plan_hash",  # must agree
 )
 MUST_AGREE = ("magic", "round", "steps", "counted", "last_switch", "config_hash", "prev_plan_hash")
@@ -57,6 +57,7 @@ class RoundVector:
     config_hash: int
     prev_plan_hash: int
     ema_fail: float = 1.0  # last in the dataclass (positional callers), placed by FIELDS
+    period: float = -1.0   # seconds from the previous round's begin to this one's; -1: untimed
 
     def values(self) -> list[float]:
         return [float(MAGIC)] + [float(getattr(self, f)) for f in FIELDS[1:]]

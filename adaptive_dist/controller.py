@@ -14,9 +14,10 @@ depth (a worker swaps a pre-built runtime state) and reports what it ran.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from collectives import Group, LockstepGuard
 from adaptive_dist import consensus
@@ -31,6 +32,7 @@ from adaptive_dist.policy import (
     initial_ema,
     measures_acceptance,
     pick_bucket,
+    update_cost,
 )
 
 
@@ -77,6 +79,7 @@ class ControllerStats:
     accept_histogram: Counter = field(default_factory=Counter)
     steps_timeline: list = field(default_factory=list)   # (round, steps) at every change
     rounds_at_steps: Counter = field(default_factory=Counter)
+    timed_rounds: int = 0   # goodput, cost_alpha > 0: rounds whose time moved the cost table
 
     def mean_accept(self) -> float:
         n = sum(self.accept_histogram.values())
@@ -90,7 +93,8 @@ class AdaptiveController:
     ``adaptive_dist.startup.agree_round_cost`` before building the controller."""
 
     def __init__(self, config: AdaptiveConfig, group: Group, *,
-                 guard: Optional[LockstepGuard] = None, channel: str = "control") -> None:
+                 guard: Optional[LockstepGuard] = None, channel: str = "control",
+                 clock: Optional[Callable[[], float]] = time.perf_counter) -> None:
         if config.needs_round_cost:
             raise ValueError("the goodput policy needs round_cost: measure the cost of a round "
                              "at each depth and call adaptive_dist.startup.agree_round_cost, or "
@@ -98,6 +102,10 @@ class AdaptiveController:
         self.config = config
         self.group = group
         self.guard = guard
+        # goodput: the cost table decisions read; with cost_alpha > 0 timed rounds move it
+        self.round_cost = config.round_cost
+        self._clock = clock     # None: rounds are not timed (consensus-only replay)
+        self._last_begin: Optional[float] = None
         self.state = PolicyState.initial(config)
         self.ema = initial_ema(config)
         self.ema_fail = INITIAL_EMA_FAIL
@@ -131,13 +139,16 @@ class AdaptiveController:
         if min(num_requests, num_tokens, num_extend) < 0:
             raise ValueError(f"begin_round: num_requests={num_requests}, num_tokens={num_tokens}, "
                              f"num_extend={num_extend} must be >= 0")
+        now = self._clock() if self._clock is not None else None
+        period = -1.0 if now is None or self._last_begin is None else now - self._last_begin
+        self._last_begin = now
         vec = consensus.RoundVector(
             round=self.round, n_req=num_requests, num_tokens=num_tokens, n_extend=num_extend,
             can_graph=can_graph, seq=seq, leave=leave,
             done=done, prev_n_req=self._prev_n_req, ema=self.ema, ema_fail=self.ema_fail,
             weight=self.weight,
             steps=self.steps, counted=self.state.counted, last_switch=self.state.last_switch,
-            config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash,
+            config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash, period=period,
         )
         matrix = self._channel.gather(vec)
         try:
@@ -146,6 +157,7 @@ class AdaptiveController:
             if self.guard is not None:
                 self.guard.publish_log()  # let peers stuck elsewhere name the divergence
             raise
+        self._time_previous(matrix)
         self.last_outcome = self._decide_previous(matrix)
         switched = bool(self.last_outcome and self.last_outcome.decision.switched)
         plan = self._plan(matrix, switched)
@@ -207,6 +219,26 @@ class AdaptiveController:
         self._prev_n_req = len(accepts)
         self.stats.accept_histogram.update(accepts)
 
+    def _time_previous(self, matrix) -> None:
+        """goodput with ``cost_alpha`` > 0: move the live cost of the previous round's depth and
+        batch row toward its time, the slowest rank's (identical on every rank: every input is a
+        gathered column or the agreed plan). Only a steady decode round counts — it and this
+        round run requests and neither prefills — so idle time and prefills stay out."""
+        prev, alpha = self._prev_plan, self.config.cost_alpha
+        if not alpha or prev is None or self.round_cost is None:
+            return
+        if prev.cluster_requests <= 0 or prev.extend_tokens > 0:
+            return
+        if sum(consensus.column(matrix, "n_req")) <= 0 or max(consensus.column(matrix,
+                                                                               "num_tokens")) > 0:
+            return
+        periods = consensus.column(matrix, "period")
+        if min(periods) < 0:
+            return
+        self.round_cost = update_cost(self.round_cost, prev.batch_pad, prev.steps, max(periods),
+                                      alpha)
+        self.stats.timed_rounds += 1
+
     def _decide_previous(self, matrix) -> Optional[RoundOutcome]:
         prev = self._prev_plan
         if prev is None:
@@ -217,6 +249,7 @@ class AdaptiveController:
             self.config, self.state, cluster,
             consensus.column(matrix, "ema"), consensus.column(matrix, "weight"),
             ema_fails=consensus.column(matrix, "ema_fail"), batch=prev.batch_pad,
+            table=self.round_cost,
         )
         if decision.decision_point:
             self.weight = 0

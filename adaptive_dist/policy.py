@@ -148,11 +148,24 @@ def cost_row(table: RoundCost, batch: int) -> int:
     return len(table.buckets) - 1
 
 
-def goodput_scores(cfg: AdaptiveConfig, p: float, batch: int) -> list[float]:
-    """The score of every candidate (ascending depth) at rate ``p`` and padded batch ``batch``."""
-    assert cfg.round_cost is not None, "goodput needs round_cost"
-    costs = dict(cfg.round_cost.rows[cost_row(cfg.round_cost, batch)])
+def goodput_scores(cfg: AdaptiveConfig, p: float, batch: int,
+                   table: Optional[RoundCost] = None) -> list[float]:
+    """The score of every candidate (ascending depth) at rate ``p`` and padded batch ``batch``,
+    with ``table`` (default: ``cfg.round_cost``)."""
+    table = table if table is not None else cfg.round_cost
+    assert table is not None, "goodput needs round_cost"
+    costs = dict(table.rows[cost_row(table, batch)])
     return [goodput_score(p, s, costs[s]) for s in cfg.candidate_steps]
+
+
+def update_cost(table: RoundCost, batch: int, steps: int, seconds: float,
+                alpha: float) -> RoundCost:
+    """``table`` with the cost of a round at ``steps`` in the row of padded batch ``batch``
+    moved toward a timed round: ``(1 - alpha)·cost + alpha·seconds``."""
+    i = cost_row(table, batch)
+    row = tuple((s, (1.0 - alpha) * c + alpha * seconds if s == steps else c)
+                for s, c in table.rows[i])
+    return RoundCost(table.buckets, table.rows[:i] + (row,) + table.rows[i + 1:])
 
 
 def goodput_pick(scores: Sequence[float], index: int, margin: float) -> int:
@@ -209,7 +222,7 @@ class Decision:
 
 
 def goodput_step(cfg: AdaptiveConfig, state: PolicyState, rate: Optional[float],
-                 batch: int) -> tuple[int, bool]:
+                 batch: int, table: Optional[RoundCost] = None) -> tuple[int, bool]:
     """The goodput decision at a decision point the dwell allows: (new index, is a probe).
     At depth 0 only the probe moves; elsewhere the best score with the margin."""
     if cfg.candidate_steps[state.index] == 0:
@@ -218,16 +231,18 @@ def goodput_step(cfg: AdaptiveConfig, state: PolicyState, rate: Optional[float],
         return state.index, False
     if rate is None:
         return state.index, False
-    return goodput_pick(goodput_scores(cfg, rate, batch), state.index, cfg.switch_margin), False
+    return goodput_pick(goodput_scores(cfg, rate, batch, table), state.index,
+                        cfg.switch_margin), False
 
 
 def decide(cfg: AdaptiveConfig, state: PolicyState, cluster_requests: int,
            emas: Sequence[float], weights: Sequence[float],
-           ema_fails: Optional[Sequence[float]] = None, batch: int = 0
-           ) -> tuple[PolicyState, Decision]:
+           ema_fails: Optional[Sequence[float]] = None, batch: int = 0,
+           table: Optional[RoundCost] = None) -> tuple[PolicyState, Decision]:
     """One round's decision under ``cfg.policy`` from cluster-wide values (identical on every
-    rank). ``ema_fails`` (one per rank) and ``batch`` (the round's padded batch, which picks the
-    ``round_cost`` row) are read by the goodput policy only."""
+    rank). ``ema_fails`` (one per rank), ``batch`` (the round's padded batch, which picks the
+    ``round_cost`` row) and ``table`` (the live cost table; default ``cfg.round_cost``) are read
+    by the goodput policy only."""
     if cluster_requests <= 0:
         return state, Decision(False, False, None, state.index, state.index)
     counted = state.counted + 1
@@ -240,14 +255,15 @@ def decide(cfg: AdaptiveConfig, state: PolicyState, cluster_requests: int,
     if cfg.policy == "goodput":
         if ema_fails is None or len(ema_fails) != len(emas):
             raise ValueError("the goodput policy needs one ema_fail per rank")
-        if cfg.round_cost is None:
+        table = table if table is not None else cfg.round_cost
+        if table is None:
             raise ValueError("the goodput policy needs round_cost (measure it and call "
                              "agree_round_cost, or set it in the config)")
         rate = cluster_rate(emas, ema_fails, weights, cfg.reducer)
-        if cfg.round_cost.buckets is not None:
-            row = cfg.round_cost.buckets[cost_row(cfg.round_cost, batch)]
+        if table.buckets is not None:
+            row = table.buckets[cost_row(table, batch)]
         if point and dwell_ok:
-            new_index, probe = goodput_step(cfg, state, rate, batch)
+            new_index, probe = goodput_step(cfg, state, rate, batch, table)
     elif cfg.adaptive and point and global_ema is not None and dwell_ok:
         new_index = ladder_walk(cfg.candidate_steps, state.index, global_ema,
                                 cfg.up_hysteresis, cfg.down_hysteresis)

@@ -70,7 +70,7 @@ def require_round_cost(config: AdaptiveConfig) -> AdaptiveConfig:
 def replay(trace: list[TraceRound], config: AdaptiveConfig, group: Group,
            guard: Optional[LockstepGuard] = None, progress=None) -> ReplayResult:
     """Replay ``trace`` on this rank in lockstep with the other members of ``group``."""
-    ctrl = AdaptiveController(config, group, guard=guard)
+    ctrl = AdaptiveController(config, group, guard=guard, clock=None)  # replays are untimed
     goodput = config.policy == "goodput"
     records: list[dict] = []
     times: list[float] = []

@@ -58,14 +58,17 @@ WORKLOADS = {
 """Phases: (regime of even replicas, regime of odd replicas)."""
 
 
-def spec_of(policy: str, knobs: dict[str, Any] | None = None) -> AdaptiveConfig:
-    """The policy's config; `knobs` (the `--set` values) apply to every adaptive policy alike."""
+def spec_of(policy: str, knobs: dict[str, Any] | None = None,
+            cost_alpha: float = 0.0) -> AdaptiveConfig:
+    """The policy's config; `knobs` (the `--set` values) apply to every adaptive policy alike;
+    `cost_alpha` (timed rounds move the cost table) to goodput."""
     if policy == "static0":
         return no_spec()
     if policy.startswith("static"):
         return load_config(None, "static", initial_steps=int(policy[len("static"):]))
     if policy == "goodput":
-        spec = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=3)
+        spec = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=3,
+                              cost_alpha=cost_alpha)
     else:
         spec = AdaptiveConfig(reducer="min" if policy == "ema_min" else "weighted_mean")
     return spec.replace(**knobs) if knobs else spec
@@ -99,6 +102,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup-runs", type=int, default=1,
+                   help="passes over every run before the measured ones, not recorded (the first "
+                        "use of a prompt shape compiles kernels)")
+    p.add_argument("--cost-alpha", type=float, default=0.2,
+                   help="goodput: weight of a timed round in its live cost table (0: the "
+                        "start-up table only)")
     p.add_argument("--set", dest="knobs", action="append", default=[], metavar="KEY=VALUE",
                    help="a config key for every adaptive policy alike (e.g. update_interval=2)")
     p.add_argument("--out", default="runs/bench_adaptive")
@@ -121,6 +130,9 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
     stats = engine.planner.stats
     out.update(switches=stats.switches, timeline=[list(x) for x in stats.steps_timeline],
                rounds_at_steps={str(k): v for k, v in sorted(stats.rounds_at_steps.items())})
+    if engine.planner.round_cost is not None:  # goodput: the table its last decision read
+        out.update(timed_rounds=stats.timed_rounds,
+                   live_round_cost=engine.planner.round_cost.to_json())
     return out
 
 
@@ -145,7 +157,8 @@ def main() -> int:
     guard = ctx.guard(world, check_every=16) if ctx.distributed else None
     engines = {}
     for policy in args.policies:
-        cfg = EngineConfig(spec=spec_of(policy, knobs), max_batch_size=top, max_context_len=context,
+        cfg = EngineConfig(spec=spec_of(policy, knobs, args.cost_alpha), max_batch_size=top,
+                           max_context_len=context,
                            device=device, cuda_graphs=args.device == "cuda", dp=args.dp,
                            attn_tp=layout.attn_tp, **overlap_of(args, args.device))
         engines[policy] = build_engine(cfg, target, head, group=world, guard=guard)
@@ -158,9 +171,10 @@ def main() -> int:
     if ctx.rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.repeats * len(jobs), desc="bench_adaptive", unit="run")
+        bar = tqdm(total=(args.warmup_runs + args.repeats) * len(jobs), desc="bench_adaptive",
+                   unit="run")
     records = []
-    for rep in range(args.repeats):
+    for rep in range(-args.warmup_runs, args.repeats):  # negative: warm-up, not recorded
         shift = rep % len(jobs)
         for workload, batch, policy in jobs[shift:] + jobs[:shift]:
             engine = engines[policy]
@@ -176,13 +190,13 @@ def main() -> int:
 
                 parts = [None] * world.size
                 dist.all_gather_object(parts, res, group=world.control_pg)
-            if ctx.rank == 0:
+            if ctx.rank == 0 and rep >= 0:
                 records.append(summarise(workload, batch, policy, rep, parts, layout.attn_tp))
-                if bar is not None:
-                    bar.set_postfix_str(f"{workload} b{batch} {policy}: "
-                                        f"{records[-1]['tokens_per_second']:.0f} tok/s")
-                    bar.update()
-        if ctx.rank == 0:  # results so far (a run cut short keeps its finished repeats)
+            if bar is not None:
+                bar.set_postfix_str(f"{workload} b{batch} {policy}: " + (
+                    f"{records[-1]['tokens_per_second']:.0f} tok/s" if rep >= 0 else "warm-up"))
+                bar.update()
+        if ctx.rank == 0 and rep >= 0:  # results so far (a cut-short run keeps its repeats)
             write(args, records, ctx, quiet=rep + 1 < args.repeats, round_costs=round_costs)
     if bar is not None:
         bar.close()
@@ -207,6 +221,7 @@ def summarise(workload: str, batch: int, policy: str, rep: int, parts: list[dict
     return {"workload": workload, "batch": batch, "policy": policy, "repeat": rep,
             "tokens_per_second": sum(p["tokens"] for p in phases) / total_s, "phases": phases,
             "switches": lead["switches"], "switches_per_phase_change": lead["switches"] / changes,
+            "timed_rounds": lead.get("timed_rounds"), "live_round_cost": lead.get("live_round_cost"),
             "switches_per_hour": lead["switches"] * 3600 / total_s,
             "rounds_at_steps": lead["rounds_at_steps"], "timeline": lead["timeline"],
             "phase_rounds": lead["phase_rounds"]}
@@ -258,7 +273,8 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
             "overlap": bool(overlap_of(args, args.device)),
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "new_tokens": args.new_tokens,
-            "knobs": parse_knobs(args.knobs), "round_cost": round_costs, "repeats": args.repeats,
+            "knobs": parse_knobs(args.knobs), "cost_alpha": args.cost_alpha,
+            "warmup_runs": args.warmup_runs, "round_cost": round_costs, "repeats": args.repeats,
             "repeats_done": len({r["repeat"] for r in records}),
             "workloads": {w: WORKLOADS[w] for w in args.workloads},
             "command": " ".join(sys.argv)}

@@ -51,3 +51,89 @@ def test_bad_measurements_named(measured, shown):
 
 def test_measured_as_json():
     assert measured_as_json({4: {0: 1, 2: 2.5}}) == {"4": {"0": 1.0, "2": 2.5}}
+
+
+# ---- timed rounds move the live cost table (cost_alpha) ---------------------------------------
+
+def test_update_cost_moves_one_cell_of_the_batch_row() -> None:
+    from adaptive_dist.config import RoundCost
+    from adaptive_dist.policy import update_cost
+
+    table = RoundCost.parse({"1": {"0": 1.0, "1": 2.0}, "16": {"0": 3.0, "1": 5.0}})
+    moved = update_cost(table, batch=4, steps=1, seconds=1.0, alpha=0.25)  # row 16 (>= 4)
+    assert moved.to_json() == {"1": {"0": 1.0, "1": 2.0}, "16": {"0": 3.0, "1": 4.0}}
+    flat = update_cost(RoundCost.parse({"0": 1.0, "3": 2.0}), batch=64, steps=0, seconds=3.0,
+                       alpha=0.5)
+    assert flat.to_json() == {"0": 2.0, "3": 2.0}
+
+
+class Clock:
+    def __init__(self, times) -> None:
+        self.times = list(times)
+
+    def __call__(self) -> float:
+        return self.times.pop(0)
+
+
+def _timed_controller(times, cost=None, **kw) -> AdaptiveController:
+    cfg = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3), initial_steps=1,
+                         round_cost=cost or {"0": 1.0, "1": 2.0, "3": 4.0}, **kw)
+    return AdaptiveController(cfg, Group.single(), clock=Clock(times))
+
+
+def test_only_steady_decode_rounds_are_timed() -> None:
+    ctl = _timed_controller([0.0, 1.0, 1.5, 2.0, 2.2, 2.4, 2.5], cost_alpha=0.5,
+                            warmup_batches=100)
+    ctl.begin_round(2, num_tokens=8, num_extend=2)   # prefills
+    ctl.end_round([1, 1])
+    ctl.begin_round(2)            # the round before prefilled: not timed
+    ctl.end_round([1, 1])
+    ctl.begin_round(2)            # steady: depth 1 took 0.5 s -> 0.5 * 2 + 0.5 * 0.5
+    assert ctl.round_cost.to_json() == {"0": 1.0, "1": 1.25, "3": 4.0}
+    ctl.end_round([0, 1])
+    ctl.begin_round(2, num_tokens=5, num_extend=1)   # this round prefills: not timed
+    ctl.end_round([1, 0])
+    ctl.begin_round(2)            # the round before prefilled: not timed
+    ctl.end_round([1, 1])
+    ctl.begin_round(0)            # no requests now: not timed
+    ctl.end_round([])
+    ctl.begin_round(2)            # the round before ran none: not timed
+    assert ctl.round_cost.to_json() == {"0": 1.0, "1": 1.25, "3": 4.0}
+    assert ctl.stats.timed_rounds == 1
+    assert ctl.config.round_cost.to_json() == {"0": 1.0, "1": 2.0, "3": 4.0}  # the agreed table
+
+
+@pytest.mark.parametrize("alpha, final", [(0.0, 0), (1.0, 1)])
+def test_timed_costs_change_the_decision(alpha: float, final: int) -> None:
+    """Start-up says depth 1 costs 3x depth 0; the rounds take the same time (1 s each), and
+    with every draft accepted depth 1 is worth it: only a controller that times its rounds
+    stays there."""
+    ctl = _timed_controller([float(i) for i in range(40)], {"0": 1.0, "1": 3.0, "3": 4.0},
+                            cost_alpha=alpha, ema_alpha=0.5,
+                            warmup_batches=4, update_interval=1, probe_every=100)
+    ctl.begin_round(2, num_tokens=8, num_extend=2)
+    ctl.end_round([1, 1])
+    for _ in range(12):
+        plan = ctl.begin_round(2)
+        ctl.end_round([1, 1] if plan.steps else [0, 0])
+    assert ctl.steps == final
+    assert (ctl.stats.timed_rounds > 0) == bool(alpha)
+
+
+def test_an_untimed_controller_never_moves_the_table() -> None:
+    cfg = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1), initial_steps=1,
+                         round_cost={"0": 1.0, "1": 2.0}, cost_alpha=1.0)
+    ctl = AdaptiveController(cfg, Group.single(), clock=None)   # as consensus-only replay
+    for _ in range(5):
+        ctl.begin_round(1)
+        ctl.end_round([1])
+    assert ctl.stats.timed_rounds == 0 and ctl.round_cost == cfg.round_cost
+
+
+def test_cost_alpha_is_validated() -> None:
+    from adaptive_dist.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cost_alpha"):
+        AdaptiveConfig(policy="goodput", cost_alpha=1.5)
+    with pytest.raises(ConfigError, match="goodput policy only"):
+        AdaptiveConfig(policy="ema", cost_alpha=0.2)
