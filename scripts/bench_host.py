@@ -35,7 +35,8 @@ from workers.sampling import SamplingParams  # noqa: E402
 
 PARTS = (("retire", "scheduler", "retire"), ("admit", "scheduler", "admit"),
          ("plan_begin", "planner", "begin_round"), ("plan_end", "planner", "end_round"),
-         ("commit", "scheduler", "commit_round"), ("spec_round", "worker", "spec_round"),
+         ("commit", "scheduler", "commit_round"), ("launch", "worker", "launch"),
+         ("launch", "worker", "collect"),
          ("bodies", "worker", "_draft_phase"), ("bodies", "worker", "_verify_phase"),
          ("bodies", "worker", "_extend_phase"))
 
@@ -84,7 +85,7 @@ def one_run(args: argparse.Namespace) -> dict[str, float]:
     n = engine.stats.rounds - rounds0
     total = (engine.stats.round_seconds - seconds0) / n
     us = {k: 1e6 * v / n for k, v in acc.items()}
-    us["worker_glue"] = us.pop("spec_round") - us["bodies"]
+    us["worker_glue"] = us.pop("launch") - us["bodies"]   # launch + collect, bodies excluded
     us["engine_other"] = 1e6 * total - sum(us.values())
     us["host_total"] = 1e6 * total - us["bodies"]
     us["round_total"] = 1e6 * total

@@ -16,6 +16,9 @@ time per round), its ratio to the round's wall time, and the host synchronisatio
 (`cudaStreamSynchronize`, `cudaDeviceSynchronize`, `cudaEventSynchronize` calls) and
 device-to-host copies. Writes `OUT/<label>.json` and `OUT/hotpath.png`; `--merge` writes
 `OUT/before_after.json`, `OUT/before_after.png` and prints the table the hot-path issue asks for.
+The profiled run also splits the device's idle time between consecutive kernels (ms per round):
+gaps under 5 us (the device's own latency between graph nodes) and longer ones (the device waited
+for the host; the profiler's own host overhead makes these larger than in an unprofiled run).
 """
 from __future__ import annotations
 
@@ -108,11 +111,13 @@ def profiled(engine: Any, prompts: list[list[int]], new_tokens: int, device: str
     rounds = max(engine.stats.rounds - rounds0, 1)
     kernel_us = syncs = d2h = kernels = 0.0
     by_name: dict[str, list[float]] = {}
+    spans: list[tuple[float, float]] = []
     for e in prof.events():
         if device == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA:
             us = e.device_time if hasattr(e, "device_time") else e.cuda_time
             kernel_us += us
             kernels += 1
+            spans.append((e.time_range.start, e.time_range.end))
             entry = by_name.setdefault(e.name[:90], [0.0, 0])
             entry[0] += us
             entry[1] += 1
@@ -120,13 +125,36 @@ def profiled(engine: Any, prompts: list[list[int]], new_tokens: int, device: str
             syncs += 1
         elif e.name == "Memcpy DtoH (Device -> Pinned)" or e.name == "Memcpy DtoH (Device -> Pageable)":
             d2h += 1
-    return {"gpu_kernel_ms_per_round": kernel_us / 1000 / rounds,
+    short_us, long_us = idle_gaps(spans)
+    return {"idle_short_ms_per_round": short_us / 1000 / rounds,
+            "idle_long_ms_per_round": long_us / 1000 / rounds,
+            "gpu_kernel_ms_per_round": kernel_us / 1000 / rounds,
             "gpu_kernels_per_round": kernels / rounds,
             "top_kernels": [{"name": n, "us_per_round": t / rounds, "per_round": c / rounds}
                             for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]],
             "profiled_round_ms": 1000 * wall / rounds,
             "gpu_busy_profiled": (kernel_us / 1e6) / wall if wall > 0 else None,
             "host_syncs_per_round": syncs / rounds, "d2h_copies_per_round": d2h / rounds}
+
+
+SHORT_GAP_US = 5.0
+
+
+def idle_gaps(spans: list[tuple[float, float]]) -> tuple[float, float]:
+    """The device's idle time between consecutive kernels (profiler timeline, microseconds),
+    split at SHORT_GAP_US: short gaps are the device's own launch and dependency latency between
+    graph nodes; long ones are waits for work the host had not queued yet."""
+    short = long = 0.0
+    end = None
+    for start, stop in sorted(spans):
+        if end is not None and start > end:
+            gap = start - end
+            if gap < SHORT_GAP_US:
+                short += gap
+            else:
+                long += gap
+        end = stop if end is None else max(end, stop)
+    return short, long
 
 
 def busy(rec: dict) -> dict:
@@ -206,7 +234,7 @@ def table(before: dict | None, after: dict) -> str:
         busy(r)
     head = (f"{'mode':<11}{'prompts':<14}{'batch':>6}{'tok/s':>10}{'before':>9}{'round ms':>10}"
             f"{'GPU ms':>8}{'busy':>7}{'before':>8}{'kernels':>9}{'before':>8}{'syncs':>7}"
-            f"{'before':>8}")
+            f"{'before':>8}{'idle<5us':>9}{'idle>=5us':>10}")
     lines = [head]
     for r in after["records"]:
         b = old.get(key(r), {})
@@ -221,7 +249,9 @@ def table(before: dict | None, after: dict) -> str:
             f"{r.get('gpu_kernels_per_round', float('nan')):>9.0f}"
             f"{b.get('gpu_kernels_per_round', float('nan')):>8.0f}"
             f"{r.get('host_syncs_per_round', float('nan')):>7.1f}"
-            f"{b.get('host_syncs_per_round', float('nan')):>8.1f}")
+            f"{b.get('host_syncs_per_round', float('nan')):>8.1f}"
+            f"{r.get('idle_short_ms_per_round', float('nan')):>9.2f}"
+            f"{r.get('idle_long_ms_per_round', float('nan')):>10.2f}")
     return "\n".join(lines)
 
 
