@@ -32,7 +32,8 @@ from adaptive_dist.policy import (
     initial_ema,
     measures_acceptance,
     pick_bucket,
-    update_cost,
+    shifted_costs,
+    update_offsets,
 )
 
 
@@ -104,6 +105,7 @@ class AdaptiveController:
         self.guard = guard
         # goodput: the cost table decisions read; with cost_alpha > 0 timed rounds move it
         self.round_cost = config.round_cost
+        self.cost_offsets = (0.0,) * len(config.round_cost.rows) if config.round_cost else ()
         self._clock = clock     # None: rounds are not timed (consensus-only replay)
         self._last_begin: Optional[float] = None
         self.state = PolicyState.initial(config)
@@ -220,10 +222,11 @@ class AdaptiveController:
         self.stats.accept_histogram.update(accepts)
 
     def _time_previous(self, matrix) -> None:
-        """goodput with ``cost_alpha`` > 0: move the live cost of the previous round's depth and
-        batch row toward its time, the slowest rank's (identical on every rank: every input is a
-        gathered column or the agreed plan). Only a steady decode round counts — it and this
-        round run requests and neither prefills — so idle time and prefills stay out."""
+        """goodput with ``cost_alpha`` > 0: move the offset of the previous round's batch row
+        toward its time, the slowest rank's, less its depth's agreed cost; the live table is the
+        agreed one plus each row's offset (identical on every rank: every input is a gathered
+        column or the agreed plan). Only a steady decode round counts — it and this round run
+        requests and neither prefills — so idle time and prefills stay out."""
         prev, alpha = self._prev_plan, self.config.cost_alpha
         if not alpha or prev is None or self.round_cost is None:
             return
@@ -235,8 +238,10 @@ class AdaptiveController:
         periods = consensus.column(matrix, "period")
         if min(periods) < 0:
             return
-        self.round_cost = update_cost(self.round_cost, prev.batch_pad, prev.steps, max(periods),
-                                      alpha)
+        base = self.config.round_cost
+        self.cost_offsets = update_offsets(base, self.cost_offsets, prev.batch_pad, prev.steps,
+                                           max(periods), alpha)
+        self.round_cost = shifted_costs(base, self.cost_offsets)
         self.stats.timed_rounds += 1
 
     def _decide_previous(self, matrix) -> Optional[RoundOutcome]:

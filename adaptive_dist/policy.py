@@ -158,14 +158,23 @@ def goodput_scores(cfg: AdaptiveConfig, p: float, batch: int,
     return [goodput_score(p, s, costs[s]) for s in cfg.candidate_steps]
 
 
-def update_cost(table: RoundCost, batch: int, steps: int, seconds: float,
-                alpha: float) -> RoundCost:
-    """``table`` with the cost of a round at ``steps`` in the row of padded batch ``batch``
-    moved toward a timed round: ``(1 - alpha)·cost + alpha·seconds``."""
-    i = cost_row(table, batch)
-    row = tuple((s, (1.0 - alpha) * c + alpha * seconds if s == steps else c)
-                for s, c in table.rows[i])
-    return RoundCost(table.buckets, table.rows[:i] + (row,) + table.rows[i + 1:])
+def update_offsets(base: RoundCost, offsets: tuple[float, ...], batch: int, steps: int,
+                   seconds: float, alpha: float) -> tuple[float, ...]:
+    """The per-row offsets after a timed round at ``steps`` in the row of padded batch
+    ``batch``: that row's offset moves toward ``seconds - base cost``,
+    ``(1 - alpha)·offset + alpha·(seconds - base)``, and is kept ``>= -min(row) / 2`` (every
+    live cost stays at least half its row's cheapest base cost above zero)."""
+    i = cost_row(base, batch)
+    row = dict(base.rows[i])
+    moved = (1.0 - alpha) * offsets[i] + alpha * (seconds - row[steps])
+    moved = max(moved, -0.5 * min(row.values()))
+    return offsets[:i] + (moved,) + offsets[i + 1:]
+
+
+def shifted_costs(base: RoundCost, offsets: tuple[float, ...]) -> RoundCost:
+    """``base`` with ``offsets[i]`` added to every cost of row ``i`` (the live table)."""
+    rows = tuple(tuple((s, c + off) for s, c in row) for row, off in zip(base.rows, offsets))
+    return RoundCost(base.buckets, rows)
 
 
 def goodput_pick(scores: Sequence[float], index: int, margin: float) -> int:

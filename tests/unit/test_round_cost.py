@@ -55,16 +55,21 @@ def test_measured_as_json():
 
 # ---- timed rounds move the live cost table (cost_alpha) ---------------------------------------
 
-def test_update_cost_moves_one_cell_of_the_batch_row() -> None:
+def test_a_timed_round_moves_its_rows_offset() -> None:
     from adaptive_dist.config import RoundCost
-    from adaptive_dist.policy import update_cost
+    from adaptive_dist.policy import shifted_costs, update_offsets
 
-    table = RoundCost.parse({"1": {"0": 1.0, "1": 2.0}, "16": {"0": 3.0, "1": 5.0}})
-    moved = update_cost(table, batch=4, steps=1, seconds=1.0, alpha=0.25)  # row 16 (>= 4)
-    assert moved.to_json() == {"1": {"0": 1.0, "1": 2.0}, "16": {"0": 3.0, "1": 4.0}}
-    flat = update_cost(RoundCost.parse({"0": 1.0, "3": 2.0}), batch=64, steps=0, seconds=3.0,
-                       alpha=0.5)
-    assert flat.to_json() == {"0": 2.0, "3": 2.0}
+    base = RoundCost.parse({"1": {"0": 1.0, "1": 2.0}, "16": {"0": 3.0, "1": 5.0}})
+    # batch 4 uses row 16; depth 1 took 9 s against 5: offset 0.75 * 0 + 0.25 * (9 - 5) = 1
+    offsets = update_offsets(base, (0.0, 0.0), batch=4, steps=1, seconds=9.0, alpha=0.25)
+    assert offsets == (0.0, 1.0)
+    assert shifted_costs(base, offsets).to_json() == {"1": {"0": 1.0, "1": 2.0},
+                                                      "16": {"0": 4.0, "1": 6.0}}
+    # a faster round than the table says: the offset goes negative, at most half the row's min
+    assert update_offsets(base, (0.0, 1.0), batch=1, steps=0, seconds=0.5, alpha=0.5) == (-0.25, 1.0)
+    assert update_offsets(base, (0.0, 1.0), batch=1, steps=1, seconds=0.0, alpha=1.0) == (-0.5, 1.0)
+    flat = RoundCost.parse({"0": 1.0, "3": 2.0})
+    assert update_offsets(flat, (0.0,), batch=64, steps=3, seconds=4.0, alpha=0.5) == (1.0,)
 
 
 class Clock:
@@ -88,8 +93,9 @@ def test_only_steady_decode_rounds_are_timed() -> None:
     ctl.end_round([1, 1])
     ctl.begin_round(2)            # the round before prefilled: not timed
     ctl.end_round([1, 1])
-    ctl.begin_round(2)            # steady: depth 1 took 0.5 s -> 0.5 * 2 + 0.5 * 0.5
-    assert ctl.round_cost.to_json() == {"0": 1.0, "1": 1.25, "3": 4.0}
+    ctl.begin_round(2)            # steady: depth 1 took 0.5 s, cost 2: offset 0.5 * (0.5 - 2)
+    assert ctl.cost_offsets == (-0.5,)  # kept at -min / 2
+    assert ctl.round_cost.to_json() == {"0": 0.5, "1": 1.5, "3": 3.5}
     ctl.end_round([0, 1])
     ctl.begin_round(2, num_tokens=5, num_extend=1)   # this round prefills: not timed
     ctl.end_round([1, 0])
@@ -98,17 +104,17 @@ def test_only_steady_decode_rounds_are_timed() -> None:
     ctl.begin_round(0)            # no requests now: not timed
     ctl.end_round([])
     ctl.begin_round(2)            # the round before ran none: not timed
-    assert ctl.round_cost.to_json() == {"0": 1.0, "1": 1.25, "3": 4.0}
+    assert ctl.round_cost.to_json() == {"0": 0.5, "1": 1.5, "3": 3.5}
     assert ctl.stats.timed_rounds == 1
     assert ctl.config.round_cost.to_json() == {"0": 1.0, "1": 2.0, "3": 4.0}  # the agreed table
 
 
 @pytest.mark.parametrize("alpha, final", [(0.0, 0), (1.0, 1)])
 def test_timed_costs_change_the_decision(alpha: float, final: int) -> None:
-    """Start-up says depth 1 costs 3x depth 0; the rounds take the same time (1 s each), and
-    with every draft accepted depth 1 is worth it: only a controller that times its rounds
-    stays there."""
-    ctl = _timed_controller([float(i) for i in range(40)], {"0": 1.0, "1": 3.0, "3": 4.0},
+    """Start-up says depth 1 costs 3x depth 0 (1 vs 3); every round takes 9 s, so (alpha 1) the
+    offset is 9 - 3 = 6 and the live costs are 7 vs 9: with every draft accepted depth 1 scores
+    2/9 against 1/7. Untimed, it scores 2/3 against 1 and the controller leaves it."""
+    ctl = _timed_controller([9.0 * i for i in range(40)], {"0": 1.0, "1": 3.0, "3": 40.0},
                             cost_alpha=alpha, ema_alpha=0.5,
                             warmup_batches=4, update_interval=1, probe_every=100)
     ctl.begin_round(2, num_tokens=8, num_extend=2)
