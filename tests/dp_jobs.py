@@ -123,8 +123,10 @@ def _spec(mode: str) -> AdaptiveConfig:
     if mode == "forced":  # the static policy underneath: only the forced switches move the depth
         return cfg.replace(policy="static", candidate_steps=(1, 2, 3, 5, 7))
     if mode == "goodput":  # the cost table is measured and agreed at start-up
-        return cfg.replace(policy="goodput", candidate_steps=(0, 1, 3, 7), probe_every=2,
-                           cost_alpha=0.3)  # timed rounds move the table, the same on every rank
+        # starts at depth 0 (the head's cache lags) and probes out of it (the catch-up runs);
+        # timed rounds move the table, the same on every rank
+        return cfg.replace(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=0,
+                           probe_every=2, cost_alpha=0.3)
     return cfg
 
 

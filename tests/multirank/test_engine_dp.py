@@ -103,6 +103,13 @@ def _check_lockstep(results: list, modes: list[str]) -> None:
             assert got["log"] == first["log"], f"{mode}: collective logs differ"
 
 
+def _check_leaves_depth_0(results: list, mode: str) -> None:
+    """The goodput run went to depth 0 and drafted again afterwards: the draft cache's catch-up
+    (with the head's collectives) ran on every rank in the same round."""
+    depths = [s for _, s in results[0].value[mode]["timeline"]]
+    assert 0 in depths and any(s > 0 for s in depths[depths.index(0):]), (mode, depths)
+
+
 def _check_outputs(results: list, modes: list[str], reference) -> None:
     for res in results:
         for mode in modes:
@@ -118,6 +125,8 @@ def test_dp2_lossless_in_lockstep_under_heterogeneous_load(model_dir: Path) -> N
                         timeout=240)
     _check_outputs(results, modes, _reference(model_dir, PROMPTS, NEW))
     _check_lockstep(results, modes)
+    _check_leaves_depth_0(results, "goodput")
+    _check_leaves_depth_0(results, "goodput+overlap")
     idle = next(r.value for r in results if r.value["replica"] == 0)
     busy = next(r.value for r in results if r.value["replica"] == 1)
     for mode in modes:  # replica 0 idled (dummy forwards) for most of the rounds
@@ -134,12 +143,13 @@ def test_dp2_lossless_in_lockstep_under_heterogeneous_load(model_dir: Path) -> N
 
 def test_dp2_attn_tp2_lossless_in_lockstep(model_dir: Path) -> None:
     """Four ranks: two replicas, each splitting its attention over two ranks; replica 1 light."""
-    modes = ["static3", "ema", "forced", "ema+overlap"]
+    modes = ["static3", "ema", "forced", "ema+overlap", "goodput"]
     prompts, new = PROMPTS[::-1], NEW[::-1]
     results = run_ranks(dp_jobs.generate_job, 4, str(model_dir), 2, modes, prompts, new,
                         timeout=300)
     _check_outputs(results, modes, _reference(model_dir, prompts, new))
     _check_lockstep(results, modes)
+    _check_leaves_depth_0(results, "goodput")
 
 
 # ---- sampling stays lossless under DP ------------------------------------------------------------
