@@ -1,12 +1,13 @@
 """Device kernels per phase of a speculative round, counted on a CPU (no GPU needed).
 
     python scripts/count_kernels.py [--batch 16] [--depths 0 1 3 7] [--sampled] [--out FILE]
+        (FILE.json and a plot next to it, FILE.png)
         [--ops]                        # also the per-op breakdown of every phase
     python scripts/count_kernels.py --merge BEFORE.json AFTER.json   # one before/after table
 
-On the GPU a round runs as CUDA graphs whose wall time is about the kernel time plus ~1.4 us per
-kernel node, so the number of kernels a round launches matters as much as their work. This
-script builds the engine with the bundled pair on the CPU, makes the fused kernels of
+On the GPU a round runs as CUDA graphs of many small kernels, so how many a round launches matters
+as much as their work (`docs/benchmarks.md`, "Fewer kernels per round", for what the GPU
+measured). This script builds the engine with the bundled pair on the CPU, makes the fused kernels of
 ``workers.kernels`` serve CPU tensors (``kernels.enabled`` forced on while counting; each triton
 launch is recorded, not run: values do not change which ops run, and triton's interpreter would
 take minutes), and calls each phase body of the worker (``draft``,
@@ -219,7 +220,32 @@ def main() -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        plot(result, Path(args.out).with_suffix(".png"))
     return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    """Kernels per phase, stacked, one bar per depth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    depths = list(result["depths"])
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    bottom = [0] * len(depths)
+    for phase in ("draft", "verify", "extend"):
+        vals = [result["depths"][d].get(phase, {}).get("kernels", 0) for d in depths]
+        ax.bar([("no spec" if d == "0" else d) for d in depths], vals, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xlabel("depth")
+    ax.set_ylabel("kernels per round")
+    ax.set_title(f"kernels per round, batch {result['meta']['batch']}, "
+                 f"{'greedy' if result['meta']['greedy'] else 'sampled'}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
