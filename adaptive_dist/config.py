@@ -140,9 +140,9 @@ class AdaptiveConfig:
     """goodput: at depth 0, probe the smallest positive depth after this many decision points
     (>= 1)."""
     cost_alpha: float = 0.0
-    """goodput: EMA weight of a timed round in the live cost table (in [0, 1]; 0: the table
-    stays as agreed at start-up). The engine's rounds are timed (seconds from one round's begin
-    to the next's, the slowest rank's), so a table in other units must keep 0."""
+    """goodput: EMA weight of a timed round in its cost-table row's offset (in [0, 1]; 0: the
+    table stays as agreed at start-up). The engine's rounds are timed (seconds from one round's
+    begin to the next's, the slowest rank's), so a table in other units must keep 0."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidate_steps",

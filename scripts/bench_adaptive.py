@@ -106,12 +106,17 @@ def parse_args() -> argparse.Namespace:
                    help="passes over every run before the measured ones, not recorded (the first "
                         "use of a prompt shape compiles kernels)")
     p.add_argument("--cost-alpha", type=float, default=0.2,
-                   help="goodput: weight of a timed round in its live cost table (0: the "
+                   help="goodput: weight of a timed round in the offset of its cost-table row (0: the "
                         "start-up table only)")
     p.add_argument("--set", dest="knobs", action="append", default=[], metavar="KEY=VALUE",
                    help="a config key for every adaptive policy alike (e.g. update_interval=2)")
     p.add_argument("--out", default="runs/bench_adaptive")
-    return p.parse_args()
+    args = p.parse_args()
+    if not 0 <= args.cost_alpha <= 1:
+        p.error(f"--cost-alpha {args.cost_alpha}: must be in [0, 1]")
+    if args.warmup_runs < 0:
+        p.error(f"--warmup-runs {args.warmup_runs}: must be >= 0")
+    return args
 
 
 def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,

@@ -93,13 +93,11 @@ class HostStage:
 
 @dataclass
 class LaunchedRound:
-    """A round queued on the device whose results are not read yet: its requests and their
-    slots at launch (a request may finish, and its slot be reused, before it is collected), the
-    host staging its results land in, and the event recorded after that copy (None on the CPU,
-    where the round ran at launch)."""
+    """A round queued on the device whose results are not read yet: its requests, the host
+    staging its results land in, and the event recorded after that copy (None on the CPU, where
+    the round ran at launch)."""
 
     reqs: list[Request]
-    slots: np.ndarray
     host: torch.Tensor
     done: Any
     steps: int
@@ -513,7 +511,7 @@ class EagleWorker:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
-        return LaunchedRound(reqs=reqs, slots=slots, host=host, done=done, steps=bufs.steps)
+        return LaunchedRound(reqs=reqs, host=host, done=done, steps=bufs.steps)
 
     def _catch_up(self, bufs: StepBuffers, bp: int, reach: int, graph_bucket: int | None) -> None:
         if graph_bucket is None:

@@ -300,17 +300,16 @@ class Engine:
                 for _ in range(repeats + 1):  # the first is a warm-up
                     sync()
                     start = time.perf_counter()
-                    previous = None
+                    queued = []   # launched, not read yet
+                    in_flight = 1 if self.config.overlap else 0   # as the engine runs rounds
                     for _ in range(chain):
                         if context:
                             self.worker.slot_len[self.worker.dummy_slot] = context
-                        handle = self.worker.launch([], bucket, graph)
-                        if not self.config.overlap:
-                            self.worker.collect(handle)
-                        elif previous is not None:
-                            self.worker.collect(previous)
-                        previous = handle
-                    self.worker.collect(previous)
+                        queued.append(self.worker.launch([], bucket, graph))
+                        if len(queued) > in_flight:
+                            self.worker.collect(queued.pop(0))
+                    for handle in queued:
+                        self.worker.collect(handle)
                     sync()
                     times.append((time.perf_counter() - start) / chain)
                 table.setdefault(bucket, {})[steps] = statistics.median(times[1:])
