@@ -13,8 +13,11 @@ on every rank, naming ranks and fields, before any device collective of the roun
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
+from typing import Sequence
+
 import torch
 
 from collectives import DivergenceError, Group, ops
@@ -28,6 +31,7 @@ FIELDS = (
 )
 MUST_AGREE = ("magic", "round", "steps", "counted", "last_switch", "config_hash", "prev_plan_hash")
 COL = {name: i for i, name in enumerate(FIELDS)}
+_AGREE_COLS = tuple(COL[name] for name in MUST_AGREE)
 
 
 def hash48(*parts: object) -> int:
@@ -85,6 +89,7 @@ class ConsensusChannel:
         n = len(FIELDS)
         cuda = group.device.type == "cuda" and channel == "device"
         self.host_in = torch.zeros(n, dtype=torch.float64, pin_memory=cuda)
+        self._host_in = self.host_in.numpy()  # the same memory: filled without a torch op
         self.dev_in = self.host_in.to(group.device) if cuda else self.host_in
         self.host_out = torch.zeros(group.size * n, dtype=torch.float64, pin_memory=cuda)
         self.cuda = cuda
@@ -92,7 +97,7 @@ class ConsensusChannel:
     def gather(self, vec: "RoundVector") -> list[list[float]]:
         """All-gather every member's vector (one collective) and return the [size][len(FIELDS)]
         matrix as Python floats, identical on every member."""
-        self.host_in.copy_(torch.tensor(vec.values(), dtype=torch.float64))
+        self._host_in[:] = vec.values()
         if self.cuda:
             self.dev_in.copy_(self.host_in, non_blocking=True)
         out = ops.all_gather(self.dev_in, self.group, control=self.channel == "control")
@@ -108,6 +113,9 @@ class ConsensusChannel:
 
 def preflight(matrix: list[list[float]], group: Group) -> None:
     """Raise ``DivergenceError`` (the same on every rank) if the must-agree columns differ."""
+    first = [matrix[0][i] for i in _AGREE_COLS]
+    if all([row[i] for i in _AGREE_COLS] == first for row in matrix[1:]):
+        return
     bad = []
     for name in MUST_AGREE:
         col = column(matrix, name)
@@ -136,6 +144,12 @@ def column(matrix: list[list[float]], name: str) -> list[float]:
     return [row[i] for row in matrix]
 
 
+def columns(matrix: list[list[float]]) -> dict[str, Sequence[float]]:
+    """Every column of ``matrix`` by field name (one pass, for a round that reads many)."""
+    return dict(zip(FIELDS, zip(*matrix)))
+
+
+@functools.lru_cache(maxsize=1024)
 def plan_hash(steps: int, use_graph: bool, bucket: int | None, mode: str) -> int:
     """Hash of what a rank runs in a round: depth, graph or eager, padded bucket, forward mode."""
     return hash48(int(steps), bool(use_graph), bucket, mode)

@@ -159,10 +159,11 @@ class AdaptiveController:
             if self.guard is not None:
                 self.guard.publish_log()  # let peers stuck elsewhere name the divergence
             raise
-        self._time_previous(matrix)
-        self.last_outcome = self._decide_previous(matrix)
+        cols = consensus.columns(matrix)
+        self._time_previous(cols)
+        self.last_outcome = self._decide_previous(cols)
         switched = bool(self.last_outcome and self.last_outcome.decision.switched)
-        plan = self._plan(matrix, switched)
+        plan = self._plan(cols, switched)
         self._prev_plan = plan
         # until end_round reports what this rank actually ran, assume it followed the plan
         self._prev_plan_hash = consensus.plan_hash(plan.steps, plan.use_graph, plan.batch_bucket,
@@ -210,9 +211,11 @@ class AdaptiveController:
             self.ran(executed)
         plan = plan if plan is not None else self._prev_plan
         steps = plan.steps if plan is not None else self.steps
-        for a in accepts:
-            if not isinstance(a, int) or isinstance(a, bool) or not 0 <= a <= steps:
-                raise ValueError(f"accept length {a!r} outside [0, {steps}] (steps in force)")
+        if accepts and (any(type(a) is not int for a in accepts)
+                        or min(accepts) < 0 or max(accepts) > steps):
+            for a in accepts:
+                if type(a) is not int or not 0 <= a <= steps:  # bool is not an int here
+                    raise ValueError(f"accept length {a!r} outside [0, {steps}] (steps in force)")
         if measures_acceptance(self.config, steps):
             alpha = self.config.ema_alpha
             self.ema = ema_update(self.ema, accepts, alpha)
@@ -221,7 +224,7 @@ class AdaptiveController:
         self._prev_n_req = len(accepts)
         self.stats.accept_histogram.update(accepts)
 
-    def _time_previous(self, matrix) -> None:
+    def _time_previous(self, cols) -> None:
         """goodput with ``cost_alpha`` > 0: move the offset of the previous round's batch row
         toward its time, the slowest rank's, less its depth's agreed cost; the live table is the
         agreed one plus each row's offset (identical on every rank: every input is a gathered
@@ -232,10 +235,9 @@ class AdaptiveController:
             return
         if prev.cluster_requests <= 0 or prev.extend_tokens > 0:
             return
-        if sum(consensus.column(matrix, "n_req")) <= 0 or max(consensus.column(matrix,
-                                                                               "num_tokens")) > 0:
+        if sum(cols["n_req"]) <= 0 or max(cols["num_tokens"]) > 0:
             return
-        periods = consensus.column(matrix, "period")
+        periods = cols["period"]
         if min(periods) < 0:
             return
         base = self.config.round_cost
@@ -244,16 +246,15 @@ class AdaptiveController:
         self.round_cost = shifted_costs(base, self.cost_offsets)
         self.stats.timed_rounds += 1
 
-    def _decide_previous(self, matrix) -> Optional[RoundOutcome]:
+    def _decide_previous(self, cols) -> Optional[RoundOutcome]:
         prev = self._prev_plan
         if prev is None:
             return None
-        cluster = int(sum(consensus.column(matrix, "prev_n_req")))
+        cluster = int(sum(cols["prev_n_req"]))
         local_ema, local_fail = self.ema, self.ema_fail
         self.state, decision = decide(
             self.config, self.state, cluster,
-            consensus.column(matrix, "ema"), consensus.column(matrix, "weight"),
-            ema_fails=consensus.column(matrix, "ema_fail"), batch=prev.batch_pad,
+            cols["ema"], cols["weight"], ema_fails=cols["ema_fail"], batch=prev.batch_pad,
             table=self.round_cost,
         )
         if decision.decision_point:
@@ -266,21 +267,21 @@ class AdaptiveController:
         return RoundOutcome(prev.round, prev.steps, prev.use_graph, local_ema, decision,
                             local_fail, prev.batch_pad)
 
-    def _plan(self, matrix, switched: bool) -> RoundPlan:
-        n_req = [int(v) for v in consensus.column(matrix, "n_req")]
-        eligible = all(v != 0 for v in consensus.column(matrix, "can_graph"))
+    def _plan(self, cols, switched: bool) -> RoundPlan:
+        n_req = [int(v) for v in cols["n_req"]]
+        eligible = all(cols["can_graph"])
         bucket = pick_bucket(max(n_req), self.config.graph_buckets) if eligible else None
         use_graph = bucket is not None
         return RoundPlan(
             round=self.round, steps=self.steps, use_graph=use_graph,
             batch_bucket=bucket if use_graph else None,
             batch_pad=bucket if use_graph else max(n_req),
-            extend_tokens=int(max(consensus.column(matrix, "num_tokens"))),
-            extend_requests=int(max(consensus.column(matrix, "n_extend"))),
+            extend_tokens=int(max(cols["num_tokens"])),
+            extend_requests=int(max(cols["n_extend"])),
             cluster_requests=sum(n_req), switched=switched,
-            all_done=all(v != 0 for v in consensus.column(matrix, "done")),
-            seq=int(min(consensus.column(matrix, "seq"))),
-            leave=any(v != 0 for v in consensus.column(matrix, "leave")),
+            all_done=all(cols["done"]),
+            seq=int(min(cols["seq"])),
+            leave=any(cols["leave"]),
         )
 
     def decision_digest(self) -> int:

@@ -255,7 +255,7 @@ def decide(cfg: AdaptiveConfig, state: PolicyState, cluster_requests: int,
     if cluster_requests <= 0:
         return state, Decision(False, False, None, state.index, state.index)
     counted = state.counted + 1
-    state = replace(state, counted=counted)
+    state = PolicyState(state.index, counted, state.last_switch)
     global_ema = reduce_emas(emas, weights, cfg.reducer)
     point = is_decision_point(counted, cfg.warmup_batches, cfg.update_interval)
     new_index = state.index

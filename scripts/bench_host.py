@@ -6,6 +6,12 @@ commit. What this measures is the host cost that CUDA graphs do not remove; on a
 gap between a round's GPU time and its wall time.
 
     python scripts/bench_host.py [--batch 16] [--policy ema] [--tokens 400] [--repeats 3] [--out DIR]
+    python scripts/bench_host.py --device cuda [--steps 0 1 3 7] [--batch 16] [--tokens 256]
+
+With `--device cuda` the engine is the bundled pair with CUDA graphs and overlapped rounds, at each
+static depth of `--steps` (interleaved over the repeats): the bodies are graph launches, and `wait`
+is the time the host blocks on the device (reading a round); host work per round is the round's
+wall time less `wait`. A round is host-bound when its host work exceeds the device's time.
 
 Writes `OUT/host.json` (medians and min-max over the repeats, microseconds per round) and
 `OUT/host.png`.
@@ -27,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from adaptive_dist.config import load_config  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
+from workers.config import EngineConfig, no_spec  # noqa: E402
 from workers.engine import build_engine  # noqa: E402
 from workers.model import EagleConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from workers.model.eagle import EagleHead  # noqa: E402
@@ -38,13 +44,16 @@ PARTS = (("retire", "scheduler", "retire"), ("admit", "scheduler", "admit"),
          ("commit", "scheduler", "commit_round"), ("launch", "worker", "launch"),
          ("launch", "worker", "collect"),
          ("bodies", "worker", "_draft_phase"), ("bodies", "worker", "_verify_phase"),
-         ("bodies", "worker", "_extend_phase"))
+         ("bodies", "worker", "_extend_phase"), ("bodies", "worker", "_catch_up"))
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--policy", default="ema", choices=("ema", "static"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--steps", type=int, nargs="+", default=None,
+                   help="static depths to time (default: the --policy run only; cuda: 0 1 3 7)")
     p.add_argument("--tokens", type=int, default=400)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="runs/bench_host")
@@ -61,33 +70,79 @@ def timed(acc: collections.Counter, key: str, fn: Callable) -> Callable:
     return run
 
 
-def one_run(args: argparse.Namespace) -> dict[str, float]:
+def build(args: argparse.Namespace, steps: int | None) -> tuple[Any, list[list[int]]]:
+    """The engine of one configuration and its prompts (`steps`: a static depth; None: the
+    --policy run)."""
+    if steps is None:
+        spec = load_config(None, args.policy,
+                           **({"initial_steps": 3} if args.policy == "static" else {}))
+    elif steps == 0:
+        spec = no_spec()
+    else:
+        spec = load_config(None, "static", initial_steps=steps)
+    if args.device == "cuda":
+        from workers import loading
+
+        target, head = loading.load_pair(loading.DEFAULT_MODEL, device="cuda")
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from regimes import make_prompts
+
+        prompts = [loading.encode_prompt(t, target.config)
+                   for t in make_prompts(args.batch, seed=0)["code"]]
+        context = max(len(p) for p in prompts) + args.tokens + 1
+        cfg = EngineConfig(spec=spec, max_batch_size=args.batch, max_context_len=context,
+                           device="cuda", cuda_graphs=True, overlap=True)
+        return build_engine(cfg, target, head), prompts
     cfg = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                       num_attention_heads=1, num_key_value_heads=1, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     target = LlamaForCausalLM(cfg).eval()
     head = EagleHead(EagleConfig.for_target(cfg), target).eval()
-    spec = load_config(None, args.policy, **({"initial_steps": 3} if args.policy == "static" else {}))
     engine = build_engine(EngineConfig(spec=spec, max_batch_size=args.batch,
                                        max_context_len=args.tokens + 32, device="cpu",
                                        cuda_graphs=False), target, head)
+    return engine, [[3, 4, 5, 6] * 5 for _ in range(args.batch)]
+
+
+def instrument(engine: Any) -> collections.Counter:
+    """Time the engine's parts into the returned counter (seconds, summed)."""
     acc: collections.Counter = collections.Counter()
     owners = {"scheduler": engine.scheduler, "planner": engine.planner, "worker": engine.worker}
     for key, owner, name in PARTS:
         obj = owners[owner]
-        setattr(obj, name, timed(acc, key, getattr(obj, name)))
-    prompts = [[3, 4, 5, 6] * 5 for _ in range(args.batch)]
-    params = SamplingParams(max_new_tokens=args.tokens)
-    engine.generate(prompts, params)  # warm
+        if hasattr(obj, name):
+            setattr(obj, name, timed(acc, key, getattr(obj, name)))
+    collect = engine.worker.collect
+
+    def waited(launched: Any) -> Any:  # the host blocked on the device: not host work
+        if launched.done is not None:
+            start = time.perf_counter()
+            launched.done.synchronize()
+            acc["wait"] += time.perf_counter() - start
+        return collect(launched)
+    engine.worker.collect = waited
+    if engine.worker.graphs is not None:  # graph launches are the bodies of a graphed round
+        for bufs in (s.payload for s in engine.pool.states.values()):
+            for entry in bufs.graphs.values():
+                entry.replay = timed(acc, "bodies", entry.replay)
+        for entry in engine.worker._catchup_graphs.values():
+            entry.replay = timed(acc, "bodies", entry.replay)
+    return acc
+
+
+def one_run(engine: Any, acc: collections.Counter, prompts: list[list[int]],
+            tokens: int) -> dict[str, float]:
+    params = SamplingParams(max_new_tokens=tokens)
     acc.clear()
     rounds0, seconds0 = engine.stats.rounds, engine.stats.round_seconds
     engine.generate(prompts, params)
     n = engine.stats.rounds - rounds0
     total = (engine.stats.round_seconds - seconds0) / n
     us = {k: 1e6 * v / n for k, v in acc.items()}
-    us["worker_glue"] = us.pop("launch") - us["bodies"]   # launch + collect, bodies excluded
+    us.setdefault("wait", 0.0)
+    us["worker_glue"] = us.pop("launch") - us["bodies"] - us["wait"]  # bodies, wait excluded
     us["engine_other"] = 1e6 * total - sum(us.values())
-    us["host_total"] = 1e6 * total - us["bodies"]
+    us["host_total"] = 1e6 * total - us["bodies"] - us["wait"]
     us["round_total"] = 1e6 * total
     return us
 
@@ -97,33 +152,60 @@ def main() -> int:
     torch.set_num_threads(1)
     from tqdm import tqdm
 
-    runs = [one_run(args) for _ in tqdm(range(args.repeats), desc="bench_host", unit="run")]
-    keys = list(runs[0])
-    summary = {k: {"median": statistics.median(r[k] for r in runs),
-                   "min": min(r[k] for r in runs), "max": max(r[k] for r in runs)} for k in keys}
+    steps = args.steps or ([0, 1, 3, 7] if args.device == "cuda" else [None])
+    built = {}
+    for depth in steps:
+        engine, prompts = build(args, depth)
+        acc = instrument(engine)
+        engine.generate(prompts, SamplingParams(max_new_tokens=args.tokens))  # warm
+        built[depth] = (engine, acc, prompts)
+    samples: dict = {d: [] for d in steps}
+    bar = tqdm(total=args.repeats * len(steps), desc="bench_host", unit="run")
+    for rep in range(args.repeats):  # interleaved: every configuration once per repeat
+        for depth in steps[rep % len(steps):] + steps[:rep % len(steps)]:
+            engine, acc, prompts = built[depth]
+            samples[depth].append(one_run(engine, acc, prompts, args.tokens))
+            bar.update()
+    bar.close()
+    summaries = {}
+    for depth, runs in samples.items():
+        keys = list(runs[0])
+        summaries[depth] = {k: {"median": statistics.median(r[k] for r in runs),
+                                "min": min(r[k] for r in runs), "max": max(r[k] for r in runs)}
+                            for k in keys}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"batch": args.batch, "policy": args.policy, "tokens": args.tokens,
-            "repeats": args.repeats, "torch": torch.__version__, "command": " ".join(sys.argv)}
-    (out / "host.json").write_text(json.dumps({"meta": meta, "us_per_round": summary,
-                                               "runs": runs}, indent=1))
-    for k in keys:
-        s = summary[k]
-        print(f"{k:<14}{s['median']:>9.0f} us/round  ({s['min']:.0f}-{s['max']:.0f})")
+            "device": args.device, "repeats": args.repeats, "torch": torch.__version__,
+            "command": " ".join(sys.argv)}
+    label = {d: (args.policy if d is None else f"steps {d}") for d in steps}
+    (out / "host.json").write_text(json.dumps(
+        {"meta": meta, "configs": {label[d]: {"us_per_round": summaries[d], "runs": samples[d]}
+                                   for d in steps}}, indent=1))
+    for depth in steps:
+        print(f"--- {label[depth]} (batch {args.batch}, {args.device})")
+        for k, s in summaries[depth].items():
+            print(f"{k:<14}{s['median']:>9.0f} us/round  ({s['min']:.0f}-{s['max']:.0f})")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = [k for k in keys if k not in ("host_total", "round_total", "bodies")]
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    med = [summary[k]["median"] for k in parts]
-    err = [[m - summary[k]["min"] for k, m in zip(parts, med)],
-           [summary[k]["max"] - m for k, m in zip(parts, med)]]
-    ax.bar(parts, med, yerr=err, capsize=3)
+    first = summaries[steps[0]]
+    parts = [k for k in first if k not in ("host_total", "round_total", "bodies", "wait")]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    width = 0.8 / len(steps)
+    for i, depth in enumerate(steps):
+        summary = summaries[depth]
+        med = [summary[k]["median"] for k in parts]
+        err = [[m - summary[k]["min"] for k, m in zip(parts, med)],
+               [summary[k]["max"] - m for k, m in zip(parts, med)]]
+        ax.bar([j + i * width for j in range(len(parts))], med, width, yerr=err, capsize=2,
+               label=f"{label[depth]}: {summary['host_total']['median']:.0f} µs host")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(parts))], parts)
     ax.set_ylabel("µs per round (median, min-max)")
-    ax.set_title(f"host work per round, batch {args.batch}, {args.policy}: "
-                 f"{summary['host_total']['median']:.0f} µs in all")
+    ax.set_title(f"host work per round, batch {args.batch}, {args.device}")
+    ax.legend(fontsize=8)
     ax.tick_params(axis="x", rotation=20)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

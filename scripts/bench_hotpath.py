@@ -19,6 +19,13 @@ device-to-host copies. Writes `OUT/<label>.json` and `OUT/hotpath.png`; `--merge
 The profiled run also splits the device's idle time between consecutive kernels (ms per round):
 gaps under 5 us (the device's own latency between graph nodes) and longer ones (the device waited
 for the host; the profiler's own host overhead makes these larger than in an unprofiled run).
+
+A whole run's rounds include the prefill and the last rounds, where the batch empties (with few
+new tokens per request and a deep tier, these are most of the run). `--steady-rounds N` (default
+32, 0: off) also times decode rounds alone: every request admitted and prefilled, none able to
+finish within the window (their budget exceeds it), `N` rounds after 4 warm ones, on the same
+engines and interleaved with the whole runs; then one profiled window per configuration. Those
+are the `steady_*` fields: round wall time, GPU kernel time per round and their ratio.
 """
 from __future__ import annotations
 
@@ -53,6 +60,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-model", default=None, help="draft head directory (as generate)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--steady-rounds", type=int, default=32,
+                   help="decode rounds per steady window (0: no steady measurement)")
     add_overlap_argument(p)
     p.add_argument("--merge", nargs=2, metavar=("BEFORE", "AFTER"), default=None)
     p.add_argument("--out", default="runs/bench_hotpath")
@@ -137,6 +146,66 @@ def profiled(engine: Any, prompts: list[list[int]], new_tokens: int, device: str
             "host_syncs_per_round": syncs / rounds, "d2h_copies_per_round": d2h / rounds}
 
 
+STEADY_WARM = 4  # rounds run before a steady window (the first prefills)
+
+
+def steady_budget(mode: str, rounds: int) -> int:
+    """New tokens per request so that no request can finish within a steady window of `rounds`
+    (a round commits at most steps + 1 tokens per request)."""
+    steps = 0 if mode.split("+")[0] == "nospec" else int(mode.split("+")[0])
+    return (STEADY_WARM + rounds + 2) * (steps + 1)
+
+
+def steady(engine: Any, prompts: list[list[int]], mode: str, rounds: int, device: str,
+           profiler: Any = None) -> dict:
+    """Decode rounds alone: admit and prefill `prompts`, run warm rounds, time `rounds` rounds
+    (under `profiler` when given: a started-not-entered torch profiler), then abort the requests
+    and let the engine retire them. Raises if a request finished inside the window."""
+    from workers.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=steady_budget(mode, rounds))
+    reqs = [engine.add(p, params, seed=i) for i, p in enumerate(prompts)]
+    for _ in range(STEADY_WARM):
+        engine.step()
+    if engine.scheduler.waiting or len(engine.scheduler.running) != len(reqs):
+        raise RuntimeError("steady window: not every request is running after the warm rounds")
+    sync(device)
+    if profiler is not None:
+        profiler.__enter__()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        engine.step()
+    sync(device)
+    wall = time.perf_counter() - start
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+    if any(r.finished for r in reqs):
+        raise RuntimeError("steady window: a request finished inside it (budget too small)")
+    for r in reqs:
+        engine.abort(r.rid)
+    engine.run()
+    return {"round_ms": 1000 * wall / rounds, "wall_s": wall}
+
+
+def steady_profiled(engine: Any, prompts: list[list[int]], mode: str, rounds: int,
+                    device: str) -> dict:
+    """One steady window under the profiler: GPU kernel time per decode round."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    prof = profile(activities=acts)
+    steady(engine, prompts, mode, rounds, device, profiler=prof)
+    kernel_us, spans = 0.0, []
+    for e in prof.events():
+        if device == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA:
+            kernel_us += e.device_time if hasattr(e, "device_time") else e.cuda_time
+            spans.append((e.time_range.start, e.time_range.end))
+    short_us, long_us = idle_gaps(spans)
+    return {"steady_gpu_kernel_ms_per_round": kernel_us / 1000 / rounds,
+            "steady_idle_short_ms_per_round": short_us / 1000 / rounds,
+            "steady_idle_long_ms_per_round": long_us / 1000 / rounds}
+
+
 SHORT_GAP_US = 5.0
 
 
@@ -162,6 +231,9 @@ def busy(rec: dict) -> dict:
     median round wall time — the profiler's own host overhead would otherwise count as idle."""
     kernel = rec.get("gpu_kernel_ms_per_round")
     rec["gpu_busy"] = kernel / rec["round_ms"]["median"] if kernel else None
+    kernel = rec.get("steady_gpu_kernel_ms_per_round")
+    if kernel and rec.get("steady_round_ms"):
+        rec["steady_gpu_busy"] = kernel / rec["steady_round_ms"]["median"]
     return rec
 
 
@@ -185,7 +257,9 @@ def run(args: argparse.Namespace) -> dict:
         head.reset_buffers()
     texts = make_prompts(max(args.batches), seed=0)
     prompts = {k: [encode(t) for t in v] for k, v in texts.items()}
-    context = max(len(p) for ps in prompts.values() for p in ps) + args.new_tokens + 1
+    budget = max([args.new_tokens] + [steady_budget(m, args.steady_rounds) for m in args.modes
+                                      if args.steady_rounds])
+    context = max(len(p) for ps in prompts.values() for p in ps) + budget + 1
     extra = overlap_of(args, args.device)
     engines = {m: build(m, target, head, args.device, max(args.batches), context, extra)
                for m in args.modes}
@@ -196,7 +270,9 @@ def run(args: argparse.Namespace) -> dict:
     samples: dict[tuple, list[dict]] = {c: [] for c in configs}
     from tqdm import tqdm
 
-    bar = tqdm(total=args.repeats * len(configs) + (0 if args.no_profile else len(configs)),
+    windows: dict[tuple, list[dict]] = {c: [] for c in configs}
+    per_config = 2 if args.steady_rounds else 1
+    bar = tqdm(total=(args.repeats + (0 if args.no_profile else 1)) * len(configs) * per_config,
                desc=f"bench_hotpath ({args.label})", unit="run")
     for rep in range(args.repeats):
         shift = rep % len(configs)
@@ -204,14 +280,24 @@ def run(args: argparse.Namespace) -> dict:
             samples[(m, k, b)].append(timed(engines[m], prompts[k][:b], args.new_tokens,
                                             args.device))
             bar.update()
+            if args.steady_rounds:
+                windows[(m, k, b)].append(steady(engines[m], prompts[k][:b], m,
+                                                 args.steady_rounds, args.device))
+                bar.update()
     records = []
     for (m, k, b), runs in samples.items():
         rec = {"mode": m, "prompts": k, "batch": b,
                "tokens_per_second": spread([r["tokens_per_second"] for r in runs]),
                "round_ms": spread([r["round_ms"] for r in runs]), "accept": runs[0]["accept"]}
+        if args.steady_rounds:
+            rec["steady_round_ms"] = spread([w["round_ms"] for w in windows[(m, k, b)]])
         if not args.no_profile:
             rec.update(profiled(engines[m], prompts[k][:b], args.new_tokens, args.device))
             bar.update()
+            if args.steady_rounds:
+                rec.update(steady_profiled(engines[m], prompts[k][:b], m, args.steady_rounds,
+                                           args.device))
+                bar.update()
         busy(rec)
         records.append(rec)
     bar.close()
@@ -220,7 +306,7 @@ def run(args: argparse.Namespace) -> dict:
     meta = {"label": args.label, "device": args.device, "overlap": bool(extra),
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "new_tokens": args.new_tokens, "repeats": args.repeats,
-            "dtype": args.dtype,
+            "dtype": args.dtype, "steady_rounds": args.steady_rounds,
             "command": " ".join(sys.argv)}
     return {"meta": meta, "records": records}
 
@@ -234,7 +320,8 @@ def table(before: dict | None, after: dict) -> str:
         busy(r)
     head = (f"{'mode':<11}{'prompts':<14}{'batch':>6}{'tok/s':>10}{'before':>9}{'round ms':>10}"
             f"{'GPU ms':>8}{'busy':>7}{'before':>8}{'kernels':>9}{'before':>8}{'syncs':>7}"
-            f"{'before':>8}{'idle<5us':>9}{'idle>=5us':>10}")
+            f"{'before':>8}{'idle<5us':>9}{'idle>=5us':>10}{'steady ms':>10}{'GPU ms':>8}"
+            f"{'busy':>6}")
     lines = [head]
     for r in after["records"]:
         b = old.get(key(r), {})
@@ -251,7 +338,10 @@ def table(before: dict | None, after: dict) -> str:
             f"{r.get('host_syncs_per_round', float('nan')):>7.1f}"
             f"{b.get('host_syncs_per_round', float('nan')):>8.1f}"
             f"{r.get('idle_short_ms_per_round', float('nan')):>9.2f}"
-            f"{r.get('idle_long_ms_per_round', float('nan')):>10.2f}")
+            f"{r.get('idle_long_ms_per_round', float('nan')):>10.2f}"
+            f"{r.get('steady_round_ms', {}).get('median', float('nan')):>10.2f}"
+            f"{r.get('steady_gpu_kernel_ms_per_round', float('nan')):>8.2f}"
+            f"{100 * (r.get('steady_gpu_busy') or float('nan')):>5.0f}%")
     return "\n".join(lines)
 
 

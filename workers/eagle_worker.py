@@ -79,16 +79,21 @@ class RoundResult:
 class HostStage:
     """Host memory one launched round uses (pinned on CUDA): the slot of each row, copied in,
     and the round's results, copied out (flat: a round of `n` requests at width `w` reads the
-    first `n * w` values)."""
+    first `n * w` values); the event recorded after that copy (reused: a stage serves every
+    other round, and a round is collected before its stage is staged again)."""
 
     rows: torch.Tensor
     out: torch.Tensor
+    rows_np: np.ndarray          # `rows` as numpy (the same memory: filled without torch ops)
+    done: Any = None
 
     @staticmethod
     def make(top: int, width: int, device: torch.device) -> "HostStage":
         pin = device.type == "cuda"
-        return HostStage(rows=torch.zeros(top, dtype=torch.int64, pin_memory=pin),
-                         out=torch.zeros(top * width, dtype=torch.int64, pin_memory=pin))
+        rows = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
+        out = torch.zeros(top * width, dtype=torch.int64, pin_memory=pin)
+        return HostStage(rows=rows, out=out, rows_np=rows.numpy(),
+                         done=torch.cuda.Event() if device.type == "cuda" else None)
 
 
 @dataclass
@@ -485,11 +490,10 @@ class EagleWorker:
         bufs: StepBuffers = self.state.payload
         stage = self._stages[self._launches % 2]
         self._launches += 1
-        slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
-        staged = stage.rows[:bp]
-        staged.fill_(self.dummy_slot)
-        staged[:len(reqs)] = torch.from_numpy(slots)
-        bufs.rows[:bp].copy_(staged, non_blocking=True)
+        staged = stage.rows_np
+        staged[:len(reqs)] = [r.slot for r in reqs]
+        staged[len(reqs):bp] = self.dummy_slot
+        bufs.rows[:bp].copy_(stage.rows[:bp], non_blocking=True)
         greedy = all(r.params.greedy for r in reqs)
         reach = self._reach(reqs, graph_bucket)
         if bufs.steps > 0 and self._lag_rounds:  # drafting resumes: the draft cache first
@@ -507,9 +511,8 @@ class EagleWorker:
         out = bufs.out[:len(reqs)]
         host = stage.out[:len(reqs) * width].view(len(reqs), width)
         host.copy_(out, non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
+        done = stage.done
+        if done is not None:
             done.record(torch.cuda.current_stream(self.device))
         return LaunchedRound(reqs=reqs, host=host, done=done, steps=bufs.steps)
 

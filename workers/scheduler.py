@@ -33,21 +33,28 @@ MAX_STOP_IDS = 8
 class OutputBuffer:
     """Generated tokens of the running requests, one row per batch slot, committed for the whole
     batch at once (numpy, no loop over requests): a row keeps the round's candidates up to its
-    accepted count, its first stop token and its `max_new_tokens`."""
+    accepted count, its first stop token and its `max_new_tokens`. Each row has `spare` columns
+    past `capacity`, so a round's candidates are written whole (one scatter) and only the count
+    decides what is committed."""
 
-    def __init__(self, slots: int, capacity: int) -> None:
-        self.tokens = np.zeros((slots, capacity), dtype=np.int64)
+    def __init__(self, slots: int, capacity: int, spare: int = 16) -> None:
+        self.capacity = capacity
+        self.tokens = np.zeros((slots, capacity + spare), dtype=np.int64)
         self.count = np.zeros(slots, dtype=np.int64)
         self.limit = np.zeros(slots, dtype=np.int64)
         self.stops = np.full((slots, MAX_STOP_IDS), -1, dtype=np.int64)
         self.accepted = np.zeros(slots, dtype=np.int64)   # draft tokens accepted, summed
         self.rounds = np.zeros(slots, dtype=np.int64)     # speculative rounds run
+        self._col = np.arange(spare)
 
     def open(self, slot: int, params: SamplingParams) -> None:
         """Empty row `slot` for a request with `params`."""
         if len(params.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"{len(params.stop_token_ids)} stop token ids; at most "
                              f"{MAX_STOP_IDS} are supported")
+        if params.max_new_tokens > self.capacity:
+            raise ValueError(f"max_new_tokens={params.max_new_tokens} exceeds the output "
+                             f"buffer's {self.capacity} tokens")
         self.count[slot] = self.accepted[slot] = self.rounds[slot] = 0
         self.limit[slot] = params.max_new_tokens
         self.stops[slot] = -1
@@ -61,16 +68,22 @@ class OutputBuffer:
         """Append `cand[b, :counts[b]]` to row `slots[b]` for every b (cut at a stop token and at
         the row's limit). Returns (finished by a stop token, finished by the limit), per b."""
         width = cand.shape[1]
-        col = np.arange(width)[None, :]
-        valid = col < np.minimum(counts, self.limit[slots] - self.count[slots])[:, None]
-        stop = (cand[:, :, None] == self.stops[slots][:, None, :]).any(-1) & valid
+        if width > self._col.shape[0]:  # wider than any round so far: more spare columns
+            self.tokens = np.concatenate(
+                [self.tokens, np.zeros((self.tokens.shape[0], width), dtype=np.int64)], axis=1)
+            self._col = np.arange(self.tokens.shape[1] - self.capacity)
+        col = self._col[:width]
+        count = self.count[slots]
+        room = self.limit[slots] - count
+        n = np.minimum(counts, room)
+        stop = (cand[:, :, None] == self.stops[slots][:, None, :]).any(-1)
+        stop &= col < n[:, None]
         stopped = stop.any(1)
-        first = np.where(stopped, stop.argmax(1), width)
-        valid &= col <= first[:, None]
-        rows, cols = np.nonzero(valid)
-        self.tokens[slots[rows], self.count[slots][rows] + cols] = cand[rows, cols]
-        self.count[slots] += valid.sum(1)
-        return stopped, ~stopped & (self.count[slots] >= self.limit[slots])
+        if stopped.any():
+            n = np.where(stopped, stop.argmax(1) + 1, n)
+        self.tokens[slots[:, None], count[:, None] + col] = cand
+        self.count[slots] = count + n
+        return stopped, ~stopped & (n >= room)
 
 
 @dataclass(eq=False)
@@ -206,13 +219,15 @@ class Scheduler:
         slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
         out = self.outputs
         fresh = out.count[slots] == 0
-        cand = np.concatenate([first[:, None], tokens], axis=1)
-        shift = np.where(fresh, 0, 1)
-        cand = np.take_along_axis(cand, np.minimum(np.arange(cand.shape[1])[None, :]
-                                                   + shift[:, None], cand.shape[1] - 1), axis=1)
+        if fresh.any():  # the round after a prefill: the first token leads those rows
+            cand = np.concatenate([first[:, None], tokens], axis=1)
+            cand[~fresh, :-1] = tokens[~fresh]
+            counts = accept + 1 + fresh
+        else:
+            cand, counts = tokens, accept + 1
         out.accepted[slots] += accept
         out.rounds[slots] += 1
-        stopped, full = out.commit(slots, cand, accept + 1 + fresh)
+        stopped, full = out.commit(slots, cand, counts)
         for b in np.flatnonzero(stopped | full):  # only the requests that just finished
             if not reqs[b].finished:
                 reqs[b].finish_reason = "stop" if stopped[b] else "length"
