@@ -139,6 +139,10 @@ class AdaptiveConfig:
     probe_every: int = 8
     """goodput: at depth 0, probe the smallest positive depth after this many decision points
     (>= 1)."""
+    probe_backoff: int = 4
+    """goodput: a probe that finds nothing (the policy goes straight back to 0) doubles the wait
+    before the next one, up to ``probe_backoff`` × ``probe_every`` decision points (>= 1; 1:
+    every probe waits ``probe_every``)."""
     cost_alpha: float = 0.0
     """goodput: EMA weight of a timed round in its cost-table row's offset (in [0, 1]; 0: the
     table stays as agreed at start-up). The engine's rounds are timed (seconds from one round's
@@ -282,8 +286,9 @@ def _validate(c: AdaptiveConfig) -> None:
     _check(c.reducer in REDUCERS, "reducer", c.reducer, f"allowed: {', '.join(REDUCERS)}")
     _check(_is_number(c.switch_margin) and 0 <= c.switch_margin < MARGIN_LIMIT, "switch_margin",
            c.switch_margin, f"must be a finite number in [0, {MARGIN_LIMIT:g})")
-    _check(_is_int(c.probe_every) and c.probe_every >= 1, "probe_every", c.probe_every,
-           "must be an integer >= 1")
+    for key in ("probe_every", "probe_backoff"):
+        v = getattr(c, key)
+        _check(_is_int(v) and v >= 1, key, v, "must be an integer >= 1")
     _check(_is_number(c.cost_alpha) and 0 <= c.cost_alpha <= 1, "cost_alpha", c.cost_alpha,
            "must be a number in [0, 1]")
     if c.cost_alpha:

@@ -6,7 +6,7 @@ cost, with probes out of depth 0) and ``static``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from adaptive_dist.config import AdaptiveConfig, RoundCost
@@ -189,23 +189,39 @@ def goodput_pick(scores: Sequence[float], index: int, margin: float) -> int:
     return index
 
 
-def probe_due(cfg: AdaptiveConfig, index: int, counted: int, last_switch: int) -> bool:
-    """At depth 0, whether ``probe_every`` decision points have passed since the last switch
-    (since the start when there was none), counting the one at ``counted``."""
+def probe_due(cfg: AdaptiveConfig, index: int, counted: int, last_switch: int,
+              gap: int = 1) -> bool:
+    """At depth 0, whether ``gap × probe_every`` decision points have passed since the last
+    switch (since the start when there was none), counting the one at ``counted``."""
     if cfg.candidate_steps[index] != 0:
         return False
     w, n = cfg.warmup_batches, cfg.update_interval
     since = decision_points_upto(counted, w, n) - decision_points_upto(last_switch, w, n)
-    return since >= cfg.probe_every
+    return since >= gap * cfg.probe_every
+
+
+def next_probe_gap(cfg: AdaptiveConfig, state: PolicyState, new_index: int,
+                   probe: bool) -> tuple[int, bool]:
+    """(probe_gap, probed) after a switch from ``state`` to ``new_index``: a probe keeps the
+    gap; a return to depth 0 straight after a probe (it found nothing) doubles it, up to
+    ``probe_backoff``; any other switch resets it to 1."""
+    if probe:
+        return state.probe_gap, True
+    if state.probed and cfg.candidate_steps[new_index] == 0:
+        return min(2 * state.probe_gap, cfg.probe_backoff), False
+    return 1, False
 
 
 @dataclass(frozen=True)
 class PolicyState:
-    """What every rank must hold identically: the tier, the counted rounds, the last switch."""
+    """What every rank must hold identically: the tier, the counted rounds, the last switch, and
+    (goodput) the probe wait's multiplier and whether the last switch was a probe."""
 
     index: int
     counted: int = 0
     last_switch: int = -1  # counted round of the last switch; -1: none yet
+    probe_gap: int = 1     # goodput: the next probe waits probe_gap * probe_every points
+    probed: bool = False   # goodput: the last switch was a probe out of depth 0
 
     @staticmethod
     def initial(cfg: AdaptiveConfig) -> "PolicyState":
@@ -235,7 +251,7 @@ def goodput_step(cfg: AdaptiveConfig, state: PolicyState, rate: Optional[float],
     """The goodput decision at a decision point the dwell allows: (new index, is a probe).
     At depth 0 only the probe moves; elsewhere the best score with the margin."""
     if cfg.candidate_steps[state.index] == 0:
-        if probe_due(cfg, state.index, state.counted, state.last_switch):
+        if probe_due(cfg, state.index, state.counted, state.last_switch, state.probe_gap):
             return state.index + 1, True
         return state.index, False
     if rate is None:
@@ -255,7 +271,7 @@ def decide(cfg: AdaptiveConfig, state: PolicyState, cluster_requests: int,
     if cluster_requests <= 0:
         return state, Decision(False, False, None, state.index, state.index)
     counted = state.counted + 1
-    state = PolicyState(state.index, counted, state.last_switch)
+    state = PolicyState(state.index, counted, state.last_switch, state.probe_gap, state.probed)
     global_ema = reduce_emas(emas, weights, cfg.reducer)
     point = is_decision_point(counted, cfg.warmup_batches, cfg.update_interval)
     new_index = state.index
@@ -278,7 +294,8 @@ def decide(cfg: AdaptiveConfig, state: PolicyState, cluster_requests: int,
                                 cfg.up_hysteresis, cfg.down_hysteresis)
     decision = Decision(True, point, global_ema, state.index, new_index, rate, row, probe)
     if new_index != state.index:
-        state = replace(state, index=new_index, last_switch=counted)
+        gap, probed = next_probe_gap(cfg, state, new_index, probe)
+        state = PolicyState(new_index, counted, counted, gap, probed)
     return state, decision
 
 

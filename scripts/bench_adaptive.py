@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import collectives as C  # noqa: E402
 from adaptive_dist.config import AdaptiveConfig, load_config  # noqa: E402
 from adaptive_dist.controller import AdaptiveController  # noqa: E402
-from benchlib import add_overlap_argument, overlap_of, spread, sync  # noqa: E402
+from benchlib import (GcPauses, add_overlap_argument, overlap_of, settle_heap,  # noqa: E402
+                      spread, sync)
 from regimes import make_prompts  # noqa: E402
 from workers.config import EngineConfig, no_spec  # noqa: E402
 from workers.engine import Engine, build_engine  # noqa: E402
@@ -124,15 +125,18 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
     """Every phase on this replica; per phase: seconds and tokens; and the policy's trace."""
     out: dict[str, Any] = {"phases": [], "phase_rounds": []}
     round0 = engine.planner.round
+    pauses = GcPauses()
     for prompts in phases:
         sync(device)
         start = time.perf_counter()
-        reqs = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
-        sync(device)
+        with pauses:
+            reqs = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
+            sync(device)
         out["phases"].append({"seconds": time.perf_counter() - start,
                               "tokens": sum(len(r.output_ids) for r in reqs)})
         out["phase_rounds"].append(engine.planner.round - round0)
     stats = engine.planner.stats
+    out.update(gc_full_collections=pauses.count, gc_seconds=pauses.seconds)
     out.update(switches=stats.switches, timeline=[list(x) for x in stats.steps_timeline],
                rounds_at_steps={str(k): v for k, v in sorted(stats.rounds_at_steps.items())})
     if engine.planner.round_cost is not None:  # goodput: the table its last decision read
@@ -168,6 +172,7 @@ def main() -> int:
                            attn_tp=layout.attn_tp, **overlap_of(args, args.device))
         engines[policy] = build_engine(cfg, target, head, group=world, guard=guard)
         engines[policy].warmup()
+    settle_heap()
     # the cost tables the goodput engines measured and agreed at start-up (relative costs)
     round_costs = {p: e.config.spec.round_cost.to_json() for p, e in engines.items()
                    if e.config.spec.round_cost is not None}
@@ -228,6 +233,8 @@ def summarise(workload: str, batch: int, policy: str, rep: int, parts: list[dict
             "switches": lead["switches"], "switches_per_phase_change": lead["switches"] / changes,
             "timed_rounds": lead.get("timed_rounds"), "live_round_cost": lead.get("live_round_cost"),
             "switches_per_hour": lead["switches"] * 3600 / total_s,
+            "gc_full_collections": sum(p.get("gc_full_collections", 0) for p in parts),
+            "gc_seconds": max(p.get("gc_seconds", 0.0) for p in parts),
             "rounds_at_steps": lead["rounds_at_steps"], "timeline": lead["timeline"],
             "phase_rounds": lead["phase_rounds"]}
 

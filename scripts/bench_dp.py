@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import collectives as C  # noqa: E402
 from adaptive_dist.config import AdaptiveConfig, load_config  # noqa: E402
 from adaptive_dist.controller import AdaptiveController  # noqa: E402
-from benchlib import add_overlap_argument, overlap_of, spread, sync  # noqa: E402
+from benchlib import add_overlap_argument, overlap_of, settle_heap, spread, sync  # noqa: E402
 from regimes import make_prompts  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import Engine, build_engine  # noqa: E402
@@ -131,6 +131,7 @@ def main() -> int:
         engines[policy] = build_engine(cfg, target, head, group=world, guard=guard)
         engines[policy].warmup()
         run_once(engines[policy], [p[:2] for p in phases], 8, args.device)  # warm every shape
+    settle_heap()
     bar = None
     if ctx.rank == 0:
         from tqdm import tqdm

@@ -38,7 +38,7 @@ from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_
 from workers.sampling import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from benchlib import add_overlap_argument, overlap_of, sync  # noqa: E402
+from benchlib import add_overlap_argument, overlap_of, settle_heap, sync  # noqa: E402
 from regimes import KINDS, make_prompts  # noqa: E402
 
 MODES = ("nospec", 1, 3, 7)
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         build_s = time.perf_counter() - t_build
         for batch in BATCHES:  # warm-up: lazy kernel loading, allocator, every batch shape
             measure(engine, prompts["code"][:batch], 8, args.device)
+        settle_heap()
         memory = {"runtime_state_bytes": state_bytes(engine),
                   "graph_pool_bytes": graph_pool_bytes(engine)}
         for kind in KINDS:

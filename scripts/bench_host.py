@@ -31,6 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from adaptive_dist.config import load_config  # noqa: E402
 from workers.config import EngineConfig, no_spec  # noqa: E402
@@ -38,6 +39,7 @@ from workers.engine import build_engine  # noqa: E402
 from workers.model import EagleConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from workers.model.eagle import EagleHead  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
+from benchlib import settle_heap  # noqa: E402
 
 PARTS = (("retire", "scheduler", "retire"), ("admit", "scheduler", "admit"),
          ("plan_begin", "planner", "begin_round"), ("plan_end", "planner", "end_round"),
@@ -84,7 +86,6 @@ def build(args: argparse.Namespace, steps: int | None) -> tuple[Any, list[list[i
         from workers import loading
 
         target, head = loading.load_pair(loading.DEFAULT_MODEL, device="cuda")
-        sys.path.insert(0, str(ROOT / "scripts"))
         from regimes import make_prompts
 
         prompts = [loading.encode_prompt(t, target.config)
@@ -140,7 +141,7 @@ def one_run(engine: Any, acc: collections.Counter, prompts: list[list[int]],
     total = (engine.stats.round_seconds - seconds0) / n
     us = {k: 1e6 * v / n for k, v in acc.items()}
     us.setdefault("wait", 0.0)
-    us["worker_glue"] = us.pop("launch") - us["bodies"] - us["wait"]  # bodies, wait excluded
+    us["worker_glue"] = us.pop("launch") - us["bodies"]  # bodies excluded (wait is outside)
     us["engine_other"] = 1e6 * total - sum(us.values())
     us["host_total"] = 1e6 * total - us["bodies"] - us["wait"]
     us["round_total"] = 1e6 * total
@@ -159,6 +160,7 @@ def main() -> int:
         acc = instrument(engine)
         engine.generate(prompts, SamplingParams(max_new_tokens=args.tokens))  # warm
         built[depth] = (engine, acc, prompts)
+    settle_heap()
     samples: dict = {d: [] for d in steps}
     bar = tqdm(total=args.repeats * len(steps), desc="bench_host", unit="run")
     for rep in range(args.repeats):  # interleaved: every configuration once per repeat

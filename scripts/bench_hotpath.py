@@ -42,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchlib import add_overlap_argument, overlap_of, spread, sync  # noqa: E402
+from benchlib import add_overlap_argument, overlap_of, settle_heap, spread, sync  # noqa: E402
 from regimes import KINDS, make_prompts  # noqa: E402
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -266,6 +266,7 @@ def run(args: argparse.Namespace) -> dict:
     for engine in engines.values():  # warm every batch shape
         for b in args.batches:
             timed(engine, prompts["code"][:b], 4, args.device)
+    settle_heap()
     configs = [(m, k, b) for m in args.modes for k in KINDS for b in args.batches]
     samples: dict[tuple, list[dict]] = {c: [] for c in configs}
     from tqdm import tqdm

@@ -81,11 +81,18 @@ if [ -f .gpu/hotpath_before.json ]; then
   mkdir -p "$OUTDIR/res/hotpath" && cp .gpu/hotpath_before.json "$OUTDIR/res/hotpath/before.json"
 elif [ -d .gpu/before/workers ]; then
   step hotpath_before env PYTHONPATH=$PWD/.gpu/before:$PYTHONPATH python3 scripts/bench_hotpath.py \
-    --device cuda --label before --model workers/assets/tiny_pair --out "$OUTDIR/res/hotpath"
+    --overlap off \
+    --device cuda --label before --model workers/assets/tiny_pair --out "$OUTDIR/res/hotpath" \
+    --batches ${HOTPATH_BATCHES:-1 16 64} --modes ${HOTPATH_BEFORE_MODES:-nospec 1 3 7}
 fi
-# (after: overlapped rounds, and the same depths serial, interleaved in one process)
-step hotpath_after python3 scripts/bench_hotpath.py --device cuda --label after --overlap on \
-  --modes nospec 1 3 7 nospec+serial 1+serial 3+serial 7+serial --out "$OUTDIR/res/hotpath"
+# (after: overlapped rounds, and the same depths serial, interleaved in one process; whole runs
+# and steady decode windows; HOTPATH_MODES narrows the modes)
+step hotpath_after timeout 420 python3 scripts/bench_hotpath.py --device cuda --label after \
+  --overlap on --modes ${HOTPATH_MODES:-nospec 1 3 7 nospec+serial 1+serial 3+serial 7+serial} \
+  --batches ${HOTPATH_BATCHES:-1 16 64} --out "$OUTDIR/res/hotpath"
+# host work per round on this machine's CPU (graphs, overlap), per part, static depths 0/1/3/7
+step host_cuda python3 scripts/bench_host.py --device cuda --batch 16 --tokens 256 \
+  --repeats "${BENCH_REPEATS:-3}" --out "$OUTDIR/res/host_cuda"
 # the issue's yardstick (bench_engine, float16, CUDA graphs), serial and overlapped interleaved
 step engine_overlap bash -c "for r in \$(seq ${BENCH_REPEATS:-3}); do for o in off on; do \
   python3 scripts/bench_engine.py --device cuda --variants torch/graphs --new-tokens 48 \

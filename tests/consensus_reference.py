@@ -14,7 +14,7 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
     """Expected output records (sorted by round, rank) for ``traces`` (one list per rank).
 
     ``cfg`` is the effective configuration as ``AdaptiveConfig.to_dict()`` gives it (for goodput
-    with ``round_cost``, ``switch_margin`` and ``probe_every``)."""
+    with ``round_cost``, ``switch_margin``, ``probe_every`` and ``probe_backoff``)."""
     cand = sorted(cfg["candidate_steps"])
     idx = cand.index(cfg["initial_steps"])
     world = len(traces)
@@ -25,6 +25,7 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
     weight = [0] * world
     counted, last_switch = 0, None
     points_since_switch = 0
+    probe_wait, after_probe = 1, False   # goodput: the probe wait's multiplier, last switch a probe
     buckets = sorted(cfg["graph_buckets"])
     alpha = cfg["ema_alpha"]
     out = []
@@ -74,7 +75,7 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
             rate = _reference_rate(ema, fail, weight, cfg["reducer"])
             row_key, costs = _reference_costs(cfg["round_cost"], pad)
             if point and dwell_ok and steps == 0:
-                if points_since_switch >= cfg["probe_every"]:
+                if points_since_switch >= probe_wait * cfg["probe_every"]:
                     new, probe = idx + 1, True
             elif point and dwell_ok and rate is not None:
                 scores = [(1.0 + _reference_expected(rate, s)) / costs[str(s)] for s in cand]
@@ -93,6 +94,12 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
         if new != idx:
             last_switch = counted
             points_since_switch = 0
+            if probe:
+                after_probe = True
+            elif after_probe and cand[new] == 0:  # the probe found nothing: wait twice as long
+                probe_wait, after_probe = min(2 * probe_wait, cfg.get("probe_backoff", 1)), False
+            else:
+                probe_wait, after_probe = 1, False
         idx = new
     return out
 

@@ -178,7 +178,7 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
 
     from adaptive_dist.startup import agree_settings, all_ranks_or_none
     from workers.config import EngineConfig
-    from workers.engine import build_engine
+    from workers.engine import build_engine, freeze_heap
     from workers.loading import load_pair, load_tokenizer_for, model_paths
     from workers.model import ModelParallel
 
@@ -220,5 +220,6 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
     closers.callback(engine.close)
     engine.warmup()
     torch.set_grad_enabled(False)
+    freeze_heap()  # start-up's objects out of the collector's walks (no full-collection pauses)
     return Cluster(ctx, config, par, world, target, engine, tokenizer,
                    model_paths(args.model, args.draft_model).target)

@@ -311,7 +311,7 @@ def gp(**kw) -> AdaptiveConfig:
 def test_goodput_defaults_and_round_cost_unset():
     c = load_config(None, policy="goodput")
     assert c.policy == "goodput" and c.adaptive and c.round_cost is None
-    assert c.switch_margin == 0.05 and c.probe_every == 8
+    assert c.switch_margin == 0.05 and c.probe_every == 8 and c.probe_backoff == 4
     assert c.needs_round_cost and not gp(round_cost=FLAT).needs_round_cost
     assert not AdaptiveConfig().needs_round_cost
     assert c.tiers == (1, 3, 7)
@@ -403,6 +403,9 @@ def test_round_cost_follows_the_candidates():
     ("probe_every", 1.5, "1.5"),
     ("probe_every", True, "True"),
     ("probe_every", "8", "'8'"),
+    ("probe_backoff", 0, "probe_backoff=0"),
+    ("probe_backoff", 2.0, "2.0"),
+    ("probe_backoff", False, "False"),
 ])
 def test_goodput_keys_validated(key, value, shown):
     msg = raises([key, shown], policy="goodput", **{key: value})

@@ -442,9 +442,10 @@ def test_goodput_bucket_row_from_the_plan():
 def test_goodput_goes_to_zero_on_low_acceptance_and_comes_back():
     """A long run: acceptance collapses (every request rejects the first draft token), the
     policy goes to 0; probes go to depth 1, find nothing and return to 0; acceptance rises
-    (every draft token accepted), the next probe stays up and climbs to the deepest tier."""
+    (every draft token accepted), the next probe stays up and climbs to the deepest tier. (No
+    backoff here: every probe waits probe_every decision points.)"""
     cfg = AdaptiveConfig(policy="goodput", candidate_steps=[0, 1, 3, 7], initial_steps=3,
-                         warmup_batches=2, update_interval=2, probe_every=3,
+                         warmup_batches=2, update_interval=2, probe_every=3, probe_backoff=1,
                          round_cost={"0": 1.0, "1": 1.25, "3": 1.6, "7": 2.4})
     ctl = AdaptiveController(cfg, Group.single())
     steps, probes = [], []
@@ -468,3 +469,32 @@ def test_goodput_goes_to_zero_on_low_acceptance_and_comes_back():
     assert gaps == [8] * (len(low_probes) - 1)
     # the first probe after the rise (decided at round 103) stays up and climbs
     assert ctl.stats.steps_timeline[-3:] == [(104, 1), (108, 3), (112, 7)]
+
+
+def test_goodput_probe_backoff_doubles_the_wait_and_resets_after_a_climb():
+    """probe_backoff 4: each probe that finds nothing doubles the wait before the next one (3, 6,
+    12, 12 decision points of 2 rounds: after the probe's own interval, the next probe comes 14,
+    then 26 rounds later; without backoff every 8); once acceptance is back the probe stays up
+    and climbs, and after the next collapse the first probe again waits probe_every points."""
+    cfg = AdaptiveConfig(policy="goodput", candidate_steps=[0, 1, 3, 7], initial_steps=3,
+                         warmup_batches=2, update_interval=2, probe_every=3, probe_backoff=4,
+                         round_cost={"0": 1.0, "1": 1.25, "3": 1.6, "7": 2.4})
+    ctl = AdaptiveController(cfg, Group.single())
+    probes = []
+    for r in range(400):
+        full = [9, 9, 9] if 120 <= r < 200 else [0, 0, 0]
+        plan = ctl.begin_round(3)
+        if ctl.last_outcome is not None and ctl.last_outcome.decision.probe:
+            probes.append(r - 1)
+        ctl.end_round([min(a, plan.steps) for a in full])
+    timeline = ctl.stats.steps_timeline
+    first = [p for p in probes if p < 120]
+    assert [b - a for a, b in zip(first, first[1:])] == [14, 26, 26, 26]
+    assert first[0] - max(r for r, s in timeline if s == 0 and r < first[0]) == 5  # 3 points
+    climbed = [r for r, s in timeline if s == 7]
+    assert climbed and 120 < climbed[0] < 160          # the probe after the rise climbed
+    second = [p for p in probes if p >= 200]
+    down = min(r for r, s in timeline if s == 0 and r > 200)
+    assert second[0] - down == 5                       # the wait was reset to probe_every
+    assert [b - a for a, b in zip(second, second[1:])][:3] == [14, 26, 26]
+    assert ctl.state.probe_gap == 4 and ctl.steps == 0
