@@ -9,12 +9,11 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 import collectives as C
-from adaptive_dist import consensus
 from adaptive_dist.config import AdaptiveConfig, load_config
 from adaptive_dist.controller import AdaptiveController
 from adaptive_dist.policy import Decision
@@ -77,8 +76,8 @@ class ForcedSwitches(AdaptiveController):
         super().__init__(*args, **kw)
         self.rng = random.Random(seed)
 
-    def _decide_previous(self, matrix):  # noqa: ANN001 - same signature as the parent
-        out = super()._decide_previous(matrix)  # the normal bookkeeping (the static policy)
+    def _decide_previous(self, cols):  # noqa: ANN001 - same signature as the parent
+        out = super()._decide_previous(cols)  # the normal bookkeeping (the static policy)
         if out is None:
             return None
         tiers = [s for s in self.config.candidate_steps if s != self.steps]
@@ -93,11 +92,9 @@ class LocalOnly(AdaptiveController):
     """The hazard: each rank walks the ladder on its OWN EMA (the other ranks' weights are
     ignored, so the decision is the per-rank one the open proposals warn about)."""
 
-    def _decide_previous(self, matrix):  # noqa: ANN001
-        w = consensus.COL["weight"]
-        local = [row if i == self.group.rank else [*row[:w], 0.0, *row[w + 1:]]
-                 for i, row in enumerate(matrix)]
-        return super()._decide_previous(local)
+    def _decide_previous(self, cols):  # noqa: ANN001
+        weights = [w if i == self.group.rank else 0.0 for i, w in enumerate(cols["weight"])]
+        return super()._decide_previous({**cols, "weight": weights})
 
 
 class SkipsDummy(Engine):
