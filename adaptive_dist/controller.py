@@ -15,7 +15,7 @@ depth (a worker swaps a pre-built runtime state) and reports what it ran.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -81,6 +81,8 @@ class ControllerStats:
     steps_timeline: list = field(default_factory=list)   # (round, steps) at every change
     rounds_at_steps: Counter = field(default_factory=Counter)
     timed_rounds: int = 0   # goodput, cost_alpha > 0: rounds whose time moved the cost table
+    # the latest timed rounds (round, steps, padded batch, slowest rank's seconds), for diagnosis
+    timed_samples: deque = field(default_factory=lambda: deque(maxlen=4096))
 
     def mean_accept(self) -> float:
         n = sum(self.accept_histogram.values())
@@ -245,6 +247,7 @@ class AdaptiveController:
                                            max(periods), alpha)
         self.round_cost = shifted_costs(base, self.cost_offsets)
         self.stats.timed_rounds += 1
+        self.stats.timed_samples.append((prev.round, prev.steps, prev.batch_pad, max(periods)))
 
     def _decide_previous(self, cols) -> Optional[RoundOutcome]:
         prev = self._prev_plan

@@ -106,9 +106,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup-runs", type=int, default=1,
                    help="passes over every run before the measured ones, not recorded (the first "
                         "use of a prompt shape compiles kernels)")
-    p.add_argument("--cost-alpha", type=float, default=0.2,
-                   help="goodput: weight of a timed round in the offset of its cost-table row (0: the "
-                        "start-up table only)")
+    p.add_argument("--cost-alpha", type=float, default=0.0,
+                   help="goodput: weight of a timed round in the offset of its cost-table row (0, "
+                        "the config's default: the start-up table only)")
     p.add_argument("--set", dest="knobs", action="append", default=[], metavar="KEY=VALUE",
                    help="a config key for every adaptive policy alike (e.g. update_interval=2)")
     p.add_argument("--out", default="runs/bench_adaptive")
@@ -141,7 +141,8 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
                rounds_at_steps={str(k): v for k, v in sorted(stats.rounds_at_steps.items())})
     if engine.planner.round_cost is not None:  # goodput: the table its last decision read
         out.update(timed_rounds=stats.timed_rounds,
-                   live_round_cost=engine.planner.round_cost.to_json())
+                   live_round_cost=engine.planner.round_cost.to_json(),
+                   timed_samples=[list(x) for x in stats.timed_samples])
     return out
 
 
@@ -232,6 +233,7 @@ def summarise(workload: str, batch: int, policy: str, rep: int, parts: list[dict
             "tokens_per_second": sum(p["tokens"] for p in phases) / total_s, "phases": phases,
             "switches": lead["switches"], "switches_per_phase_change": lead["switches"] / changes,
             "timed_rounds": lead.get("timed_rounds"), "live_round_cost": lead.get("live_round_cost"),
+            "timed_samples": lead.get("timed_samples"),
             "switches_per_hour": lead["switches"] * 3600 / total_s,
             "gc_full_collections": sum(p.get("gc_full_collections", 0) for p in parts),
             "gc_seconds": max(p.get("gc_seconds", 0.0) for p in parts),
