@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import sys
 from typing import Any, Optional, Sequence
 
 from adaptive_dist.cli import seconds

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 import dp_jobs
-from adaptive_dist.config import AdaptiveConfig
 from engine_fixtures import engine_for, random_prompts
 from model_fixtures import (
     bigram_map,

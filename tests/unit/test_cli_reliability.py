@@ -67,7 +67,7 @@ def test_an_output_path_of_the_wrong_kind_is_refused(capsys, tmp_path, flag, mak
     code, out, err = _run(capsys, "consensus", "--trace", str(_trace_dir(tmp_path)), flag,
                           str(target), "--no-progress")
     assert code == 2 and out == "" and len(err) == 1, err
-    assert err[0].startswith(f"[rank 0] error: checking the output paths failed") and flag in err[0]
+    assert err[0].startswith("[rank 0] error: checking the output paths failed") and flag in err[0]
     assert needle in err[0]
 
 

@@ -13,13 +13,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
 from adaptive_dist.config import AdaptiveConfig
 from adaptive_dist.controller import RoundPlan
 from engine_fixtures import (LOSSLESS_STOP, check_pages_back, engine_for, lossless_params,
                              random_prompts, tiny_pair)
-from workers.engine import Engine
 from workers.runtime_state import RuntimeStatePool
 from workers.sampling import SamplingParams
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from adaptive_dist import outputs
 from adaptive_dist.trace import load_trace

@@ -5,14 +5,12 @@ streaming decode that never emits half a character, the frontend's codec (no tor
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from model_fixtures import (
     random_head,

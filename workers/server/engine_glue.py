@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from workers.server.protocol import Generate, QueueStats, TokenDelta
 
