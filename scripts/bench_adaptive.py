@@ -7,7 +7,11 @@
         --workloads heterogeneous [...]
 
 Workloads are sequences of phases; a phase gives every DP replica `batch` prompts of one regime
-(code, high_entropy, repetitive) run to completion (greedy, `--new-tokens` each):
+(code, high_entropy, repetitive) run to completion (greedy, `--new-tokens` each) — a closed batch,
+whose time follows its slowest request. `--waves N` (N > 1) gives each phase N x `batch` prompts
+arriving continuously instead: at most `batch` run at once and a finished request is replaced by
+the next prompt, so the batch stays full until the phase's last prompts (what a server sees, and
+what goodput's tokens per round measure):
 `code`, `high_entropy`, `repetitive` (one phase each), `transition` (code -> high_entropy ->
 repetitive -> high_entropy), `heterogeneous` (DP: replica 0 high-entropy while replica 1
 repetitive, then swapped). Policies: static 0 (no speculation), 1, 3, 7; ema (weighted_mean);
@@ -102,6 +106,9 @@ def parse_args() -> argparse.Namespace:
                                                       "repetitive"], choices=list(WORKLOADS))
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--waves", type=int, default=1,
+                   help="prompts per phase as a multiple of the batch; above 1 they arrive "
+                        "continuously (a finished request is replaced), 1: one closed batch")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup-runs", type=int, default=1,
                    help="passes over every run before the measured ones, not recorded (the first "
@@ -117,12 +124,34 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--cost-alpha {args.cost_alpha}: must be in [0, 1]")
     if args.warmup_runs < 0:
         p.error(f"--warmup-runs {args.warmup_runs}: must be >= 0")
+    if args.waves < 1:
+        p.error(f"--waves {args.waves}: must be >= 1")
     return args
 
 
+def run_continuous(engine: Engine, prompts: list[list[int]], batch: int,
+                   params: SamplingParams) -> list[Any]:
+    """`prompts` through the engine with at most `batch` of them running: before every round the
+    free places are refilled from the queue. Every rank steps until the cluster agrees that no
+    rank has work left (a rank with prompts still queued says so), as `Engine.run` does."""
+    queue, reqs = list(prompts), []
+    sched = engine.scheduler
+    while True:
+        while queue and len([r for r in sched.running if not r.finished]) + len(sched.waiting) \
+                < batch:
+            reqs.append(engine.add(queue.pop(0), params, seed=len(reqs)))
+        engine.step(pending=bool(queue))
+        if engine.last_plan.all_done and not queue:
+            break
+    engine.drain()
+    return reqs
+
+
 def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
-               device: str) -> dict[str, Any]:
-    """Every phase on this replica; per phase: seconds and tokens; and the policy's trace."""
+               device: str, batch: int | None = None) -> dict[str, Any]:
+    """Every phase on this replica; per phase: seconds and tokens; and the policy's trace.
+    `batch`: run each phase's prompts arriving continuously, at most `batch` at once (None: the
+    phase is one closed batch)."""
     out: dict[str, Any] = {"phases": [], "phase_rounds": []}
     round0 = engine.planner.round
     pauses = GcPauses()
@@ -130,7 +159,9 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
         sync(device)
         start = time.perf_counter()
         with pauses:
-            reqs = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
+            params = SamplingParams(max_new_tokens=new_tokens)
+            reqs = (engine.generate(prompts, params) if batch is None
+                    else run_continuous(engine, prompts, batch, params))
             sync(device)
         out["phases"].append({"seconds": time.perf_counter() - start,
                               "tokens": sum(len(r.output_ids) for r in reqs)})
@@ -160,7 +191,7 @@ def main() -> int:
         target.reset_buffers()
         head.reset_buffers()
     top = max(args.batches)
-    texts = make_prompts(top, seed=2)
+    texts = make_prompts(top * args.waves, seed=2)
     tok = load_tokenizer_for(model_paths(args.model, args.draft_model), target.config.vocab_size)
     enc = {k: [tok.encode(t) for t in v] for k, v in texts.items()}
     context = max(len(p) for ps in enc.values() for p in ps) + args.new_tokens + 1
@@ -193,8 +224,9 @@ def main() -> int:
             engine.planner = AdaptiveController(spec, world, guard=guard)
             engine.pool.apply(spec.initial_steps)
             regime = [phase[par.replica % 2] for phase in WORKLOADS[workload]]
-            phases = [enc[r][:batch] for r in regime]
-            res = run_phases(engine, phases, args.new_tokens, args.device)
+            phases = [enc[r][:batch * args.waves] for r in regime]
+            res = run_phases(engine, phases, args.new_tokens, args.device,
+                             batch if args.waves > 1 else None)
             parts: list[Any] = [res]
             if world.size > 1:
                 import torch.distributed as dist
@@ -286,7 +318,7 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
     meta = {"world": ctx.world_size, "dp": args.dp, "device": args.device,
             "overlap": bool(overlap_of(args, args.device)),
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-            "torch": torch.__version__, "new_tokens": args.new_tokens,
+            "torch": torch.__version__, "new_tokens": args.new_tokens, "waves": args.waves,
             "knobs": parse_knobs(args.knobs), "cost_alpha": args.cost_alpha,
             "warmup_runs": args.warmup_runs, "round_cost": round_costs, "repeats": args.repeats,
             "repeats_done": len({r["repeat"] for r in records}),
