@@ -59,7 +59,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=400)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="runs/bench_host")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.steps and any(d < 0 for d in args.steps):
+        p.error(f"--steps {args.steps}: depths must be >= 0")
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: must be >= 1")
+    return args
 
 
 def timed(acc: collections.Counter, key: str, fn: Callable) -> Callable:

@@ -65,7 +65,10 @@ def parse_args() -> argparse.Namespace:
     add_overlap_argument(p)
     p.add_argument("--merge", nargs=2, metavar=("BEFORE", "AFTER"), default=None)
     p.add_argument("--out", default="runs/bench_hotpath")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.steady_rounds < 0:
+        p.error(f"--steady-rounds {args.steady_rounds}: must be >= 0 (0: no steady windows)")
+    return args
 
 
 def build(mode: str, target: Any, head: Any, device: str, max_batch: int, context: int,

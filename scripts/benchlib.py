@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import time
 
 import torch
 
@@ -56,8 +57,6 @@ class GcPauses:
         self.count, self.seconds, self._start = 0, 0.0, None
 
     def _hook(self, phase: str, info: dict) -> None:
-        import time
-
         if info.get("generation") != 2:
             return
         if phase == "start":
