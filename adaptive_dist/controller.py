@@ -77,6 +77,7 @@ class ControllerStats:
     rounds: int = 0
     counted_rounds: int = 0
     switches: int = 0
+    probes: int = 0         # goodput: switches that were probes out of depth 0 (in `switches`)
     accept_histogram: Counter = field(default_factory=Counter)
     steps_timeline: list = field(default_factory=list)   # (round, steps) at every change
     rounds_at_steps: Counter = field(default_factory=Counter)
@@ -266,6 +267,7 @@ class AdaptiveController:
             self.stats.counted_rounds += 1
         if decision.switched:
             self.stats.switches += 1
+            self.stats.probes += decision.probe
             self.stats.steps_timeline.append((self.round, self.steps))
         return RoundOutcome(prev.round, prev.steps, prev.use_graph, local_ema, decision,
                             local_fail, prev.batch_pad)

@@ -15,7 +15,8 @@ what goodput's tokens per round measure):
 `code`, `high_entropy`, `repetitive` (one phase each), `transition` (code -> high_entropy ->
 repetitive -> high_entropy), `heterogeneous` (DP: replica 0 high-entropy while replica 1
 repetitive, then swapped). Policies: static 0 (no speculation), 1, 3, 7; ema (weighted_mean);
-ema_min (the min vote); goodput (candidates 0, 1, 3, 7; its cost table measured at start-up);
+ema_min (the min vote); goodput (candidates 0, 1, 3, 7; its cost table measured at start-up;
+the pooled rate) and goodput_min (the same with the `min` reducer: the smallest rank's rate);
 and the oracle, computed from the static runs: per phase the best static depth's median
 tokens/s. One engine per policy, built once (graphs captured once); every run starts its policy
 afresh; runs are interleaved over the repeats. Per run: tokens/s overall and per phase, switches,
@@ -52,7 +53,7 @@ from workers.model import ModelParallel  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 
 STATIC = ("static0", "static1", "static3", "static7")
-POLICIES = STATIC + ("ema", "ema_min", "goodput")
+POLICIES = STATIC + ("ema", "ema_min", "goodput", "goodput_min")
 WORKLOADS = {
     "code": [("code", "code")], "high_entropy": [("high_entropy", "high_entropy")],
     "repetitive": [("repetitive", "repetitive")],
@@ -71,9 +72,10 @@ def spec_of(policy: str, knobs: dict[str, Any] | None = None,
         return no_spec()
     if policy.startswith("static"):
         return load_config(None, "static", initial_steps=int(policy[len("static"):]))
-    if policy == "goodput":
+    if policy.startswith("goodput"):
         spec = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=3,
-                              cost_alpha=cost_alpha)
+                              cost_alpha=cost_alpha,
+                              reducer="min" if policy == "goodput_min" else "weighted_mean")
     else:
         spec = AdaptiveConfig(reducer="min" if policy == "ema_min" else "weighted_mean")
     return spec.replace(**knobs) if knobs else spec
@@ -168,7 +170,7 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
         out["phase_rounds"].append(engine.planner.round - round0)
     stats = engine.planner.stats
     out.update(gc_full_collections=pauses.count, gc_seconds=pauses.seconds)
-    out.update(switches=stats.switches, timeline=[list(x) for x in stats.steps_timeline],
+    out.update(switches=stats.switches, probes=stats.probes, timeline=[list(x) for x in stats.steps_timeline],
                rounds_at_steps={str(k): v for k, v in sorted(stats.rounds_at_steps.items())})
     if engine.planner.round_cost is not None:  # goodput: the table its last decision read
         out.update(timed_rounds=stats.timed_rounds,
@@ -264,6 +266,7 @@ def summarise(workload: str, batch: int, policy: str, rep: int, parts: list[dict
     return {"workload": workload, "batch": batch, "policy": policy, "repeat": rep,
             "tokens_per_second": sum(p["tokens"] for p in phases) / total_s, "phases": phases,
             "switches": lead["switches"], "switches_per_phase_change": lead["switches"] / changes,
+            "probes": lead["probes"],
             "timed_rounds": lead.get("timed_rounds"), "live_round_cost": lead.get("live_round_cost"),
             "timed_samples": lead.get("timed_samples"),
             "switches_per_hour": lead["switches"] * 3600 / total_s,
@@ -287,6 +290,8 @@ def analyse(records: list[dict]) -> dict[str, Any]:
                            for i in range(len(mine[0]["phases"]))],
                        "switches_per_phase_change": spread([r["switches_per_phase_change"]
                                                          for r in mine]),
+                       "probes_per_phase_change": spread([
+                           r["probes"] / max(len(r["phases"]) - 1, 1) for r in mine]),
                        "switches_per_hour": spread([r["switches_per_hour"] for r in mine]),
                        "rounds_at_steps": mine[0]["rounds_at_steps"]}
         static = {p: v for p, v in pols.items() if p in STATIC}
@@ -334,7 +339,7 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
               f"{entry.get('oracle_tokens_per_second', 0):.0f}")
         for p, v in entry["policies"].items():
             vs = entry.get("vs", {}).get(p, {})
-            print(f"   {p:<8}{v['tokens_per_second']['median']:>9.0f} tok/s  "
+            print(f"   {p:<12}{v['tokens_per_second']['median']:>9.0f} tok/s  "
                   f"x{vs.get('vs_best_static', float('nan')):.2f} best static  "
                   f"x{vs.get('vs_oracle', float('nan')):.2f} oracle  worst phase "
                   f"x{vs.get('worst_phase_vs_oracle', float('nan')):.2f}  switches/phase change "
