@@ -4,7 +4,7 @@ group, so every rank holds the same matrix and reduces it in the same order.
 The vector carries the rank's statistics (from the round that just ended: its request count, its
 EMA of accepted draft tokens, its EMA of the share of requests that rejected a draft token, its
 weight), its view of the upcoming round (requests, the tokens and requests of its extend/prefill
-forward, CUDA-graph eligibility, whether it is done; when serving, the highest request-message
+forward and its longest prompt, CUDA-graph eligibility, whether it is done; when serving, the highest request-message
 sequence number it has received and whether it wants the cluster to stop), and the state every
 rank must share (steps in force, counted rounds, last switch, config hash, hash of the previous
 round's plan).
@@ -22,9 +22,11 @@ import torch
 
 from collectives import DivergenceError, Group, ops
 
-MAGIC = 0x5ADB  # vector format version (0x5ADA: before period; 0x5AD9: before ema_fail)
+MAGIC = 0x5ADC  # vector format version (0x5ADB: before extend_len; 0x5ADA: before period;
+                #   0x5AD9: before ema_fail)
 FIELDS = (
-    "magic", "round", "n_req", "num_tokens", "n_extend", "can_graph", "done",  # the upcoming round
+    "magic", "round", "n_req", "num_tokens", "n_extend", "extend_len", "can_graph",  # the upcoming
+    "done",                                                                       # round
     "seq", "leave",                                                     # serving: inbox, stop
     "prev_n_req", "ema", "ema_fail", "weight", "period",                # the round that ended
     "steps", "counted", "last_switch", "config_hash", "prev_plan_hash",  # must agree
@@ -62,6 +64,7 @@ class RoundVector:
     prev_plan_hash: int
     ema_fail: float = 1.0  # last in the dataclass (positional callers), placed by FIELDS
     period: float = -1.0   # seconds from the previous round's begin to this one's; -1: untimed
+    extend_len: int = 0    # the longest prompt of its extend forward (0: none)
 
     def values(self) -> list[float]:
         return [float(MAGIC)] + [float(getattr(self, f)) for f in FIELDS[1:]]

@@ -57,6 +57,7 @@ class RoundPlan:
     all_done: bool                # every rank reported done
     seq: int = 0                  # serving: messages up to here reached every rank
     leave: bool = False           # serving: some rank asked the cluster to stop
+    extend_width: int = 0         # cluster-wide longest prompt in an extend forward
 
 
 @dataclass(frozen=True)
@@ -132,24 +133,25 @@ class AdaptiveController:
 
     def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
                     done: bool = False, num_extend: int = 0, seq: int = 0,
-                    leave: bool = False) -> RoundPlan:
+                    leave: bool = False, extend_len: int = 0) -> RoundPlan:
         """Agree this round's plan (one all-gather over the group) after deciding on the previous
         round's statistics. Every member must call it every round.
 
-        ``num_requests``: requests this rank runs this round; ``num_tokens`` / ``num_extend``:
-        tokens and requests of its extend (prefill) forward; ``can_graph``: whether it could run
+        ``num_requests``: requests this rank runs this round; ``num_tokens`` / ``num_extend`` /
+        ``extend_len``: tokens, requests and longest prompt of its extend (prefill) forward;
+        ``can_graph``: whether it could run
         the round through CUDA graphs; ``done``: it has no work now and will get none; ``seq``
         (serving): the highest request-message sequence number it has received; ``leave``: it
         wants the cluster to stop after this round."""
-        if min(num_requests, num_tokens, num_extend) < 0:
+        if min(num_requests, num_tokens, num_extend, extend_len) < 0:
             raise ValueError(f"begin_round: num_requests={num_requests}, num_tokens={num_tokens}, "
-                             f"num_extend={num_extend} must be >= 0")
+                             f"num_extend={num_extend}, extend_len={extend_len} must be >= 0")
         now = self._clock() if self._clock is not None else None
         period = -1.0 if now is None or self._last_begin is None else now - self._last_begin
         self._last_begin = now
         vec = consensus.RoundVector(
             round=self.round, n_req=num_requests, num_tokens=num_tokens, n_extend=num_extend,
-            can_graph=can_graph, seq=seq, leave=leave,
+            extend_len=extend_len, can_graph=can_graph, seq=seq, leave=leave,
             done=done, prev_n_req=self._prev_n_req, ema=self.ema, ema_fail=self.ema_fail,
             weight=self.weight,
             steps=self.steps, counted=self.state.counted, last_switch=self.state.last_switch,
@@ -287,6 +289,7 @@ class AdaptiveController:
             all_done=all(cols["done"]),
             seq=int(min(cols["seq"])),
             leave=any(cols["leave"]),
+            extend_width=int(max(cols["extend_len"])),
         )
 
     def decision_digest(self) -> int:

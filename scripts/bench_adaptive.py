@@ -11,7 +11,10 @@ Workloads are sequences of phases; a phase gives every DP replica `batch` prompt
 whose time follows its slowest request. `--waves N` (N > 1) gives each phase N x `batch` prompts
 arriving continuously instead: at most `batch` run at once and a finished request is replaced by
 the next prompt, so the batch stays full until the phase's last prompts (what a server sees, and
-what goodput's tokens per round measure):
+what goodput's tokens per round measure). `--length-spread F` draws each request's budget uniformly
+from `new_tokens x [1-F, 1+F]` (the same budgets for every policy; default 0.5 with `--waves`,
+else 0: a continuous workload whose requests all end together refills in bulk, which real
+traffic does not):
 `code`, `high_entropy`, `repetitive` (one phase each), `transition` (code -> high_entropy ->
 repetitive -> high_entropy), `heterogeneous` (DP: replica 0 high-entropy while replica 1
 repetitive, then swapped). Policies: static 0 (no speculation), 1, 3, 7; ema (weighted_mean);
@@ -111,6 +114,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--waves", type=int, default=1,
                    help="prompts per phase as a multiple of the batch; above 1 they arrive "
                         "continuously (a finished request is replaced), 1: one closed batch")
+    p.add_argument("--length-spread", type=float, default=None,
+                   help="request budgets uniform in new_tokens x [1-F, 1+F] (default: 0.5 with "
+                        "--waves > 1, else 0)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup-runs", type=int, default=1,
                    help="passes over every run before the measured ones, not recorded (the first "
@@ -128,20 +134,36 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--warmup-runs {args.warmup_runs}: must be >= 0")
     if args.waves < 1:
         p.error(f"--waves {args.waves}: must be >= 1")
+    if args.length_spread is None:
+        args.length_spread = 0.5 if args.waves > 1 else 0.0
+    if not 0 <= args.length_spread < 1:
+        p.error(f"--length-spread {args.length_spread}: must be in [0, 1)")
     return args
 
 
+def budgets(n: int, new_tokens: int, spread: float, seed: int = 0) -> list[int]:
+    """`n` token budgets drawn uniformly from `new_tokens x [1-spread, 1+spread]` (rounded, at
+    least 1), the same for every policy and repeat (seeded)."""
+    import random
+
+    rng = random.Random(seed)
+    return [max(1, round(new_tokens * (1 + spread * (2 * rng.random() - 1)))) for _ in range(n)]
+
+
 def run_continuous(engine: Engine, prompts: list[list[int]], batch: int,
-                   params: SamplingParams) -> list[Any]:
-    """`prompts` through the engine with at most `batch` of them running: before every round the
-    free places are refilled from the queue. Every rank steps until the cluster agrees that no
-    rank has work left (a rank with prompts still queued says so), as `Engine.run` does."""
-    queue, reqs = list(prompts), []
+                   params: SamplingParams | list[SamplingParams]) -> list[Any]:
+    """`prompts` (with `params`, one for all or one each) through the engine with at most `batch`
+    of them running: before every round the free places are refilled from the queue. Every rank
+    steps until the cluster agrees that no rank has work left (a rank with prompts still queued
+    says so), as `Engine.run` does."""
+    per = params if isinstance(params, list) else [params] * len(prompts)
+    queue, reqs = list(zip(prompts, per)), []
     sched = engine.scheduler
     while True:
         while queue and len([r for r in sched.running if not r.finished]) + len(sched.waiting) \
                 < batch:
-            reqs.append(engine.add(queue.pop(0), params, seed=len(reqs)))
+            prompt, p = queue.pop(0)
+            reqs.append(engine.add(prompt, p, seed=len(reqs)))
         engine.step(pending=bool(queue))
         if engine.last_plan.all_done and not queue:
             break
@@ -150,10 +172,10 @@ def run_continuous(engine: Engine, prompts: list[list[int]], batch: int,
 
 
 def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
-               device: str, batch: int | None = None) -> dict[str, Any]:
+               device: str, batch: int | None = None, spread: float = 0.0) -> dict[str, Any]:
     """Every phase on this replica; per phase: seconds and tokens; and the policy's trace.
     `batch`: run each phase's prompts arriving continuously, at most `batch` at once (None: the
-    phase is one closed batch)."""
+    phase is one closed batch); `spread`: the requests' budgets vary (`budgets`)."""
     out: dict[str, Any] = {"phases": [], "phase_rounds": []}
     round0 = engine.planner.round
     pauses = GcPauses()
@@ -161,7 +183,8 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
         sync(device)
         start = time.perf_counter()
         with pauses:
-            params = SamplingParams(max_new_tokens=new_tokens)
+            params = [SamplingParams(max_new_tokens=n)
+                      for n in budgets(len(prompts), new_tokens, spread, seed=len(out["phases"]))]
             reqs = (engine.generate(prompts, params) if batch is None
                     else run_continuous(engine, prompts, batch, params))
             sync(device)
@@ -196,7 +219,8 @@ def main() -> int:
     texts = make_prompts(top * args.waves, seed=2)
     tok = load_tokenizer_for(model_paths(args.model, args.draft_model), target.config.vocab_size)
     enc = {k: [tok.encode(t) for t in v] for k, v in texts.items()}
-    context = max(len(p) for ps in enc.values() for p in ps) + args.new_tokens + 1
+    context = (max(len(p) for ps in enc.values() for p in ps)
+               + round(args.new_tokens * (1 + args.length_spread)) + 1)
     guard = ctx.guard(world, check_every=16) if ctx.distributed else None
     engines = {}
     for policy in args.policies:
@@ -228,7 +252,7 @@ def main() -> int:
             regime = [phase[par.replica % 2] for phase in WORKLOADS[workload]]
             phases = [enc[r][:batch * args.waves] for r in regime]
             res = run_phases(engine, phases, args.new_tokens, args.device,
-                             batch if args.waves > 1 else None)
+                             batch if args.waves > 1 else None, args.length_spread)
             parts: list[Any] = [res]
             if world.size > 1:
                 import torch.distributed as dist
@@ -324,6 +348,7 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
             "overlap": bool(overlap_of(args, args.device)),
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "new_tokens": args.new_tokens, "waves": args.waves,
+            "length_spread": args.length_spread,
             "knobs": parse_knobs(args.knobs), "cost_alpha": args.cost_alpha,
             "warmup_runs": args.warmup_runs, "round_cost": round_costs, "repeats": args.repeats,
             "repeats_done": len({r["repeat"] for r in records}),

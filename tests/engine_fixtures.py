@@ -129,7 +129,8 @@ class ScriptPlanner:
                          batch_bucket=self.bucket if graph else None,
                          batch_pad=self.bucket or num_requests,
                          extend_tokens=num_tokens, extend_requests=num_extend,
-                         cluster_requests=num_requests, switched=True, all_done=done)
+                         cluster_requests=num_requests, switched=True, all_done=done,
+                         extend_width=serving.get("extend_len", 0))
 
     def end_round(self, accepts, executed=None, plan=None) -> None:
         assert all(a == 0 for a in accepts) or plan.steps > 0

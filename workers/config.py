@@ -50,6 +50,10 @@ class EngineConfig:
     """Ranks that split one replica's attention."""
     mlp_scatter: str = "reduce_scatter"
     """How the MLP output goes back to the replicas (see workers.model.parallel)."""
+    padded_prefill_tokens: int = 4096
+    """A prefill of at most this many token slots (requests bucket x longest-prompt bucket) runs
+    padded, as a CUDA graph per shape with `cuda_graphs`; larger ones run ragged through
+    `attention_backend` (0: every prefill ragged)."""
     overlap: bool = False
     """Launch round r+1 before reading round r's results (the host's work of a round runs while
     the device computes the next one); see `workers.engine`."""
@@ -59,6 +63,9 @@ class EngineConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}={value!r}: must be an integer >= 1")
+        value = self.padded_prefill_tokens
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"padded_prefill_tokens={value!r}: must be an integer >= 0")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages}: must be >= 2 (one is the dummy page)")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -40,8 +40,16 @@ the same round.
 Every forward of the round is padded (`attention.static_backend`), so the eager path and the CUDA
 graph path run the same code; under DP attention every rank runs the same forwards with the same
 row counts (an idle rank: all dummy rows), which is what keeps the collectives inside them in
-lockstep. Prefill (ragged, `attention_backend`) is padded to the round's agreed token count.
-Everything whose shape depends on `S` lives in a `SpecRuntimeState` (one per tier, pre-built).
+lockstep. Everything whose shape depends on `S` lives in a `SpecRuntimeState` (one per tier,
+pre-built).
+
+Prefill takes one of two paths, chosen from the round's agreed sizes (so every rank takes the same):
+a padded prefill — `rows` requests (a bucket) by `width` token slots (a power of two >= the longest
+prompt, >= 32), at most `padded_prefill_tokens` slots — runs through the same padded attention
+as the round, as a CUDA graph per (rows, width) when the round uses graphs (eager otherwise, the
+same body); anything larger runs ragged through `attention_backend`, padded to the agreed token
+count. The padded path exists because an eager prefill of a small model is all kernel launches:
+some 2 500 per prefill, several milliseconds of host time, tens of decode rounds' worth.
 """
 from __future__ import annotations
 
@@ -178,6 +186,15 @@ class EagleWorker:
         self.lag_features: torch.Tensor | None = None  # [slots, catchup_every, F] f_{p-1}
         self._lag_rounds = 0                          # depth-0 rounds since the last catch-up
         self._catchup_graphs: dict[int, GraphEntry] = {}
+        # the padded prefill: its shapes, its static inputs (token ids of `rows x width` slots,
+        # then the slot of each row, then each row's prompt length) and its graphs
+        self._pf_cap = config.padded_prefill_tokens
+        self._pf_buckets = config.graph_buckets or tuple(
+            1 << i for i in range(config.max_batch_size.bit_length() + 1)
+            if 1 << i < 2 * config.max_batch_size)
+        self._pf_top = self._pf_buckets[-1]
+        self.pf_buf = zeros(self._pf_cap + 2 * self._pf_top) if self._pf_cap else None
+        self._prefill_graphs: dict[tuple[int, int], GraphEntry] = {}
         # host staging of a round (rows in, results out), two sets: with overlap the next round is
         # staged while the device may still copy the previous one's
         self._stages = [HostStage.make(top, 2 + config.max_steps + 1, self.device)
@@ -400,12 +417,106 @@ class EagleWorker:
         bufs.out[:bp, 2:] = bufs.tokens[:bp]
 
     # ---- prefill ------------------------------------------------------------------------------
+    def prefill_shape(self, pad_requests: int, width: int) -> tuple[int, int] | None:
+        """(rows, width) of the padded prefill of `pad_requests` requests whose longest prompt
+        is `width` tokens (both agreed), or None: the prefill runs ragged."""
+        if not self._pf_cap or width < 1:
+            return None
+        rows = next((b for b in self._pf_buckets if b >= pad_requests), None)
+        slots = max(32, 1 << (width - 1).bit_length())
+        if rows is None or rows * slots > self._pf_cap:
+            return None
+        return rows, slots
+
+    def capture_prefill(self) -> None:
+        """Capture the padded prefill at every shape that can occur (with graphs; start-up only,
+        after the tiers: a body resets the lag ring of the slots it fills if tier 0 has one)."""
+        if self.graphs is None or not self._pf_cap:
+            return
+        self.pf_buf.zero_()
+        cap, top = self._pf_cap, self._pf_top
+        self.pf_buf[cap:cap + top] = self.dummy_slot
+        longest = 1 << (self.config.max_context_len - 1).bit_length()
+        for rows in sorted(self.buckets, reverse=True):
+            width = 32
+            while rows * width <= cap and width <= max(longest, 32):
+                body = self._prefill_body(rows, width)
+                self._prefill_graphs[(rows, width)] = self.graphs.capture_body(
+                    f"prefill/rows={rows}/width={width}", body)
+                width *= 2
+        self.slot_len[self.dummy_slot] = 0
+
+    def _prefill_body(self, rows: int, width: int) -> Callable[[], None]:
+        return lambda: self._prefill_padded(rows, width)
+
+    def _prefill_padded(self, bp: int, width: int) -> None:
+        """The padded prefill over `bp` rows of `width` token slots, from the static inputs:
+        the target over each row's prompt at positions 0.., its first token drawn at the last
+        prompt position, the head over x_1 .. x_P (the first token last) with f_0 .. f_{P-1} at
+        positions 1 .., and the rows' slots set. Dummy rows (length 0) write the dummy slot."""
+        cap, top = self._pf_cap, self._pf_top
+        ids = self.pf_buf[:bp * width]
+        rows = self.pf_buf[cap:cap + bp]
+        lens = self.pf_buf[cap + top:cap + top + bp]
+        reach = min(pages_for(width, self.config.page_size), self.slot_pages.shape[1])
+        pages = self._pages(rows, reach)
+        start = torch.zeros_like(lens)
+        pos = torch.arange(width, device=self.device).repeat(bp)
+        hidden = self.target(ids, pos, self._attn(self.target_kv, pages, start, lens, width))
+        last = torch.arange(bp, device=self.device) * width + (lens - 1).clamp(min=0)
+        logits = self.target.compute_logits(hidden[last]).float()
+        temp, top_p, seed = self._sampling(rows)
+        first = sample_tokens(logits, temp, top_p, seed, lens - 1, SALT_SAMPLE)
+        if self.speculative:
+            nxt = torch.cat([ids.view(bp, width)[:, 1:], start[:, None]], dim=1).reshape(-1)
+            nxt = nxt.index_copy(0, last, first)
+            out = self.head(nxt, hidden, pos + 1,
+                            self._attn(self.draft_kv, pages, start, lens, width))
+            self.slot_feature.index_copy_(0, rows, out[last])
+        self._filled(rows, lens, first)
+
+    def _filled(self, slots: torch.Tensor, lens: torch.Tensor, first: torch.Tensor) -> None:
+        """Prefilled slots: their cache length, first token, and an empty lag ring."""
+        self.slot_len.index_copy_(0, slots, lens)
+        self.slot_last.index_copy_(0, slots, first)
+        if self.slot_lag is not None:
+            self.slot_lag.index_copy_(0, slots, torch.zeros_like(slots))
+        self.slot_len[self.dummy_slot:].zero_()
+
     @torch.inference_mode()
-    def prefill(self, reqs: list[Request], pad_tokens: int, pad_requests: int) -> None:
+    def prefill(self, reqs: list[Request], pad_tokens: int, pad_requests: int, width: int = 0,
+                graph: bool = False) -> None:
         """Run new requests' prompts through the target (and the head); their first token is
         drawn on the device into their slot (the host reads it with the round's tokens). Every
-        rank calls it when any rank prefills: `pad_tokens` / `pad_requests` are the round's
-        agreed sizes (this rank's rows beyond its own are padding)."""
+        rank calls it when any rank prefills: `pad_tokens` / `pad_requests` / `width` (the
+        longest prompt) are the round's agreed sizes (this rank's rows beyond its own are
+        padding); `graph`: the round runs through CUDA graphs (agreed), so a captured padded
+        prefill replays. Padded or ragged: see the module docstring."""
+        shape = self.prefill_shape(pad_requests, width)
+        if shape is not None:
+            lens = [len(r.prompt_ids) for r in reqs]
+            if max(lens, default=0) > width or len(reqs) > pad_requests:
+                raise RuntimeError(f"prefill of {len(reqs)} requests, longest {max(lens)} tokens, "
+                                   f"exceeds the agreed {pad_requests} / {width}")
+            self._set_slots(reqs)
+            bp, slots = shape
+            ids = np.zeros((bp, slots), dtype=np.int64)
+            for i, r in enumerate(reqs):
+                ids[i, :lens[i]] = r.prompt_ids
+            pad = bp - len(reqs)
+            dev_ids, dev_rows, dev_lens = upload(
+                self.device, ids.reshape(-1).tolist(),
+                [r.slot for r in reqs] + [self.dummy_slot] * pad, lens + [0] * pad)
+            cap, top = self._pf_cap, self._pf_top
+            self.pf_buf[:bp * slots].copy_(dev_ids)
+            self.pf_buf[cap:cap + bp].copy_(dev_rows)
+            self.pf_buf[cap + top:cap + top + bp].copy_(dev_lens)
+            entry = self._prefill_graphs.get(shape) if graph else None
+            if entry is not None:
+                entry.replay()
+            else:
+                self._prefill_padded(bp, slots)
+            return
         lens = [len(r.prompt_ids) for r in reqs]
         total = sum(lens)
         if total > pad_tokens or len(reqs) > pad_requests:
@@ -438,11 +549,7 @@ class EagleWorker:
             nxt[last[:len(reqs)]] = first[:len(reqs)]
             out = self.head(nxt, hidden, dev["pos2"], self.backend.plan(meta, self.draft_kv))
             self.slot_feature.index_copy_(0, slots, out[last])
-        self.slot_len.index_copy_(0, slots, dev["lens"])
-        self.slot_last.index_copy_(0, slots, first)
-        if self.slot_lag is not None:
-            self.slot_lag.index_copy_(0, slots, torch.zeros_like(slots))
-        self.slot_len[self.dummy_slot:].zero_()
+        self._filled(slots, dev["lens"], first)
 
     def _set_slots(self, reqs: list[Request]) -> None:
         """Page tables and sampling settings of newly admitted requests into their slots (two

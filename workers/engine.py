@@ -49,7 +49,8 @@ class RoundPlanner(Protocol):
     """What the engine asks before and tells after every round (`AdaptiveController` is one)."""
 
     def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
-                    done: bool = False, num_extend: int = 0) -> RoundPlan:
+                    done: bool = False, num_extend: int = 0, seq: int = 0,
+                    leave: bool = False, extend_len: int = 0) -> RoundPlan:
         """Agree this round's plan with the other ranks (every rank, every round, idle too)."""
 
     def end_round(self, accepts: Sequence[int], executed: tuple | None = None,
@@ -126,6 +127,7 @@ class Engine:
         # the engine applies the depth the controller decides: one pre-built state per tier
         self.pool = RuntimeStatePool(worker, config.spec.tiers)
         self.pool.apply(config.spec.initial_steps)
+        worker.capture_prefill()   # after the tiers (and their CUDA graphs)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, seed: int = 0,
             rid: int | None = None) -> Request:
@@ -188,7 +190,8 @@ class Engine:
             num_requests=len(batch), num_tokens=sum(len(r.prompt_ids) for r in admitted),
             can_graph=self.worker.can_use_graph(batch),
             done=not (self.scheduler.has_work or pending),
-            num_extend=len(admitted), seq=seq, leave=leave)
+            num_extend=len(admitted), seq=seq, leave=leave,
+            extend_len=max((len(r.prompt_ids) for r in admitted), default=0))
         self.stats.plan_seconds += time.perf_counter() - start
         self.last_plan = plan
         self._all_done = plan.all_done
@@ -198,7 +201,8 @@ class Engine:
             raise RuntimeError(f"plan says steps={plan.steps} but the worker runs "
                                f"steps={self.worker.steps}: the runtime state was not applied")
         if plan.extend_tokens:
-            self.worker.prefill(admitted, plan.extend_tokens, plan.extend_requests)
+            self.worker.prefill(admitted, plan.extend_tokens, plan.extend_requests,
+                                plan.extend_width, plan.use_graph)
         launched = self._launch(plan, [r for r in batch if not r.finished])
         ran = getattr(self.planner, "ran", None)
         if ran is not None:  # what this rank launched, compared across ranks at the next round

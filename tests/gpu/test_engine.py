@@ -96,9 +96,11 @@ def test_cuda_graph_replay_equals_eager(gpu_pair, prompts, reference, steps: int
         engine = _engine(*gpu_pair, "static", steps, graphs=True, device="cuda",
                          overlap=overlap)
     runner = engine.worker.graphs
-    # a static run builds only its own tier
+    # a static run builds only its own tier (and the padded prefill: one graph per shape)
+    prefill = len(engine.worker._prefill_graphs)
+    assert prefill == 15   # buckets 1, 2, 4 x widths 32 .. 512 (the context)
     assert runner.capture and runner.num_captures == _captures_per_bucket(steps) * len(
-        engine.worker.buckets)
+        engine.worker.buckets) + prefill
     assert _outputs(engine, prompts, _params(len(prompts))) == reference
     assert engine.stats.graph_rounds == engine.stats.rounds > 0
     _close_and_check_pages(engine)
@@ -127,7 +129,8 @@ def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference
     engine = _engine(*gpu_pair, "ema", graphs=True, device="cuda", config=config)
     runner, pool = engine.worker.graphs, engine.pool
     captured = runner.num_captures
-    assert captured == sum(_captures_per_bucket(s) for s in pool.states) * len(engine.worker.buckets)
+    assert captured == sum(_captures_per_bucket(s) for s in pool.states) * len(
+        engine.worker.buckets) + len(engine.worker._prefill_graphs)
     growth = {s: st.nbytes - st.payload.nbytes for s, st in pool.states.items()}
     for steps, state in pool.states.items():
         assert growth[steps] >= 0 and all(e.graph is not None
@@ -327,3 +330,29 @@ def test_generate_command_with_flashinfer_and_graphs(capsys) -> None:
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["outputs"][0]["token_ids"]) == 32
     assert out["graph_rounds"] > 0 and set(out["runtime_state_bytes_per_tier"]) == {"3"}
+
+
+@gpu
+@needs_cuda
+def test_prefill_graph_replays_leave_what_the_ragged_prefill_leaves() -> None:
+    """Prefills of 1..4 requests through the captured padded-prefill graphs (counted: they did
+    replay) give the outputs of ragged prefills (the float64 pair: no near-tie to flip)."""
+    pair = tuple(m.to("cuda") for m in tiny_pair(seed=0))
+    prompts = random_prompts(7, vocab=64, seed=9, lo=1, hi=60)
+    outs, replays = [], []
+    for cap in (0, 4096):
+        engine = engine_for(*pair, "static", steps=3, max_batch=4, device="cuda",
+                            cuda_graphs=True, padded_prefill_tokens=cap)
+        graphs = engine.worker._prefill_graphs
+        assert bool(graphs) == bool(cap)
+        count = [0]
+        for entry in graphs.values():
+            entry.replay = (lambda e: lambda: (count.__setitem__(0, count[0] + 1),
+                                               type(e).replay(e))[1])(entry)
+        reqs = engine.generate(prompts, _params(len(prompts)))
+        outs.append([r.output_ids for r in reqs])
+        replays.append(count[0])
+        check_pages_back(engine)
+        engine.close()
+    assert replays[0] == 0 and replays[1] >= 2
+    assert outs[0] == outs[1]

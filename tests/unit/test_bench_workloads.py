@@ -38,3 +38,21 @@ def test_continuous_arrivals_keep_at_most_batch_in_flight_and_match_a_closed_bat
     assert all(r.finished for r in reqs) and not engine.scheduler.has_work
     closed = engine_for(target, head, "static", steps=2, max_batch=8).generate(prompts, params)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in closed]
+
+
+def test_budgets_are_seeded_and_within_the_spread():
+    bench = _bench_adaptive()
+    a = bench.budgets(200, 64, 0.5, seed=1)
+    assert a == bench.budgets(200, 64, 0.5, seed=1) and a != bench.budgets(200, 64, 0.5, seed=2)
+    assert min(a) >= 32 and max(a) <= 96 and len(set(a)) > 20
+    assert bench.budgets(5, 64, 0.0) == [64] * 5
+
+
+def test_continuous_arrivals_take_one_params_per_prompt():
+    bench = _bench_adaptive()
+    target, head = tiny_pair()
+    prompts = random_prompts(5, target.config.vocab_size, seed=4)
+    params = [SamplingParams(max_new_tokens=n) for n in (3, 9, 1, 6, 4)]
+    engine = engine_for(target, head, "static", steps=2, max_batch=8)
+    reqs = bench.run_continuous(engine, prompts, 2, params)
+    assert [len(r.output_ids) for r in reqs] == [3, 9, 1, 6, 4]
