@@ -195,6 +195,7 @@ class EagleWorker:
         self._pf_top = self._pf_buckets[-1]
         self.pf_buf = zeros(self._pf_cap + 2 * self._pf_top) if self._pf_cap else None
         self._prefill_graphs: dict[tuple[int, int], GraphEntry] = {}
+        self.prefill_graph_bytes = 0   # growth of the shared graph pool while they captured
         # host staging of a round (rows in, results out), two sets: with overlap the next round is
         # staged while the device may still copy the previous one's
         self._stages = [HostStage.make(top, 2 + config.max_steps + 1, self.device)
@@ -437,6 +438,7 @@ class EagleWorker:
         cap, top = self._pf_cap, self._pf_top
         self.pf_buf[cap:cap + top] = self.dummy_slot
         longest = 1 << (self.config.max_context_len - 1).bit_length()
+        before = self.graphs.pool_bytes()
         for rows in sorted(self.buckets, reverse=True):
             width = 32
             while rows * width <= cap and width <= max(longest, 32):
@@ -445,6 +447,7 @@ class EagleWorker:
                     f"prefill/rows={rows}/width={width}", body)
                 width *= 2
         self.slot_len[self.dummy_slot] = 0
+        self.prefill_graph_bytes = self.graphs.pool_bytes() - before
 
     def _prefill_body(self, rows: int, width: int) -> Callable[[], None]:
         return lambda: self._prefill_padded(rows, width)
