@@ -32,6 +32,7 @@ from adaptive_dist.policy import (
     initial_ema,
     measures_acceptance,
     pick_bucket,
+    shadow_update,
     shifted_costs,
     update_offsets,
 )
@@ -79,6 +80,7 @@ class ControllerStats:
     counted_rounds: int = 0
     switches: int = 0
     probes: int = 0         # goodput: switches that were probes out of depth 0 (in `switches`)
+    shadow_rounds: int = 0  # goodput: depth-0 rounds whose shadow checks updated the EMAs
     accept_histogram: Counter = field(default_factory=Counter)
     steps_timeline: list = field(default_factory=list)   # (round, steps) at every change
     rounds_at_steps: Counter = field(default_factory=Counter)
@@ -197,7 +199,8 @@ class AdaptiveController:
         self._prev_plan_hash = consensus.plan_hash(*executed)
 
     def end_round(self, accepts: Sequence[int], executed: Optional[Executed] = None,
-                  plan: Optional[RoundPlan] = None) -> None:
+                  plan: Optional[RoundPlan] = None,
+                  shadow: Optional[tuple[int, int, int]] = None) -> None:
         """Record this rank's accept lengths (draft tokens accepted, bonus excluded). Local only.
 
         ``plan``: the round these results belong to (default: the last one begun). An engine
@@ -206,7 +209,10 @@ class AdaptiveController:
 
         Updates the EMA of the accepted tokens and of the share of requests that rejected a
         draft token (``accept < steps``), and the weight — except for a goodput round at depth 0,
-        which has no acceptance signal (its requests still count the round).
+        which has no acceptance signal (its requests still count the round) unless it reports
+        ``shadow`` = (hits, checks, rows): the draft head's greedy guesses checked against
+        committed tokens (the worker's catch-up), taken as depth-1 observations
+        (``policy.shadow_update``; the weight grows by ``rows``, the rows that had checks).
 
         ``executed`` is what this rank's worker actually ran (its applied depth, graph or eager,
         bucket, forward mode); its hash travels in the next round's vector, so the next
@@ -226,6 +232,16 @@ class AdaptiveController:
             self.ema = ema_update(self.ema, accepts, alpha)
             self.ema_fail = ema_fail_update(self.ema_fail, accepts, steps, alpha)
             self.weight += len(accepts)
+        elif shadow is not None and self.config.policy == "goodput":
+            hits, checks, rows = shadow
+            if not (all(type(v) is int for v in shadow) and 0 <= hits <= checks and rows >= 0):
+                raise ValueError(f"shadow checks {shadow!r}: want integers 0 <= hits <= checks "
+                                 f"and rows >= 0")
+            if checks:
+                self.ema, self.ema_fail = shadow_update(self.ema, self.ema_fail, hits, checks,
+                                                        self.config.ema_alpha)
+                self.weight += rows
+                self.stats.shadow_rounds += 1
         self._prev_n_req = len(accepts)
         self.stats.accept_histogram.update(accepts)
 

@@ -36,6 +36,18 @@ def ema_update(ema: float, accepts: Sequence[int], alpha: float) -> float:
     return (1.0 - alpha) * ema + alpha * (sum(accepts) / len(accepts))
 
 
+def shadow_update(ema: float, ema_fail: float, hits: int, checks: int,
+                  alpha: float) -> tuple[float, float]:
+    """(ema, ema_fail) after a depth-0 round's shadow checks (goodput): ``checks`` greedy guesses
+    of the head, ``hits`` of them right, taken as depth-1 observations —
+    ``(1-α)·ema + α·hits/checks`` and ``(1-α)·ema_fail + α·(1 - hits/checks)``; unchanged
+    without checks."""
+    if checks <= 0:
+        return ema, ema_fail
+    share = hits / checks
+    return (1.0 - alpha) * ema + alpha * share, (1.0 - alpha) * ema_fail + alpha * (1.0 - share)
+
+
 def fail_flags(accepts: Sequence[int], steps: int) -> list[float]:
     """Per request, 1.0 if it rejected a draft token (``accept < steps``), else 0.0."""
     return [1.0 if a < steps else 0.0 for a in accepts]
@@ -249,8 +261,9 @@ class Decision:
 def goodput_step(cfg: AdaptiveConfig, state: PolicyState, rate: Optional[float],
                  batch: int, table: Optional[RoundCost] = None) -> tuple[int, bool]:
     """The goodput decision at a decision point the dwell allows: (new index, is a probe).
-    At depth 0 only the probe moves; elsewhere the best score with the margin."""
-    if cfg.candidate_steps[state.index] == 0:
+    The best score with the margin, from the cluster's rate; at depth 0 without a rate (no rank
+    reported shadow checks since the last decision point) only the probe moves."""
+    if cfg.candidate_steps[state.index] == 0 and rate is None:
         if probe_due(cfg, state.index, state.counted, state.last_switch, state.probe_gap):
             return state.index + 1, True
         return state.index, False

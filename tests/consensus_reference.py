@@ -14,7 +14,9 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
     """Expected output records (sorted by round, rank) for ``traces`` (one list per rank).
 
     ``cfg`` is the effective configuration as ``AdaptiveConfig.to_dict()`` gives it (for goodput
-    with ``round_cost``, ``switch_margin``, ``probe_every`` and ``probe_backoff``)."""
+    with ``round_cost``, ``switch_margin``, ``probe_every`` and ``probe_backoff``). A round may
+    carry ``"shadow": [hits, checks, rows]`` (goodput at depth 0: the head's guesses checked by
+    the engine's catch-up)."""
     cand = sorted(cfg["candidate_steps"])
     idx = cand.index(cfg["initial_steps"])
     world = len(traces)
@@ -40,6 +42,11 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
                 rejected = len([a for a in acc if a < steps])
                 fail[k] = (1.0 - alpha) * fail[k] + alpha * (rejected / len(acc))
                 weight[k] += len(acc)
+            elif goodput and steps == 0 and x.get("shadow") and x["shadow"][1] > 0:
+                hits, checks, rows = x["shadow"]   # depth-1 observations, share hits / checks
+                ema[k] = (1.0 - alpha) * ema[k] + alpha * (hits / checks)
+                fail[k] = (1.0 - alpha) * fail[k] + alpha * (1.0 - hits / checks)
+                weight[k] += rows
         eligible = all(x.get("can_graph", True) for x in rounds)
         graph = eligible and max(batches) <= buckets[-1]
         pad = min(b for b in buckets if b >= max(batches)) if graph else max(batches)
@@ -74,7 +81,7 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
         if goodput:
             rate = _reference_rate(ema, fail, weight, cfg["reducer"])
             row_key, costs = _reference_costs(cfg["round_cost"], pad)
-            if point and dwell_ok and steps == 0:
+            if point and dwell_ok and steps == 0 and rate is None:   # no signal: probe
                 if points_since_switch >= probe_wait * cfg["probe_every"]:
                     new, probe = idx + 1, True
             elif point and dwell_ok and rate is not None:

@@ -132,5 +132,5 @@ class ScriptPlanner:
                          cluster_requests=num_requests, switched=True, all_done=done,
                          extend_width=serving.get("extend_len", 0))
 
-    def end_round(self, accepts, executed=None, plan=None) -> None:
+    def end_round(self, accepts, executed=None, plan=None, shadow=None) -> None:
         assert all(a == 0 for a in accepts) or plan.steps > 0

@@ -33,6 +33,10 @@ padded forward of width `catchup_every`), writes those KV entries, sets `g_n` fr
 row and empties the ring. It runs after every `catchup_every`-th consecutive depth-0 round and
 before the first round at a depth > 0, so drafting always resumes from a current draft cache, and
 a depth-0 round costs one head forward per `catchup_every` rounds instead of one per round. The
+catch-up also checks the head's greedy guesses against the ring: its output at entry j predicts
+the token of entry j+1, already committed, so a row with `lag` entries gives `lag - 1` free
+depth-1 checks; a depth-0 round after which the catch-up ran reports each row's (hits, checks),
+the shadow acceptance the goodput policy reads at depth 0 (`adaptive_dist.controller`). The
 count of depth-0 rounds is the worker's own, the same on every rank (every rank launches every
 round of the cluster), so every rank runs the catch-up, and the collectives inside the head, in
 the same round.
@@ -70,6 +74,7 @@ from workers.spec_decode import SALT_SAMPLE, draft_step, sample_tokens, verify
 
 PHASES = ("draft", "verify", "extend")
 CATCHUP = "catchup"
+SHADOW_COLUMNS = 2  # depth 0 with a head: the catch-up's (hits, checks) per row, after the tokens
 
 
 @dataclass
@@ -81,6 +86,7 @@ class RoundResult:
     first: np.ndarray
     accept: np.ndarray
     tokens: np.ndarray
+    shadow: np.ndarray | None = None   # [n, 2] (hits, checks) of a depth-0 round's catch-up
 
 
 @dataclass
@@ -114,6 +120,8 @@ class LaunchedRound:
     host: torch.Tensor
     done: Any
     steps: int
+    extra: int = 0          # trailing columns of `host` that are not tokens (the shadow checks)
+    shadow: bool = False    # a catch-up ran after the round: those columns are fresh
 
 
 @dataclass
@@ -198,8 +206,8 @@ class EagleWorker:
         self.prefill_graph_bytes = 0   # growth of the shared graph pool while they captured
         # host staging of a round (rows in, results out), two sets: with overlap the next round is
         # staged while the device may still copy the previous one's
-        self._stages = [HostStage.make(top, 2 + config.max_steps + 1, self.device)
-                        for _ in range(2)]
+        self._stages = [HostStage.make(top, 2 + config.max_steps + 1 + SHADOW_COLUMNS,
+                                       self.device) for _ in range(2)]
         self._launches = 0
         self.graphs = CudaGraphRunner(self.device) if config.graph_buckets else None
         self.buckets = config.graph_buckets
@@ -253,10 +261,12 @@ class EagleWorker:
             self.slot_lag = zeros(slots)
             self.lag_tokens = zeros(slots, lag)
             self.lag_features = zeros(slots, lag, dim, dt=self.slot_feature.dtype)
+        extra = SHADOW_COLUMNS if steps == 0 and self.slot_lag is not None else 0
         bufs = StepBuffers(steps=steps, rows=self.round_rows, drafts=zeros(top, steps),
                            q=zeros(top, steps, vocab, dt=torch.float32),
                            hidden=zeros(top * width, dim, dt=self.slot_feature.dtype),
-                           accept=zeros(top), tokens=zeros(top, width), out=zeros(top, 2 + width))
+                           accept=zeros(top), tokens=zeros(top, width),
+                           out=zeros(top, 2 + width + extra))
         nbytes = bufs.nbytes
         if steps == 0 and self.slot_lag is not None:
             nbytes += sum(t.numel() * t.element_size()
@@ -389,7 +399,9 @@ class EagleWorker:
     def _catchup_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
         """The head over each row's lag ring: `lag` tokens at positions n-lag+1 .. n (draft KV
         index n-lag ..) fed the target features recorded with them; its row lag-1 is the new g.
-        Rows without lag (and dummy rows) write nothing and keep their g."""
+        Rows without lag (and dummy rows) write nothing and keep their g. With the shadow
+        columns (tier 0's buffers) each row's hits and checks of the head's greedy guesses
+        against the ring's next tokens go to the last two columns of `out`."""
         width = self.catchup_every
         rows, n, real = self._rows(bufs, bp)
         lag = self.slot_lag[rows] * real
@@ -403,6 +415,14 @@ class EagleWorker:
         fresh = torch.where((lag > 0)[:, None], g, self.slot_feature[rows])
         self.slot_feature.index_copy_(0, rows, fresh)
         self.slot_lag.index_copy_(0, rows, torch.zeros_like(lag))
+        if bufs.out.shape[1] == 2 + bufs.steps + 1 + SHADOW_COLUMNS:
+            # NOTE: one logits row per ring entry (bp x catchup_every rows, once per catch-up)
+            guess = self.head.compute_logits(out).argmax(-1).view(bp, width)[:, :-1]
+            checks = (lag - 1).clamp(min=0)
+            valid = offsets[None, :-1] < checks[:, None]
+            hits = ((guess == self.lag_tokens[rows][:, 1:]) & valid).sum(1)
+            bufs.out[:bp, -2] = hits
+            bufs.out[:bp, -1] = checks
 
     def _advance(self, bufs: StepBuffers, bp: int, rows: torch.Tensor, n: torch.Tensor,
                  g: torch.Tensor | None) -> None:
@@ -613,10 +633,12 @@ class EagleWorker:
                 self._body(bufs, phase, bp, reach, greedy)()
             else:  # draft-extend samples nothing: one graph serves both
                 bufs.graphs[(phase, graph_bucket, greedy or phase == "extend")].replay()
+        shadow = False
         if bufs.steps == 0 and self.slot_lag is not None:
             self._lag_rounds += 1
             if self._lag_rounds == self.catchup_every:  # the ring is full for a row in every round
                 self._catch_up(bufs, bp, reach, graph_bucket)
+                shadow = True
         width = bufs.out.shape[1]
         out = bufs.out[:len(reqs)]
         host = stage.out[:len(reqs) * width].view(len(reqs), width)
@@ -624,7 +646,9 @@ class EagleWorker:
         done = stage.done
         if done is not None:
             done.record(torch.cuda.current_stream(self.device))
-        return LaunchedRound(reqs=reqs, host=host, done=done, steps=bufs.steps)
+        extra = width - 2 - bufs.steps - 1
+        return LaunchedRound(reqs=reqs, host=host, done=done, steps=bufs.steps, extra=extra,
+                             shadow=shadow and extra == SHADOW_COLUMNS)
 
     def _catch_up(self, bufs: StepBuffers, bp: int, reach: int, graph_bucket: int | None) -> None:
         if graph_bucket is None:
@@ -639,8 +663,10 @@ class EagleWorker:
         if launched.done is not None:
             launched.done.synchronize()
         rows = launched.host.numpy()
+        end = rows.shape[1] - launched.extra
         return RoundResult(first=rows[:, 0].copy(), accept=rows[:, 1].copy(),
-                           tokens=rows[:, 2:].copy())
+                           tokens=rows[:, 2:end].copy(),
+                           shadow=rows[:, end:].copy() if launched.shadow else None)
 
     def _reach(self, reqs: Sequence[Request], bucket: int | None) -> int:
         """Pages of KV each row may read: the captured reach for graphs, else what this batch

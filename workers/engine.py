@@ -54,8 +54,10 @@ class RoundPlanner(Protocol):
         """Agree this round's plan with the other ranks (every rank, every round, idle too)."""
 
     def end_round(self, accepts: Sequence[int], executed: tuple | None = None,
-                  plan: RoundPlan | None = None) -> None:
-        """Report this rank's accept lengths of round `plan` and what it ran (local only)."""
+                  plan: RoundPlan | None = None,
+                  shadow: tuple[int, int, int] | None = None) -> None:
+        """Report this rank's accept lengths of round `plan`, what it ran, and (depth 0 with a
+        head, after a catch-up) its shadow checks (hits, checks, rows) (local only)."""
 
 
 @dataclass
@@ -253,6 +255,7 @@ class Engine:
         a request may have finished in the round before: its extra round is dropped) and report
         it to the planner."""
         accepts: list[int] = []
+        shadow: tuple[int, int, int] | None = None
         handle, plan = launched.handle, launched.plan
         if handle is not None:
             result = self.worker.collect(handle)
@@ -262,7 +265,8 @@ class Engine:
                 if not keep.all():
                     reqs = [r for r, k in zip(reqs, keep) if k]
                     result = RoundResult(result.first[keep], result.accept[keep],
-                                         result.tokens[keep])
+                                         result.tokens[keep],
+                                         None if result.shadow is None else result.shadow[keep])
             self.scheduler.commit_round(reqs, result.first, result.accept, result.tokens)
             if reqs:
                 self.stats.record_plan(plan.steps, plan.switched)
@@ -273,8 +277,12 @@ class Engine:
                         {int(k): int(v) for k, v in enumerate(counts) if v})
                 self.stats.rounds += 1
             accepts = result.accept.tolist()
+            if result.shadow is not None and len(reqs):
+                checks = result.shadow[:, 1]
+                shadow = (int(result.shadow[:, 0].sum()), int(checks.sum()),
+                          int((checks > 0).sum()))
         self.planner.end_round(accepts, None if hasattr(self.planner, "ran") else
-                               launched.executed, plan)
+                               launched.executed, plan, shadow=shadow)
 
     def _retire(self) -> list[Request]:
         """Retire finished requests (KV and slot back) and forget them."""

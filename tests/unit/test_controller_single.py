@@ -498,3 +498,77 @@ def test_goodput_probe_backoff_doubles_the_wait_and_resets_after_a_climb():
     assert second[0] - down == 5                       # the wait was reset to probe_every
     assert [b - a for a, b in zip(second, second[1:])][:3] == [14, 26, 26]
     assert ctl.state.probe_gap == 4 and ctl.steps == 0
+
+
+def test_goodput_shadow_checks_at_depth_0_update_the_emas_and_leave_without_a_probe():
+    """At depth 0 a round that reports shadow checks (hits, checks, rows) updates the EMAs as a
+    depth-1 round would (share hits/checks) and the weight by rows; at the next decision point
+    the policy moves on the rate, not by a probe. Rounds at depth > 0, a report without checks
+    and the ema policy ignore shadow reports; a bad report is refused by name."""
+    cost = {"0": 1.0, "1": 1.25, "3": 1.6, "7": 2.4}
+    cfg = AdaptiveConfig(policy="goodput", candidate_steps=[0, 1, 3, 7], initial_steps=0,
+                         warmup_batches=0, update_interval=2, ema_alpha=0.5, probe_every=50,
+                         round_cost=cost)
+    ctl = AdaptiveController(cfg, Group.single())
+    assert (ctl.ema, ctl.ema_fail) == (0.0, 1.0)
+    ctl.begin_round(2)
+    ctl.end_round([0, 0])                               # depth 0: no signal
+    assert (ctl.ema, ctl.ema_fail, ctl.weight) == (0.0, 1.0, 0)
+    ctl.begin_round(2)                                  # counted 1
+    ctl.end_round([0, 0], shadow=(7, 7, 2))             # all 7 guesses right: share 1
+    assert (ctl.ema, ctl.ema_fail, ctl.weight) == (0.5, 0.5, 2)
+    assert ctl.stats.shadow_rounds == 1
+    ctl.begin_round(2)                                  # decides round 1: counted 2, a point
+    # p = 0.5/(0.5+0.5) = 0.5: scores 1, 1.5/1.25 = 1.2, 1.875/1.6 = 1.17, 1.99/2.4 = 0.83
+    d = ctl.last_outcome.decision
+    assert d.decision_point and d.accept_rate == 0.5 and d.switched and not d.probe
+    assert ctl.steps == 1 and ctl.stats.probes == 0
+    with pytest.raises(ValueError, match=r"shadow checks \(8, 7, 2\)"):
+        ctl.end_round([0, 0], shadow=(8, 7, 2), plan=ctl._prev_plan.__class__(
+            **{**ctl._prev_plan.__dict__, "steps": 0}))
+    before = (ctl.ema, ctl.ema_fail)
+    ctl.end_round([1, 0], shadow=(0, 7, 2))             # depth 1: the accepts count, not these
+    assert (ctl.ema, ctl.ema_fail) == (0.5 * before[0] + 0.25, 0.5 * before[1] + 0.25)
+    ema = make("ema", initial_steps=1)
+    ema.begin_round(1)
+    ema.end_round([1], shadow=(0, 7, 1))
+    assert ema.stats.shadow_rounds == 0
+
+
+def test_goodput_with_shadow_checks_follows_the_single_process_reference():
+    """A long random run at depth 0 and above, with shadow reports on some depth-0 rounds (as the
+    engine's catch-up gives them), decided as the independent reference decides."""
+    import random
+
+    from consensus_reference import simulate
+
+    rng = random.Random(5)
+    cfg = AdaptiveConfig(policy="goodput", candidate_steps=[0, 1, 3, 7], initial_steps=1,
+                         warmup_batches=2, update_interval=2, probe_every=3, probe_backoff=4,
+                         ema_alpha=0.3, round_cost={"0": 1.0, "1": 1.3, "3": 1.9, "7": 3.1})
+    trace = []
+    for r in range(400):
+        level = 0 if (r // 60) % 2 == 0 else 6
+        accepts = [min(rng.randint(0, 2 * level), 9) for _ in range(rng.randint(1, 4))]
+        item = {"accept": accepts}
+        if r % 4 == 3:
+            checks = 7 * len(accepts)
+            hits = sum(rng.random() < level / 7 for _ in range(checks))
+            item["shadow"] = [hits, checks, len(accepts)]
+        trace.append(item)
+    expected = simulate([trace], cfg.to_dict(), "goodput")
+    ctl = AdaptiveController(cfg, Group.single())
+    got = []
+    for r, item in enumerate(trace):
+        plan = ctl.begin_round(len(item["accept"]))
+        if r:
+            d = ctl.last_outcome.decision
+            got[-1].update(switched=d.switched, probe=d.probe, accept_rate=d.accept_rate)
+        got.append({"round": r, "steps": plan.steps})
+        shadow = tuple(item["shadow"]) if "shadow" in item and plan.steps == 0 else None
+        ctl.end_round([min(a, plan.steps) for a in item["accept"]], shadow=shadow)
+    ref = [{"round": e["round"], "steps": e["steps"], "switched": e["switched"],
+            "probe": e["probe"], "accept_rate": e["accept_rate"]} for e in expected]
+    assert got[:-1] == ref[:-1]
+    assert ctl.stats.shadow_rounds > 10 and ctl.stats.switches > 4
+    assert any(e["switched"] and e["steps"] == 0 and not e["probe"] for e in ref)

@@ -105,3 +105,56 @@ def test_catch_up_runs_every_catchup_every_rounds_and_before_drafting(pair, grap
 def test_a_head_without_a_depth_0_tier_keeps_no_lag_state(pair) -> None:
     engine = engine_for(*pair, "static", steps=3)
     assert engine.worker.slot_lag is None and engine.worker.lag_features is None
+
+
+class _Recording(ScriptPlanner):
+    """A ScriptPlanner that keeps every round's shadow report."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.shadows: list = []
+
+    def end_round(self, accepts, executed=None, plan=None, shadow=None) -> None:
+        self.shadows.append(shadow)
+        super().end_round(accepts, executed, plan, shadow)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
+def test_catch_up_reports_the_heads_greedy_guesses_checked_against_the_ring(pair, graphs) -> None:
+    """After 8 depth-0 rounds the catch-up reports, per row, how many of the head's greedy
+    guesses over the ring matched the next committed token (7 checks for a full ring of 8):
+    equal to the guesses of the head run over the whole sequence (a prefill), counted by hand.
+    Rounds without a catch-up report nothing."""
+    prompts = random_prompts(3, vocab=64, seed=21, lo=3, hi=14)
+    engine = _engine(pair, [0], graphs)
+    engine.planner = _Recording([0], graphs, 4)
+    reqs = [engine.add(p, SamplingParams(max_new_tokens=20)) for p in prompts]
+    for _ in range(8):
+        engine.step()
+    engine.drain()
+    shadows = engine.planner.shadows
+    assert shadows[:7] == [None] * 7 and shadows[7] is not None
+    worker = engine.worker
+    # reference: the head over prompt + the first 9 outputs, every position's output kept
+    fresh = engine_for(*pair, "static", steps=3)
+    outs: list = []
+    head = fresh.worker.head
+    fresh.worker.head = lambda *a: outs.append(head(*a)) or outs[-1]
+    refs = [fresh.add(p + r.output_ids[:9], SamplingParams(max_new_tokens=2))
+            for p, r in zip(prompts, reqs)]
+    admitted = fresh.scheduler.admit()
+    fresh.worker.prefill(admitted, sum(len(r.prompt_ids) for r in admitted), len(admitted))
+    out, start, hits = outs[0], 0, 0
+    for req, ref in zip(reqs, refs):
+        p, o = len(req.prompt_ids), req.output_ids
+        ring = worker.lag_tokens[req.slot].tolist()
+        assert ring == o[1:9]                         # the 8 tokens of the depth-0 rounds
+        # the head's output after the ring token at position p+1+j is row p+j of its prefill
+        with torch.inference_mode():
+            logits = head.compute_logits(out[start + p:start + p + 7])
+        guess = logits.argmax(-1).tolist()
+        hits += sum(g == t for g, t in zip(guess, o[2:9]))
+        start += len(ref.prompt_ids)
+    assert shadows[7] == (hits, 7 * len(reqs), len(reqs))
+    assert 0 < hits < 7 * len(reqs)                   # the check can tell hits from misses
+    engine.close()

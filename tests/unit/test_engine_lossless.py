@@ -94,7 +94,7 @@ class RandomTierPlanner:
                          switched=True, all_done=done,
                          extend_width=serving.get("extend_len", 0))
 
-    def end_round(self, accepts, executed=None, plan=None) -> None:
+    def end_round(self, accepts, executed=None, plan=None, shadow=None) -> None:
         # with overlap the results of a round arrive after the next round was planned
         steps = plan.steps if plan is not None else self.steps
         assert executed is None or executed[0] == steps

@@ -363,6 +363,7 @@ from adaptive_dist.policy import (  # noqa: E402
     initial_ema,
     measures_acceptance,
     probe_due,
+    shadow_update,
 )
 
 FLAT = {"1": 1.25, "3": 1.5, "7": 2.0}
@@ -638,11 +639,25 @@ class TestProbe:
             idx.append(st.index)
         assert idx == [0, 0, 0, 1]
 
-    def test_at_zero_only_the_probe_moves(self):
-        # even with live weight and a high rate, depth 0 waits for the probe
+    def test_at_zero_shadow_checks_move_without_a_probe(self):
+        # live weight at depth 0 (shadow checks since the last point): the best score moves now,
+        # not as a probe; p = 1: s0 = 1, s1 = 2/1.25 = 1.6, s3 = 4/1.5 = 2.67 -> depth 3
         c = self.cfg0(probe_every=2)
         st, d = decide(c, PolicyState(index=0), 1, [6.0], [5], ema_fails=[0.0], batch=1)
-        assert st.index == 0 and d.accept_rate == 1.0
+        assert st.index == 2 and d.accept_rate == 1.0 and d.switched and not d.probe
+        assert (st.probe_gap, st.probed) == (1, False)
+        # p = 0.1: s1 = 1.1/1.25 = 0.88, s3 = 1.111/1.5 = 0.74 < s0 = 1 -> stays, no probe
+        st, d = decide(c, PolicyState(index=0), 1, [0.1], [5], ema_fails=[0.9], batch=1)
+        assert st.index == 0 and not d.switched and d.accept_rate == pytest.approx(0.1)
+        # without live weight only the probe moves (not due yet: 1 decision point of 2)
+        st, d = decide(c, PolicyState(index=0), 1, [6.0], [0], ema_fails=[0.0], batch=1)
+        assert st.index == 0 and d.accept_rate is None
+
+    def test_shadow_update_by_hand(self):
+        # 3 of 4 guesses right, alpha 0.5: ema 0 -> 0.375, ema_fail 1 -> 0.625
+        assert shadow_update(0.0, 1.0, 3, 4, 0.5) == (0.375, 0.625)
+        assert shadow_update(2.0, 0.5, 0, 0, 0.5) == (2.0, 0.5)     # no checks: unchanged
+        assert shadow_update(1.0, 0.0, 0, 5, 0.25) == (0.75, 0.25)
 
     def test_probe_only_at_zero(self):
         c = self.cfg0(probe_every=1)
