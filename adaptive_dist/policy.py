@@ -234,6 +234,8 @@ class PolicyState:
     last_switch: int = -1  # counted round of the last switch; -1: none yet
     probe_gap: int = 1     # goodput: the next probe waits probe_gap * probe_every points
     probed: bool = False   # goodput: the last switch was a probe out of depth 0
+    last_signal: int = -1  # goodput: counted round of the last decision point at depth 0 that
+                           # had a cluster rate (shadow checks); -1: none
 
     @staticmethod
     def initial(cfg: AdaptiveConfig) -> "PolicyState":
@@ -262,9 +264,12 @@ def goodput_step(cfg: AdaptiveConfig, state: PolicyState, rate: Optional[float],
                  batch: int, table: Optional[RoundCost] = None) -> tuple[int, bool]:
     """The goodput decision at a decision point the dwell allows: (new index, is a probe).
     The best score with the margin, from the cluster's rate; at depth 0 without a rate (no rank
-    reported shadow checks since the last decision point) only the probe moves."""
+    reported shadow checks since the last decision point) only the probe moves, due
+    `probe_gap × probe_every` decision points after the last switch or the last decision point
+    at depth 0 that had a rate, whichever is later."""
     if cfg.candidate_steps[state.index] == 0 and rate is None:
-        if probe_due(cfg, state.index, state.counted, state.last_switch, state.probe_gap):
+        since = max(state.last_switch, state.last_signal)
+        if probe_due(cfg, state.index, state.counted, since, state.probe_gap):
             return state.index + 1, True
         return state.index, False
     if rate is None:
@@ -284,7 +289,8 @@ def decide(cfg: AdaptiveConfig, state: PolicyState, cluster_requests: int,
     if cluster_requests <= 0:
         return state, Decision(False, False, None, state.index, state.index)
     counted = state.counted + 1
-    state = PolicyState(state.index, counted, state.last_switch, state.probe_gap, state.probed)
+    state = PolicyState(state.index, counted, state.last_switch, state.probe_gap, state.probed,
+                        state.last_signal)
     global_ema = reduce_emas(emas, weights, cfg.reducer)
     point = is_decision_point(counted, cfg.warmup_batches, cfg.update_interval)
     new_index = state.index
@@ -302,13 +308,16 @@ def decide(cfg: AdaptiveConfig, state: PolicyState, cluster_requests: int,
             row = table.buckets[cost_row(table, batch)]
         if point and dwell_ok:
             new_index, probe = goodput_step(cfg, state, rate, batch, table)
+        if point and rate is not None and cfg.candidate_steps[state.index] == 0:
+            state = PolicyState(state.index, counted, state.last_switch, state.probe_gap,
+                                state.probed, counted)   # a signal at depth 0: no probe due
     elif cfg.adaptive and point and global_ema is not None and dwell_ok:
         new_index = ladder_walk(cfg.candidate_steps, state.index, global_ema,
                                 cfg.up_hysteresis, cfg.down_hysteresis)
     decision = Decision(True, point, global_ema, state.index, new_index, rate, row, probe)
     if new_index != state.index:
         gap, probed = next_probe_gap(cfg, state, new_index, probe)
-        state = PolicyState(new_index, counted, counted, gap, probed)
+        state = PolicyState(new_index, counted, counted, gap, probed, state.last_signal)
     return state, decision
 
 

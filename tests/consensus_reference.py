@@ -89,6 +89,8 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
                 best = max(range(len(cand)), key=lambda i: (scores[i], -i))
                 if best != idx and scores[best] > (1.0 + cfg["switch_margin"]) * scores[idx]:
                     new = best
+        if goodput and point and steps == 0 and rate is not None:
+            points_since_switch = 0   # a signal at depth 0: the probe wait starts again
         for k in range(world):
             rec = {"round": r, "rank": k, "steps": steps, "local_ema": ema[k],
                    "global_ema": g, "switched": new != idx, "graph": graph}

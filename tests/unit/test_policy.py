@@ -653,6 +653,19 @@ class TestProbe:
         st, d = decide(c, PolicyState(index=0), 1, [6.0], [0], ema_fails=[0.0], batch=1)
         assert st.index == 0 and d.accept_rate is None
 
+    def test_a_signal_at_zero_restarts_the_probe_wait(self):
+        c = self.cfg0(probe_every=2)   # interval 1, warm-up 0: every counted round is a point
+        # 3 points since the switch, but the point at counted 2 had a rate: 1 point since it
+        st = PolicyState(index=0, counted=2, last_switch=0, last_signal=2)
+        st, d = decide(c, st, 1, [0.0], [0], ema_fails=[1.0], batch=1)
+        assert st.index == 0 and not d.probe
+        st, d = decide(c, st, 1, [0.0], [0], ema_fails=[1.0], batch=1)   # 2 points: the probe
+        assert st.index == 1 and d.probe and st.last_signal == 2
+        # a point at depth 0 with a rate is a signal (p = 0.1: it stays at 0)
+        st, d = decide(c, PolicyState(index=0, counted=5, last_switch=0), 1, [0.1], [3],
+                       ema_fails=[0.9], batch=1)
+        assert st.index == 0 and st.last_signal == 6 and not d.switched
+
     def test_shadow_update_by_hand(self):
         # 3 of 4 guesses right, alpha 0.5: ema 0 -> 0.375, ema_fail 1 -> 0.625
         assert shadow_update(0.0, 1.0, 3, 4, 0.5) == (0.375, 0.625)
