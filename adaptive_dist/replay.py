@@ -67,6 +67,15 @@ def require_round_cost(config: AdaptiveConfig) -> AdaptiveConfig:
     return config
 
 
+def shadow_checks(full: list[int], steps: int) -> Optional[tuple[int, int, int]]:
+    """A depth-0 round's shadow checks from its trace (goodput): one check per request, a hit
+    when its unlimited accept length is >= 1 (its first draft would have been accepted); None
+    at depth > 0 or for an idle round."""
+    if steps != 0 or not full:
+        return None
+    return sum(1 for a in full if a >= 1), len(full), len(full)
+
+
 def replay(trace: list[TraceRound], config: AdaptiveConfig, group: Group,
            guard: Optional[LockstepGuard] = None, progress=None) -> ReplayResult:
     """Replay ``trace`` on this rank in lockstep with the other members of ``group``."""
@@ -89,7 +98,8 @@ def replay(trace: list[TraceRound], config: AdaptiveConfig, group: Group,
             records.append(outcome_record(out, group.global_rank, goodput))
         if plan.all_done:
             break
-        ctrl.end_round([min(a, plan.steps) for a in full])
+        ctrl.end_round([min(a, plan.steps) for a in full], shadow=shadow_checks(full, plan.steps)
+                       if goodput else None)
         r += 1
         if progress is not None:
             progress.update(1)

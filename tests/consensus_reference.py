@@ -42,11 +42,15 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
                 rejected = len([a for a in acc if a < steps])
                 fail[k] = (1.0 - alpha) * fail[k] + alpha * (rejected / len(acc))
                 weight[k] += len(acc)
-            elif goodput and steps == 0 and x.get("shadow") and x["shadow"][1] > 0:
-                hits, checks, rows = x["shadow"]   # depth-1 observations, share hits / checks
-                ema[k] = (1.0 - alpha) * ema[k] + alpha * (hits / checks)
-                fail[k] = (1.0 - alpha) * fail[k] + alpha * (1.0 - hits / checks)
-                weight[k] += rows
+            elif goodput and steps == 0 and (x.get("shadow") or x["accept"]):
+                # depth-1 observations, share hits / checks: the engine's report, or (a replayed
+                # trace) one check per request, a hit when its unlimited accept is >= 1
+                hits, checks, rows = x.get("shadow") or (
+                    len([a for a in x["accept"] if a >= 1]), len(x["accept"]), len(x["accept"]))
+                if checks > 0:
+                    ema[k] = (1.0 - alpha) * ema[k] + alpha * (hits / checks)
+                    fail[k] = (1.0 - alpha) * fail[k] + alpha * (1.0 - hits / checks)
+                    weight[k] += rows
         eligible = all(x.get("can_graph", True) for x in rounds)
         graph = eligible and max(batches) <= buckets[-1]
         pad = min(b for b in buckets if b >= max(batches)) if graph else max(batches)

@@ -107,7 +107,9 @@ def test_consensus_goodput_matches_reference(tmp_path):
     got = [json.loads(ln) for ln in out_file.read_text().splitlines()]
     cfg = AdaptiveConfig.from_dict({**GOODPUT_FILE, "policy": "goodput"}).to_dict()
     assert got == simulate(traces, cfg, "goodput")
-    assert any(rec["probe"] for rec in got) and any(rec["steps"] == 7 for rec in got)
+    # depth 0 and back on the replay's shadow checks (no probe), and deep
+    assert any(rec["steps"] == 0 and rec["switched"] and not rec["probe"] for rec in got)
+    assert any(rec["steps"] == 7 for rec in got)
 
 
 def test_consensus_goodput_without_round_cost_refused_on_every_rank(tmp_path):

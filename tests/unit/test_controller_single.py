@@ -537,9 +537,11 @@ def test_goodput_shadow_checks_at_depth_0_update_the_emas_and_leave_without_a_pr
 
 def test_goodput_with_shadow_checks_follows_the_single_process_reference():
     """A long random run at depth 0 and above, with shadow reports on some depth-0 rounds (as the
-    engine's catch-up gives them), decided as the independent reference decides."""
+    engine's catch-up gives them) and on the others the replay's (one check per request),
+    decided as the independent reference decides."""
     import random
 
+    from adaptive_dist.replay import shadow_checks
     from consensus_reference import simulate
 
     rng = random.Random(5)
@@ -565,7 +567,8 @@ def test_goodput_with_shadow_checks_follows_the_single_process_reference():
             d = ctl.last_outcome.decision
             got[-1].update(switched=d.switched, probe=d.probe, accept_rate=d.accept_rate)
         got.append({"round": r, "steps": plan.steps})
-        shadow = tuple(item["shadow"]) if "shadow" in item and plan.steps == 0 else None
+        shadow = (tuple(item["shadow"]) if "shadow" in item and plan.steps == 0
+                  else shadow_checks(item["accept"], plan.steps))
         ctl.end_round([min(a, plan.steps) for a in item["accept"]], shadow=shadow)
     ref = [{"round": e["round"], "steps": e["steps"], "switched": e["switched"],
             "probe": e["probe"], "accept_rate": e["accept_rate"]} for e in expected]
