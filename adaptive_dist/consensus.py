@@ -4,8 +4,9 @@ group, so every rank holds the same matrix and reduces it in the same order.
 The vector carries the rank's statistics (from the round that just ended: its request count, its
 EMA of accepted draft tokens, its EMA of the share of requests that rejected a draft token, its
 weight), its view of the upcoming round (requests, the tokens and requests of its extend/prefill
-forward and its longest prompt, CUDA-graph eligibility, whether it is done; when serving, the highest request-message
-sequence number it has received and whether it wants the cluster to stop), and the state every
+forward and its longest prompt, CUDA-graph eligibility, whether it is done; when serving, the
+highest request-message sequence number it has received and whether it wants the cluster to
+stop), and the state every
 rank must share (steps in force, counted rounds, last switch, config hash, hash of the previous
 round's plan).
 The shared-state columns are the pre-flight lockstep check: a mismatch raises ``DivergenceError``

@@ -141,10 +141,9 @@ class AdaptiveController:
 
         ``num_requests``: requests this rank runs this round; ``num_tokens`` / ``num_extend`` /
         ``extend_len``: tokens, requests and longest prompt of its extend (prefill) forward;
-        ``can_graph``: whether it could run
-        the round through CUDA graphs; ``done``: it has no work now and will get none; ``seq``
-        (serving): the highest request-message sequence number it has received; ``leave``: it
-        wants the cluster to stop after this round."""
+        ``can_graph``: whether it could run the round through CUDA graphs; ``done``: it has no
+        work now and will get none; ``seq`` (serving): the highest request-message sequence
+        number it has received; ``leave``: it wants the cluster to stop after this round."""
         if min(num_requests, num_tokens, num_extend, extend_len) < 0:
             raise ValueError(f"begin_round: num_requests={num_requests}, num_tokens={num_tokens}, "
                              f"num_extend={num_extend}, extend_len={extend_len} must be >= 0")

@@ -435,7 +435,7 @@ class EagleWorker:
             self.slot_feature.index_copy_(0, rows, g)
         self.slot_len[self.dummy_slot:].zero_()
         bufs.out[:bp, 1] = accept
-        bufs.out[:bp, 2:] = bufs.tokens[:bp]
+        bufs.out[:bp, 2:2 + bufs.steps + 1] = bufs.tokens[:bp]   # then the shadow columns, if any
 
     # ---- prefill ------------------------------------------------------------------------------
     def prefill_shape(self, pad_requests: int, width: int) -> tuple[int, int] | None:
