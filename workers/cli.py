@@ -64,7 +64,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda for --attention-backend flashinfer, else cpu")
     p.add_argument("--attention-backend", choices=("torch", "flashinfer"), default="torch",
-                   help="attention of the prefill forwards (flashinfer needs a CUDA GPU)")
+                   help="attention of the ragged prefill forwards, those beyond "
+                        "--padded-prefill-tokens (flashinfer needs a CUDA GPU)")
+    p.add_argument("--padded-prefill-tokens", type=int, default=4096, metavar="N",
+                   help="a prefill of at most N token slots (requests bucket x longest-prompt "
+                        "bucket) runs padded, as a CUDA graph per shape (0: every prefill ragged)")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests per replica at once")
     p.add_argument("--eager", action="store_true",
                    help="no CUDA graphs (on a CUDA device speculative rounds replay graphs "

@@ -149,6 +149,8 @@ def _prepare(ctx: Any, args: argparse.Namespace) -> tuple[Any, tuple[int, int], 
         raise ValueError("--attention-backend flashinfer needs --device cuda")
     if args.max_batch_size < 1:
         raise ValueError(f"--max-batch-size {args.max_batch_size}: must be >= 1")
+    if args.padded_prefill_tokens < 0:
+        raise ValueError(f"--padded-prefill-tokens {args.padded_prefill_tokens}: must be >= 0")
     degrees = resolve_degrees(args, ctx.world_size)
     spec = _spec(args)
     paths = model_paths(args.model, args.draft_model)  # a missing head: refused after the target
@@ -209,6 +211,7 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
                           cuda_graphs=on_gpu and not args.eager,
                           overlap=args.overlap == "on" or (args.overlap == "auto" and on_gpu),
                           dp=dp, attn_tp=attn_tp, mlp_scatter=args.mlp_scatter,
+                          padded_prefill_tokens=args.padded_prefill_tokens,
                           **size_for(target.config, dp))
     engine_settings = {f"engine {k}": v for k, v in config.to_dict().items()
                        if k not in ("spec", "device")}  # cuda:0 on rank 0, cuda:1 on rank 1

@@ -59,9 +59,10 @@ def test_json_outputs_in_prompt_order_and_equal_to_single_runs(capsys, model_dir
     hist = {int(k): v for k, v in got["accept_histogram"].items()}
     assert got["mean_accept_length"] == pytest.approx(
         sum(k * v for k, v in hist.items()) / sum(hist.values()))
-    for prompt, item in zip(prompts, got["outputs"]):
+    for i, (prompt, item) in enumerate(zip(prompts, got["outputs"])):
+        ragged = ["--padded-prefill-tokens", "0"] if i % 2 else []   # either prefill path
         _, single, _ = _run(capsys, "--prompt", prompt, "--no-spec", "--model", str(model_dir),
-                            "--max-new-tokens", "24", "--json")
+                            "--max-new-tokens", "24", "--json", *ragged)
         assert _json(single)["outputs"][0]["token_ids"] == item["token_ids"]
         assert item["text"] == bytes(t for t in item["token_ids"] if t < 256).decode("utf-8", "replace")
 
@@ -110,6 +111,7 @@ def _foreign_arch(model_dir: Path, tmp_path: Path) -> Path:
     (["--prompt", "a", "--top-p", "1.5"], r"top_p=1.5: must be in \(0, 1\]"),
     (["--prompt", "a", "--steps", "0"], "--steps 0: must be >= 1"),
     (["--prompt", "a", "--max-batch-size", "0"], "--max-batch-size 0: must be >= 1"),
+    (["--prompt", "a", "--padded-prefill-tokens", "-1"], "--padded-prefill-tokens -1: must be >= 0"),
     (["--prompt", "a", "--dp", "3"], "--dp 3 x --attn-tp 1 = 3 ranks, but this job has 1"),
     (["--prompt", "a", "--steps", "3", "--config", "c.json"], "adaptive mode is off"),
     (["--prompt", "a", "--no-spec", "--config", "c.json"], "--config applies to --adaptive only"),
