@@ -52,8 +52,8 @@ a padded prefill — `rows` requests (a bucket) by `width` token slots (a power 
 prompt, >= 32), at most `padded_prefill_tokens` slots — runs through the same padded attention
 as the round, as a CUDA graph per (rows, width) when the round uses graphs (eager otherwise, the
 same body); anything larger runs ragged through `attention_backend`, padded to the agreed token
-count. The padded path exists because an eager prefill of a small model is all kernel launches:
-some 2 500 per prefill, several milliseconds of host time, tens of decode rounds' worth.
+count. The padded path exists because an eager prefill of a small model is all host work and
+launches: thousands of operator calls, several milliseconds, tens of decode rounds' worth.
 """
 from __future__ import annotations
 
