@@ -57,6 +57,10 @@ from workers.sampling import SamplingParams  # noqa: E402
 
 STATIC = ("static0", "static1", "static3", "static7")
 POLICIES = STATIC + ("ema", "ema_min", "goodput", "goodput_min")
+DIAGNOSTIC = ("depth0_head",)
+"""Not run by default: `depth0_head` is the goodput engine held at depth 0 (its head kept current
+— prefilled, caught up every 8 rounds, shadow-checked — but never drafting), which prices what a
+speculating engine pays at depth 0 against static 0 (no head)."""
 WORKLOADS = {
     "code": [("code", "code")], "high_entropy": [("high_entropy", "high_entropy")],
     "repetitive": [("repetitive", "repetitive")],
@@ -75,6 +79,9 @@ def spec_of(policy: str, knobs: dict[str, Any] | None = None,
         return no_spec()
     if policy.startswith("static"):
         return load_config(None, "static", initial_steps=int(policy[len("static"):]))
+    if policy == "depth0_head":   # depth 7 priced out of reach; no probe ever due
+        return AdaptiveConfig(policy="goodput", candidate_steps=(0, 7), initial_steps=0,
+                              round_cost={"0": 1.0, "7": 1e9}, probe_every=10 ** 6)
     if policy.startswith("goodput"):
         spec = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=3,
                               cost_alpha=cost_alpha,
@@ -109,7 +116,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--workloads", nargs="+", default=["transition", "code", "high_entropy",
                                                       "repetitive"], choices=list(WORKLOADS))
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--policies", nargs="+", default=list(POLICIES),
+                   choices=POLICIES + DIAGNOSTIC,
+                   help="default: every policy but the diagnostic depth0_head (the goodput engine "
+                        "held at depth 0)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--waves", type=int, default=1,
                    help="prompts per phase as a multiple of the batch; above 1 they arrive "

@@ -56,3 +56,22 @@ def test_continuous_arrivals_take_one_params_per_prompt():
     engine = engine_for(target, head, "static", steps=2, max_batch=8)
     reqs = bench.run_continuous(engine, prompts, 2, params)
     assert [len(r.output_ids) for r in reqs] == [3, 9, 1, 6, 4]
+
+
+def test_depth0_head_holds_the_goodput_engine_at_depth_0():
+    """The diagnostic policy: a goodput engine (head kept current) whose depth 7 is priced out of
+    reach and whose probes never come: it runs every round at depth 0, lossless."""
+    bench = _bench_adaptive()
+    spec = bench.spec_of("depth0_head")
+    assert spec.policy == "goodput" and spec.candidate_steps == (0, 7) and spec.initial_steps == 0
+    assert "depth0_head" not in bench.POLICIES   # not in the default run
+    target, head = tiny_pair()
+    prompts = random_prompts(6, target.config.vocab_size, seed=8)
+    engine = engine_for(target, head, "ema", config=spec, max_batch=4)
+    out = bench.run_continuous(engine, prompts, 2, SamplingParams(max_new_tokens=20))
+    stats = engine.planner.stats
+    assert stats.switches == 0 and set(stats.rounds_at_steps) == {0}
+    assert stats.shadow_rounds > 0            # the head was caught up and checked
+    plain = engine_for(target, None, "nospec", max_batch=4).generate(
+        prompts, SamplingParams(max_new_tokens=20))
+    assert [r.output_ids for r in out] == [r.output_ids for r in plain]
