@@ -1,5 +1,5 @@
 """Diagnostic: where a continuous-arrival phase spends its time, per engine (no speculation,
-static 1 and 3, goodput): each engine step timed and sorted into admission rounds (a prefill ran)
+static 1 and 3, goodput, and goodput held at depth 0): each engine step timed and sorted into admission rounds (a prefill ran)
 and plain rounds, with the graph path and padded batches seen; and one short request end to end.
 
     python scripts/diag_continuous.py [cuda|cpu] [BATCH] [OUT.json]
@@ -29,7 +29,11 @@ ctx = max(len(p) for ps in enc.values() for p in ps) + 65
 specs = {"static0": no_spec(), "static1": load_config(None, "static", initial_steps=1),
          "static3": load_config(None, "static", initial_steps=3),
          "goodput": AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=1,
-                                   warmup_batches=4, update_interval=2, ema_alpha=0.3)}
+                                   warmup_batches=4, update_interval=2, ema_alpha=0.3),
+         # the goodput engine held at depth 0 (bench_adaptive's depth0_head): against static0 it
+         # prices the head's share of each prefill (admission rounds) and the catch-up's (plain)
+         "depth0_head": AdaptiveConfig(policy="goodput", candidate_steps=(0, 7), initial_steps=0,
+                                       round_cost={"0": 1.0, "7": 1e9}, probe_every=10 ** 6)}
 out = {}
 for name, spec in specs.items():
     e = build_engine(EngineConfig(spec=spec, max_batch_size=64, max_context_len=ctx, device=dev,
