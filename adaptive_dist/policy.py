@@ -201,15 +201,16 @@ def goodput_pick(scores: Sequence[float], index: int, margin: float) -> int:
     return index
 
 
-def probe_due(cfg: AdaptiveConfig, index: int, counted: int, last_switch: int,
+def probe_due(cfg: AdaptiveConfig, index: int, counted: int, since: int,
               gap: int = 1) -> bool:
-    """At depth 0, whether ``gap × probe_every`` decision points have passed since the last
-    switch (since the start when there was none), counting the one at ``counted``."""
+    """At depth 0, whether ``gap × probe_every`` decision points have passed since counted
+    round ``since`` (the last switch or signal; -1: the start), counting the one at
+    ``counted``."""
     if cfg.candidate_steps[index] != 0:
         return False
     w, n = cfg.warmup_batches, cfg.update_interval
-    since = decision_points_upto(counted, w, n) - decision_points_upto(last_switch, w, n)
-    return since >= gap * cfg.probe_every
+    points = decision_points_upto(counted, w, n) - decision_points_upto(since, w, n)
+    return points >= gap * cfg.probe_every
 
 
 def next_probe_gap(cfg: AdaptiveConfig, state: PolicyState, new_index: int,

@@ -140,6 +140,11 @@ class StepBuffers:
     graphs: dict[tuple[str, int, bool], GraphEntry] = field(default_factory=dict)
 
     @property
+    def extra_columns(self) -> int:
+        """Columns of `out` after the round's tokens: SHADOW_COLUMNS for tier 0 with a head."""
+        return self.out.shape[1] - 2 - self.steps - 1
+
+    @property
     def nbytes(self) -> int:
         tensors = (self.drafts, self.q, self.hidden, self.accept, self.tokens, self.out)  # not rows
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -415,7 +420,7 @@ class EagleWorker:
         fresh = torch.where((lag > 0)[:, None], g, self.slot_feature[rows])
         self.slot_feature.index_copy_(0, rows, fresh)
         self.slot_lag.index_copy_(0, rows, torch.zeros_like(lag))
-        if bufs.out.shape[1] == 2 + bufs.steps + 1 + SHADOW_COLUMNS:
+        if bufs.extra_columns == SHADOW_COLUMNS:
             # NOTE: one logits row per ring entry (bp x catchup_every rows, once per catch-up)
             guess = self.head.compute_logits(out).argmax(-1).view(bp, width)[:, :-1]
             checks = (lag - 1).clamp(min=0)
@@ -646,7 +651,7 @@ class EagleWorker:
         done = stage.done
         if done is not None:
             done.record(torch.cuda.current_stream(self.device))
-        extra = width - 2 - bufs.steps - 1
+        extra = bufs.extra_columns
         return LaunchedRound(reqs=reqs, host=host, done=done, steps=bufs.steps, extra=extra,
                              shadow=shadow and extra == SHADOW_COLUMNS)
 
