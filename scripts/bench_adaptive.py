@@ -21,7 +21,9 @@ repetitive, then swapped). Policies: static 0 (no speculation), 1, 3, 7; ema (we
 ema_min (the min vote); goodput (candidates 0, 1, 3, 7; its cost table measured at start-up;
 the pooled rate) and goodput_min (the same with the `min` reducer: the smallest rank's rate);
 and the oracle, computed from the static runs: per phase the best static depth's median
-tokens/s. One engine per policy, built once (graphs captured once); every run starts its policy
+tokens/s. `NAME@N` runs a policy's engine with the draft cache caught up every N depth-0 rounds
+(`--catchup-rounds`, default the engine's), beside the same policy at other intervals.
+One engine per policy, built once (graphs captured once); every run starts its policy
 afresh; runs are interleaved over the repeats. Per run: tokens/s overall and per phase, switches,
 switches per phase change (and per hour at the run's rate), rounds at each depth, the depth
 timeline. Writes `OUT/results.json`, `OUT/<workload>_b<batch>.png` (tokens/s per policy with
@@ -91,6 +93,21 @@ def spec_of(policy: str, knobs: dict[str, Any] | None = None,
     return spec.replace(**knobs) if knobs else spec
 
 
+def split_policy(name: str) -> tuple[str, int | None]:
+    """`NAME` or `NAME@N` (a speculating policy's engine at catch-up interval N) -> (NAME, N or
+    None); raises ValueError naming what is wrong."""
+    base, sep, rounds = name.partition("@")
+    if base not in POLICIES + DIAGNOSTIC:
+        raise ValueError(f"unknown policy {base!r}; allowed: {', '.join(POLICIES + DIAGNOSTIC)}")
+    if not sep:
+        return base, None
+    if base == "static0":
+        raise ValueError("static0 has no draft head, so no catch-up interval")
+    if not rounds.isdigit() or int(rounds) < 1:
+        raise ValueError(f"@{rounds}: the catch-up interval must be an integer >= 1")
+    return base, int(rounds)
+
+
 def parse_knobs(items: list[str]) -> dict[str, Any]:
     """`key=value` pairs (values parsed as JSON numbers where they are) for AdaptiveConfig."""
     out: dict[str, Any] = {}
@@ -116,10 +133,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--workloads", nargs="+", default=["transition", "code", "high_entropy",
                                                       "repetitive"], choices=list(WORKLOADS))
-    p.add_argument("--policies", nargs="+", default=list(POLICIES),
-                   choices=POLICIES + DIAGNOSTIC,
-                   help="default: every policy but the diagnostic depth0_head (the goodput engine "
-                        "held at depth 0)")
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), metavar="POLICY[@N]",
+                   help=f"of {', '.join(POLICIES + DIAGNOSTIC)}; default: every policy but the "
+                        "diagnostic depth0_head (the goodput engine held at depth 0). NAME@N: "
+                        "that policy's engine with --catchup-rounds N (a speculating one; the "
+                        "same policy may be listed at several N)")
+    p.add_argument("--catchup-rounds", type=int, default=EngineConfig.catchup_rounds,
+                   metavar="N", help="the engines' catch-up interval of the draft cache at "
+                   "depth 0 (as generate's flag; NAME@N overrides it for one policy)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--waves", type=int, default=1,
                    help="prompts per phase as a multiple of the batch; above 1 they arrive "
@@ -144,6 +165,15 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--warmup-runs {args.warmup_runs}: must be >= 0")
     if args.waves < 1:
         p.error(f"--waves {args.waves}: must be >= 1")
+    if args.catchup_rounds < 1:
+        p.error(f"--catchup-rounds {args.catchup_rounds}: must be >= 1")
+    for name in args.policies:
+        try:
+            split_policy(name)
+        except ValueError as err:
+            p.error(f"--policies {name}: {err}")
+    if len(set(args.policies)) != len(args.policies):
+        p.error(f"--policies {' '.join(args.policies)}: a policy is listed twice")
     if args.length_spread is None:
         args.length_spread = 0.5 if args.waves > 1 else 0.0
     if not 0 <= args.length_spread < 1:
@@ -234,8 +264,9 @@ def main() -> int:
     guard = ctx.guard(world, check_every=16) if ctx.distributed else None
     engines = {}
     for policy in args.policies:
-        cfg = EngineConfig(spec=spec_of(policy, knobs, args.cost_alpha), max_batch_size=top,
-                           max_context_len=context,
+        base, catchup = split_policy(policy)
+        cfg = EngineConfig(spec=spec_of(base, knobs, args.cost_alpha), max_batch_size=top,
+                           max_context_len=context, catchup_rounds=catchup or args.catchup_rounds,
                            device=device, cuda_graphs=args.device == "cuda", dp=args.dp,
                            attn_tp=layout.attn_tp, **overlap_of(args, args.device))
         engines[policy] = build_engine(cfg, target, head, group=world, guard=guard)
@@ -358,7 +389,7 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
             "overlap": bool(overlap_of(args, args.device)),
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "new_tokens": args.new_tokens, "waves": args.waves,
-            "length_spread": args.length_spread,
+            "length_spread": args.length_spread, "catchup_rounds": args.catchup_rounds,
             "knobs": parse_knobs(args.knobs), "cost_alpha": args.cost_alpha,
             "warmup_runs": args.warmup_runs, "round_cost": round_costs, "repeats": args.repeats,
             "repeats_done": len({r["repeat"] for r in records}),
@@ -374,7 +405,7 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
               f"{entry.get('oracle_tokens_per_second', 0):.0f}")
         for p, v in entry["policies"].items():
             vs = entry.get("vs", {}).get(p, {})
-            print(f"   {p:<12}{v['tokens_per_second']['median']:>9.0f} tok/s  "
+            print(f"   {p:<15}{v['tokens_per_second']['median']:>9.0f} tok/s  "
                   f"x{vs.get('vs_best_static', float('nan')):.2f} best static  "
                   f"x{vs.get('vs_oracle', float('nan')):.2f} oracle  worst phase "
                   f"x{vs.get('worst_phase_vs_oracle', float('nan')):.2f}  switches/phase change "

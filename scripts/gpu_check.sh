@@ -101,6 +101,9 @@ step engine_overlap bash -c "for r in \$(seq ${BENCH_REPEATS:-3}); do for o in o
   --merge "$OUTDIR/res/hotpath/before.json" "$OUTDIR/res/hotpath/after.json" --out "$OUTDIR/res/hotpath"
 # adaptive against static depth (issue: goodput): one GPU, then heterogeneous DP on two
 step diag_continuous python3 scripts/diag_continuous.py cuda 16 "$OUTDIR/res/diag_continuous/diag.json"
+# a depth-0 round of a speculating engine against a headless one, per catch-up interval
+step bench_depth0 python3 scripts/bench_depth0.py --device cuda --repeats "${BENCH_REPEATS:-5}" \
+  --out "$OUTDIR/res/bench_depth0"
 step bench_adaptive timeout "${ADAPTIVE_TIMEOUT:-400}" python3 scripts/bench_adaptive.py --device cuda \
   --batches ${ADAPTIVE_BATCHES:-1 16 64} --repeats "${BENCH_REPEATS:-3}" ${ADAPTIVE_ARGS:-} \
   --out "$OUTDIR/res/bench_adaptive"

@@ -54,12 +54,17 @@ class EngineConfig:
     """A prefill of at most this many token slots (requests bucket x longest-prompt bucket) runs
     padded, as a CUDA graph per shape with `cuda_graphs`; larger ones run ragged through
     `attention_backend` (0: every prefill ragged)."""
+    catchup_rounds: int = 16
+    """With a draft head and a depth-0 tier: depth-0 rounds the head's cache may lag behind the
+    target's before one head forward over them catches it up (the lag ring holds that many
+    tokens and target features per slot; see `workers.eagle_worker`)."""
     overlap: bool = False
     """Launch round r+1 before reading round r's results (the host's work of a round runs while
     the device computes the next one); see `workers.engine`."""
 
     def __post_init__(self) -> None:
-        for key in ("max_batch_size", "max_context_len", "page_size", "dp", "attn_tp"):
+        for key in ("max_batch_size", "max_context_len", "page_size", "dp", "attn_tp",
+                    "catchup_rounds"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}={value!r}: must be an integer >= 1")

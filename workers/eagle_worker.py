@@ -63,6 +63,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from workers import kernels
 from workers.attention import ForwardMode, PaddedBatch, StaticBackend, build_metadata
 from workers.attention.base import AttentionBackend, upload
 from workers.config import EngineConfig
@@ -156,8 +157,6 @@ class EagleWorker:
     Implements `workers.runtime_state.AdaptiveSpecWorker`.
     """
 
-    catchup_every = 8  # depth-0 rounds the draft cache may lag (the catch-up forward's width)
-
     def __init__(self, target: torch.nn.Module, head: torch.nn.Module | None,
                  config: EngineConfig, backend: AttentionBackend) -> None:
         if config.speculative and head is None:
@@ -168,6 +167,7 @@ class EagleWorker:
                              f"tap to the target it is built for)")
         self.target, self.head, self.backend, self.config = target, head, backend, config
         self.device = torch.device(config.device)
+        self.catchup_every = config.catchup_rounds  # the catch-up forward's width
         self.static = StaticBackend()
         attn_tp = target.par.attn.size
         self.target_kv = self._pool(target, attn_tp)
@@ -382,10 +382,14 @@ class EagleWorker:
         bufs.out[:bp, 0] = self.slot_last[rows]
         if steps == 0:
             if self.slot_lag is not None:  # the head's inputs at position n+1, for the catch-up
-                lag = self.slot_lag[rows]
-                self.lag_tokens[rows, lag] = tokens[:, 0]
-                self.lag_features[rows, lag] = hidden
-                self.slot_lag.index_copy_(0, rows, lag + real)
+                if kernels.enabled(hidden):
+                    kernels.lag_append(rows, tokens[:, 0], hidden, self.slot_lag,
+                                       self.lag_tokens, self.lag_features, self.dummy_slot)
+                else:
+                    lag = self.slot_lag[rows]
+                    self.lag_tokens[rows, lag] = tokens[:, 0]
+                    self.lag_features[rows, lag] = hidden
+                    self.slot_lag.index_copy_(0, rows, lag + real)
             self._advance(bufs, bp, rows, n, None)
 
     def _extend_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:

@@ -14,6 +14,8 @@ ops with one launch and computes in float32 like the torch code it replaces:
   launch instead of 2 (``index_copy_`` each);
 - ``greedy_accept(...)``: greedy acceptance of a round's drafts (``spec_decode.verify``), 1
   launch instead of ~22; ``one_hot(tokens, V)``: a greedy draft's distribution, 1 instead of 3;
+- ``lag_append(...)``: a depth-0 round's committed token and target feature into each row's lag
+  ring (``workers.eagle_worker``), 1 launch instead of 5;
 - ``padded_attention(...)``: causal attention of a padded batch (``B`` rows of ``width`` token
   slots) over its paged KV, online softmax in float32, grouped-query heads; 1 launch instead of
   the gather / repeat / mask / SDPA chain of ``workers.attention.static_backend``.
@@ -190,9 +192,26 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         tok = tl.load(tok_ptr + b)
         tl.store(out_ptr + b * vocab + cols, (cols == tok).to(tl.float32), mask=cols < vocab)
 
+    @triton.jit
+    def lag_append_kernel(rows_ptr, tok_ptr, feat_ptr, lag_ptr, ring_tok_ptr, ring_feat_ptr,
+                          stride_f, stride_rt, stride_rs, stride_re, dim, capacity, dummy_slot,
+                          BLOCK_D: tl.constexpr):
+        b = tl.program_id(0)
+        slot = tl.load(rows_ptr + b).to(tl.int64)
+        lag = tl.minimum(tl.load(lag_ptr + slot).to(tl.int64), capacity - 1)
+        tl.store(ring_tok_ptr + slot * stride_rt + lag, tl.load(tok_ptr + b))
+        base = ring_feat_ptr + slot * stride_rs + lag * stride_re
+        for start in range(0, dim, BLOCK_D):
+            d = start + tl.arange(0, BLOCK_D)
+            x = tl.load(feat_ptr + b * stride_f + d, mask=d < dim)
+            tl.store(base + d, x.to(ring_feat_ptr.dtype.element_ty), mask=d < dim)
+        if slot != dummy_slot:  # dummy rows share one slot: it keeps an empty ring
+            tl.store(lag_ptr + slot, lag + 1)
+
     return SimpleNamespace(rms_norm=rms_norm_kernel, rope=rope_kernel, silu_mul=silu_mul_kernel,
                            padded_attention=padded_attention_kernel, store_kv=store_kv_kernel,
-                           greedy_accept=greedy_accept_kernel, one_hot=one_hot_kernel)
+                           greedy_accept=greedy_accept_kernel, one_hot=one_hot_kernel,
+                           lag_append=lag_append_kernel)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -349,3 +368,22 @@ def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
         _kernels().one_hot[(tokens.shape[0], -(-vocab // block))](tokens.contiguous(), out, vocab,
                                                                    BLOCK=block)
     return out
+
+
+def lag_append(rows: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor,
+               slot_lag: torch.Tensor, ring_tokens: torch.Tensor, ring_features: torch.Tensor,
+               dummy_slot: int) -> None:
+    """For each row ``b`` with slot ``s = rows[b]`` and ``j = slot_lag[s]`` (capped at the
+    ring's last entry): ``ring_tokens[s, j] = tokens[b]``, ``ring_features[s, j] = features[b]``
+    and, unless ``s`` is `dummy_slot`, ``slot_lag[s] = j + 1``; one launch. Rows name distinct
+    slots, but for the dummy one (whose ring entry is scratch)."""
+    if not rows.shape[0]:
+        return
+    if features.stride(-1) != 1:
+        features = features.contiguous()
+    dim = features.shape[-1]
+    _kernels().lag_append[(rows.shape[0],)](
+        rows.contiguous(), tokens.contiguous(), features, slot_lag, ring_tokens, ring_features,
+        features.stride(0), ring_tokens.stride(0), ring_features.stride(0),
+        ring_features.stride(1), dim, ring_tokens.shape[1], dummy_slot,
+        BLOCK_D=min(_pow2(dim), 1024))

@@ -17,8 +17,8 @@ def pair():
     return tiny_pair(seed=0)
 
 
-def _engine(pair, script: list[int], graphs: bool, tiers=(0, 3)):
-    engine = engine_for(*pair, "static", steps=3, cuda_graphs=graphs)
+def _engine(pair, script: list[int], graphs: bool, tiers=(0, 3), every: int = 8):
+    engine = engine_for(*pair, "static", steps=3, cuda_graphs=graphs, catchup_rounds=every)
     engine.pool = RuntimeStatePool(engine.worker, tiers)
     engine.planner = ScriptPlanner(script, graphs, 4)
     return engine
@@ -35,16 +35,18 @@ def _draft_state(engine, req) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
-@pytest.mark.parametrize("rounds", [3, 8, 13])
-def test_caught_up_draft_cache_equals_a_prefill_of_the_same_tokens(pair, rounds, graphs) -> None:
+@pytest.mark.parametrize("rounds,every", [(3, 8), (8, 8), (13, 8), (13, 5), (4, 1)])
+def test_caught_up_draft_cache_equals_a_prefill_of_the_same_tokens(pair, rounds, every,
+                                                                   graphs) -> None:
     prompts = random_prompts(3, vocab=64, seed=11, lo=3, hi=14)
-    engine = _engine(pair, [0], graphs)
+    engine = _engine(pair, [0], graphs, every=every)
     reqs = [engine.add(p, SamplingParams(max_new_tokens=rounds + 5)) for p in prompts]
     for _ in range(rounds):
         engine.step()
     worker = engine.worker
     assert all(len(r.output_ids) == rounds + 1 for r in reqs)
-    lag = rounds % worker.catchup_every
+    assert worker.catchup_every == every and worker.lag_tokens.shape[1] == every
+    lag = rounds % every
     assert worker._lag_rounds == lag
     assert [int(worker.slot_lag[r.slot]) for r in reqs] == [lag] * len(reqs)
     plan = engine.last_plan

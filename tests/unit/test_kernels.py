@@ -183,3 +183,28 @@ def test_greedy_accept_and_one_hot_match_torch(monkeypatch: pytest.MonkeyPatch, 
                            all_greedy=True)
     for g, w in zip(got + got_draft, want + want_draft):
         assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("dim", [40, 2100])   # one block; several blocks of 1024
+def test_lag_append_matches_torch(dim: int) -> None:
+    """The depth-0 round's append to the lag rings (`EagleWorker._verify_phase`) against its torch
+    code: rows in any order, rings part full, dummy rows (their slot's lag stays put; its ring
+    entry is scratch, written by each of them), a strided feature view."""
+    torch.manual_seed(7)
+    slots, capacity, dummy = 7, 4, 6
+    lag = torch.tensor([0, 3, 1, 2, 0, 1, 0], device=DEV)
+    ring_tok = torch.randint(0, 100, (slots, capacity), device=DEV)
+    ring_feat = torch.randn(slots, capacity, dim, device=DEV).to(torch.bfloat16)
+    rows = torch.tensor([3, 0, dummy, 1, 5, dummy], device=DEV)
+    tokens = torch.randint(0, 100, (rows.shape[0],), device=DEV)
+    features = torch.randn(rows.shape[0], 2 * dim, device=DEV).to(torch.bfloat16)[:, :dim]
+    want_lag, want_tok, want_feat = lag.clone(), ring_tok.clone(), ring_feat.clone()
+    at = want_lag[rows]
+    want_tok[rows, at] = tokens
+    want_feat[rows, at] = features
+    want_lag.index_copy_(0, rows, at + (rows != dummy).long())
+    kernels.lag_append(rows, tokens, features, lag, ring_tok, ring_feat, dummy)
+    assert torch.equal(lag, want_lag) and lag.tolist() == [1, 4, 1, 3, 0, 2, 0]
+    assert torch.equal(ring_tok[:dummy], want_tok[:dummy])
+    assert torch.equal(ring_feat[:dummy], want_feat[:dummy])
+    assert ring_tok[dummy, 0] in tokens[rows == dummy].tolist()

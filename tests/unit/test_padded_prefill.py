@@ -36,9 +36,11 @@ def test_prefill_shape_rule(pair) -> None:
                                               (2, 64), (2, 128), (4, 32), (4, 64)]
 
 
-def test_padded_prefill_tokens_is_checked() -> None:
+def test_padded_prefill_tokens_and_catchup_rounds_are_checked() -> None:
     with pytest.raises(ValueError, match="padded_prefill_tokens=-1: must be an integer >= 0"):
         EngineConfig(padded_prefill_tokens=-1)
+    with pytest.raises(ValueError, match="catchup_rounds=0: must be an integer >= 1"):
+        EngineConfig(catchup_rounds=0)
 
 
 def _prefilled(pair, prompts, graphs: bool, **kw):

@@ -1,0 +1,252 @@
+"""What a depth-0 round costs an engine that keeps a draft head, against one that has none.
+
+    python scripts/bench_depth0.py [--device cuda] [--batches 1 16 64] [--catchup 8 16 32]
+        [--context 256] [--iters 100] [--repeats 5] [--out runs/bench_depth0]
+
+At depth 0 (the goodput policy's plain rounds) a speculating engine runs the same target forward as
+an engine without a head, plus its share of keeping the head current: each round appends the
+committed token and target feature to the slot's lag ring (inside the round's forward), and every
+`catchup_rounds` rounds one head forward catches the draft cache up (and checks the head's
+guesses: the shadow acceptance). This prices both parts, per batch bucket, for each catch-up
+interval N (`--catchup-rounds`):
+
+- device: the round's forward alone (the CUDA graph replayed `--iters` times back to back, timed
+  with CUDA events; eager bodies timed on the host on a CPU; less the time of setting the dummy
+  rows' cache length before each, timed alone) for the engine without a head and
+  the speculating engine at depth 0, and the catch-up forward of width N; the depth-0 cost per
+  round is `round + catch-up / N`, reported against the headless round;
+- engine: rounds as the engine runs them (`Engine.measure_round_costs`: chains of N rounds,
+  dummy rows, launched and read with overlap as in serving), against the headless engine's.
+
+Every dummy row reads `--context` cached positions. Samples are interleaved over the engines and
+buckets, `--repeats` times; medians and min-max. Writes OUT/results.json and OUT/depth0.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from adaptive_dist.config import AdaptiveConfig  # noqa: E402
+from benchlib import settle_heap, spread  # noqa: E402
+from workers.config import EngineConfig, no_spec  # noqa: E402
+from workers.engine import Engine, build_engine  # noqa: E402
+from workers.loading import DEFAULT_MODEL, load_pair  # noqa: E402
+
+HEADLESS = "nohead"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    p.add_argument("--catchup", nargs="+", type=int, default=[8, 16, 32], metavar="N",
+                   help="catch-up intervals to price (one speculating engine each)")
+    p.add_argument("--context", type=int, default=256,
+                   help="cached positions each dummy row's attention reads")
+    p.add_argument("--iters", type=int, default=100, help="replays per device sample")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="runs/bench_depth0")
+    args = p.parse_args()
+    for name in ("iters", "repeats", "context"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: must be >= 1")
+    if min(args.catchup) < 1 or min(args.batches) < 1:
+        p.error("--catchup and --batches take integers >= 1")
+    return args
+
+
+def head_spec() -> AdaptiveConfig:
+    """A speculating engine held at depth 0 (depth 1 priced out of reach, no probe due)."""
+    return AdaptiveConfig(policy="goodput", candidate_steps=(0, 1), initial_steps=0,
+                          round_cost={"0": 1.0, "1": 1e9}, probe_every=10 ** 6,
+                          graph_buckets=(1, 2, 4, 8, 16, 32, 64))
+
+
+def timer(device: str) -> Callable[[Callable[[], None], int], float]:
+    """`time(fn, iters)`: seconds per call of `fn` run `iters` times back to back (CUDA events
+    on a GPU: the device's time; the host's clock on a CPU)."""
+    if device != "cuda":
+        def host(fn: Callable[[], None], iters: int) -> float:
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            return (time.perf_counter() - start) / iters
+        return host
+
+    def events(fn: Callable[[], None], iters: int) -> float:
+        fn()  # the first replay after another graph may pay for loading it
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3 / iters
+    return events
+
+
+def bodies(engine: Engine, bucket: int, context: int) -> dict[str, Callable[[], None]]:
+    """The depth-0 round's forward at `bucket` rows (its graph, or the eager body), and with a
+    lag ring the catch-up forward; dummy rows whose cache holds `context` positions."""
+    worker = engine.worker
+    engine.pool.apply(0)
+    bufs = worker.state.payload
+    reach = worker.slot_pages.shape[1]
+
+    def setup() -> None:
+        bufs.rows[:bucket].fill_(worker.dummy_slot)
+        worker.slot_len[worker.dummy_slot] = context
+
+    def run(phase: str) -> Callable[[], None]:
+        if worker.buckets:
+            graph = (bufs.graphs[(phase, bucket, True)] if phase == "verify"
+                     else worker._catchup_graphs[bucket])
+            return lambda: (setup(), graph.replay())
+        body = worker._body(bufs, phase, bucket, reach, True)
+        return lambda: (setup(), body())
+
+    out = {"round": run("verify"), "setup": setup}
+    if worker.slot_lag is not None:
+        out["catchup"] = run("catchup")
+    return out
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(1 if args.device == "cpu" else 4)
+    target, head = load_pair(args.model, device=args.device)
+    if args.device == "cuda":
+        target, head = target.half(), head.half()
+        target.reset_buffers()
+        head.reset_buffers()
+    top = max(args.batches)
+    context = args.context + 64
+    common = dict(max_batch_size=top, max_context_len=context, device=args.device,
+                  cuda_graphs=args.device == "cuda", overlap=args.device == "cuda")
+    engines = {HEADLESS: build_engine(EngineConfig(spec=no_spec().replace(
+        graph_buckets=head_spec().graph_buckets), **common), target, None)}
+    for n in args.catchup:
+        engines[f"head@{n}"] = build_engine(
+            EngineConfig(spec=head_spec(), catchup_rounds=n, **common), target, head)
+    for engine in engines.values():
+        engine.warmup()
+    settle_heap()
+    clock = timer(args.device)
+    buckets = list(args.batches)
+    samples: dict[tuple[str, int, str], list[float]] = {}
+    from tqdm import tqdm
+
+    jobs = [(name, b) for b in buckets for name in engines]
+    bar = tqdm(total=len(jobs) * args.repeats, desc="bench_depth0", unit="sample")
+    with torch.inference_mode():
+        for rep in range(args.repeats):
+            shift = rep % len(jobs)
+            for name, bucket in jobs[shift:] + jobs[:shift]:  # interleaved, rotating
+                engine = engines[name]
+                parts = bodies(engine, bucket, args.context)
+                setup = clock(parts.pop("setup"), args.iters)  # in every timed call: taken off
+                for part, fn in parts.items():
+                    samples.setdefault((name, bucket, part), []).append(
+                        max(clock(fn, args.iters) - setup, 0.0))
+                engine.worker.slot_len[engine.worker.dummy_slot] = 0
+                costs = engine.measure_round_costs(repeats=1, context=args.context)
+                samples.setdefault((name, bucket, "engine"), []).append(costs[bucket][0])
+                bar.update()
+    bar.close()
+    results = analyse(samples, engines, buckets)
+    for engine in engines.values():
+        engine.close()
+    write(args, results, samples)
+    return 0
+
+
+def analyse(samples: dict[tuple[str, int, str], list[float]], engines: dict[str, Engine],
+            buckets: list[int]) -> dict[str, Any]:
+    """Per bucket and engine: medians (microseconds) and the depth-0 cost per round against the
+    headless engine (device: round + catch-up / N; engine: as measured)."""
+    out: dict[str, Any] = {}
+    for bucket in buckets:
+        base = statistics.median(samples[(HEADLESS, bucket, "round")])
+        base_engine = statistics.median(samples[(HEADLESS, bucket, "engine")])
+        row: dict[str, Any] = {}
+        for name, engine in engines.items():
+            entry = {part: {k: v * 1e6 for k, v in spread(samples[(name, bucket, part)]).items()}
+                     for part in ("round", "catchup", "engine") if (name, bucket, part) in samples}
+            every = engine.worker.catchup_every
+            per_round = statistics.median(samples[(name, bucket, "round")]) + (
+                statistics.median(samples[(name, bucket, "catchup")]) / every
+                if (name, bucket, "catchup") in samples else 0.0)
+            entry.update(device_us_per_round=per_round * 1e6,
+                         device_vs_headless=per_round / base,
+                         engine_vs_headless=statistics.median(
+                             samples[(name, bucket, "engine")]) / base_engine)
+            row[name] = entry
+        out[f"b={bucket}"] = row
+    return out
+
+
+def write(args: argparse.Namespace, results: dict[str, Any],
+          samples: dict[tuple[str, int, str], list[float]]) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": args.device, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "context": args.context, "iters": args.iters, "repeats": args.repeats,
+            "catchup": args.catchup, "command": " ".join(sys.argv)}
+    raw = [{"engine": k[0], "bucket": k[1], "part": k[2], "seconds": v}
+           for k, v in samples.items()]
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results,
+                                                  "samples": raw}, indent=1))
+    for key, row in results.items():
+        print(f"== {key}")
+        for name, e in row.items():
+            catch = e.get("catchup", {}).get("median")
+            print(f"   {name:<9} round {e['round']['median']:8.1f} us"
+                  + (f"  catch-up {catch:8.1f} us" if catch is not None else " " * 22)
+                  + f"  per round x{e['device_vs_headless']:.3f}"
+                  f"  engine x{e['engine_vs_headless']:.3f}")
+    plot(results, out / "depth0.png")
+    print(f"wrote {out / 'results.json'}")
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(results)
+    names = list(next(iter(results.values())))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [k + (i - len(names) / 2 + 0.5) * width for k in range(len(keys))]
+        for ax, field in zip(axes, ("device_vs_headless", "engine_vs_headless")):
+            ax.bar(xs, [results[k][name][field] for k in keys], width=width, label=name)
+    for ax, title in zip(axes, ("device time per depth-0 round", "engine rounds (with host)")):
+        ax.axhline(1.0, color="k", lw=0.7)
+        ax.set_xticks(range(len(keys)))
+        ax.set_xticklabels(keys)
+        ax.set_ylabel("x the headless engine")
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
