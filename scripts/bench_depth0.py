@@ -1,7 +1,8 @@
 """What a depth-0 round costs an engine that keeps a draft head, against one that has none.
 
     python scripts/bench_depth0.py [--device cuda] [--batches 1 16 64] [--catchup 8 16 32]
-        [--context 256] [--iters 100] [--repeats 5] [--out runs/bench_depth0]
+        [--context 256] [--iters 100] [--repeats 5] [--shape bundled|llama3-8b]
+        [--out runs/bench_depth0]
 
 At depth 0 (the goodput policy's plain rounds) a speculating engine runs the same target forward as
 an engine without a head, plus its share of keeping the head current: each round appends the
@@ -15,10 +16,14 @@ interval N (`--catchup-rounds`):
   rows' cache length before each, timed alone) for the engine without a head and
   the speculating engine at depth 0, and the catch-up forward of width N; the depth-0 cost per
   round is `round + catch-up / N`, reported against the headless round;
+- prefill: the padded prefill of `bucket` rows of 64 token slots (a graph per shape on a GPU),
+  which a speculating engine runs with the head over the prompt;
 - engine: rounds as the engine runs them (`Engine.measure_round_costs`: chains of N rounds,
   dummy rows, launched and read with overlap as in serving), against the headless engine's.
 
-Every dummy row reads `--context` cached positions. Samples are interleaved over the engines and
+Every dummy row reads `--context` cached positions. `--shape bundled`: the bundled pair (a 6-layer
+target, a 1-layer head; half precision on a GPU); `--shape llama3-8b`: a Llama-3.1-8B-shaped
+target and an EAGLE-3-shaped head with random bf16 weights (`make_checkpoint`; costs only). Samples are interleaved over the engines and
 buckets, `--repeats` times; medians and min-max. Writes OUT/results.json and OUT/depth0.png.
 """
 from __future__ import annotations
@@ -57,6 +62,12 @@ def parse_args() -> argparse.Namespace:
                    help="cached positions each dummy row's attention reads")
     p.add_argument("--iters", type=int, default=100, help="replays per device sample")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--shape", choices=("bundled", "llama3-8b", "tiny"), default="bundled",
+                   help="the bundled pair, or random weights of that shape (tiny: a smoke test)")
+    p.add_argument("--prefill-width", type=int, default=64,
+                   help="token slots per row of the timed padded prefill")
+    p.add_argument("--no-engine", action="store_true",
+                   help="skip the engine-round samples (each measures every bucket and tier)")
     p.add_argument("--out", default="runs/bench_depth0")
     args = p.parse_args()
     for name in ("iters", "repeats", "context"):
@@ -97,9 +108,11 @@ def timer(device: str) -> Callable[[Callable[[], None], int], float]:
     return events
 
 
-def bodies(engine: Engine, bucket: int, context: int) -> dict[str, Callable[[], None]]:
-    """The depth-0 round's forward at `bucket` rows (its graph, or the eager body), and with a
-    lag ring the catch-up forward; dummy rows whose cache holds `context` positions."""
+def bodies(engine: Engine, bucket: int, context: int,
+           width: int) -> dict[str, Callable[[], None]]:
+    """The depth-0 round's forward at `bucket` rows (its graph, or the eager body), with a lag
+    ring the catch-up forward, and the padded prefill of `bucket` rows of `width` slots; dummy
+    rows whose cache holds `context` positions."""
     worker = engine.worker
     engine.pool.apply(0)
     bufs = worker.state.payload
@@ -120,17 +133,34 @@ def bodies(engine: Engine, bucket: int, context: int) -> dict[str, Callable[[], 
     out = {"round": run("verify"), "setup": setup}
     if worker.slot_lag is not None:
         out["catchup"] = run("catchup")
+    shape = worker.prefill_shape(bucket, width)
+    if shape is not None:
+        rows, slots = shape
+        cap, top = worker._pf_cap, worker._pf_top
+        worker.pf_buf[cap:cap + rows] = worker.dummy_slot   # full-length dummy prompts
+        worker.pf_buf[cap + top:cap + top + rows] = slots
+        graph = worker._prefill_graphs.get(shape)
+        out["prefill"] = graph.replay if graph is not None else (
+            lambda: worker._prefill_padded(rows, slots))
     return out
 
 
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(1 if args.device == "cpu" else 4)
-    target, head = load_pair(args.model, device=args.device)
-    if args.device == "cuda":
-        target, head = target.half(), head.half()
-        target.reset_buffers()
-        head.reset_buffers()
+    if args.shape == "bundled":
+        target, head = load_pair(args.model, device=args.device)
+        if args.device == "cuda":
+            target, head = target.half(), head.half()
+            target.reset_buffers()
+            head.reset_buffers()
+    else:
+        from make_checkpoint import build
+
+        from workers.model import ModelParallel
+
+        target, head = build(args.shape, "eagle3", None, 0, ModelParallel.single(args.device),
+                             args.device)
     top = max(args.batches)
     context = args.context + 64
     common = dict(max_batch_size=top, max_context_len=context, device=args.device,
@@ -155,14 +185,15 @@ def main() -> int:
             shift = rep % len(jobs)
             for name, bucket in jobs[shift:] + jobs[:shift]:  # interleaved, rotating
                 engine = engines[name]
-                parts = bodies(engine, bucket, args.context)
+                parts = bodies(engine, bucket, args.context, args.prefill_width)
                 setup = clock(parts.pop("setup"), args.iters)  # in every timed call: taken off
                 for part, fn in parts.items():
                     samples.setdefault((name, bucket, part), []).append(
                         max(clock(fn, args.iters) - setup, 0.0))
                 engine.worker.slot_len[engine.worker.dummy_slot] = 0
-                costs = engine.measure_round_costs(repeats=1, context=args.context)
-                samples.setdefault((name, bucket, "engine"), []).append(costs[bucket][0])
+                if not args.no_engine:
+                    costs = engine.measure_round_costs(repeats=1, context=args.context)
+                    samples.setdefault((name, bucket, "engine"), []).append(costs[bucket][0])
                 bar.update()
     bar.close()
     results = analyse(samples, engines, buckets)
@@ -179,19 +210,25 @@ def analyse(samples: dict[tuple[str, int, str], list[float]], engines: dict[str,
     out: dict[str, Any] = {}
     for bucket in buckets:
         base = statistics.median(samples[(HEADLESS, bucket, "round")])
-        base_engine = statistics.median(samples[(HEADLESS, bucket, "engine")])
+        engine_base = samples.get((HEADLESS, bucket, "engine"))
         row: dict[str, Any] = {}
         for name, engine in engines.items():
             entry = {part: {k: v * 1e6 for k, v in spread(samples[(name, bucket, part)]).items()}
-                     for part in ("round", "catchup", "engine") if (name, bucket, part) in samples}
+                     for part in ("round", "catchup", "prefill", "engine")
+                     if (name, bucket, part) in samples}
             every = engine.worker.catchup_every
             per_round = statistics.median(samples[(name, bucket, "round")]) + (
                 statistics.median(samples[(name, bucket, "catchup")]) / every
                 if (name, bucket, "catchup") in samples else 0.0)
+            if (name, bucket, "prefill") in samples:
+                entry["prefill_vs_headless"] = statistics.median(
+                    samples[(name, bucket, "prefill")]) / statistics.median(
+                    samples[(HEADLESS, bucket, "prefill")])
             entry.update(device_us_per_round=per_round * 1e6,
-                         device_vs_headless=per_round / base,
-                         engine_vs_headless=statistics.median(
-                             samples[(name, bucket, "engine")]) / base_engine)
+                         device_vs_headless=per_round / base)
+            if engine_base:
+                entry["engine_vs_headless"] = (statistics.median(
+                    samples[(name, bucket, "engine")]) / statistics.median(engine_base))
             row[name] = entry
         out[f"b={bucket}"] = row
     return out
@@ -201,7 +238,8 @@ def write(args: argparse.Namespace, results: dict[str, Any],
           samples: dict[tuple[str, int, str], list[float]]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": args.device, "torch": torch.__version__,
+    meta = {"device": args.device, "torch": torch.__version__, "shape": args.shape,
+            "prefill_width": args.prefill_width,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "context": args.context, "iters": args.iters, "repeats": args.repeats,
             "catchup": args.catchup, "command": " ".join(sys.argv)}
@@ -216,7 +254,10 @@ def write(args: argparse.Namespace, results: dict[str, Any],
             print(f"   {name:<9} round {e['round']['median']:8.1f} us"
                   + (f"  catch-up {catch:8.1f} us" if catch is not None else " " * 22)
                   + f"  per round x{e['device_vs_headless']:.3f}"
-                  f"  engine x{e['engine_vs_headless']:.3f}")
+                  + (f"  prefill x{e['prefill_vs_headless']:.3f}" if "prefill_vs_headless" in e
+                     else "")
+                  + (f"  engine x{e['engine_vs_headless']:.3f}" if "engine_vs_headless" in e
+                     else ""))
     plot(results, out / "depth0.png")
     print(f"wrote {out / 'results.json'}")
 
@@ -229,13 +270,20 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     keys = list(results)
     names = list(next(iter(results.values())))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fields, titles = [], []
+    for field, title in (("device_vs_headless", "device time per depth-0 round"),
+                         ("engine_vs_headless", "engine rounds (with host)"),
+                         ("prefill_vs_headless", "padded prefill (device)")):
+        if all(field in row[n] for row in results.values() for n in row):
+            fields.append(field)
+            titles.append(title)
+    fig, axes = plt.subplots(1, len(fields), figsize=(5.5 * len(fields), 4))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         xs = [k + (i - len(names) / 2 + 0.5) * width for k in range(len(keys))]
-        for ax, field in zip(axes, ("device_vs_headless", "engine_vs_headless")):
+        for ax, field in zip(axes, fields):
             ax.bar(xs, [results[k][name][field] for k in keys], width=width, label=name)
-    for ax, title in zip(axes, ("device time per depth-0 round", "engine rounds (with host)")):
+    for ax, title in zip(axes, titles):
         ax.axhline(1.0, color="k", lw=0.7)
         ax.set_xticks(range(len(keys)))
         ax.set_xticklabels(keys)

@@ -75,3 +75,44 @@ def test_depth0_head_holds_the_goodput_engine_at_depth_0():
     plain = engine_for(target, None, "nospec", max_batch=4).generate(
         prompts, SamplingParams(max_new_tokens=20))
     assert [r.output_ids for r in out] == [r.output_ids for r in plain]
+
+
+def test_policy_names_take_a_catchup_interval():
+    bench = _bench_adaptive()
+    assert bench.split_policy("goodput") == ("goodput", None)
+    assert bench.split_policy("depth0_head@32") == ("depth0_head", 32)
+    for bad, message in (("goodput@0", "integer >= 1"), ("static0@8", "no draft head"),
+                         ("greedy@8", "unknown policy")):
+        try:
+            bench.split_policy(bad)
+        except ValueError as err:
+            assert message in str(err)
+        else:
+            raise AssertionError(f"{bad} accepted")
+
+
+def test_bench_depth0_prices_every_part_per_interval(tmp_path):
+    """The depth-0 pricing script end to end on a small random pair: a headless engine and one
+    speculating engine per interval, each with its round, catch-up (speculating only) and
+    prefill samples, the ratios against the headless engine, the JSON and the plot."""
+    import json
+    import subprocess
+
+    out = tmp_path / "d0"
+    subprocess.run([sys.executable, str(SCRIPTS / "bench_depth0.py"), "--shape", "tiny",
+                    "--batches", "1", "2", "--catchup", "2", "5", "--iters", "1", "--repeats", "2",
+                    "--context", "8", "--out", str(out)], check=True, capture_output=True,
+                   timeout=600)
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["catchup"] == [2, 5] and (out / "depth0.png").stat().st_size > 0
+    for key in ("b=1", "b=2"):
+        row = data["results"][key]
+        assert list(row) == ["nohead", "head@2", "head@5"]
+        assert row["nohead"]["device_vs_headless"] == 1.0 and "catchup" not in row["nohead"]
+        for name in ("head@2", "head@5"):
+            assert {"round", "catchup", "prefill", "engine"} <= set(row[name])
+            every = int(name.split("@")[1])
+            want = (row[name]["round"]["median"] + row[name]["catchup"]["median"] / every) / \
+                row["nohead"]["round"]["median"]
+            assert abs(row[name]["device_vs_headless"] - want) < 1e-6 * want
+    assert len(data["samples"]) == 2 * 3 * 3 + 2 * 2   # parts per engine and bucket
