@@ -118,6 +118,7 @@ class AdaptiveController:
         self.ema = initial_ema(config)
         self.ema_fail = INITIAL_EMA_FAIL
         self.weight = 0
+        self._unobserved = 0   # goodput: depth-0 rounds with requests since the EMAs last moved
         self.round = 0
         self._config_hash = consensus.hash48(config.digest())
         self._prev_n_req = 0
@@ -210,7 +211,8 @@ class AdaptiveController:
         draft token (``accept < steps``), and the weight — except for a goodput round at depth 0,
         which has no acceptance signal (its requests still count the round) unless it reports
         ``shadow`` = (hits, checks, rows): the draft head's greedy guesses checked against
-        committed tokens (the worker's catch-up), taken as depth-1 observations
+        committed tokens (the worker's catch-up), taken as depth-1 observations over the depth-0
+        rounds with requests since the EMAs last moved, one update per such round
         (``policy.shadow_update``; the weight grows by ``rows``, the rows that had checks).
 
         ``executed`` is what this rank's worker actually ran (its applied depth, graph or eager,
@@ -231,16 +233,25 @@ class AdaptiveController:
             self.ema = ema_update(self.ema, accepts, alpha)
             self.ema_fail = ema_fail_update(self.ema_fail, accepts, steps, alpha)
             self.weight += len(accepts)
-        elif shadow is not None and self.config.policy == "goodput":
-            hits, checks, rows = shadow
-            if not (all(type(v) is int for v in shadow) and 0 <= hits <= checks and rows >= 0):
-                raise ValueError(f"shadow checks {shadow!r}: want integers 0 <= hits <= checks "
-                                 f"and rows >= 0")
-            if checks:
-                self.ema, self.ema_fail = shadow_update(self.ema, self.ema_fail, hits, checks,
-                                                        self.config.ema_alpha)
-                self.weight += rows
-                self.stats.shadow_rounds += 1
+            if accepts:
+                self._unobserved = 0
+        elif self.config.policy == "goodput":
+            self._unobserved += bool(accepts)
+            if shadow is not None:
+                hits, checks, rows = shadow
+                if not (all(type(v) is int for v in shadow) and 0 <= hits <= checks
+                        and rows >= 0):
+                    raise ValueError(f"shadow checks {shadow!r}: want integers 0 <= hits <= "
+                                     f"checks and rows >= 0")
+                if checks:
+                    # the checks were gathered over the rounds since the EMAs last moved: as
+                    # many updates as those rounds (the engine reports once per catch-up)
+                    self.ema, self.ema_fail = shadow_update(
+                        self.ema, self.ema_fail, hits, checks, self.config.ema_alpha,
+                        max(self._unobserved, 1))
+                    self._unobserved = 0
+                    self.weight += rows
+                    self.stats.shadow_rounds += 1
         self._prev_n_req = len(accepts)
         self.stats.accept_histogram.update(accepts)
 

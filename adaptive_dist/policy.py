@@ -37,15 +37,21 @@ def ema_update(ema: float, accepts: Sequence[int], alpha: float) -> float:
 
 
 def shadow_update(ema: float, ema_fail: float, hits: int, checks: int,
-                  alpha: float) -> tuple[float, float]:
-    """(ema, ema_fail) after a depth-0 round's shadow checks (goodput): ``checks`` greedy guesses
-    of the head, ``hits`` of them right, taken as depth-1 observations —
-    ``(1-α)·ema + α·hits/checks`` and ``(1-α)·ema_fail + α·(1 - hits/checks)``; unchanged
-    without checks."""
+                  alpha: float, rounds: int = 1) -> tuple[float, float]:
+    """(ema, ema_fail) after shadow checks (goodput, depth 0): ``checks`` greedy guesses of the
+    head, ``hits`` of them right, taken as depth-1 observations covering ``rounds`` rounds (the
+    depth-0 rounds with requests they were gathered over): ``rounds`` updates, one after the
+    other, each ``(1-α)·ema + α·h`` and ``(1-α)·ema_fail + α·(1-h)`` with ``h = hits/checks``
+    (so after k of them the old value keeps a weight of ``(1-α)^k``); unchanged without checks."""
     if checks <= 0:
         return ema, ema_fail
+    if rounds < 1:
+        raise ValueError(f"shadow_update: rounds={rounds} must be >= 1")
     share = hits / checks
-    return (1.0 - alpha) * ema + alpha * share, (1.0 - alpha) * ema_fail + alpha * (1.0 - share)
+    for _ in range(rounds):
+        ema = (1.0 - alpha) * ema + alpha * share
+        ema_fail = (1.0 - alpha) * ema_fail + alpha * (1.0 - share)
+    return ema, ema_fail
 
 
 def fail_flags(accepts: Sequence[int], steps: int) -> list[float]:

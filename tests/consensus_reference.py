@@ -16,7 +16,8 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
     ``cfg`` is the effective configuration as ``AdaptiveConfig.to_dict()`` gives it (for goodput
     with ``round_cost``, ``switch_margin``, ``probe_every`` and ``probe_backoff``). A round may
     carry ``"shadow": [hits, checks, rows]`` (goodput at depth 0: the head's guesses checked by
-    the engine's catch-up)."""
+    the engine's catch-up), or ``"shadow": None`` (the engine reported none that round); without
+    the key a depth-0 round reports what a replay derives (one check per request)."""
     cand = sorted(cfg["candidate_steps"])
     idx = cand.index(cfg["initial_steps"])
     world = len(traces)
@@ -25,6 +26,7 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
     ema = [max(start, 0.0) if goodput else start] * world
     fail = [1.0] * world
     weight = [0] * world
+    unseen = [0] * world   # depth-0 rounds with requests since the rank's EMAs last moved
     counted, last_switch = 0, None
     points_since_switch = 0
     probe_wait, after_probe = 1, False   # goodput: the probe wait's multiplier, last switch a probe
@@ -42,14 +44,20 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
                 rejected = len([a for a in acc if a < steps])
                 fail[k] = (1.0 - alpha) * fail[k] + alpha * (rejected / len(acc))
                 weight[k] += len(acc)
-            elif goodput and steps == 0 and (x.get("shadow") or x["accept"]):
+                unseen[k] = 0
+            elif goodput and steps == 0:
+                unseen[k] += 1 if acc else 0
                 # depth-1 observations, share hits / checks: the engine's report, or (a replayed
                 # trace) one check per request, a hit when its unlimited accept is >= 1
-                hits, checks, rows = x.get("shadow") or (
+                report = x["shadow"] if "shadow" in x else (
                     len([a for a in x["accept"] if a >= 1]), len(x["accept"]), len(x["accept"]))
-                if checks > 0:
-                    ema[k] = (1.0 - alpha) * ema[k] + alpha * (hits / checks)
-                    fail[k] = (1.0 - alpha) * fail[k] + alpha * (1.0 - hits / checks)
+                if report is not None and report[1] > 0:
+                    hits, checks, rows = report
+                    # one update per round since the EMAs last moved, all with this share
+                    for _ in range(max(unseen[k], 1)):
+                        ema[k] = (1.0 - alpha) * ema[k] + alpha * (hits / checks)
+                        fail[k] = (1.0 - alpha) * fail[k] + alpha * (1.0 - hits / checks)
+                    unseen[k] = 0
                     weight[k] += rows
         eligible = all(x.get("can_graph", True) for x in rounds)
         graph = eligible and max(batches) <= buckets[-1]

@@ -501,10 +501,11 @@ def test_goodput_probe_backoff_doubles_the_wait_and_resets_after_a_climb():
 
 
 def test_goodput_shadow_checks_at_depth_0_update_the_emas_and_leave_without_a_probe():
-    """At depth 0 a round that reports shadow checks (hits, checks, rows) updates the EMAs as a
-    depth-1 round would (share hits/checks) and the weight by rows; at the next decision point
-    the policy moves on the rate, not by a probe. Rounds at depth > 0, a report without checks
-    and the ema policy ignore shadow reports; a bad report is refused by name."""
+    """At depth 0 a round that reports shadow checks (hits, checks, rows) updates the EMAs as
+    depth-1 rounds would (share hits/checks; one update for each depth-0 round with requests since
+    they last moved, here two) and the weight by rows; at the next decision point the policy
+    moves on the rate, not by a probe. Rounds at depth > 0 and the ema policy ignore shadow
+    reports; a bad report is refused by name."""
     cost = {"0": 1.0, "1": 1.25, "3": 1.6, "7": 2.4}
     cfg = AdaptiveConfig(policy="goodput", candidate_steps=[0, 1, 3, 7], initial_steps=0,
                          warmup_batches=0, update_interval=2, ema_alpha=0.5, probe_every=50,
@@ -515,30 +516,52 @@ def test_goodput_shadow_checks_at_depth_0_update_the_emas_and_leave_without_a_pr
     ctl.end_round([0, 0])                               # depth 0: no signal
     assert (ctl.ema, ctl.ema_fail, ctl.weight) == (0.0, 1.0, 0)
     ctl.begin_round(2)                                  # counted 1
-    ctl.end_round([0, 0], shadow=(7, 7, 2))             # all 7 guesses right: share 1
-    assert (ctl.ema, ctl.ema_fail, ctl.weight) == (0.5, 0.5, 2)
+    ctl.end_round([0, 0], shadow=(7, 7, 2))             # all 7 guesses right: share 1, 2 rounds
+    assert (ctl.ema, ctl.ema_fail, ctl.weight) == (0.75, 0.25, 2)   # 0 -> .5 -> .75; 1 -> .5 -> .25
     assert ctl.stats.shadow_rounds == 1
     ctl.begin_round(2)                                  # decides round 1: counted 2, a point
-    # p = 0.5/(0.5+0.5) = 0.5: scores 1, 1.5/1.25 = 1.2, 1.875/1.6 = 1.17, 1.99/2.4 = 0.83
+    # p = 0.75: scores 1, 1.75/1.25 = 1.4, 2.734/1.6 = 1.71, 3.600/2.4 = 1.50 -> depth 3
     d = ctl.last_outcome.decision
-    assert d.decision_point and d.accept_rate == 0.5 and d.switched and not d.probe
-    assert ctl.steps == 1 and ctl.stats.probes == 0
+    assert d.decision_point and d.accept_rate == 0.75 and d.switched and not d.probe
+    assert ctl.steps == 3 and ctl.stats.probes == 0
     with pytest.raises(ValueError, match=r"shadow checks \(8, 7, 2\)"):
         ctl.end_round([0, 0], shadow=(8, 7, 2), plan=ctl._prev_plan.__class__(
             **{**ctl._prev_plan.__dict__, "steps": 0}))
-    before = (ctl.ema, ctl.ema_fail)
-    ctl.end_round([1, 0], shadow=(0, 7, 2))             # depth 1: the accepts count, not these
-    assert (ctl.ema, ctl.ema_fail) == (0.5 * before[0] + 0.25, 0.5 * before[1] + 0.25)
+    ctl.end_round([1, 0], shadow=(0, 7, 2))             # depth 3: the accepts count, not these
+    assert (ctl.ema, ctl.ema_fail) == (0.5 * 0.75 + 0.25, 0.5 * 0.25 + 0.5)
     ema = make("ema", initial_steps=1)
     ema.begin_round(1)
     ema.end_round([1], shadow=(0, 7, 1))
     assert ema.stats.shadow_rounds == 0
 
 
+def test_goodput_shadow_update_covers_the_depth_0_rounds_since_the_emas_moved():
+    """The engine reports shadow checks once per catch-up: they count for every depth-0 round
+    with requests since the EMAs last moved — not idle rounds, and a report without checks moves
+    nothing (its rounds carry over); after a report the count starts again."""
+    cfg = AdaptiveConfig(policy="goodput", candidate_steps=[0, 1], initial_steps=0,
+                         warmup_batches=1000, ema_alpha=0.5, round_cost={"0": 1.0, "1": 1e9})
+    ctl = AdaptiveController(cfg, Group.single())
+    ctl.begin_round(2)
+    ctl.end_round([0, 0])                               # 1 round unobserved
+    ctl.begin_round(0)
+    ctl.end_round([])                                   # idle: not counted
+    ctl.begin_round(2)
+    ctl.end_round([0, 0], shadow=(0, 0, 0))             # no checks: nothing moves; 2 rounds
+    assert (ctl.ema, ctl.ema_fail, ctl.weight) == (0.0, 1.0, 0)
+    ctl.begin_round(2)
+    ctl.end_round([0, 0], shadow=(4, 4, 1))             # 3 rounds of share 1
+    assert (ctl.ema, ctl.ema_fail, ctl.weight) == (0.875, 0.125, 1)
+    ctl.begin_round(2)
+    ctl.end_round([0, 0], shadow=(0, 4, 1))             # 1 round of share 0
+    assert (ctl.ema, ctl.ema_fail, ctl.weight) == (0.4375, 0.5625, 2)
+    assert ctl.stats.shadow_rounds == 2
+
+
 def test_goodput_with_shadow_checks_follows_the_single_process_reference():
     """A long random run at depth 0 and above, with shadow reports on some depth-0 rounds (as the
-    engine's catch-up gives them) and on the others the replay's (one check per request),
-    decided as the independent reference decides."""
+    engine's catch-up gives them), none on some (between catch-ups) and on the others the
+    replay's (one check per request), decided as the independent reference decides."""
     import random
 
     from adaptive_dist.replay import shadow_checks
@@ -557,6 +580,8 @@ def test_goodput_with_shadow_checks_follows_the_single_process_reference():
             checks = 7 * len(accepts)
             hits = sum(rng.random() < level / 7 for _ in range(checks))
             item["shadow"] = [hits, checks, len(accepts)]
+        elif r % 4 < 2 and (r // 60) % 3:
+            item["shadow"] = None                        # between two catch-ups
         trace.append(item)
     expected = simulate([trace], cfg.to_dict(), "goodput")
     ctl = AdaptiveController(cfg, Group.single())
@@ -567,8 +592,10 @@ def test_goodput_with_shadow_checks_follows_the_single_process_reference():
             d = ctl.last_outcome.decision
             got[-1].update(switched=d.switched, probe=d.probe, accept_rate=d.accept_rate)
         got.append({"round": r, "steps": plan.steps})
-        shadow = (tuple(item["shadow"]) if "shadow" in item and plan.steps == 0
-                  else shadow_checks(item["accept"], plan.steps))
+        if "shadow" in item and plan.steps == 0:
+            shadow = tuple(item["shadow"]) if item["shadow"] is not None else None
+        else:
+            shadow = shadow_checks(item["accept"], plan.steps)
         ctl.end_round([min(a, plan.steps) for a in item["accept"]], shadow=shadow)
     ref = [{"round": e["round"], "steps": e["steps"], "switched": e["switched"],
             "probe": e["probe"], "accept_rate": e["accept_rate"]} for e in expected]

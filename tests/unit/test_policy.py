@@ -671,6 +671,10 @@ class TestProbe:
         assert shadow_update(0.0, 1.0, 3, 4, 0.5) == (0.375, 0.625)
         assert shadow_update(2.0, 0.5, 0, 0, 0.5) == (2.0, 0.5)     # no checks: unchanged
         assert shadow_update(1.0, 0.0, 0, 5, 0.25) == (0.75, 0.25)
+        # three rounds' worth: three updates with the same share
+        assert shadow_update(0.0, 1.0, 3, 4, 0.5, rounds=3) == (0.65625, 0.34375)
+        with pytest.raises(ValueError, match="rounds=0"):
+            shadow_update(0.0, 1.0, 3, 4, 0.5, rounds=0)
 
     def test_probe_only_at_zero(self):
         c = self.cfg0(probe_every=1)
