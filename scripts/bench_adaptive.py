@@ -60,9 +60,9 @@ from workers.sampling import SamplingParams  # noqa: E402
 STATIC = ("static0", "static1", "static3", "static7")
 POLICIES = STATIC + ("ema", "ema_min", "goodput", "goodput_min")
 DIAGNOSTIC = ("depth0_head",)
-"""Not run by default: `depth0_head` is the goodput engine held at depth 0 (its head kept current
-— prefilled, caught up every 8 rounds, shadow-checked — but never drafting), which prices what a
-speculating engine pays at depth 0 against static 0 (no head)."""
+"""Not run by default: `depth0_head` is the goodput engine held at depth 0 (its head kept
+current — prefilled, caught up every `--catchup-rounds` rounds, shadow-checked — but never
+drafting), which prices what a speculating engine pays at depth 0 against static 0 (no head)."""
 WORKLOADS = {
     "code": [("code", "code")], "high_entropy": [("high_entropy", "high_entropy")],
     "repetitive": [("repetitive", "repetitive")],
