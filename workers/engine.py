@@ -44,6 +44,10 @@ from workers.runtime_state import RuntimeStatePool
 from workers.sampling import SamplingParams
 from workers.scheduler import Request, Scheduler
 
+COST_CHAIN = 8
+"""Rounds per sample of `Engine.measure_round_costs` (but at depth 0 with a head: its catch-up
+interval)."""
+
 
 class RoundPlanner(Protocol):
     """What the engine asks before and tells after every round (`AdaptiveController` is one)."""
@@ -295,21 +299,23 @@ class Engine:
     def measure_round_costs(self, repeats: int = 5, context: int = 0) -> dict[int, dict[int, float]]:
         """Seconds of one round at every tier and batch bucket (dummy rows, the graphs when the
         engine has them): what the goodput policy weighs depths with. Each sample is a chain of
-        `worker.catchup_every` rounds run as the engine runs them — back to back, each read
-        after the next is launched, with overlap; launched and read one by one without — divided
-        by its length (so a depth-0 tier's share of the draft cache's catch-up is in it); the
-        median of `repeats` chains after a warm-up chain. `context`: the dummy rows' cache length
+        `COST_CHAIN` rounds run as the engine runs them — back to back, each read after the next
+        is launched, with overlap; launched and read one by one without — divided by its length;
+        at depth 0 with a draft head the chain is `worker.catchup_every` rounds, which hold one
+        catch-up of the draft cache, so the tier's share of it is in the cost. The median of
+        `repeats` chains after a warm-up chain. `context`: the dummy rows' cache length
         (their attention reads that many positions of the dummy page). Collective: every rank
         measures the same tiers and buckets in the same order."""
         buckets = self.worker.buckets or tuple(b for b in self.config.spec.graph_buckets
                                                if b <= self.config.max_batch_size) or (1,)
         sync = (torch.cuda.synchronize if self.worker.device.type == "cuda" else (lambda: None))
-        chain = self.worker.catchup_every
         table: dict[int, dict[int, float]] = {}
         for bucket in buckets:
             graph = bucket if self.worker.buckets else None
             for steps in self.pool.states:
                 self.pool.apply(steps)
+                chain = (self.worker.catchup_every
+                         if steps == 0 and self.worker.slot_lag is not None else COST_CHAIN)
                 times = []
                 for _ in range(repeats + 1):  # the first is a warm-up
                     sync()

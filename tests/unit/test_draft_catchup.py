@@ -160,3 +160,27 @@ def test_catch_up_reports_the_heads_greedy_guesses_checked_against_the_ring(pair
     assert shadows[7] == (hits, 7 * len(reqs), len(reqs))
     assert 0 < hits < 7 * len(reqs)                   # the check can tell hits from misses
     engine.close()
+
+
+def test_round_cost_chains_hold_one_catch_up_at_depth_0(pair) -> None:
+    """`measure_round_costs` times depth 0 with a head over chains of `catchup_rounds` rounds,
+    each holding exactly one catch-up (its share is in the cost), and the other tiers over
+    chains of `COST_CHAIN` rounds, which start with an empty lag ring (no catch-up)."""
+    from workers.engine import COST_CHAIN
+
+    every, repeats = 5, 2
+    engine = _engine(pair, [0], False, tiers=(0, 1, 3), every=every)
+    worker = engine.worker
+    launched: list[int] = []
+    catch_ups: list[int] = []
+    launch, catch_up = worker.launch, worker._catch_up
+    worker.launch = lambda *a: launched.append(worker.steps) or launch(*a)
+    worker._catch_up = lambda *a: catch_ups.append(worker.steps) or catch_up(*a)
+    table = engine.measure_round_costs(repeats=repeats)
+    buckets = sorted(table)
+    assert buckets and all(sorted(row) == [0, 1, 3] for row in table.values())
+    chains = (repeats + 1) * len(buckets)   # a warm-up chain and `repeats` per tier and bucket
+    assert launched.count(0) == chains * every
+    assert launched.count(1) == launched.count(3) == chains * COST_CHAIN
+    assert catch_ups == [0] * chains        # one per depth-0 chain, none before a deeper one
+    engine.close()
