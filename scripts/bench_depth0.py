@@ -136,9 +136,9 @@ def bodies(engine: Engine, bucket: int, context: int,
     shape = worker.prefill_shape(bucket, width)
     if shape is not None:
         rows, slots = shape
-        cap, top = worker._pf_cap, worker._pf_top
-        worker.pf_buf[cap:cap + rows] = worker.dummy_slot   # full-length dummy prompts
-        worker.pf_buf[cap + top:cap + top + rows] = slots
+        _, slot_of, length = worker.prefill_inputs(rows, slots)
+        slot_of.fill_(worker.dummy_slot)   # full-length dummy prompts
+        length.fill_(slots)
         graph = worker._prefill_graphs.get(shape)
         out["prefill"] = graph.replay if graph is not None else (
             lambda: worker._prefill_padded(rows, slots))

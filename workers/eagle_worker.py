@@ -464,19 +464,27 @@ class EagleWorker:
         if self.graphs is None or not self._pf_cap:
             return
         self.pf_buf.zero_()
-        cap, top = self._pf_cap, self._pf_top
-        self.pf_buf[cap:cap + top] = self.dummy_slot
+        self.prefill_inputs(self._pf_top, 0)[1].fill_(self.dummy_slot)
         longest = 1 << (self.config.max_context_len - 1).bit_length()
         before = self.graphs.pool_bytes()
         for rows in sorted(self.buckets, reverse=True):
             width = 32
-            while rows * width <= cap and width <= max(longest, 32):
+            while rows * width <= self._pf_cap and width <= max(longest, 32):
                 body = self._prefill_body(rows, width)
                 self._prefill_graphs[(rows, width)] = self.graphs.capture_body(
                     f"prefill/rows={rows}/width={width}", body)
                 width *= 2
         self.slot_len[self.dummy_slot] = 0
         self.prefill_graph_bytes = self.graphs.pool_bytes() - before
+
+    def prefill_inputs(self, bp: int, width: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                            torch.Tensor]:
+        """The padded prefill's static inputs for `bp` rows of `width` slots (views of one
+        buffer, what its graphs read): token ids [bp * width], each row's slot [bp] and prompt
+        length [bp]."""
+        cap, top = self._pf_cap, self._pf_top
+        return (self.pf_buf[:bp * width], self.pf_buf[cap:cap + bp],
+                self.pf_buf[cap + top:cap + top + bp])
 
     def _prefill_body(self, rows: int, width: int) -> Callable[[], None]:
         return lambda: self._prefill_padded(rows, width)
@@ -486,10 +494,7 @@ class EagleWorker:
         the target over each row's prompt at positions 0.., its first token drawn at the last
         prompt position, the head over x_1 .. x_P (the first token last) with f_0 .. f_{P-1} at
         positions 1 .., and the rows' slots set. Dummy rows (length 0) write the dummy slot."""
-        cap, top = self._pf_cap, self._pf_top
-        ids = self.pf_buf[:bp * width]
-        rows = self.pf_buf[cap:cap + bp]
-        lens = self.pf_buf[cap + top:cap + top + bp]
+        ids, rows, lens = self.prefill_inputs(bp, width)
         reach = min(pages_for(width, self.config.page_size), self.slot_pages.shape[1])
         pages = self._pages(rows, reach)
         start = torch.zeros_like(lens)
@@ -539,10 +544,8 @@ class EagleWorker:
             dev_ids, dev_rows, dev_lens = upload(
                 self.device, ids.reshape(-1).tolist(),
                 [r.slot for r in reqs] + [self.dummy_slot] * pad, lens + [0] * pad)
-            cap, top = self._pf_cap, self._pf_top
-            self.pf_buf[:bp * slots].copy_(dev_ids)
-            self.pf_buf[cap:cap + bp].copy_(dev_rows)
-            self.pf_buf[cap + top:cap + top + bp].copy_(dev_lens)
+            for dst, src in zip(self.prefill_inputs(bp, slots), (dev_ids, dev_rows, dev_lens)):
+                dst.copy_(src)
             entry = self._prefill_graphs.get(shape) if graph else None
             if entry is not None:
                 entry.replay()
@@ -657,7 +660,7 @@ class EagleWorker:
             done.record(torch.cuda.current_stream(self.device))
         extra = bufs.extra_columns
         return LaunchedRound(reqs=reqs, host=host, done=done, steps=bufs.steps, extra=extra,
-                             shadow=shadow and extra == SHADOW_COLUMNS)
+                             shadow=shadow)
 
     def _catch_up(self, bufs: StepBuffers, bp: int, reach: int, graph_bucket: int | None) -> None:
         if graph_bucket is None:
