@@ -14,7 +14,9 @@ dummy slot whose pages are the dummy page):
 2. verify: one target forward of `[x_n, d_1 .. d_S]` at positions `n .. n+S`;
 3. accept (greedy: exact match on the device; sampling: rejection sampling) -> `a` drafts + bonus;
 4. draft-extend: the head over the `a+1` committed tokens at positions `n+1 .. n+a+1` with the
-   target features `f_n .. f_{n+a}` (verify rows `0..a`); its row `a` becomes `g_{n+a+1}`;
+   target features `f_n .. f_{n+a}` (verify rows `0..a`); its row `a` becomes `g_{n+a+1}` (the
+   head's last layer stores every row's KV but goes on with row `a` only: no other output is read;
+   the prefill's head likewise with each prompt's last row);
 5. the slots advance on the device (`n += a+1`, last token, feature); the host reads the accepted
    lengths and tokens once and commits them to the requests.
 Rejected tokens need no cleanup: their KV slots are past `n` and the next round overwrites them.
@@ -400,9 +402,9 @@ class EagleWorker:
         accept = bufs.accept[:bp]
         offsets = torch.arange(width, device=self.device)
         attn = self._attn(self.draft_kv, self._pages(rows, reach), n, real * (accept + 1), width)
-        out = self.head(bufs.tokens[:bp].reshape(-1), bufs.hidden[:bp * width],
-                        (n[:, None] + 1 + offsets).reshape(-1), attn)
-        g = out.view(bp, width, -1)[torch.arange(bp, device=self.device), accept]
+        last = torch.arange(bp, device=self.device) * width + accept
+        g = self.head(bufs.tokens[:bp].reshape(-1), bufs.hidden[:bp * width],
+                      (n[:, None] + 1 + offsets).reshape(-1), attn, last=last)
         self._advance(bufs, bp, rows, n, g)
 
     def _catchup_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
@@ -507,9 +509,9 @@ class EagleWorker:
         if self.speculative:
             nxt = torch.cat([ids.view(bp, width)[:, 1:], start[:, None]], dim=1).reshape(-1)
             nxt = nxt.index_copy(0, last, first)
-            out = self.head(nxt, hidden, pos + 1,
-                            self._attn(self.draft_kv, pages, start, lens, width))
-            self.slot_feature.index_copy_(0, rows, out[last])
+            g = self.head(nxt, hidden, pos + 1,
+                          self._attn(self.draft_kv, pages, start, lens, width), last=last)
+            self.slot_feature.index_copy_(0, rows, g)
         self._filled(rows, lens, first)
 
     def _filled(self, slots: torch.Tensor, lens: torch.Tensor, first: torch.Tensor) -> None:
@@ -582,8 +584,9 @@ class EagleWorker:
         if self.speculative:
             nxt = dev["nxt"]
             nxt[last[:len(reqs)]] = first[:len(reqs)]
-            out = self.head(nxt, hidden, dev["pos2"], self.backend.plan(meta, self.draft_kv))
-            self.slot_feature.index_copy_(0, slots, out[last])
+            g = self.head(nxt, hidden, dev["pos2"], self.backend.plan(meta, self.draft_kv),
+                          last=last)
+            self.slot_feature.index_copy_(0, slots, g)
         self._filled(slots, dev["lens"], first)
 
     def _set_slots(self, reqs: list[Request]) -> None:

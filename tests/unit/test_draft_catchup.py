@@ -72,6 +72,38 @@ def test_caught_up_draft_cache_equals_a_prefill_of_the_same_tokens(pair, rounds,
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
+def test_draft_extend_leaves_the_draft_cache_of_a_prefill_of_the_same_tokens(pair,
+                                                                             graphs) -> None:
+    """Speculating rounds (draft-extend runs the head's last layer for each row's last committed
+    token only, and the prefill for each prompt's last token): the draft cache and head feature
+    are still those of a prefill of the committed tokens."""
+    target, head = tiny_pair(seed=0)
+    with torch.no_grad():  # the bigram-copy head's attention and MLP count (they are zero there)
+        gen = torch.Generator().manual_seed(1)
+        for w in (head.layers[0].self_attn.o_proj.weight, head.layers[0].mlp.down_proj.weight):
+            w.copy_(0.05 * torch.randn(w.shape, generator=gen, dtype=w.dtype))
+    prompts = random_prompts(3, vocab=64, seed=13, lo=3, hi=20)
+    engine = _engine((target, head), [3, 1, 3, 3, 1, 3], graphs, tiers=(1, 3))
+    reqs = [engine.add(p, SamplingParams(max_new_tokens=40)) for p in prompts]
+    for _ in range(6):
+        engine.step()
+    fresh = engine_for(target, head, "static", steps=3)
+    refs = [fresh.add(p + r.output_ids[:-1], SamplingParams(max_new_tokens=4))
+            for p, r in zip(prompts, reqs)]
+    admitted = fresh.scheduler.admit()
+    fresh.worker.prefill(admitted, sum(len(r.prompt_ids) for r in admitted), len(admitted))
+    hist = engine.stats.accept_histogram   # rows a > 0 were read: some drafts accepted
+    assert sum(v for a, v in hist.items() if a > 0) > 0, hist
+    for req, ref in zip(reqs, refs):
+        kv, g, n = _draft_state(engine, req)
+        kv_ref, g_ref, n_ref = _draft_state(fresh, ref)
+        assert n == n_ref == len(req.prompt_ids) + len(req.output_ids) - 1
+        torch.testing.assert_close(kv, kv_ref, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-9)
+    engine.close()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
 def test_catch_up_runs_every_catchup_every_rounds_and_before_drafting(pair, graphs) -> None:
     every = 8
     script = [0] * 20 + [3, 3] + [0] * 3 + [1] + [0] * 2 + [3]
@@ -141,7 +173,12 @@ def test_catch_up_reports_the_heads_greedy_guesses_checked_against_the_ring(pair
     fresh = engine_for(*pair, "static", steps=3)
     outs: list = []
     head = fresh.worker.head
-    fresh.worker.head = lambda *a: outs.append(head(*a)) or outs[-1]
+
+    def recording(*args, **kw):  # every position's output kept; the prefill gets what it asks
+        outs.append(head(*args))
+        return head(*args, **kw)
+
+    fresh.worker.head = recording
     refs = [fresh.add(p + r.output_ids[:9], SamplingParams(max_new_tokens=2))
             for p, r in zip(prompts, reqs)]
     admitted = fresh.scheduler.admit()

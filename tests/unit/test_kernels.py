@@ -121,11 +121,13 @@ def test_store_kv_matches_index_copy(monkeypatch: pytest.MonkeyPatch, cache: tup
         torch.testing.assert_close(g, w, **({"atol": 0, "rtol": 0} if exact else tol(dtype)))
 
 
+@pytest.mark.parametrize("last", [False, True], ids=["every-row", "last-rows"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_static_attention_fused_store_matches_eager(monkeypatch: pytest.MonkeyPatch,
-                                                    dtype: torch.dtype) -> None:
+                                                    dtype: torch.dtype, last: bool) -> None:
     """The fused static path (write slots worked out in the store kernel) writes the same cache
-    (the dummy page aside: padding rows race into it) and gives the eager path's outputs."""
+    (the dummy page aside: padding rows race into it) and gives the eager path's outputs; so does
+    `forward_last` (the kernel at width 1 for each row's last new token)."""
     torch.manual_seed(4)
     page_size, dim, width, hq, hkv = 4, 8, 3, 4, 2
     page_tab = torch.full((3, 5), DUMMY_PAGE, dtype=torch.int64)
@@ -144,10 +146,16 @@ def test_static_attention_fused_store_matches_eager(monkeypatch: pytest.MonkeyPa
         for t in (pool.k[0], pool.v[0]):
             t.normal_()
         monkeypatch.setattr(kernels, "enabled", (lambda x: True) if fused else (lambda x: False))
-        return StaticAttention(meta, pool).forward(0, q, k, v), pool
+        attn = StaticAttention(meta, pool)
+        if last:
+            return attn.forward_last(0, q[ends], k, v), pool
+        return attn.forward(0, q, k, v), pool
 
+    ends = torch.arange(3, device=DEV) * width + (meta.qo_len - 1).clamp(min=0)
     (want, ref_pool), (got, pool) = run(False), run(True)
     real = (torch.arange(width, device=DEV)[None, :] < meta.qo_len[:, None]).reshape(-1)
+    if last:
+        real = meta.qo_len > 0
     torch.testing.assert_close(got[real], want[real], **tol(dtype))
     exact = dtype == torch.float32 or DEV == "cuda"
     for a, b in ((pool.k[0], ref_pool.k[0]), (pool.v[0], ref_pool.v[0])):

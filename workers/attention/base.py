@@ -17,7 +17,8 @@ Two layouts of the same contract:
 
 A forward may carry more token rows than its metadata describes (the round pads every forward to
 the size agreed across DP replicas); the extra rows come last, are never written to the cache and
-return zeros (`padded_forward`).
+return zeros (`padded_forward`). `forward_last` (attention for each request's last new token only)
+follows the same rule for its query rows (`padded_last`).
 """
 from __future__ import annotations
 
@@ -44,6 +45,15 @@ class LayerAttention(Protocol):
                 v: torch.Tensor) -> torch.Tensor:
         """Write `k`, `v` [T, Hkv, D] of layer `layer_id` into the cache; attention for `q`
         [T, Hq, D] -> [T, Hq, D]."""
+        ...
+
+    def forward_last(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+        """Write `k`, `v` [T, Hkv, D] as `forward` does; attention for the last new token of
+        each request only: `q` [R, Hq, D] holds those tokens' queries in request order (rows
+        beyond the metadata's requests: agreed padding, zeros out) -> [R, Hq, D]. For a layer
+        whose other rows' outputs nobody reads (a draft head's last layer at prefill and
+        draft-extend: only each request's last output becomes its next feature)."""
         ...
 
 
@@ -171,4 +181,21 @@ def padded_forward(num_tokens: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
     out = q.new_zeros(q.shape)
     if num_tokens:
         out[:num_tokens] = run(q[:num_tokens], k[:num_tokens], v[:num_tokens])
+    return out
+
+
+def padded_last(meta: AttnMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                store: Callable[[torch.Tensor, torch.Tensor], None],
+                attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`forward_last` of a ragged forward: `store` the K/V of the metadata's tokens, `attend` the
+    queries of its requests' last tokens (`q`'s first `batch_size` rows); rows beyond them (agreed
+    padding) return zeros."""
+    tokens, requests = meta.num_tokens, meta.batch_size
+    if tokens:
+        store(k[:tokens], v[:tokens])
+    if q.shape[0] == requests and tokens:
+        return attend(q)
+    out = q.new_zeros(q.shape)
+    if tokens and requests:
+        out[:requests] = attend(q[:requests])
     return out

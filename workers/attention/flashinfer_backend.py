@@ -7,7 +7,9 @@ Which kernel runs which forward:
 - `EXTEND`, `VERIFY`, `DRAFT_EXTEND` (several new tokens per request, causal among them, after the
   cached prefix): `BatchPrefillWithPagedKVCacheWrapper` with `causal=True`. flashinfer aligns a
   request's queries with the end of its KV, so new token `i` sees KV `0 .. cached + i`: exactly
-  the contract of `workers.attention.base`.
+  the contract of `workers.attention.base`;
+- `forward_last` (each request's last new token only): the same prefill wrapper planned with one
+  query per request, which that alignment puts at the end of the request's KV.
 
 Both wrappers read the KV cache in place (`NHD` layout: `[pages, page_size, kv_heads, head_dim]`,
 the layout of `workers.kv_cache.KVPool`) through the metadata's CSR page table; the new K/V are
@@ -31,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.attention.base import AttnMetadata, ForwardMode, padded_forward
+from workers.attention.base import AttnMetadata, ForwardMode, padded_forward, padded_last
 from workers.kv_cache import KVPool, pages_for
 
 MIN_HEAD_DIM = 64
@@ -70,6 +72,8 @@ class FlashInferBackend:
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD",
                                                                       backend="fa2")
+        # what each wrapper is planned for now: (the forward, last tokens only, heads, head dim)
+        self.planned: dict[str, tuple] = {}
 
     @staticmethod
     def kv_format(head_dim: int, dtype: torch.dtype) -> tuple[int, torch.dtype]:
@@ -98,47 +102,61 @@ class FlashInferAttention:
         self.decode = meta.mode is ForwardMode.DECODE
         if self.decode and any(n != 1 for n in meta.host_qo_lens):
             raise ValueError(f"decode forward with {meta.host_qo_lens} new tokens per request")
-        self.wrapper = backend.decode if self.decode else backend.prefill
-        self._planned_for: tuple[int, int] | None = None
 
-    def _plan(self, num_q_heads: int, head_dim: int) -> None:
-        """Plan the wrapper (host-side indptrs, so no device-to-host sync)."""
-        meta, cache = self.meta, self.cache
+    def _wrapper(self, last: bool, num_q_heads: int, head_dim: int) -> object:
+        """The wrapper for this forward's queries (`last`: each request's last new token only:
+        the prefill wrapper with one query per request, aligned with the end of its KV), planned
+        unless it already is (host-side indptrs, so no device-to-host sync). The wrappers are the
+        backend's: a forward's layers run before the next forward plans (the worker runs them
+        in order), and a head's last layer may re-plan the prefill wrapper for its last tokens."""
+        backend, meta, cache = self.backend, self.meta, self.cache
+        name = "decode" if self.decode and not last else "prefill"
+        wrapper = getattr(backend, name)
+        key = (self, last, num_q_heads, head_dim)
+        if backend.planned.get(name) == key:
+            return wrapper
         ps, seq = meta.page_size, meta.host_seq_lens
         kv_indptr = [0]
         for s in seq:
             kv_indptr.append(kv_indptr[-1] + pages_for(s, ps))
-        last = [(s - 1) % ps + 1 for s in seq]
+        last_page = [(s - 1) % ps + 1 for s in seq]
         indices = meta.kv_page_indices[:kv_indptr[-1]]
         dtype = cache.k[0].dtype
         common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=head_dim ** -0.5)
-        if self.decode:
-            self.wrapper.plan(_host_i32(kv_indptr), indices, _host_i32(last), num_q_heads,
-                              cache.num_kv_heads, cache.head_dim, ps, **common)
+        if name == "decode":
+            wrapper.plan(_host_i32(kv_indptr), indices, _host_i32(last_page), num_q_heads,
+                         cache.num_kv_heads, cache.head_dim, ps, **common)
         else:
             qo_indptr = [0]
-            for n in meta.host_qo_lens:
+            for n in ([1] * len(seq) if last else meta.host_qo_lens):
                 qo_indptr.append(qo_indptr[-1] + n)
-            self.wrapper.plan(_host_i32(qo_indptr), _host_i32(kv_indptr), indices, _host_i32(last),
-                              num_q_heads, cache.num_kv_heads, cache.head_dim, ps, causal=True,
-                              **common)
-        self._planned_for = (num_q_heads, head_dim)
+            wrapper.plan(_host_i32(qo_indptr), _host_i32(kv_indptr), indices,
+                         _host_i32(last_page), num_q_heads, cache.num_kv_heads, cache.head_dim,
+                         ps, causal=True, **common)
+        backend.planned[name] = key
+        return wrapper
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
         """Store this layer's new K/V, then attention of `q` [T, Hq, D] -> [T, Hq, D]."""
         return padded_forward(self.meta.num_tokens, q, k, v,
-                              lambda q, k, v: self._attend(layer_id, q, k, v))
+                              lambda q, k, v: self._attend(layer_id, q, k, v, False))
 
-    def _attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> torch.Tensor:
+    def forward_last(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+        """Store this layer's new K/V, then attention of each request's last new token (`q`
+        [R, Hq, D], request order) over its whole sequence -> [R, Hq, D]."""
+        return padded_last(self.meta, q, k, v,
+                           lambda k, v: self.cache.write(layer_id, self.meta.out_slots, k, v),
+                           lambda q: self._attend(layer_id, q, None, None, True))
+
+    def _attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None,
+                v: torch.Tensor | None, last: bool) -> torch.Tensor:
         cache, size = self.cache, self.cache.head_dim
         head_dim = q.shape[-1]
-        cache.write(layer_id, self.meta.out_slots, k, v)
-        if self._planned_for != (q.shape[1], head_dim):
-            # NOTE: one plan per forward (the first layer); the wrapper is shared, so a forward's
-            # layers must run before the next forward is planned (the worker runs them in order).
-            self._plan(q.shape[1], head_dim)
+        if k is not None:
+            cache.write(layer_id, self.meta.out_slots, k, v)
+        wrapper = self._wrapper(last, q.shape[1], head_dim)
         query = pad_heads(q, size).to(cache.k[layer_id].dtype).contiguous()
-        out = self.wrapper.run(query, (cache.k[layer_id], cache.v[layer_id]))
+        out = wrapper.run(query, (cache.k[layer_id], cache.v[layer_id]))
         return out[..., :head_dim].to(q.dtype)

@@ -9,7 +9,8 @@ the dummy page). On CUDA the plan computes nothing: the store kernel works out t
 (`workers.kernels.store_kv_padded`) and the attention kernel the rest. Every row sees KV index 0, so no row is fully masked and every output is finite;
 outputs of padding rows are dropped by the caller. On CUDA the gather, mask and attention are
 one fused kernel per layer (`workers.kernels.padded_attention`, the same rule: token slot `w` of
-row `b` sees KV indices `0 .. cached[b] + w` within the row's reach).
+row `b` sees KV indices `0 .. cached[b] + w` within the row's reach). `forward_last` stores every
+slot's K/V the same way and attends only each row's last new token (slot `qo_len - 1`).
 """
 from __future__ import annotations
 
@@ -56,19 +57,43 @@ class StaticAttention:
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
         """Store K/V (padding into the dummy page), then attention: [B*W, Hq, D]."""
+        self._store(layer_id, k, v)
+        pool, scale = self.pool, q.shape[2] ** -0.5
+        if self.fused:
+            return kernels.padded_attention(q, pool.k[layer_id], pool.v[layer_id], self.page_tab,
+                                            self.cached, self.width, scale)
+        query = q.reshape(self.batch, self.width, *q.shape[1:]).transpose(1, 2)
+        out = self._attend(layer_id, query, self.mask)
+        return out.transpose(1, 2).reshape(q.shape)
+
+    def forward_last(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+        """Store K/V as `forward`, then attention of each row's last new token only (slot
+        `qo_len - 1`; a dummy row's slot 0): `q` [B, Hq, D] -> [B, Hq, D]."""
+        self._store(layer_id, k, v)
         pool = self.pool
-        num_q_heads, head_dim = q.shape[1], q.shape[2]
+        end = self.cached + (self.qo_len - 1).clamp(min=0)     # the KV index of that token
+        if self.fused:  # the padded kernel at width 1: slot 0 of row b sees KV 0 .. end[b]
+            return kernels.padded_attention(q, pool.k[layer_id], pool.v[layer_id], self.page_tab,
+                                            end, 1, q.shape[2] ** -0.5)
+        kv_idx = torch.arange(self.slots.shape[1], device=q.device)
+        mask = (kv_idx[None, :] <= end[:, None])[:, None, None, :]
+        return self._attend(layer_id, q[:, :, None, :], mask)[:, :, 0]
+
+    def _store(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        pool = self.pool
         if self.fused:
             ps, heads, dim = pool.page_size, pool.num_kv_heads, pool.head_dim
             kernels.store_kv_padded(pool.k[layer_id].view(-1, heads, dim),
                                     pool.v[layer_id].view(-1, heads, dim), self.page_tab,
                                     self.cached, self.qo_len, self.width, ps, DUMMY_PAGE * ps, k, v)
-            return kernels.padded_attention(q, pool.k[layer_id], pool.v[layer_id], self.page_tab,
-                                            self.cached, self.width, head_dim ** -0.5)
-        pool.write(layer_id, self.out_slots, k, v)
-        query = q.reshape(self.batch, self.width, num_q_heads, head_dim).transpose(1, 2)
-        keys = gather_kv(pool.k[layer_id], self.slots, num_q_heads, head_dim, q.dtype)
-        values = gather_kv(pool.v[layer_id], self.slots, num_q_heads, head_dim, q.dtype)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=self.mask,
-                                             scale=head_dim ** -0.5)
-        return out.transpose(1, 2).reshape(self.batch * self.width, num_q_heads, head_dim)
+        else:
+            pool.write(layer_id, self.out_slots, k, v)
+
+    def _attend(self, layer_id: int, query: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Eager attention of `query` [B, Hq, Q, D] over every row's reach under `mask`."""
+        pool, num_q_heads, head_dim = self.pool, query.shape[1], query.shape[3]
+        keys = gather_kv(pool.k[layer_id], self.slots, num_q_heads, head_dim, query.dtype)
+        values = gather_kv(pool.v[layer_id], self.slots, num_q_heads, head_dim, query.dtype)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                              scale=head_dim ** -0.5)

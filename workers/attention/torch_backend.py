@@ -3,14 +3,15 @@
 Per forward, `plan` builds (once, shared by every layer) each request's KV slots padded to the
 longest request, a causal mask, and the index of the new tokens in a padded `[B, max_new]` query
 block — all from host lists, so no device sync. Per layer, `forward` writes the new K/V into their
-slots, gathers the requests' K/V (`base.gather_kv`) and runs `scaled_dot_product_attention`.
+slots, gathers the requests' K/V (`base.gather_kv`) and runs `scaled_dot_product_attention`;
+`forward_last` attends each request's last new token only, over its whole sequence.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from workers.attention.base import AttnMetadata, gather_kv, padded_forward, upload
+from workers.attention.base import AttnMetadata, gather_kv, padded_forward, padded_last, upload
 from workers.kv_cache import KVPool
 
 
@@ -69,15 +70,36 @@ class TorchAttention:
 
     def _attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
-        pool = self.pool
-        pool.write(layer_id, self.meta.out_slots, k, v)
+        self.pool.write(layer_id, self.meta.out_slots, k, v)
         batch, q_len = self.mask.shape[0], self.mask.shape[2]
         num_q_heads, head_dim = q.shape[1], q.shape[2]
-        keys = gather_kv(pool.k[layer_id], self.slots, num_q_heads, head_dim, q.dtype)
-        values = gather_kv(pool.v[layer_id], self.slots, num_q_heads, head_dim, q.dtype)
+        keys, values = self._kv(layer_id, q)
         padded = q.new_zeros(batch * q_len, num_q_heads, head_dim).index_copy_(0, self.q_index, q)
         padded = padded.view(batch, q_len, num_q_heads, head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(padded, keys, values, attn_mask=self.mask,
                                              scale=head_dim ** -0.5)
         out = out.transpose(1, 2).reshape(batch * q_len, num_q_heads, head_dim)
         return out.index_select(0, self.q_index)
+
+    def forward_last(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+        """Store this layer's new K/V, then attention of each request's last new token (`q`
+        [R, Hq, D], request order) over its whole sequence -> [R, Hq, D]."""
+        pool = self.pool
+        return padded_last(self.meta, q, k, v,
+                           lambda k, v: pool.write(layer_id, self.meta.out_slots, k, v),
+                           lambda q: self._attend_last(layer_id, q))
+
+    def _attend_last(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+        keys, values = self._kv(layer_id, q)
+        kv_idx = torch.arange(self.slots.shape[1], device=q.device)
+        mask = (kv_idx[None, :] < self.meta.seq_lens.long()[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
+                                             scale=q.shape[2] ** -0.5)
+        return out[:, :, 0]
+
+    def _kv(self, layer_id: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every request's K and V of this layer, [B, Hq, L, D] each, in `q`'s dtype."""
+        pool, num_q_heads, head_dim = self.pool, q.shape[1], q.shape[2]
+        return (gather_kv(pool.k[layer_id], self.slots, num_q_heads, head_dim, q.dtype),
+                gather_kv(pool.v[layer_id], self.slots, num_q_heads, head_dim, q.dtype))

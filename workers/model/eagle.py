@@ -8,6 +8,7 @@ API (same shape as the target's):
 
     head = EagleHead(cfg, target)
     feat = head(input_ids [T], features [T, d], positions [T], attn)   # -> [T, d]
+    feat = head(..., attn, last=rows)   # -> [R, d]: each request's last new token only
     logits = head.compute_logits(feat)                                  # target's LM head
 
 The embedding and the LM head are the target's own modules (shared, not copied, not in the head's
@@ -65,12 +66,15 @@ class EagleHead(nn.Module):
         return self._target[0]
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                attn: LayerAttention) -> torch.Tensor:
-        """Next features [T, d] for tokens [T] paired with the previous position's features [T, d]."""
+                attn: LayerAttention, last: torch.Tensor | None = None) -> torch.Tensor:
+        """Next features [T, d] for tokens [T] paired with the previous position's features
+        [T, d]; with ``last`` (row indices [R], each request's last new token in request order,
+        see ``LayerAttention.forward_last``) only those rows' features, [R, d] — every row's KV is
+        still written."""
         cos, sin = self.rotary(positions)
         emb = self.target.embed(input_ids).to(features.dtype)
         x = self.fc(torch.cat((emb, features), dim=-1))
-        return run_layers(self.layers, x, cos, sin, attn, self.norm)[1]
+        return run_layers(self.layers, x, cos, sin, attn, self.norm, last=last)[1]
 
     def compute_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab_size] through the target's LM head."""

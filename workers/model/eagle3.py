@@ -64,12 +64,16 @@ class Eagle3Layer(nn.Module):
         return x + delta
 
     def parts(self, embedding: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor, attn: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
+              sin: torch.Tensor, attn: LayerAttention, last: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the residual after attention, the MLP's output): ``forward`` is their sum, left
-        to the caller's norm to add (one launch)."""
+        to the caller's norm to add (one launch). ``last`` (row indices): every row's K/V is
+        stored, only those rows go on."""
         both = torch.cat((self.input_layernorm(embedding), self.hidden_norm(hidden)), dim=-1)
-        x, h = self.post_attention_layernorm.add_forward(hidden,
-                                                         self.self_attn(both, cos, sin, attn))
+        out = self.self_attn(both, cos, sin, attn, last)
+        if last is not None:
+            hidden = hidden.index_select(0, last)
+        x, h = self.post_attention_layernorm.add_forward(hidden, out)
         return x, self.mlp(h)
 
 
@@ -144,9 +148,10 @@ class Eagle3Head(nn.Module):
             self.t2d[self.draft_to_target] = True
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                attn: LayerAttention) -> torch.Tensor:
+                attn: LayerAttention, last: torch.Tensor | None = None) -> torch.Tensor:
         """``[norm(x) | x]`` [T, 2d] for tokens [T] paired with the previous position's features
-        [T, 2d] (the target's or this head's own: the second half is read)."""
+        [T, 2d] (the target's or this head's own: the second half is read); with ``last`` (row
+        indices [R], as ``EagleHead.forward``) only those rows, [R, 2d]."""
         d = self.config.hidden_size
         if features.shape[-1] != 2 * d:
             raise ValueError(f"EAGLE-3 features are {2 * d} wide ([norm | hidden]); got "
@@ -154,7 +159,8 @@ class Eagle3Head(nn.Module):
         hidden = features[..., d:]
         embed = self.embed_tokens if self.embed_tokens is not None else self.target.embed
         cos, sin = self.rotary(positions)
-        x, delta = self.midlayer.parts(embed(input_ids).to(hidden.dtype), hidden, cos, sin, attn)
+        x, delta = self.midlayer.parts(embed(input_ids).to(hidden.dtype), hidden, cos, sin, attn,
+                                       last)
         x, normed = self.norm.add_forward(x, delta)
         return torch.cat((normed, x), dim=-1)
 

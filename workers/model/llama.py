@@ -84,7 +84,10 @@ class LlamaAttention(FusedOwner):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: LayerAttention) -> torch.Tensor:
+                attn: LayerAttention, last: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of `x` [T, in_features] -> [T, hidden_size]; with `last` (row indices [R]:
+        each request's last new token, request order) K/V are still stored for every row, and only
+        those rows attend: -> [R, hidden_size] (`LayerAttention.forward_last`)."""
         t, hd = x.shape[0], self.head_dim
         nq, nk, _ = self.qkv.split
         qkv = self.qkv(x)                                     # [T, (Hq + 2 Hkv) * D]
@@ -95,8 +98,11 @@ class LlamaAttention(FusedOwner):
         else:  # q and k heads side by side: one rotation
             qk = apply_rope(qkv[:, :nq + nk].view(t, -1, hd), cos, sin)
             q, k = qk[:, :nq // hd], qk[:, nq // hd:]
-        out = attn.forward(self.layer_id, q, k, v)
-        return ops.all_reduce(self.o_proj(out.reshape(t, -1)), self.group)
+        if last is None:
+            out = attn.forward(self.layer_id, q, k, v)
+        else:
+            out = attn.forward_last(self.layer_id, q.index_select(0, last), k, v)
+        return ops.all_reduce(self.o_proj(out.reshape(out.shape[0], -1)), self.group)
 
 
 class LlamaMLP(FusedOwner):
@@ -150,10 +156,15 @@ class LlamaDecoderLayer(nn.Module):
         return add_norm(self.input_layernorm, x, delta)
 
     def body(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             attn: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
+             attn: LayerAttention, last: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer over residual ``x`` and its norm ``h``: (the residual after attention, the
-        MLP's output); the layer's output is their sum."""
-        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, attn))
+        MLP's output); the layer's output is their sum. With ``last`` (row indices) every row's
+        K/V is stored but only those rows go on (``LlamaAttention.forward``)."""
+        out = self.self_attn(h, cos, sin, attn, last)
+        if last is not None:
+            x = x.index_select(0, last)
+        x, h = self.post_attention_layernorm.add_forward(x, out)
         return x, self.mlp(h)
 
 
@@ -170,17 +181,20 @@ def add_norm(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor | None
 
 
 def run_layers(layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               attn: LayerAttention, final_norm: nn.Module, capture: tuple[int, ...] = ()
+               attn: LayerAttention, final_norm: nn.Module, capture: tuple[int, ...] = (),
+               last: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """``x`` through ``layers`` then ``final_norm``: (the residual stream after the last layer,
     its norm, the residual stream entering each layer in ``capture``), each residual add fused
-    into the norm that follows it."""
+    into the norm that follows it. ``last`` (row indices): the last layer goes on with those rows
+    only (the outputs are theirs; every row's K/V is stored)."""
     delta, seen = None, {}
+    final = len(layers) - 1
     for i, layer in enumerate(layers):
         x, h = layer.enter(x, delta)
         if i in capture:
             seen[i] = x
-        x, delta = layer.body(x, h, cos, sin, attn)
+        x, delta = layer.body(x, h, cos, sin, attn, last if i == final else None)
     x, out = add_norm(final_norm, x, delta)
     return x, out, seen
 
