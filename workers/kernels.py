@@ -54,6 +54,14 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+TILE_ELEMENTS = 2048  # elements per program of the token-tiled kernels (rope, store_kv)
+
+
+def _tile_tokens(per_token: int) -> int:
+    """Tokens per program of a kernel that handles `per_token` (a power of two) elements of each."""
+    return max(1, TILE_ELEMENTS // per_token)
+
+
 @functools.lru_cache(maxsize=1)
 def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every kernel)
     import triton
@@ -77,21 +85,24 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         tl.store(out_ptr + row * n + cols, (w.to(tl.float32) * y).to(w.dtype), mask=mask)
 
     @triton.jit
-    def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, heads, half,
-                    BLOCK: tl.constexpr):
-        t = tl.program_id(0)
-        h = tl.program_id(1)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < half
-        base = x_ptr + t * stride_xt + h * stride_xh
-        x1 = tl.load(base + cols, mask=mask, other=0.0)
-        x2 = tl.load(base + half + cols, mask=mask, other=0.0)
-        c = tl.load(cos_ptr + t * half + cols, mask=mask, other=0.0)
-        s = tl.load(sin_ptr + t * half + cols, mask=mask, other=0.0)
+    def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, tokens, heads, half,
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+        # BLOCK_T tokens x every head per program (one program per (token, head) left a large
+        # batch's rotation to tens of thousands of 64-byte programs)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
+        h = tl.arange(0, BLOCK_H)[None, :, None]
+        cols = tl.arange(0, BLOCK)[None, None, :]
+        row = (t < tokens) & (cols < half)
+        mask = row & (h < heads)
+        base = x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh + cols
+        x1 = tl.load(base, mask=mask, other=0.0)
+        x2 = tl.load(base + half, mask=mask, other=0.0)
+        c = tl.load(cos_ptr + t * half + cols, mask=row, other=0.0)
+        s = tl.load(sin_ptr + t * half + cols, mask=row, other=0.0)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
-        out = out_ptr + (t * heads + h) * 2 * half
-        tl.store(out + cols, (a * c - b * s).to(x1.dtype), mask=mask)
-        tl.store(out + half + cols, (b * c + a * s).to(x1.dtype), mask=mask)
+        out = out_ptr + (t.to(tl.int64) * heads + h) * 2 * half + cols
+        tl.store(out, (a * c - b * s).to(x1.dtype), mask=mask)
+        tl.store(out + half, (b * c + a * s).to(x1.dtype), mask=mask)
 
     @triton.jit
     def silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, n, BLOCK: tl.constexpr):
@@ -146,25 +157,29 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
     @triton.jit
     def store_kv_kernel(k_ptr, v_ptr, slots_ptr, kc_ptr, vc_ptr, stride_kt, stride_kh,
                         stride_vt, stride_vh, stride_cs, stride_ch, stride_vcs, stride_vch,
-                        head_dim, cache_dim, pages_ptr, cached_ptr, qo_ptr, stride_pb, width,
-                        num_pages, dummy_slot, PADDED: tl.constexpr, PAGE: tl.constexpr,
+                        tokens, kv_heads, head_dim, cache_dim, pages_ptr, cached_ptr, qo_ptr,
+                        stride_pb, width, num_pages, dummy_slot, PADDED: tl.constexpr,
+                        PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_D: tl.constexpr):
-        t = tl.program_id(0)
-        h = tl.program_id(1)
+        # BLOCK_T tokens x every KV head per program
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
+        h = tl.arange(0, BLOCK_H)[None, :, None]
+        d = tl.arange(0, BLOCK_D)[None, None, :]
+        live = (t < tokens) & (h < kv_heads)
         if PADDED:  # token slot w of row b: KV index cached[b] + w, or the dummy slot
             b = t // width
             w = t % width
-            pos = tl.load(cached_ptr + b).to(tl.int64) + w
-            page = tl.load(pages_ptr + b * stride_pb + tl.minimum(pos // PAGE, num_pages - 1))
-            real = w < tl.load(qo_ptr + b)
+            pos = tl.load(cached_ptr + b, mask=t < tokens, other=0).to(tl.int64) + w
+            page = tl.load(pages_ptr + b * stride_pb + tl.minimum(pos // PAGE, num_pages - 1),
+                           mask=t < tokens, other=0)
+            real = w < tl.load(qo_ptr + b, mask=t < tokens, other=0)
             slot = tl.where(real, page.to(tl.int64) * PAGE + pos % PAGE, dummy_slot)
         else:
-            slot = tl.load(slots_ptr + t).to(tl.int64)
-        d = tl.arange(0, BLOCK_D)
-        src = d < head_dim
-        dst = d < cache_dim     # channels head_dim..cache_dim-1 of the cache get zeros
-        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=src, other=0.0)
-        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=src, other=0.0)
+            slot = tl.load(slots_ptr + t, mask=t < tokens, other=0).to(tl.int64)
+        src = live & (d < head_dim)
+        dst = live & (d < cache_dim)     # channels head_dim..cache_dim-1 of the cache get zeros
+        k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=src, other=0.0)
+        v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=src, other=0.0)
         tl.store(kc_ptr + slot * stride_cs + h * stride_ch + d, k.to(kc_ptr.dtype.element_ty),
                  mask=dst)
         tl.store(vc_ptr + slot * stride_vcs + h * stride_vch + d, v.to(vc_ptr.dtype.element_ty),
@@ -253,8 +268,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, heads, dim), dtype=x.dtype, device=x.device)
     if t:
         half = dim // 2
-        _kernels().rope[(t, heads)](x, cos, sin, out, x.stride(0), x.stride(1), heads, half,
-                                    BLOCK=_pow2(half))
+        block_h, block = _pow2(heads), _pow2(half)
+        block_t = _tile_tokens(block_h * block)
+        _kernels().rope[(-(-t // block_t),)](x, cos, sin, out, x.stride(0), x.stride(1), t,
+                                             heads, half, BLOCK_T=block_t, BLOCK_H=block_h,
+                                             BLOCK=block)
     return out
 
 
@@ -309,11 +327,15 @@ def _store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: 
               stride_pb: int, width: int, num_pages: int, dummy_slot: int, page: int,
               padded: bool) -> None:
     cache_dim = k_cache.shape[-1]
-    _kernels().store_kv[(k.shape[0], k.shape[1])](
+    tokens, kv_heads = k.shape[0], k.shape[1]
+    block_h, block_d = _pow2(kv_heads), _pow2(cache_dim)
+    block_t = _tile_tokens(block_h * block_d)
+    _kernels().store_kv[(-(-tokens // block_t),)](
         k, v, slots, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k.shape[2],
-        cache_dim, pages, cached, qo_len, stride_pb, width, num_pages, dummy_slot, PADDED=padded,
-        PAGE=page, BLOCK_D=_pow2(cache_dim))
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), tokens,
+        kv_heads, k.shape[2], cache_dim, pages, cached, qo_len, stride_pb, width, num_pages,
+        dummy_slot, PADDED=padded, PAGE=page, BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_D=block_d)
 
 
 def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

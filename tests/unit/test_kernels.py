@@ -49,6 +49,12 @@ def test_rope_and_silu_mul(dtype: torch.dtype) -> None:
     angles = torch.randn(6, 8, device=DEV)
     cos, sin = angles.cos(), angles.sin()
     torch.testing.assert_close(kernels.rope(x, cos, sin), apply_rope(x, cos, sin), **tol(dtype))
+    # tokens over several programs (BLOCK_T tokens each), heads not a power of two, a strided view
+    qk = torch.randn(300, 2, 5, 16, device=DEV).to(dtype)[:, 0]
+    angles = torch.randn(300, 8, device=DEV)
+    cos, sin = angles.cos(), angles.sin()
+    assert kernels._tile_tokens(8 * 8) < 300
+    torch.testing.assert_close(kernels.rope(qk, cos, sin), apply_rope(qk, cos, sin), **tol(dtype))
     g, u = torch.randn(5, 40, device=DEV).to(dtype), torch.randn(5, 40, device=DEV).to(dtype)
     torch.testing.assert_close(kernels.silu_mul(g, u), torch.nn.functional.silu(g) * u,
                                **tol(dtype))
@@ -119,6 +125,22 @@ def test_store_kv_matches_index_copy(monkeypatch: pytest.MonkeyPatch, cache: tup
     exact = dtype == torch.float32 or DEV == "cuda"
     for w, g in zip(want.k + want.v, got.k + got.v):
         torch.testing.assert_close(g, w, **({"atol": 0, "rtol": 0} if exact else tol(dtype)))
+
+
+def test_store_kv_over_several_programs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More tokens than one program takes (BLOCK_T each), three KV heads (not a power of two):
+    every token lands in its own slot."""
+    torch.manual_seed(6)
+    tokens, heads, dim = 200, 3, 16
+    assert kernels._tile_tokens(4 * 16) < tokens
+    k, v = torch.randn(2, tokens, heads, dim, device=DEV)
+    slots = torch.randperm(32 * 8, device=DEV)[:tokens]
+    want, got = (KVPool(1, 32, 8, heads, dim, device=DEV) for _ in range(2))
+    want.write(0, slots, k, v)
+    monkeypatch.setattr(kernels, "enabled", lambda x: True)
+    got.write(0, slots, k, v)
+    for w, g in zip(want.k + want.v, got.k + got.v):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("last", [False, True], ids=["every-row", "last-rows"])
