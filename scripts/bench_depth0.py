@@ -16,7 +16,8 @@ interval N (`--catchup-rounds`):
   rows' cache length before each, timed alone) for the engine without a head and
   the speculating engine at depth 0, and the catch-up forward of width N; the depth-0 cost per
   round is `round + catch-up / N`, reported against the headless round;
-- prefill: the padded prefill of `bucket` rows of 64 token slots (a graph per shape on a GPU),
+- prefill: the padded prefill of `bucket` rows of 64 token slots (a graph per shape on a GPU,
+  the greedy one: the requests here are greedy),
   which a speculating engine runs with the head over the prompt;
 - engine: rounds as the engine runs them (`Engine.measure_round_costs`: chains of N rounds,
   dummy rows, launched and read with overlap as in serving), against the headless engine's.
@@ -139,9 +140,9 @@ def bodies(engine: Engine, bucket: int, context: int,
         _, slot_of, length = worker.prefill_inputs(rows, slots)
         slot_of.fill_(worker.dummy_slot)   # full-length dummy prompts
         length.fill_(slots)
-        graph = worker._prefill_graphs.get(shape)
+        graph = worker._prefill_graphs.get((rows, slots, True))   # greedy requests
         out["prefill"] = graph.replay if graph is not None else (
-            lambda: worker._prefill_padded(rows, slots))
+            lambda: worker._prefill_padded(rows, slots, True))
     return out
 
 

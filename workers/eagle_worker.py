@@ -52,7 +52,8 @@ pre-built).
 Prefill takes one of two paths, chosen from the round's agreed sizes (so every rank takes the same):
 a padded prefill — `rows` requests (a bucket) by `width` token slots (a power of two >= the longest
 prompt, >= 32), at most `padded_prefill_tokens` slots — runs through the same padded attention
-as the round, as a CUDA graph per (rows, width) when the round uses graphs (eager otherwise, the
+as the round, as a CUDA graph per (rows, width, every request greedy or not: the argmax alone or
+device sampling, as the round) when the round uses graphs (eager otherwise, the
 same body); anything larger runs ragged through `attention_backend`, padded to the agreed token
 count. The padded path exists because an eager prefill of a small model is all host work and
 launches: thousands of operator calls, several milliseconds, tens of decode rounds' worth.
@@ -209,7 +210,7 @@ class EagleWorker:
             if 1 << i < 2 * config.max_batch_size)
         self._pf_top = self._pf_buckets[-1]
         self.pf_buf = zeros(self._pf_cap + 2 * self._pf_top) if self._pf_cap else None
-        self._prefill_graphs: dict[tuple[int, int], GraphEntry] = {}
+        self._prefill_graphs: dict[tuple[int, int, bool], GraphEntry] = {}  # (rows, width, greedy)
         self.prefill_graph_bytes = 0   # growth of the shared graph pool while they captured
         # host staging of a round (rows in, results out), two sets: with overlap the next round is
         # staged while the device may still copy the previous one's
@@ -472,9 +473,10 @@ class EagleWorker:
         for rows in sorted(self.buckets, reverse=True):
             width = 32
             while rows * width <= self._pf_cap and width <= max(longest, 32):
-                body = self._prefill_body(rows, width)
-                self._prefill_graphs[(rows, width)] = self.graphs.capture_body(
-                    f"prefill/rows={rows}/width={width}", body)
+                for greedy in (False, True):
+                    body = self._prefill_body(rows, width, greedy)
+                    self._prefill_graphs[(rows, width, greedy)] = self.graphs.capture_body(
+                        f"prefill/rows={rows}/width={width}/greedy={greedy}", body)
                 width *= 2
         self.slot_len[self.dummy_slot] = 0
         self.prefill_graph_bytes = self.graphs.pool_bytes() - before
@@ -488,13 +490,14 @@ class EagleWorker:
         return (self.pf_buf[:bp * width], self.pf_buf[cap:cap + bp],
                 self.pf_buf[cap + top:cap + top + bp])
 
-    def _prefill_body(self, rows: int, width: int) -> Callable[[], None]:
-        return lambda: self._prefill_padded(rows, width)
+    def _prefill_body(self, rows: int, width: int, greedy: bool) -> Callable[[], None]:
+        return lambda: self._prefill_padded(rows, width, greedy)
 
-    def _prefill_padded(self, bp: int, width: int) -> None:
+    def _prefill_padded(self, bp: int, width: int, greedy: bool = False) -> None:
         """The padded prefill over `bp` rows of `width` token slots, from the static inputs:
         the target over each row's prompt at positions 0.., its first token drawn at the last
-        prompt position, the head over x_1 .. x_P (the first token last) with f_0 .. f_{P-1} at
+        prompt position (`greedy`: every request greedy, the argmax alone — like the round, one
+        graph each way), the head over x_1 .. x_P (the first token last) with f_0 .. f_{P-1} at
         positions 1 .., and the rows' slots set. Dummy rows (length 0) write the dummy slot."""
         ids, rows, lens = self.prefill_inputs(bp, width)
         reach = min(pages_for(width, self.config.page_size), self.slot_pages.shape[1])
@@ -505,7 +508,7 @@ class EagleWorker:
         last = torch.arange(bp, device=self.device) * width + (lens - 1).clamp(min=0)
         logits = self.target.compute_logits(hidden[last]).float()
         temp, top_p, seed = self._sampling(rows)
-        first = sample_tokens(logits, temp, top_p, seed, lens - 1, SALT_SAMPLE)
+        first = sample_tokens(logits, temp, top_p, seed, lens - 1, SALT_SAMPLE, all_greedy=greedy)
         if self.speculative:
             nxt = torch.cat([ids.view(bp, width)[:, 1:], start[:, None]], dim=1).reshape(-1)
             nxt = nxt.index_copy(0, last, first)
@@ -548,11 +551,12 @@ class EagleWorker:
                 [r.slot for r in reqs] + [self.dummy_slot] * pad, lens + [0] * pad)
             for dst, src in zip(self.prefill_inputs(bp, slots), (dev_ids, dev_rows, dev_lens)):
                 dst.copy_(src)
-            entry = self._prefill_graphs.get(shape) if graph else None
+            greedy = all(r.params.greedy for r in reqs)
+            entry = self._prefill_graphs.get((bp, slots, greedy)) if graph else None
             if entry is not None:
                 entry.replay()
             else:
-                self._prefill_padded(bp, slots)
+                self._prefill_padded(bp, slots, greedy)
             return
         lens = [len(r.prompt_ids) for r in reqs]
         total = sum(lens)

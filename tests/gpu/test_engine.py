@@ -98,7 +98,7 @@ def test_cuda_graph_replay_equals_eager(gpu_pair, prompts, reference, steps: int
     runner = engine.worker.graphs
     # a static run builds only its own tier (and the padded prefill: one graph per shape)
     prefill = len(engine.worker._prefill_graphs)
-    assert prefill == 15   # buckets 1, 2, 4 x widths 32 .. 512 (the context)
+    assert prefill == 30   # buckets 1, 2, 4 x widths 32 .. 512 (the context) x greedy or not
     assert runner.capture and runner.num_captures == _captures_per_bucket(steps) * len(
         engine.worker.buckets) + prefill
     assert _outputs(engine, prompts, _params(len(prompts))) == reference

@@ -31,9 +31,10 @@ def test_prefill_shape_rule(pair) -> None:
     assert off.prefill_shape(1, 8) is None
     graphs = engine_for(*pair, "static", steps=3, max_batch=4, cuda_graphs=True,
                         padded_prefill_tokens=256).worker
-    # the shapes captured: every bucket, every width up to the limit and the context
-    assert sorted(graphs._prefill_graphs) == [(1, 32), (1, 64), (1, 128), (1, 256), (2, 32),
-                                              (2, 64), (2, 128), (4, 32), (4, 64)]
+    # the shapes captured: every bucket, every width up to the limit and the context, each with
+    # device sampling and greedy-only
+    shapes = [(1, 32), (1, 64), (1, 128), (1, 256), (2, 32), (2, 64), (2, 128), (4, 32), (4, 64)]
+    assert sorted(graphs._prefill_graphs) == sorted((*s, g) for s in shapes for g in (False, True))
 
 
 def test_padded_prefill_tokens_and_catchup_rounds_are_checked() -> None:
