@@ -16,6 +16,9 @@ ops with one launch and computes in float32 like the torch code it replaces:
   launch instead of ~22; ``one_hot(tokens, V)``: a greedy draft's distribution, 1 instead of 3;
 - ``lag_append(...)``: a depth-0 round's committed token and target feature into each row's lag
   ring (``workers.eagle_worker``), 1 launch instead of 5;
+- ``uniforms(seed, counter, salt, n)``: the counter-based uniforms of sampled rows
+  (``workers.spec_decode``), bit-identical, 1 launch instead of about 60 (a sampled round draws
+  them in every draft step and three times in verify);
 - ``padded_attention(...)``: causal attention of a padded batch (``B`` rows of ``width`` token
   slots) over its paged KV, online softmax in float32, grouped-query heads; 1 launch instead of
   the gather / repeat / mask / SDPA chain of ``workers.attention.static_backend``.
@@ -223,10 +226,48 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         if slot != dummy_slot:  # dummy rows share one slot: it keeps an empty ring
             tl.store(lag_ptr + slot, lag + 1)
 
+    # the counter-based uniforms of workers.spec_decode, in the same int64 arithmetic (every
+    # intermediate below 2^49: exact, so the numbers are bit-identical to the torch code's)
+    @triton.jit
+    def _tl_lo32(y):  # y mod 2^32 (the arithmetic shift floors, so negative y too)
+        return y - ((y >> 32) << 32)
+
+    @triton.jit
+    def _tl_mul32(x, LO: tl.constexpr, HI: tl.constexpr):  # (x * (HI * 2^16 + LO)) mod 2^32
+        return _tl_lo32(x * LO + (((x & 0xFFFF) * HI) << 16))
+
+    @triton.jit
+    def _tl_absorb(h, word):
+        y = _tl_mul32(h ^ word, 0x79B1, 0x9E37)
+        return y ^ (y >> 15)
+
+    # a jit function finds the functions it calls among its module's globals
+    globals().update(_tl_lo32=_tl_lo32, _tl_mul32=_tl_mul32, _tl_absorb=_tl_absorb)
+
+    @triton.jit
+    def uniforms_kernel(seed_ptr, counter_ptr, out_ptr, n, salt, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        seed = tl.load(seed_ptr + b).to(tl.int64)
+        counter = tl.load(counter_ptr + b).to(tl.int64)
+        h = _tl_absorb(_tl_lo32(seed), 0x243F6A88)
+        h = _tl_absorb(h, _tl_lo32(seed >> 32))
+        h = _tl_absorb(h, _tl_lo32(counter))
+        h = _tl_absorb(h, _tl_lo32(counter >> 32))
+        h = _tl_absorb(h, salt)
+        j = tl.arange(0, BLOCK)
+        x = _tl_absorb(h, j.to(tl.int64))
+        x = x ^ (x >> 16)                 # MurmurHash3's finaliser
+        x = _tl_mul32(x, 0xCA6B, 0x85EB)
+        x = x ^ (x >> 13)
+        x = _tl_mul32(x, 0xAE35, 0xC2B2)
+        x = x ^ (x >> 16)
+        u = (x >> 8).to(tl.float32) * (1.0 / 16777216.0)
+        tl.store(out_ptr + b * n + j, u, mask=j < n)
+
     return SimpleNamespace(rms_norm=rms_norm_kernel, rope=rope_kernel, silu_mul=silu_mul_kernel,
                            padded_attention=padded_attention_kernel, store_kv=store_kv_kernel,
                            greedy_accept=greedy_accept_kernel, one_hot=one_hot_kernel,
-                           lag_append=lag_append_kernel)
+                           lag_append=lag_append_kernel, uniforms=uniforms_kernel)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -409,3 +450,14 @@ def lag_append(rows: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor,
         features.stride(0), ring_tokens.stride(0), ring_features.stride(0),
         ring_features.stride(1), dim, ring_tokens.shape[1], dummy_slot,
         BLOCK_D=min(_pow2(dim), 1024))
+
+
+def uniforms(seed: torch.Tensor, counter: torch.Tensor, salt: int, n: int) -> torch.Tensor:
+    """``workers.spec_decode.uniforms`` (seed, counter: [B] integers; salt in [0, 2^32)) in one
+    launch instead of about 60: [B, n] float32, bit-identical to the torch code."""
+    rows = seed.shape[0]
+    out = torch.empty((rows, n), dtype=torch.float32, device=seed.device)
+    if rows:
+        _kernels().uniforms[(rows,)](seed.contiguous(), counter.contiguous(), out, n, salt,
+                                     BLOCK=_pow2(n))
+    return out

@@ -29,7 +29,8 @@ its top 24 bits give `u = k / 2^24` in [0, 1), exact in float32. A 32x32-bit pro
 overflow int64, so `_mul32` computes `x * c_lo + (x mod 2^16) * c_hi * 2^16` (each term < 2^48)
 and masks to 32 bits. Integer arithmetic is exact, so CPU and CUDA give bit-identical numbers.
 The state is 32 bits: two different (seed, counter, salt, index) collide with probability 2^-32.
-Cost matters here (each op is a kernel inside the graph): one uniforms call is ~60 kernels.
+Cost matters here (each op is a kernel inside the graph): one uniforms call is ~60 torch
+kernels, so on a GPU one Triton kernel (`kernels.uniforms`) does the same integer arithmetic.
 
 Distributions (`probs`)
 -----------------------
@@ -145,8 +146,15 @@ def _draw(key: torch.Tensor, salt: int, n: int) -> torch.Tensor:
 def uniforms(seed: torch.Tensor, counter: torch.Tensor, salt: int, n: int) -> torch.Tensor:
     """[B, n] float32 uniforms in [0, 1), a stateless hash of (seed[b], counter[b], salt, index).
 
-    Same inputs give the same numbers on every device and whatever else is in the batch.
+    Same inputs give the same numbers on every device and whatever else is in the batch (on a
+    GPU one fused kernel does the same integer arithmetic: `kernels.uniforms`).
     """
+    if kernels.enabled(seed):
+        seed = _int64("seed", seed)
+        counter = _int64("counter", counter, seed.shape[0])
+        if n < 1:
+            raise ValueError(f"n={n}: must be >= 1")
+        return kernels.uniforms(seed, counter, salt & MASK32, n)
     return _draw(_row_key(seed, counter), salt, n)
 
 

@@ -238,3 +238,19 @@ def test_lag_append_matches_torch(dim: int) -> None:
     assert torch.equal(ring_tok[:dummy], want_tok[:dummy])
     assert torch.equal(ring_feat[:dummy], want_feat[:dummy])
     assert ring_tok[dummy, 0] in tokens[rows == dummy].tolist()
+
+
+def test_uniforms_kernel_is_bit_identical_to_the_torch_hash() -> None:
+    """Seeds over the whole int64 range (negative ones too), counters past 2^32, every salt kind,
+    n not a power of two: the same float32 bits as `spec_decode.uniforms`' torch code."""
+    from workers.spec_decode import SALT_ACCEPT, SALT_SAMPLE, _draw, _row_key, draft_salt
+
+    gen = torch.Generator().manual_seed(8)
+    seed = torch.randint(-2 ** 63, 2 ** 63 - 1, (9,), generator=gen, dtype=torch.int64)
+    seed[:3] = torch.tensor([0, 1, 2 ** 32 + 5])
+    counter = torch.randint(0, 2 ** 40, (9,), generator=gen, dtype=torch.int64)
+    for salt, n in ((SALT_ACCEPT, 7), (SALT_SAMPLE, 1), (draft_salt(3), 3), (draft_salt(65535), 16)):
+        want = _draw(_row_key(seed, counter), salt, n)
+        got = kernels.uniforms(seed.to(DEV), counter.to(DEV), salt, n).cpu()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (salt, n)
+    assert kernels.uniforms(seed[:0].to(DEV), counter[:0].to(DEV), 1, 4).shape == (0, 4)
