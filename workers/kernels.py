@@ -227,39 +227,51 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
             tl.store(lag_ptr + slot, lag + 1)
 
     # the counter-based uniforms of workers.spec_decode, in the same int64 arithmetic (every
-    # intermediate below 2^49: exact, so the numbers are bit-identical to the torch code's)
-    @triton.jit
-    def _tl_lo32(y):  # y mod 2^32 (the arithmetic shift floors, so negative y too)
-        return y - ((y >> 32) << 32)
-
-    @triton.jit
-    def _tl_mul32(x, LO: tl.constexpr, HI: tl.constexpr):  # (x * (HI * 2^16 + LO)) mod 2^32
-        return _tl_lo32(x * LO + (((x & 0xFFFF) * HI) << 16))
-
-    @triton.jit
-    def _tl_absorb(h, word):
-        y = _tl_mul32(h ^ word, 0x79B1, 0x9E37)
-        return y ^ (y >> 15)
-
-    # a jit function finds the functions it calls among its module's globals
-    globals().update(_tl_lo32=_tl_lo32, _tl_mul32=_tl_mul32, _tl_absorb=_tl_absorb)
-
+    # intermediate below 2^49: exact, so the numbers are bit-identical to the torch code's).
+    # Written out: y mod 2^32 is y - ((y >> 32) << 32) (the arithmetic shift floors, so negative
+    # y too); (x * c) mod 2^32 is that of x * c_lo + ((x & 0xFFFF) * c_hi) << 16; an absorption
+    # step is y = (h ^ word) * 0x9E3779B1 mod 2^32, then y ^ (y >> 15).
     @triton.jit
     def uniforms_kernel(seed_ptr, counter_ptr, out_ptr, n, salt, BLOCK: tl.constexpr):
         b = tl.program_id(0)
         seed = tl.load(seed_ptr + b).to(tl.int64)
         counter = tl.load(counter_ptr + b).to(tl.int64)
-        h = _tl_absorb(_tl_lo32(seed), 0x243F6A88)
-        h = _tl_absorb(h, _tl_lo32(seed >> 32))
-        h = _tl_absorb(h, _tl_lo32(counter))
-        h = _tl_absorb(h, _tl_lo32(counter >> 32))
-        h = _tl_absorb(h, salt)
+        s_top, c_top = seed >> 32, counter >> 32
+        s_lo = seed - (s_top << 32)
+        s_hi = s_top - ((s_top >> 32) << 32)
+        c_lo = counter - (c_top << 32)
+        c_hi = c_top - ((c_top >> 32) << 32)
+        y = s_lo ^ 0x243F6A88
+        y = y * 0x79B1 + (((y & 0xFFFF) * 0x9E37) << 16)
+        y = y - ((y >> 32) << 32)
+        h = y ^ (y >> 15)
+        y = h ^ s_hi
+        y = y * 0x79B1 + (((y & 0xFFFF) * 0x9E37) << 16)
+        y = y - ((y >> 32) << 32)
+        h = y ^ (y >> 15)
+        y = h ^ c_lo
+        y = y * 0x79B1 + (((y & 0xFFFF) * 0x9E37) << 16)
+        y = y - ((y >> 32) << 32)
+        h = y ^ (y >> 15)
+        y = h ^ c_hi
+        y = y * 0x79B1 + (((y & 0xFFFF) * 0x9E37) << 16)
+        y = y - ((y >> 32) << 32)
+        h = y ^ (y >> 15)
+        y = h ^ salt
+        y = y * 0x79B1 + (((y & 0xFFFF) * 0x9E37) << 16)
+        y = y - ((y >> 32) << 32)
+        h = y ^ (y >> 15)
         j = tl.arange(0, BLOCK)
-        x = _tl_absorb(h, j.to(tl.int64))
+        y = h ^ j.to(tl.int64)
+        y = y * 0x79B1 + (((y & 0xFFFF) * 0x9E37) << 16)
+        y = y - ((y >> 32) << 32)
+        x = y ^ (y >> 15)
         x = x ^ (x >> 16)                 # MurmurHash3's finaliser
-        x = _tl_mul32(x, 0xCA6B, 0x85EB)
+        x = x * 0xCA6B + (((x & 0xFFFF) * 0x85EB) << 16)
+        x = x - ((x >> 32) << 32)
         x = x ^ (x >> 13)
-        x = _tl_mul32(x, 0xAE35, 0xC2B2)
+        x = x * 0xAE35 + (((x & 0xFFFF) * 0xC2B2) << 16)
+        x = x - ((x >> 32) << 32)
         x = x ^ (x >> 16)
         u = (x >> 8).to(tl.float32) * (1.0 / 16777216.0)
         tl.store(out_ptr + b * n + j, u, mask=j < n)
