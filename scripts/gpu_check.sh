@@ -104,6 +104,11 @@ step diag_continuous python3 scripts/diag_continuous.py cuda 16 "$OUTDIR/res/dia
 # a depth-0 round of a speculating engine against a headless one, per catch-up interval
 step bench_depth0 python3 scripts/bench_depth0.py --device cuda --repeats "${BENCH_REPEATS:-5}" \
   --out "$OUTDIR/res/bench_depth0"
+# the padded prefill's and a round's kernels (torch.profiler) and graph replays, head or not
+step profile_prefill python3 scripts/profile_prefill.py --device cuda --out "$OUTDIR/res/profile_prefill"
+# sampled rounds: the uniforms in torch operations against the fused kernel (same tokens)
+step bench_sampling python3 scripts/bench_sampling.py --device cuda --repeats "${BENCH_REPEATS:-5}" \
+  --out "$OUTDIR/res/bench_sampling"
 step bench_depth0_8b python3 scripts/bench_depth0.py --device cuda --shape llama3-8b --iters 10 \
   --repeats 3 --no-engine --out "$OUTDIR/res/bench_depth0_8b"
 step bench_adaptive timeout "${ADAPTIVE_TIMEOUT:-400}" python3 scripts/bench_adaptive.py --device cuda \

@@ -116,3 +116,21 @@ def test_bench_depth0_prices_every_part_per_interval(tmp_path):
                 row["nohead"]["round"]["median"]
             assert abs(row[name]["device_vs_headless"] - want) < 1e-6 * want
     assert len(data["samples"]) == 2 * 3 * 3 + 2 * 2   # parts per engine and bucket
+
+
+def test_bench_sampling_runs_both_uniforms_and_compares_tokens(tmp_path):
+    """The sampled-round script end to end on a small random pair (on a CPU: generation only, no
+    graphs): both engines' samples, the same sampled tokens with either, the JSON and the plot."""
+    import json
+    import subprocess
+
+    out = tmp_path / "s"
+    subprocess.run([sys.executable, str(SCRIPTS / "bench_sampling.py"), "--shape", "tiny",
+                    "--batches", "1", "--requests", "2", "3", "--new-tokens", "5", "--repeats",
+                    "2", "--iters", "1", "--context", "8", "--out", str(out)], check=True,
+                   capture_output=True, timeout=600)
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["same_tokens"] is True and (out / "sampling.png").stat().st_size > 0
+    assert set(data["samples"]) == {f"{e}/generate x{n}" for e in ("torch_uniforms", "fused_uniforms")
+                                    for n in (2, 3)}
+    assert all(len(v) == 2 and min(v) > 0 for v in data["samples"].values())
