@@ -21,7 +21,12 @@ ops with one launch and computes in float32 like the torch code it replaces:
   them in every draft step and three times in verify);
 - ``padded_attention(...)``: causal attention of a padded batch (``B`` rows of ``width`` token
   slots) over its paged KV, online softmax in float32, grouped-query heads; 1 launch instead of
-  the gather / repeat / mask / SDPA chain of ``workers.attention.static_backend``.
+  the gather / repeat / mask / SDPA chain of ``workers.attention.static_backend``. One program
+  per (token slot, query head) at the round's widths; at prefill widths (>= ``TILED_WIDTH``) one
+  per tile of slots x the query heads of a KV head, which loads each block of K/V once for the
+  tile and multiplies as matrices (``tl.dot``; half-precision products with float32
+  accumulation, as flash attention does) — a 64-row prefill had spent half its time re-reading
+  the same K/V once per slot and head.
 
 ``enabled(x)`` says whether the model code uses them for tensor ``x``: on CUDA tensors when triton
 imports, unless ``ADAPTIVE_DIST_FUSED=0``. The kernels themselves run wherever triton runs — on a
@@ -58,6 +63,8 @@ def _pow2(n: int) -> int:
 
 
 TILE_ELEMENTS = 2048  # elements per program of the token-tiled kernels (rope, store_kv)
+TILED_WIDTH = 32      # padded attention at this width and above (prefill) runs tiled
+TILE_QUERIES = 64     # query vectors (token slots x heads of one KV head) per tiled program
 
 
 def _tile_tokens(per_token: int) -> int:
@@ -156,6 +163,63 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
             m_i = m_new
         out = out_ptr + (tok * heads + h) * head_dim + d
         tl.store(out, (acc / l_i).to(out_ptr.dtype.element_ty), mask=dmask)
+
+    @triton.jit
+    def padded_attention_tiled_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, cached_ptr, out_ptr,
+                                      stride_qt, stride_qh, stride_ks, stride_kh, stride_vs,
+                                      stride_vh, stride_pb, width, groups, reach_tokens,
+                                      head_dim, scale, PAGE: tl.constexpr, BLOCK_W: tl.constexpr,
+                                      GROUPS: tl.constexpr, BLOCK_D: tl.constexpr,
+                                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        # one program: BLOCK_W token slots of row b x the query heads of KV head kvh, so each
+        # block of K/V is loaded once for all of them and multiplied as matrices
+        tiles = tl.cdiv(width, BLOCK_W)
+        b = tl.program_id(0) // tiles
+        w0 = (tl.program_id(0) % tiles) * BLOCK_W
+        kvh = tl.program_id(1)
+        heads = tl.num_programs(1) * groups
+        m = tl.arange(0, BLOCK_W * GROUPS)
+        w = w0 + m // GROUPS
+        h = kvh * groups + m % GROUPS
+        live = (w < width) & (m % GROUPS < groups)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < head_dim
+        tok = (b * width + w).to(tl.int64)
+        qmask = live[:, None] & dmask[None, :]
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                    mask=qmask, other=0.0)
+        limit = tl.minimum(tl.load(cached_ptr + b) + w + 1, reach_tokens)  # keys [0, limit)
+        n_kv = tl.max(tl.where(live, limit, 0), axis=0)
+        m_i = tl.full([BLOCK_W * GROUPS], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_W * GROUPS], tl.float32)
+        acc = tl.zeros([BLOCK_W * GROUPS, BLOCK_D], tl.float32)
+        for start in range(0, n_kv, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            pmask = pos < n_kv
+            page = tl.load(pages_ptr + b * stride_pb + pos // PAGE, mask=pmask, other=0)
+            slot = page.to(tl.int64) * PAGE + pos % PAGE
+            m2 = pmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                        mask=m2, other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                        mask=m2, other=0.0).to(q.dtype)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(pos[None, :] < limit[:, None], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))   # finite: key 0 is in every block 0
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            if IEEE:
+                pv = tl.dot(p.to(q.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(q.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        out = out_ptr + (tok[:, None] * heads + h[:, None]) * head_dim + d[None, :]
+        tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
 
     @triton.jit
     def store_kv_kernel(k_ptr, v_ptr, slots_ptr, kc_ptr, vc_ptr, stride_kt, stride_kh,
@@ -277,7 +341,9 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         tl.store(out_ptr + b * n + j, u, mask=j < n)
 
     return SimpleNamespace(rms_norm=rms_norm_kernel, rope=rope_kernel, silu_mul=silu_mul_kernel,
-                           padded_attention=padded_attention_kernel, store_kv=store_kv_kernel,
+                           padded_attention=padded_attention_kernel,
+                           padded_attention_tiled=padded_attention_tiled_kernel,
+                           store_kv=store_kv_kernel,
                            greedy_accept=greedy_accept_kernel, one_hot=one_hot_kernel,
                            lag_append=lag_append_kernel, uniforms=uniforms_kernel)
 
@@ -405,7 +471,18 @@ def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     k_flat = k_pages.view(-1, kv_heads, k_pages.shape[3])
     v_flat = v_pages.view(-1, kv_heads, v_pages.shape[3])
     out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
-    if tokens:
+    groups = heads // kv_heads
+    if tokens and width >= TILED_WIDTH:  # prefill widths: a tile of slots x heads per program
+        group_slots = _pow2(groups)
+        block_w = max(1, TILE_QUERIES // group_slots)
+        rows = tokens // width
+        _kernels().padded_attention_tiled[(rows * -(-width // block_w), kv_heads)](
+            q, k_flat, v_flat, page_tab, cached, out, q.stride(0), q.stride(1),
+            k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
+            page_tab.stride(0), width, groups, page_tab.shape[1] * page_size, dim, scale,
+            PAGE=page_size, BLOCK_W=block_w, GROUPS=group_slots, BLOCK_D=max(16, _pow2(dim)),
+            BLOCK_N=64, IEEE=q.dtype == torch.float32, num_warps=4)
+    elif tokens:
         _kernels().padded_attention[(tokens, heads)](
             q, k_flat, v_flat, page_tab, cached, out, q.stride(0), q.stride(1),
             k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),

@@ -90,6 +90,38 @@ def test_padded_attention_matches_static_backend(dtype: torch.dtype, heads: tupl
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 2)])
+def test_tiled_padded_attention_matches_static_backend(dtype: torch.dtype, heads: tuple) -> None:
+    """Prefill widths (>= TILED_WIDTH): the tiled kernel (several programs per row, grouped
+    query heads, 3 per KV head too) against the static backend's eager attention, with rows that
+    start at different cache lengths, a short row and a dummy row."""
+    torch.manual_seed(9)
+    hq, hkv = heads
+    page_size, dim, width = 4, 16, 2 * kernels.TILED_WIDTH + 8
+    assert kernels.TILE_QUERIES // (1 << (hq // hkv - 1).bit_length()) < width  # > 1 tile a row
+    pool = KVPool(1, 64, page_size, hkv, dim, dtype=dtype, device=DEV)
+    for t in (pool.k[0], pool.v[0]):
+        t.normal_()
+    reach = 20
+    page_tab = torch.full((3, reach), DUMMY_PAGE, dtype=torch.int64)
+    page_tab[0] = torch.arange(1, 21)
+    page_tab[1, :11] = torch.arange(30, 41)
+    page_tab = page_tab.to(DEV)
+    cached = torch.tensor([7, 0, 0], device=DEV)
+    qo_len = torch.tensor([width, 13, 0], device=DEV)  # a full row, a short one, a dummy row
+    meta = PaddedBatch(page_tab, cached, qo_len, width)
+    q = torch.randn(3 * width, hq, dim, device=DEV).to(dtype)
+    k = torch.randn(3 * width, hkv, dim, device=DEV).to(dtype)
+    v = torch.randn(3 * width, hkv, dim, device=DEV).to(dtype)
+    ref = StaticAttention(meta, pool).forward(0, q, k, v)   # eager on a CPU: writes K/V first
+    out = kernels.padded_attention(q, pool.k[0], pool.v[0], page_tab, cached, width, dim ** -0.5)
+    real = (torch.arange(width, device=DEV)[None, :] < qo_len[:, None]).reshape(-1)
+    close = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(out[real].float(), ref[real].float(), **close)
+    assert torch.isfinite(out).all()
+
+
 def test_enabled_only_on_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not kernels.enabled(torch.zeros(1))
     if torch.cuda.is_available():
