@@ -23,8 +23,8 @@ ops with one launch and computes in float32 like the torch code it replaces:
   slots) over its paged KV, online softmax in float32, grouped-query heads; 1 launch instead of
   the gather / repeat / mask / SDPA chain of ``workers.attention.static_backend``. One program
   per (token slot, query head) at the round's widths; at prefill widths (>= ``TILED_WIDTH``) one
-  per tile of slots x the query heads of a KV head, which loads each block of K/V once for the
-  tile and multiplies as matrices (``tl.dot``; half-precision products with float32
+  per tile of slots x the query heads of a KV head (half precision and float32; float64 keeps
+  the per-slot kernel), which loads each block of K/V once for the tile and multiplies as matrices (``tl.dot``; half-precision products with float32
   accumulation, as flash attention does) — a 64-row prefill had spent half its time re-reading
   the same K/V once per slot and head.
 
@@ -65,6 +65,7 @@ def _pow2(n: int) -> int:
 TILE_ELEMENTS = 2048  # elements per program of the token-tiled kernels (rope, store_kv)
 TILED_WIDTH = 32      # padded attention at this width and above (prefill) runs tiled
 TILE_QUERIES = 64     # query vectors (token slots x heads of one KV head) per tiled program
+TILED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float64: the per-slot kernel
 
 
 def _tile_tokens(per_token: int) -> int:
@@ -204,17 +205,17 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
             v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                         mask=m2, other=0.0).to(q.dtype)
             if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32)
             else:
-                s = tl.dot(q, tl.trans(k))
+                s = tl.dot(q, tl.trans(k)).to(tl.float32)
             s = tl.where(pos[None, :] < limit[:, None], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))   # finite: key 0 is in every block 0
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             if IEEE:
-                pv = tl.dot(p.to(q.dtype), v, input_precision="ieee")
+                pv = tl.dot(p.to(q.dtype), v, input_precision="ieee").to(tl.float32)
             else:
-                pv = tl.dot(p.to(q.dtype), v)
+                pv = tl.dot(p.to(q.dtype), v).to(tl.float32)
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -472,7 +473,7 @@ def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     v_flat = v_pages.view(-1, kv_heads, v_pages.shape[3])
     out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
     groups = heads // kv_heads
-    if tokens and width >= TILED_WIDTH:  # prefill widths: a tile of slots x heads per program
+    if tokens and width >= TILED_WIDTH and q.dtype in TILED_DTYPES:  # a tile of slots x heads
         group_slots = _pow2(groups)
         block_w = max(1, TILE_QUERIES // group_slots)
         rows = tokens // width
