@@ -293,45 +293,27 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
 
     # the counter-based uniforms of workers.spec_decode, in the same int64 arithmetic (every
     # intermediate below 2^49: exact, so the numbers are bit-identical to the torch code's).
-    # Written out: y mod 2^32 is y - ((y >> 32) << 32) (the arithmetic shift floors, so negative
-    # y too); (x * c) mod 2^32 is that of x * c_lo + ((x & 0xFFFF) * c_hi) << 16; an absorption
-    # step is y = (h ^ word) * 0x9E3779B1 mod 2^32, then y ^ (y >> 15).
+    # y mod 2^32 is y - ((y >> 32) << 32) (the arithmetic shift floors, so negative y too);
+    # (x * c) mod 2^32 is that of x * c_lo + ((x & 0xFFFF) * c_hi) << 16; an absorption step is
+    # y = (h ^ word) * 0x9E3779B1 mod 2^32, then y ^ (y >> 15) (h ^ word is symmetric, so the
+    # torch code's first step, the seed's low word absorbing the initial value, is the same).
     @triton.jit
     def uniforms_kernel(seed_ptr, counter_ptr, out_ptr, n, salt, BLOCK: tl.constexpr):
         b = tl.program_id(0)
         seed = tl.load(seed_ptr + b).to(tl.int64)
         counter = tl.load(counter_ptr + b).to(tl.int64)
         s_top, c_top = seed >> 32, counter >> 32
-        s_lo = seed - (s_top << 32)
-        s_hi = s_top - ((s_top >> 32) << 32)
-        c_lo = counter - (c_top << 32)
-        c_hi = c_top - ((c_top >> 32) << 32)
-        y = s_lo ^ 0x243F6A88
-        y = y * 0x79B1 + (((y & 0xFFFF) * 0x9E37) << 16)
-        y = y - ((y >> 32) << 32)
-        h = y ^ (y >> 15)
-        y = h ^ s_hi
-        y = y * 0x79B1 + (((y & 0xFFFF) * 0x9E37) << 16)
-        y = y - ((y >> 32) << 32)
-        h = y ^ (y >> 15)
-        y = h ^ c_lo
-        y = y * 0x79B1 + (((y & 0xFFFF) * 0x9E37) << 16)
-        y = y - ((y >> 32) << 32)
-        h = y ^ (y >> 15)
-        y = h ^ c_hi
-        y = y * 0x79B1 + (((y & 0xFFFF) * 0x9E37) << 16)
-        y = y - ((y >> 32) << 32)
-        h = y ^ (y >> 15)
-        y = h ^ salt
-        y = y * 0x79B1 + (((y & 0xFFFF) * 0x9E37) << 16)
-        y = y - ((y >> 32) << 32)
-        h = y ^ (y >> 15)
         j = tl.arange(0, BLOCK)
-        y = h ^ j.to(tl.int64)
-        y = y * 0x79B1 + (((y & 0xFFFF) * 0x9E37) << 16)
-        y = y - ((y >> 32) << 32)
-        x = y ^ (y >> 15)
-        x = x ^ (x >> 16)                 # MurmurHash3's finaliser
+        # the words in order: seed low / high, counter low / high, salt, then each index j
+        words = (seed - (s_top << 32), s_top - ((s_top >> 32) << 32), counter - (c_top << 32),
+                 c_top - ((c_top >> 32) << 32), seed * 0 + salt, j.to(tl.int64))
+        h = seed * 0 + 0x243F6A88
+        for i in tl.static_range(6):
+            y = h ^ words[i]
+            y = y * 0x79B1 + (((y & 0xFFFF) * 0x9E37) << 16)
+            y = y - ((y >> 32) << 32)
+            h = y ^ (y >> 15)
+        x = h ^ (h >> 16)                 # MurmurHash3's finaliser
         x = x * 0xCA6B + (((x & 0xFFFF) * 0x85EB) << 16)
         x = x - ((x >> 32) << 32)
         x = x ^ (x >> 13)

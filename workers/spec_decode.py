@@ -125,9 +125,8 @@ def _int64(name: str, t: torch.Tensor, batch: int | None = None) -> torch.Tensor
 
 
 def _row_key(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
-    """[B] the state after absorbing the 64-bit seed and counter (shared by a row's draws)."""
-    seed = _int64("seed", seed)
-    counter = _int64("counter", counter, seed.shape[0])
+    """[B] the state after absorbing the 64-bit seed and counter (int64 [B] each; shared by a
+    row's draws)."""
     h = _absorb(seed & MASK32, _IV)
     for word in ((seed >> 32) & MASK32, counter & MASK32, (counter >> 32) & MASK32):
         h = _absorb(h, word)
@@ -135,9 +134,7 @@ def _row_key(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
 
 
 def _draw(key: torch.Tensor, salt: int, n: int) -> torch.Tensor:
-    """[B, n] uniforms of draw `salt` from row keys [B]."""
-    if n < 1:
-        raise ValueError(f"n={n}: must be >= 1")
+    """[B, n] uniforms of draw `salt` from row keys [B] (n >= 1)."""
     index = torch.arange(n, dtype=torch.int64, device=key.device)
     h = _fmix(_absorb(_absorb(key, salt & MASK32)[:, None], index[None, :]))
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
@@ -149,11 +146,11 @@ def uniforms(seed: torch.Tensor, counter: torch.Tensor, salt: int, n: int) -> to
     Same inputs give the same numbers on every device and whatever else is in the batch (on a
     GPU one fused kernel does the same integer arithmetic: `kernels.uniforms`).
     """
+    seed = _int64("seed", seed)
+    counter = _int64("counter", counter, seed.shape[0])
+    if n < 1:
+        raise ValueError(f"n={n}: must be >= 1")
     if kernels.enabled(seed):
-        seed = _int64("seed", seed)
-        counter = _int64("counter", counter, seed.shape[0])
-        if n < 1:
-            raise ValueError(f"n={n}: must be >= 1")
         return kernels.uniforms(seed, counter, salt & MASK32, n)
     return _draw(_row_key(seed, counter), salt, n)
 
