@@ -18,7 +18,9 @@ interval N (`--catchup-rounds`):
   round is `round + catch-up / N`, reported against the headless round;
 - prefill: the padded prefill of `bucket` rows of 64 token slots (a graph per shape on a GPU,
   the greedy one: the requests here are greedy),
-  which a speculating engine runs with the head over the prompt;
+  which a speculating engine runs with the head over the prompt; and, where the engine defers
+  the head's part at depth 0 (`defer_prefill_width`), the prefill without it and the forward
+  over `bucket` waiting prompts that a later catch-up runs in its place;
 - engine: rounds as the engine runs them (`Engine.measure_round_costs`: chains of N rounds,
   dummy rows, launched and read with overlap as in serving), against the headless engine's.
 
@@ -143,6 +145,23 @@ def bodies(engine: Engine, bucket: int, context: int,
         graph = worker._prefill_graphs.get((rows, slots, True))   # greedy requests
         out["prefill"] = graph.replay if graph is not None else (
             lambda: worker._prefill_padded(rows, slots, True))
+        if worker.pend_len is not None and slots in worker._defer_widths:
+            # at depth 0 the head's part waits: the prefill without it, and the forward over
+            # `bucket` waiting prompts of `slots` tokens that a later catch-up runs (real slots
+            # whose pages are the dummy page; their waiting length set before each run)
+            graph = worker._deferred_graphs.get((rows, slots, True))
+            out["prefill_deferred"] = graph.replay if graph is not None else (
+                lambda: worker._prefill_padded(rows, slots, True, True))
+            pending = worker._pending_graphs.get((bucket, slots))
+            run_pending = pending.replay if pending is not None else (
+                lambda: worker._pending_phase(bucket, reach, slots))
+
+            def waiting() -> None:
+                worker.round_rows[:bucket] = torch.arange(bucket, device=worker.device)
+                worker.pend_len[:bucket] = slots
+                run_pending()
+                worker.round_rows[:bucket] = worker.dummy_slot
+            out["pending"] = waiting
     return out
 
 
@@ -215,7 +234,8 @@ def analyse(samples: dict[tuple[str, int, str], list[float]], engines: dict[str,
         row: dict[str, Any] = {}
         for name, engine in engines.items():
             entry = {part: {k: v * 1e6 for k, v in spread(samples[(name, bucket, part)]).items()}
-                     for part in ("round", "catchup", "prefill", "engine")
+                     for part in ("round", "catchup", "prefill", "prefill_deferred", "pending",
+                                  "engine")
                      if (name, bucket, part) in samples}
             every = engine.worker.catchup_every
             per_round = statistics.median(samples[(name, bucket, "round")]) + (
@@ -224,6 +244,10 @@ def analyse(samples: dict[tuple[str, int, str], list[float]], engines: dict[str,
             if (name, bucket, "prefill") in samples:
                 entry["prefill_vs_headless"] = statistics.median(
                     samples[(name, bucket, "prefill")]) / statistics.median(
+                    samples[(HEADLESS, bucket, "prefill")])
+            if (name, bucket, "prefill_deferred") in samples:
+                entry["prefill_deferred_vs_headless"] = statistics.median(
+                    samples[(name, bucket, "prefill_deferred")]) / statistics.median(
                     samples[(HEADLESS, bucket, "prefill")])
             entry.update(device_us_per_round=per_round * 1e6,
                          device_vs_headless=per_round / base)
@@ -257,6 +281,9 @@ def write(args: argparse.Namespace, results: dict[str, Any],
                   + f"  per round x{e['device_vs_headless']:.3f}"
                   + (f"  prefill x{e['prefill_vs_headless']:.3f}" if "prefill_vs_headless" in e
                      else "")
+                  + (f" (head deferred x{e['prefill_deferred_vs_headless']:.3f}, waiting "
+                     f"prompts {e['pending']['median']:.1f} us per catch-up)"
+                     if "prefill_deferred_vs_headless" in e else "")
                   + (f"  engine x{e['engine_vs_headless']:.3f}" if "engine_vs_headless" in e
                      else ""))
     plot(results, out / "depth0.png")
@@ -274,8 +301,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fields, titles = [], []
     for field, title in (("device_vs_headless", "device time per depth-0 round"),
                          ("engine_vs_headless", "engine rounds (with host)"),
-                         ("prefill_vs_headless", "padded prefill (device)")):
-        if all(field in row[n] for row in results.values() for n in row):
+                         ("prefill_vs_headless", "padded prefill (device)"),
+                         ("prefill_deferred_vs_headless", "padded prefill at depth 0 (device)")):
+        if all(field in row[n] for row in results.values() for n in row if n != HEADLESS):
             fields.append(field)
             titles.append(title)
     fig, axes = plt.subplots(1, len(fields), figsize=(5.5 * len(fields), 4))
@@ -283,7 +311,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     for i, name in enumerate(names):
         xs = [k + (i - len(names) / 2 + 0.5) * width for k in range(len(keys))]
         for ax, field in zip(axes, fields):
-            ax.bar(xs, [results[k][name][field] for k in keys], width=width, label=name)
+            ax.bar(xs, [results[k][name].get(field, 1.0) for k in keys], width=width,
+                   label=name)
     for ax, title in zip(axes, titles):
         ax.axhline(1.0, color="k", lw=0.7)
         ax.set_xticks(range(len(keys)))

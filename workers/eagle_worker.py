@@ -78,6 +78,7 @@ from workers.spec_decode import SALT_SAMPLE, draft_step, sample_tokens, verify
 
 PHASES = ("draft", "verify", "extend")
 CATCHUP = "catchup"
+PENDING = "pending-prompts"
 SHADOW_COLUMNS = 2  # depth 0 with a head: the catch-up's (hits, checks) per row, after the tokens
 
 
@@ -202,6 +203,13 @@ class EagleWorker:
         self.lag_features: torch.Tensor | None = None  # [slots, catchup_every, F] f_{p-1}
         self._lag_rounds = 0                          # depth-0 rounds since the last catch-up
         self._catchup_graphs: dict[int, GraphEntry] = {}
+        # depth 0 with a head: prompts whose head forward waits for the catch-up (built with tier
+        # 0 when `defer_prefill_width` admits a padded width)
+        self.pend_len: torch.Tensor | None = None        # [slots] prompt tokens waiting (0: none)
+        self.pend_tokens: torch.Tensor | None = None     # [slots, W] the head's x_1 .. x_P
+        self.pend_features: torch.Tensor | None = None   # [slots, W, F] f_0 .. f_{P-1}
+        self._pending_width = 0       # the widest deferred prefill since the last catch-up
+        self._pending_graphs: dict[tuple[int, int], GraphEntry] = {}   # (bucket, width)
         # the padded prefill: its shapes, its static inputs (token ids of `rows x width` slots,
         # then the slot of each row, then each row's prompt length) and its graphs
         self._pf_cap = config.padded_prefill_tokens
@@ -209,8 +217,17 @@ class EagleWorker:
             1 << i for i in range(config.max_batch_size.bit_length() + 1)
             if 1 << i < 2 * config.max_batch_size)
         self._pf_top = self._pf_buckets[-1]
+        # the padded prefill widths whose head forward may wait for the catch-up
+        self._defer_widths: tuple[int, ...] = ()
+        if config.speculative and self._pf_cap:
+            width, widths = 32, []
+            while width <= min(config.defer_prefill_width, self._pf_cap):
+                widths.append(width)
+                width *= 2
+            self._defer_widths = tuple(widths)
         self.pf_buf = zeros(self._pf_cap + 2 * self._pf_top) if self._pf_cap else None
         self._prefill_graphs: dict[tuple[int, int, bool], GraphEntry] = {}  # (rows, width, greedy)
+        self._deferred_graphs: dict[tuple[int, int, bool], GraphEntry] = {}  # the head left out
         self.prefill_graph_bytes = 0   # growth of the shared graph pool while they captured
         # host staging of a round (rows in, results out), two sets: with overlap the next round is
         # staged while the device may still copy the previous one's
@@ -269,6 +286,11 @@ class EagleWorker:
             self.slot_lag = zeros(slots)
             self.lag_tokens = zeros(slots, lag)
             self.lag_features = zeros(slots, lag, dim, dt=self.slot_feature.dtype)
+            if self._defer_widths:
+                self.pend_len = zeros(slots)
+                self.pend_tokens = zeros(slots, self._defer_widths[-1])
+                self.pend_features = zeros(slots, self._defer_widths[-1], dim,
+                                           dt=self.slot_feature.dtype)
         extra = SHADOW_COLUMNS if steps == 0 and self.slot_lag is not None else 0
         bufs = StepBuffers(steps=steps, rows=self.round_rows, drafts=zeros(top, steps),
                            q=zeros(top, steps, vocab, dt=torch.float32),
@@ -278,7 +300,9 @@ class EagleWorker:
         nbytes = bufs.nbytes
         if steps == 0 and self.slot_lag is not None:
             nbytes += sum(t.numel() * t.element_size()
-                          for t in (self.slot_lag, self.lag_tokens, self.lag_features))
+                          for t in (self.slot_lag, self.lag_tokens, self.lag_features,
+                                    self.pend_len, self.pend_tokens, self.pend_features)
+                          if t is not None)
         if self.graphs is not None:
             before = self.graphs.pool_bytes()
             self._capture(bufs)
@@ -305,6 +329,11 @@ class EagleWorker:
                 body = self._body(bufs, CATCHUP, bucket, reach, True)
                 self._catchup_graphs[bucket] = self.graphs.capture_body(
                     f"{CATCHUP}/bucket={bucket}", body)
+                if self.pend_len is not None:
+                    for width in self._defer_widths:
+                        self._pending_graphs[(bucket, width)] = self.graphs.capture_body(
+                            f"{PENDING}/bucket={bucket}/width={width}",
+                            self._pending_body(bucket, reach, width))
         self.slot_len[self.dummy_slot] = 0
 
     @staticmethod
@@ -436,6 +465,29 @@ class EagleWorker:
             bufs.out[:bp, -2] = hits
             bufs.out[:bp, -1] = checks
 
+    def _pending_body(self, bp: int, reach: int, width: int) -> Callable[[], None]:
+        return lambda: self._pending_phase(bp, reach, width)
+
+    def _pending_phase(self, bp: int, reach: int, width: int) -> None:
+        """The head over each row's deferred prompt (the part of a padded prefill run at depth 0
+        that was left out): `P` tokens x_1 .. x_P at positions 1 .. P (draft KV index 0 ..) fed
+        f_0 .. f_{P-1}; its row P-1 is the new g. Rows without a deferred prompt (and dummy
+        rows) write nothing and keep their g; `width` >= every waiting prompt's bucket. Runs
+        with the catch-up, before the ring (whose entries follow the prompt)."""
+        rows = self.round_rows[:bp]
+        real = (rows != self.dummy_slot).to(torch.int64)
+        length = self.pend_len[rows] * real
+        start = torch.zeros_like(length)
+        pos = torch.arange(1, width + 1, device=self.device).repeat(bp)
+        last = torch.arange(bp, device=self.device) * width + (length - 1).clamp(min=0)
+        attn = self._attn(self.draft_kv, self._pages(rows, reach), start, length, width)
+        g = self.head(self.pend_tokens[rows, :width].reshape(-1),
+                      self.pend_features[rows, :width].reshape(bp * width, -1), pos, attn,
+                      last=last)
+        fresh = torch.where((length > 0)[:, None], g, self.slot_feature[rows])
+        self.slot_feature.index_copy_(0, rows, fresh)
+        self.pend_len.index_copy_(0, rows, start)
+
     def _advance(self, bufs: StepBuffers, bp: int, rows: torch.Tensor, n: torch.Tensor,
                  g: torch.Tensor | None) -> None:
         """Move every row's slot past its committed tokens and stage what the host reads."""
@@ -477,6 +529,10 @@ class EagleWorker:
                     body = self._prefill_body(rows, width, greedy)
                     self._prefill_graphs[(rows, width, greedy)] = self.graphs.capture_body(
                         f"prefill/rows={rows}/width={width}/greedy={greedy}", body)
+                    if self.pend_len is not None and width in self._defer_widths:
+                        body = self._prefill_body(rows, width, greedy, defer=True)
+                        self._deferred_graphs[(rows, width, greedy)] = self.graphs.capture_body(
+                            f"prefill/rows={rows}/width={width}/greedy={greedy}/deferred", body)
                 width *= 2
         self.slot_len[self.dummy_slot] = 0
         self.prefill_graph_bytes = self.graphs.pool_bytes() - before
@@ -490,15 +546,18 @@ class EagleWorker:
         return (self.pf_buf[:bp * width], self.pf_buf[cap:cap + bp],
                 self.pf_buf[cap + top:cap + top + bp])
 
-    def _prefill_body(self, rows: int, width: int, greedy: bool) -> Callable[[], None]:
-        return lambda: self._prefill_padded(rows, width, greedy)
+    def _prefill_body(self, rows: int, width: int, greedy: bool,
+                      defer: bool = False) -> Callable[[], None]:
+        return lambda: self._prefill_padded(rows, width, greedy, defer)
 
-    def _prefill_padded(self, bp: int, width: int, greedy: bool = False) -> None:
+    def _prefill_padded(self, bp: int, width: int, greedy: bool = False,
+                        defer: bool = False) -> None:
         """The padded prefill over `bp` rows of `width` token slots, from the static inputs:
         the target over each row's prompt at positions 0.., its first token drawn at the last
         prompt position (`greedy`: every request greedy, the argmax alone — like the round, one
         graph each way), the head over x_1 .. x_P (the first token last) with f_0 .. f_{P-1} at
-        positions 1 .., and the rows' slots set. Dummy rows (length 0) write the dummy slot."""
+        positions 1 .. (`defer`: those inputs kept in the rows' slots for the next catch-up
+        instead), and the rows' slots set. Dummy rows (length 0) write the dummy slot."""
         ids, rows, lens = self.prefill_inputs(bp, width)
         reach = min(pages_for(width, self.config.page_size), self.slot_pages.shape[1])
         pages = self._pages(rows, reach)
@@ -512,17 +571,26 @@ class EagleWorker:
         if self.speculative:
             nxt = torch.cat([ids.view(bp, width)[:, 1:], start[:, None]], dim=1).reshape(-1)
             nxt = nxt.index_copy(0, last, first)
-            g = self.head(nxt, hidden, pos + 1,
-                          self._attn(self.draft_kv, pages, start, lens, width), last=last)
-            self.slot_feature.index_copy_(0, rows, g)
-        self._filled(rows, lens, first)
+            if defer:
+                self.pend_tokens[rows, :width] = nxt.view(bp, width)
+                self.pend_features[rows, :width] = hidden.view(bp, width, -1)
+            else:
+                g = self.head(nxt, hidden, pos + 1,
+                              self._attn(self.draft_kv, pages, start, lens, width), last=last)
+                self.slot_feature.index_copy_(0, rows, g)
+        self._filled(rows, lens, first, defer)
 
-    def _filled(self, slots: torch.Tensor, lens: torch.Tensor, first: torch.Tensor) -> None:
-        """Prefilled slots: their cache length, first token, and an empty lag ring."""
+    def _filled(self, slots: torch.Tensor, lens: torch.Tensor, first: torch.Tensor,
+                deferred: bool = False) -> None:
+        """Prefilled slots: their cache length, first token, an empty lag ring and (`deferred`)
+        the prompt's head forward waiting for the catch-up, or none."""
         self.slot_len.index_copy_(0, slots, lens)
         self.slot_last.index_copy_(0, slots, first)
         if self.slot_lag is not None:
             self.slot_lag.index_copy_(0, slots, torch.zeros_like(slots))
+        if self.pend_len is not None:
+            self.pend_len.index_copy_(0, slots, lens if deferred else torch.zeros_like(slots))
+            self.pend_len[self.dummy_slot:].zero_()
         self.slot_len[self.dummy_slot:].zero_()
 
     @torch.inference_mode()
@@ -552,11 +620,15 @@ class EagleWorker:
             for dst, src in zip(self.prefill_inputs(bp, slots), (dev_ids, dev_rows, dev_lens)):
                 dst.copy_(src)
             greedy = all(r.params.greedy for r in reqs)
-            entry = self._prefill_graphs.get((bp, slots, greedy)) if graph else None
+            defer = self._defers(slots)
+            graphs = self._deferred_graphs if defer else self._prefill_graphs
+            entry = graphs.get((bp, slots, greedy)) if graph else None
             if entry is not None:
                 entry.replay()
             else:
-                self._prefill_padded(bp, slots, greedy)
+                self._prefill_padded(bp, slots, greedy, defer)
+            if defer:
+                self._pending_width = max(self._pending_width, slots)
             return
         lens = [len(r.prompt_ids) for r in reqs]
         total = sum(lens)
@@ -592,6 +664,12 @@ class EagleWorker:
                           last=last)
             self.slot_feature.index_copy_(0, slots, g)
         self._filled(slots, dev["lens"], first)
+
+    def _defers(self, width: int) -> bool:
+        """Whether a padded prefill of `width` slots leaves the head's part to the catch-up: at
+        depth 0 (the tier in force, agreed) with the deferral buffers, at a width they hold."""
+        return (self.pend_len is not None and self.state is not None and self.state.steps == 0
+                and width in self._defer_widths)
 
     def _set_slots(self, reqs: list[Request]) -> None:
         """Page tables and sampling settings of newly admitted requests into their slots (two
@@ -645,8 +723,8 @@ class EagleWorker:
         bufs.rows[:bp].copy_(stage.rows[:bp], non_blocking=True)
         greedy = all(r.params.greedy for r in reqs)
         reach = self._reach(reqs, graph_bucket)
-        if bufs.steps > 0 and self._lag_rounds:  # drafting resumes: the draft cache first
-            self._catch_up(bufs, bp, reach, graph_bucket)
+        if bufs.steps > 0 and (self._lag_rounds or self._pending_width):
+            self._catch_up(bufs, bp, reach, graph_bucket)   # drafting resumes: the draft cache first
         for phase in self._phases(bufs.steps):
             if graph_bucket is None:
                 self._body(bufs, phase, bp, reach, greedy)()
@@ -670,11 +748,21 @@ class EagleWorker:
                              shadow=shadow)
 
     def _catch_up(self, bufs: StepBuffers, bp: int, reach: int, graph_bucket: int | None) -> None:
-        if graph_bucket is None:
-            self._catchup_phase(bufs, bp, reach, True)
-        else:
-            self._catchup_graphs[graph_bucket].replay()
-        self._lag_rounds = 0
+        """The draft cache caught up: the deferred prompts (if any prefill left its head part
+        since the last catch-up), then the lag ring (if any depth-0 round ran since)."""
+        width = self._pending_width
+        if width:
+            if graph_bucket is None:
+                self._pending_phase(bp, reach, width)
+            else:
+                self._pending_graphs[(graph_bucket, width)].replay()
+            self._pending_width = 0
+        if self._lag_rounds:
+            if graph_bucket is None:
+                self._catchup_phase(bufs, bp, reach, True)
+            else:
+                self._catchup_graphs[graph_bucket].replay()
+            self._lag_rounds = 0
 
     def collect(self, launched: "LaunchedRound") -> "RoundResult":
         """Wait for a launched round and read its results (the round's one host synchronisation:

@@ -153,6 +153,8 @@ def _prepare(ctx: Any, args: argparse.Namespace) -> tuple[Any, tuple[int, int], 
         raise ValueError(f"--padded-prefill-tokens {args.padded_prefill_tokens}: must be >= 0")
     if args.catchup_rounds < 1:
         raise ValueError(f"--catchup-rounds {args.catchup_rounds}: must be >= 1")
+    if args.defer_prefill_width < 0:
+        raise ValueError(f"--defer-prefill-width {args.defer_prefill_width}: must be >= 0")
     degrees = resolve_degrees(args, ctx.world_size)
     spec = _spec(args)
     paths = model_paths(args.model, args.draft_model)  # a missing head: refused after the target
@@ -215,6 +217,7 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
                           dp=dp, attn_tp=attn_tp, mlp_scatter=args.mlp_scatter,
                           padded_prefill_tokens=args.padded_prefill_tokens,
                           catchup_rounds=args.catchup_rounds,
+                          defer_prefill_width=args.defer_prefill_width,
                           **size_for(target.config, dp))
     engine_settings = {f"engine {k}": v for k, v in config.to_dict().items()
                        if k not in ("spec", "device")}  # cuda:0 on rank 0, cuda:1 on rank 1

@@ -176,6 +176,35 @@ def test_depth_0_catch_up_graphs_equal_eager(gpu_pair, prompts, reference) -> No
 
 @gpu
 @needs_cuda
+def test_deferred_prefill_graphs_equal_eager(gpu_pair, prompts, reference) -> None:
+    """An engine whose tiers include depth 0 from the start captures the padded prefill with the
+    head left out (and the forward over the waiting prompts per bucket and width): admissions at
+    depth 0 replay it, the catch-ups run the waiting prompts, and with the same schedule the graph
+    path accepts what the eager path accepts (what the head run in every prefill accepts), with
+    plain greedy's tokens."""
+    config = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3), initial_steps=0,
+                            round_cost={"0": 1.0, "1": 2.0, "3": 3.0})
+    script = [0] * 11 + [3] * 3 + [0] * 5 + [1] * 2 + [0] * 9 + [3]
+    runs = []
+    for graphs, defer in ((False, 0), (False, 128), (True, 128)):
+        engine = engine_for(*gpu_pair, "ema", config=config, device="cuda", cuda_graphs=graphs,
+                            defer_prefill_width=defer)
+        worker = engine.worker
+        engine.planner = ScriptPlanner(script, graphs, 4)
+        replays = [0]
+        for entry in worker._deferred_graphs.values():
+            entry.replay = (lambda e: lambda: (replays.__setitem__(0, replays[0] + 1),
+                                               type(e).replay(e))[1])(entry)
+        assert _outputs(engine, prompts, _params(len(prompts))) == reference
+        assert bool(worker._deferred_graphs) == bool(worker._pending_graphs) == graphs
+        assert replays[0] > 0 if graphs else replays[0] == 0
+        runs.append(dict(engine.stats.accept_histogram))
+        _close_and_check_pages(engine)
+    assert runs[0] == runs[1] == runs[2] and sum(v for k, v in runs[0].items() if k > 0) > 0
+
+
+@gpu
+@needs_cuda
 def test_eagle3_cuda_graph_replay_equals_eager(prompts) -> None:
     """An EAGLE-3 oracle pair (`model_fixtures`, float64) on the GPU: the captured draft loop (the
     d2t map inside the head's logits), verify (the target's three captured states inside its

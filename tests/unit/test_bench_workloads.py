@@ -110,12 +110,17 @@ def test_bench_depth0_prices_every_part_per_interval(tmp_path):
         assert list(row) == ["nohead", "head@2", "head@5"]
         assert row["nohead"]["device_vs_headless"] == 1.0 and "catchup" not in row["nohead"]
         for name in ("head@2", "head@5"):
-            assert {"round", "catchup", "prefill", "engine"} <= set(row[name])
+            assert {"round", "catchup", "prefill", "prefill_deferred", "pending",
+                    "engine"} <= set(row[name])
+            want = row[name]["prefill_deferred"]["median"] / row["nohead"]["prefill"]["median"]
+            assert abs(row[name]["prefill_deferred_vs_headless"] - want) < 1e-6 * want
             every = int(name.split("@")[1])
             want = (row[name]["round"]["median"] + row[name]["catchup"]["median"] / every) / \
                 row["nohead"]["round"]["median"]
             assert abs(row[name]["device_vs_headless"] - want) < 1e-6 * want
-    assert len(data["samples"]) == 2 * 3 * 3 + 2 * 2   # parts per engine and bucket
+    # parts per engine and bucket: round, prefill, engine; catch-up, deferred prefill, waiting
+    # prompts with a head
+    assert len(data["samples"]) == 2 * 3 * 3 + 2 * 2 * 3
 
 
 def test_bench_sampling_runs_both_uniforms_and_compares_tokens(tmp_path):

@@ -17,8 +17,10 @@ def pair():
     return tiny_pair(seed=0)
 
 
-def _engine(pair, script: list[int], graphs: bool, tiers=(0, 3), every: int = 8):
-    engine = engine_for(*pair, "static", steps=3, cuda_graphs=graphs, catchup_rounds=every)
+def _engine(pair, script: list[int], graphs: bool, tiers=(0, 3), every: int = 8,
+            defer: int = 128, max_batch: int = 4):
+    engine = engine_for(*pair, "static", steps=3, cuda_graphs=graphs, catchup_rounds=every,
+                        defer_prefill_width=defer, max_batch=max_batch)
     engine.pool = RuntimeStatePool(engine.worker, tiers)
     engine.planner = ScriptPlanner(script, graphs, 4)
     return engine
@@ -35,11 +37,14 @@ def _draft_state(engine, req) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
+@pytest.mark.parametrize("defer", [0, 128], ids=["head-in-prefill", "deferred"])
 @pytest.mark.parametrize("rounds,every", [(3, 8), (8, 8), (13, 8), (13, 5), (4, 1)])
 def test_caught_up_draft_cache_equals_a_prefill_of_the_same_tokens(pair, rounds, every,
-                                                                   graphs) -> None:
+                                                                   graphs, defer) -> None:
+    """With the prompts' head forward in the prefill or deferred to the first catch-up (the
+    prefill runs at depth 0): the same draft cache and head feature in the end."""
     prompts = random_prompts(3, vocab=64, seed=11, lo=3, hi=14)
-    engine = _engine(pair, [0], graphs, every=every)
+    engine = _engine(pair, [0], graphs, every=every, defer=defer)
     reqs = [engine.add(p, SamplingParams(max_new_tokens=rounds + 5)) for p in prompts]
     for _ in range(rounds):
         engine.step()
@@ -49,11 +54,19 @@ def test_caught_up_draft_cache_equals_a_prefill_of_the_same_tokens(pair, rounds,
     lag = rounds % every
     assert worker._lag_rounds == lag
     assert [int(worker.slot_lag[r.slot]) for r in reqs] == [lag] * len(reqs)
+    waiting = [len(r.prompt_ids) for r in reqs] if defer and rounds < every else [0] * len(reqs)
+    if defer:   # the prompts wait until the first catch-up (a 32-slot prefill: width 32)
+        assert [int(worker.pend_len[r.slot]) for r in reqs] == waiting
+        assert worker._pending_width == (32 if rounds < every else 0)
+    else:
+        assert worker.pend_len is None and worker._pending_width == 0
     plan = engine.last_plan
     reach = worker.slot_pages.shape[1]
     worker._catch_up(worker.state.payload, plan.batch_bucket or len(reqs), reach,
                      plan.batch_bucket)
     assert worker._lag_rounds == 0 and all(int(worker.slot_lag[r.slot]) == 0 for r in reqs)
+    assert worker._pending_width == 0
+    assert defer == 0 or all(int(worker.pend_len[r.slot]) == 0 for r in reqs)
 
     # reference: a fresh worker prefilling prompt + outputs but the last (greedy: it redraws it)
     fresh = engine_for(*pair, "static", steps=3)
@@ -221,3 +234,88 @@ def test_round_cost_chains_hold_one_catch_up_at_depth_0(pair) -> None:
     assert launched.count(1) == launched.count(3) == chains * COST_CHAIN
     assert catch_ups == [0] * chains        # one per depth-0 chain, none before a deeper one
     engine.close()
+
+
+class _Accepts(ScriptPlanner):
+    """A ScriptPlanner that keeps every round's accept lengths."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.accepts: list[list[int]] = []
+
+    def end_round(self, accepts, executed=None, plan=None, shadow=None) -> None:
+        self.accepts.append([int(a) for a in accepts])
+        super().end_round(accepts, executed, plan, shadow)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
+def test_deferred_prompts_draft_as_prompts_run_through_the_head_in_the_prefill(pair,
+                                                                               graphs) -> None:
+    """Admissions at depth 0 (deferred) and above it (not), slots reused — a request whose
+    prompt was still waiting finishes and a request prefilled above depth 0 takes its slot —
+    then drafting: every round accepts what it accepts with the head run in each prefill, and
+    the outputs are the plain engine's. A waiting prompt left in a reused slot would overwrite
+    the new request's draft cache at the next catch-up (its accepts would change)."""
+    every = 6
+    script = [0] * 3 + [3] * 4 + [0] * 9 + [1, 3] + [0] * 2 + [3] * 40
+    prompts = random_prompts(7, vocab=64, seed=5, lo=3, hi=30)
+    budgets = [4, 9, 4, 25, 12, 3, 20]   # the first ends in round 3, its slot refilled at depth 3
+    runs = []
+    for defer in (0, 128):
+        engine = _engine(pair, script, graphs, tiers=(0, 1, 3), every=every, defer=defer,
+                         max_batch=2)
+        engine.planner = _Accepts(script, graphs, 2)
+        deferred = []
+        prefill = engine.worker.prefill
+
+        def counted(reqs, *args, _prefill=prefill, _worker=engine.worker, _out=deferred):
+            before = _worker._pending_width
+            _prefill(reqs, *args)
+            _out.append(_worker._pending_width > before)
+        engine.worker.prefill = counted
+        reqs = [engine.add(p, SamplingParams(max_new_tokens=b)) for p, b in zip(prompts, budgets)]
+        while engine.scheduler.has_work:
+            engine.step()
+        engine.drain()
+        runs.append(([r.output_ids for r in reqs], engine.planner.accepts, deferred))
+        check_pages_back(engine)
+        engine.close()
+    (outs0, accepts0, deferred0), (outs1, accepts1, deferred1) = runs
+    assert not any(deferred0) and 0 < sum(deferred1) < len(deferred1)
+    assert accepts1 == accepts0 and any(a > 0 for row in accepts0 for a in row)
+    plain = engine_for(pair[0], None, "nospec")
+    ref = plain.generate(prompts, [SamplingParams(max_new_tokens=b) for b in budgets])
+    assert outs1 == outs0 == [r.output_ids for r in ref]
+
+
+def test_defer_prefill_width_picks_the_widths_whose_head_waits(pair) -> None:
+    worker = _engine(pair, [0], False, defer=100).worker
+    assert worker._defer_widths == (32, 64) and worker.pend_tokens.shape[1] == 64
+    assert _engine(pair, [0], False, defer=31).worker.pend_len is None
+    with pytest.raises(ValueError, match="defer_prefill_width=-1"):
+        _engine(pair, [0], False, defer=-1)
+
+
+def test_a_deferred_prompt_caught_up_alone_equals_the_prefills_head(pair) -> None:
+    """A prefill at depth 0 keeps the head's inputs; a catch-up before any round (no ring: the
+    prompts alone) writes the draft cache and head feature the head in the prefill writes."""
+    prompts = random_prompts(3, vocab=64, seed=13, lo=3, hi=40)
+    states = []
+    for defer in (0, 128):
+        engine = _engine(pair, [0], False, defer=defer)
+        engine.pool.apply(0)
+        worker = engine.worker
+        reqs = [engine.add(p, SamplingParams(max_new_tokens=4)) for p in prompts]
+        admitted = engine.scheduler.admit()
+        longest = max(len(p) for p in prompts)
+        worker.prefill(admitted, sum(len(r.prompt_ids) for r in admitted), len(admitted), longest)
+        assert worker._pending_width == (64 if defer else 0)
+        worker.round_rows[:len(reqs)] = torch.tensor([r.slot for r in reqs])
+        worker._catch_up(worker.state.payload, len(reqs), worker.slot_pages.shape[1], None)
+        assert worker._pending_width == 0 and worker._lag_rounds == 0
+        states.append([_draft_state(engine, r) for r in reqs])
+        engine.close()
+    for (kv, g, n), (kv_ref, g_ref, n_ref) in zip(states[1], states[0]):
+        assert n == n_ref
+        torch.testing.assert_close(kv, kv_ref, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-9)
