@@ -22,7 +22,9 @@ ema_min (the min vote); goodput (candidates 0, 1, 3, 7; its cost table measured 
 the pooled rate) and goodput_min (the same with the `min` reducer: the smallest rank's rate);
 and the oracle, computed from the static runs: per phase the best static depth's median
 tokens/s. `NAME@N` runs a policy's engine with the draft cache caught up every N depth-0 rounds
-(`--catchup-rounds`, default the engine's), beside the same policy at other intervals.
+(`--catchup-rounds`, default the engine's), beside the same policy at other intervals;
+`NAME/nodefer` (also `NAME@N/nodefer`) the engine with the head run in every prefill
+(`--defer-prefill-width 0`: the head's part of a prefill at depth 0 not left to the catch-up).
 One engine per policy, built once (graphs captured once); every run starts its policy
 afresh; runs are interleaved over the repeats. Per run: tokens/s overall and per phase, switches,
 switches per phase change (and per hour at the run's rate), rounds at each depth, the depth
@@ -93,19 +95,26 @@ def spec_of(policy: str, knobs: dict[str, Any] | None = None,
     return spec.replace(**knobs) if knobs else spec
 
 
-def split_policy(name: str) -> tuple[str, int | None]:
-    """`NAME` or `NAME@N` (a speculating policy's engine at catch-up interval N) -> (NAME, N or
-    None); raises ValueError naming what is wrong."""
+NODEFER = "/nodefer"
+
+
+def split_policy(name: str) -> tuple[str, int | None, int | None]:
+    """`NAME`, `NAME@N` (a speculating policy's engine at catch-up interval N), either with
+    `/nodefer` (the head in every prefill) -> (NAME, N or None, 0 with `/nodefer` else None: the
+    engine's default deferral); raises ValueError naming what is wrong."""
+    defer = None
+    if name.endswith(NODEFER):
+        name, defer = name[:-len(NODEFER)], 0
     base, sep, rounds = name.partition("@")
     if base not in POLICIES + DIAGNOSTIC:
         raise ValueError(f"unknown policy {base!r}; allowed: {', '.join(POLICIES + DIAGNOSTIC)}")
+    if base == "static0" and (sep or defer is not None):
+        raise ValueError("static0 has no draft head, so no catch-up interval or deferral")
     if not sep:
-        return base, None
-    if base == "static0":
-        raise ValueError("static0 has no draft head, so no catch-up interval")
+        return base, None, defer
     if not rounds.isdigit() or int(rounds) < 1:
         raise ValueError(f"@{rounds}: the catch-up interval must be an integer >= 1")
-    return base, int(rounds)
+    return base, int(rounds), defer
 
 
 def parse_knobs(items: list[str]) -> dict[str, Any]:
@@ -133,11 +142,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--workloads", nargs="+", default=["transition", "code", "high_entropy",
                                                       "repetitive"], choices=list(WORKLOADS))
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), metavar="POLICY[@N]",
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), metavar="POLICY[@N][/nodefer]",
                    help=f"of {', '.join(POLICIES + DIAGNOSTIC)}; default: every policy but the "
                         "diagnostic depth0_head (the goodput engine held at depth 0). NAME@N: "
                         "that policy's engine with --catchup-rounds N (a speculating one; the "
-                        "same policy may be listed at several N)")
+                        "same policy may be listed at several N); NAME/nodefer: with the head "
+                        "in every prefill (--defer-prefill-width 0)")
     p.add_argument("--catchup-rounds", type=int, default=EngineConfig.catchup_rounds,
                    metavar="N", help="the engines' catch-up interval of the draft cache at "
                    "depth 0 (as generate's flag; NAME@N overrides it for one policy)")
@@ -264,9 +274,11 @@ def main() -> int:
     guard = ctx.guard(world, check_every=16) if ctx.distributed else None
     engines = {}
     for policy in args.policies:
-        base, catchup = split_policy(policy)
+        base, catchup, defer = split_policy(policy)
+        extra = {} if defer is None else {"defer_prefill_width": defer}
         cfg = EngineConfig(spec=spec_of(base, knobs, args.cost_alpha), max_batch_size=top,
                            max_context_len=context, catchup_rounds=catchup or args.catchup_rounds,
+                           **extra,
                            device=device, cuda_graphs=args.device == "cuda", dp=args.dp,
                            attn_tp=layout.attn_tp, **overlap_of(args, args.device))
         engines[policy] = build_engine(cfg, target, head, group=world, guard=guard)

@@ -79,10 +79,12 @@ def test_depth0_head_holds_the_goodput_engine_at_depth_0():
 
 def test_policy_names_take_a_catchup_interval():
     bench = _bench_adaptive()
-    assert bench.split_policy("goodput") == ("goodput", None)
-    assert bench.split_policy("depth0_head@32") == ("depth0_head", 32)
+    assert bench.split_policy("goodput") == ("goodput", None, None)
+    assert bench.split_policy("depth0_head@32") == ("depth0_head", 32, None)
+    assert bench.split_policy("goodput/nodefer") == ("goodput", None, 0)
+    assert bench.split_policy("goodput@8/nodefer") == ("goodput", 8, 0)
     for bad, message in (("goodput@0", "integer >= 1"), ("static0@8", "no draft head"),
-                         ("greedy@8", "unknown policy")):
+                         ("greedy@8", "unknown policy"), ("static0/nodefer", "no draft head")):
         try:
             bench.split_policy(bad)
         except ValueError as err:
