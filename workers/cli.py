@@ -69,7 +69,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--padded-prefill-tokens", type=int, default=4096, metavar="N",
                    help="a prefill of at most N token slots (requests bucket x longest-prompt "
                         "bucket) runs padded, as a CUDA graph per shape (0: every prefill ragged)")
-    p.add_argument("--catchup-rounds", type=int, default=16, metavar="N",
+    p.add_argument("--catchup-rounds", type=int, default=32, metavar="N",
                    help="at depth 0 (a goodput policy's plain rounds) the draft head's cache "
                         "lags up to N rounds, then one head forward catches it up")
     p.add_argument("--defer-prefill-width", type=int, default=128, metavar="N",

@@ -54,7 +54,7 @@ class EngineConfig:
     """A prefill of at most this many token slots (requests bucket x longest-prompt bucket) runs
     padded, as a CUDA graph per shape with `cuda_graphs`; larger ones run ragged through
     `attention_backend` (0: every prefill ragged)."""
-    catchup_rounds: int = 16
+    catchup_rounds: int = 32
     """With a draft head and a depth-0 tier: depth-0 rounds the head's cache may lag behind the
     target's before one head forward over them catches it up (the lag ring holds that many
     tokens and target features per slot; see `workers.eagle_worker`)."""

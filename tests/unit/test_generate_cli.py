@@ -113,6 +113,7 @@ def _foreign_arch(model_dir: Path, tmp_path: Path) -> Path:
     (["--prompt", "a", "--max-batch-size", "0"], "--max-batch-size 0: must be >= 1"),
     (["--prompt", "a", "--padded-prefill-tokens", "-1"], "--padded-prefill-tokens -1: must be >= 0"),
     (["--prompt", "a", "--catchup-rounds", "0"], "--catchup-rounds 0: must be >= 1"),
+    (["--prompt", "a", "--defer-prefill-width", "-1"], "--defer-prefill-width -1: must be >= 0"),
     (["--prompt", "a", "--dp", "3"], "--dp 3 x --attn-tp 1 = 3 ranks, but this job has 1"),
     (["--prompt", "a", "--steps", "3", "--config", "c.json"], "adaptive mode is off"),
     (["--prompt", "a", "--no-spec", "--config", "c.json"], "--config applies to --adaptive only"),
