@@ -143,6 +143,11 @@ class AdaptiveConfig:
     """goodput: a probe that finds nothing (the policy goes straight back to 0) doubles the wait
     before the next one, up to ``probe_backoff`` × ``probe_every`` decision points (>= 1; 1:
     every probe waits ``probe_every``)."""
+    zero_via_smallest: bool = True
+    """goodput: a decision for depth 0 from a depth above the smallest positive candidate moves
+    to that candidate instead when it scores above the current depth (it still measures
+    acceptance, which depth 0 only learns from the catch-up's shadow checks); the next decision
+    point may go on to 0. False: straight to 0."""
     cost_alpha: float = 0.0
     """goodput: EMA weight of a timed round in its cost-table row's offset (in [0, 1]; 0: the
     table stays as agreed at start-up). The engine's rounds are timed (seconds from one round's
@@ -289,6 +294,8 @@ def _validate(c: AdaptiveConfig) -> None:
     for key in ("probe_every", "probe_backoff"):
         v = getattr(c, key)
         _check(_is_int(v) and v >= 1, key, v, "must be an integer >= 1")
+    _check(isinstance(c.zero_via_smallest, bool), "zero_via_smallest", c.zero_via_smallest,
+           "must be true or false")
     _check(_is_number(c.cost_alpha) and 0 <= c.cost_alpha <= 1, "cost_alpha", c.cost_alpha,
            "must be a number in [0, 1]")
     if c.cost_alpha:

@@ -281,8 +281,21 @@ def goodput_step(cfg: AdaptiveConfig, state: PolicyState, rate: Optional[float],
         return state.index, False
     if rate is None:
         return state.index, False
-    return goodput_pick(goodput_scores(cfg, rate, batch, table), state.index,
-                        cfg.switch_margin), False
+    scores = goodput_scores(cfg, rate, batch, table)
+    new = goodput_pick(scores, state.index, cfg.switch_margin)
+    return step_down(cfg, scores, state.index, new), False
+
+
+def step_down(cfg: AdaptiveConfig, scores: Sequence[float], index: int, new: int) -> int:
+    """``zero_via_smallest``: a switch to depth 0 from above the smallest positive candidate
+    goes to that candidate instead when it scores above the current depth."""
+    cand = cfg.candidate_steps
+    if not cfg.zero_via_smallest or cand[new] != 0 or new == index:
+        return new
+    low = next((i for i, s in enumerate(cand) if s > 0), None)
+    if low is not None and cand[index] > cand[low] and scores[low] > scores[index]:
+        return low
+    return new
 
 
 def decide(cfg: AdaptiveConfig, state: PolicyState, cluster_requests: int,

@@ -101,6 +101,10 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
                 best = max(range(len(cand)), key=lambda i: (scores[i], -i))
                 if best != idx and scores[best] > (1.0 + cfg["switch_margin"]) * scores[idx]:
                     new = best
+                if cfg.get("zero_via_smallest") and cand[new] == 0 and new != idx:
+                    low = min(i for i, s in enumerate(cand) if s > 0)   # depth 0 via it
+                    if cand[idx] > cand[low] and scores[low] > scores[idx]:
+                        new = low
         if goodput and point and steps == 0 and rate is not None:
             points_since_switch = 0   # a signal at depth 0: the probe wait starts again
         for k in range(world):

@@ -312,6 +312,8 @@ def test_goodput_defaults_and_round_cost_unset():
     c = load_config(None, policy="goodput")
     assert c.policy == "goodput" and c.adaptive and c.round_cost is None
     assert c.switch_margin == 0.05 and c.probe_every == 8 and c.probe_backoff == 4
+    assert c.zero_via_smallest is True and c.to_dict()["zero_via_smallest"] is True
+    assert gp(zero_via_smallest=False).digest() != gp().digest()
     assert c.needs_round_cost and not gp(round_cost=FLAT).needs_round_cost
     assert not AdaptiveConfig().needs_round_cost
     assert c.tiers == (1, 3, 7)
@@ -410,6 +412,12 @@ def test_round_cost_follows_the_candidates():
 def test_goodput_keys_validated(key, value, shown):
     msg = raises([key, shown], policy="goodput", **{key: value})
     assert ("[0, 1000)" in msg) if key == "switch_margin" else (">= 1" in msg)
+
+
+@pytest.mark.parametrize("value", [1, 0, "true", None])
+def test_zero_via_smallest_must_be_a_boolean(value):
+    msg = raises(["zero_via_smallest", repr(value)], policy="goodput", zero_via_smallest=value)
+    assert "must be true or false" in msg
 
 
 def test_goodput_boundaries_accepted():

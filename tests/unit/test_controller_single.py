@@ -602,3 +602,32 @@ def test_goodput_with_shadow_checks_follows_the_single_process_reference():
     assert got[:-1] == ref[:-1]
     assert ctl.stats.shadow_rounds > 10 and ctl.stats.switches > 4
     assert any(e["switched"] and e["steps"] == 0 and not e["probe"] for e in ref)
+
+
+def test_goodput_descends_to_zero_through_the_smallest_positive_depth():
+    """zero_via_smallest: candidates [0, 1, 3] at costs 1 / 1.25 / 1.5, starting at 3 (EMA 2.0,
+    ema_fail 1.0), alpha 0.9, a decision every round, margin 0; every request rejects at once.
+      r0 at 3 [0, 0]: ema 0.2, fail 1.0 -> p 1/6: s0 1, s1 (7/6)/1.25 = 0.9333,
+         s3 (1 + 1/6 + 1/36 + 1/216)/1.5 = 0.7994 -> best 0; 1 scores above 3 -> to 1
+      r1 at 1 [0, 0]: ema 0.02, fail 1.0 -> p 0.02/1.02: s0 1 > s1 0.8157 -> to 0 (1 is the
+         smallest positive depth)
+    Off: r0 goes straight to 0. With depth 1 priced at 5 (s1 0.2333 < s3) it goes straight to 0
+    either way."""
+    base = dict(policy="goodput", candidate_steps=[0, 1, 3], initial_steps=3, ema_alpha=0.9,
+                warmup_batches=0, update_interval=1, switch_margin=0.0, probe_every=50,
+                round_cost={"0": 1.0, "1": 1.25, "3": 1.5})
+    dear = {"0": 1.0, "1": 5.0, "3": 1.5}
+    for extra, want in (({}, [3, 1, 0, 0]), ({"zero_via_smallest": False}, [3, 0, 0, 0]),
+                        ({"round_cost": dear}, [3, 0, 0, 0])):
+        ctl = AdaptiveController(AdaptiveConfig(**{**base, **extra}), Group.single())
+        steps, rates = [], []
+        for _ in range(4):
+            plan = ctl.begin_round(2)
+            steps.append(plan.steps)
+            if ctl.last_outcome is not None:
+                rates.append(ctl.last_outcome.decision.accept_rate)
+            ctl.end_round([0, 0])
+        assert steps == want, extra
+        assert rates[0] == pytest.approx(1 / 6)
+        if want[1] == 1:
+            assert rates[1] == pytest.approx(0.02 / 1.02)
