@@ -72,7 +72,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--catchup-rounds", type=int, default=32, metavar="N",
                    help="at depth 0 (a goodput policy's plain rounds) the draft head's cache "
                         "lags up to N rounds, then one head forward catches it up")
-    p.add_argument("--defer-prefill-width", type=int, default=128, metavar="N",
+    p.add_argument("--defer-prefill-width", type=int, default=256, metavar="N",
                    help="at depth 0 with a draft head, a padded prefill whose longest prompt fits "
                         "N token slots leaves the head's part to the next catch-up (0: never)")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests per replica at once")

@@ -58,12 +58,13 @@ class EngineConfig:
     """With a draft head and a depth-0 tier: depth-0 rounds the head's cache may lag behind the
     target's before one head forward over them catches it up (the lag ring holds that many
     tokens and target features per slot; see `workers.eagle_worker`)."""
-    defer_prefill_width: int = 128
+    defer_prefill_width: int = 256
     """With a draft head and a depth-0 tier: a padded prefill run at depth 0 whose width (the
     longest prompt's bucket, a power of two >= 32) is at most this many tokens skips the head; the
     prompt's head inputs (tokens and target features) wait in a per-slot buffer of the widest
     such width and the head runs over them with the next catch-up of the draft cache, one forward
-    for every prompt admitted since the last (0: the head always runs in the prefill)."""
+    for every prompt admitted since the last (0: the head always runs in the prefill). The buffer
+    holds `max_batch_size + 1` slots x this width of features (`target.feature_size` each)."""
     overlap: bool = False
     """Launch round r+1 before reading round r's results (the host's work of a round runs while
     the device computes the next one); see `workers.engine`."""
