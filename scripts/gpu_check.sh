@@ -102,6 +102,8 @@ step engine_overlap bash -c "for r in \$(seq ${BENCH_REPEATS:-3}); do for o in o
 # adaptive against static depth (issue: goodput): one GPU, then heterogeneous DP on two
 step diag_continuous python3 scripts/diag_continuous.py cuda 16 "$OUTDIR/res/diag_continuous/diag.json"
 # a depth-0 round of a speculating engine against a headless one, per catch-up interval
+step host_probe python3 scripts/host_probe.py --seconds "${HOST_PROBE_SECONDS:-30}" \
+  --out "$OUTDIR/res/host_probe"
 step bench_depth0 python3 scripts/bench_depth0.py --device cuda --repeats "${BENCH_REPEATS:-5}" \
   --out "$OUTDIR/res/bench_depth0"
 # the padded prefill's and a round's kernels (torch.profiler) and graph replays, head or not

@@ -141,3 +141,22 @@ def test_bench_sampling_runs_both_uniforms_and_compares_tokens(tmp_path):
     assert set(data["samples"]) == {f"{e}/generate x{n}" for e in ("torch_uniforms", "fused_uniforms")
                                     for n in (2, 3)}
     assert all(len(v) == 2 and min(v) > 0 for v in data["samples"].values())
+
+
+def test_host_probe_writes_the_speed_timeline(tmp_path):
+    """The host-speed probe end to end, briefly: one rate per window against the median, the
+    summary shares, the JSON and the plot; a bad window is refused by name."""
+    import json
+    import subprocess
+
+    out = tmp_path / "hp"
+    subprocess.run([sys.executable, str(SCRIPTS / "host_probe.py"), "--seconds", "1",
+                    "--window", "0.1", "--out", str(out)], check=True, capture_output=True,
+                   timeout=120)
+    data = json.loads((out / "host_probe.json").read_text())
+    assert data["windows"] == len(data["timeline_rel"]) == 10
+    assert data["min_rel"] <= 1.0 <= data["max_rel"]
+    assert 0 <= data["share_below_0.8"] <= 1 and (out / "host_probe.png").stat().st_size > 0
+    bad = subprocess.run([sys.executable, str(SCRIPTS / "host_probe.py"), "--window", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--window 0.0: must be > 0" in bad.stderr
