@@ -6,12 +6,14 @@ commit. What this measures is the host cost that CUDA graphs do not remove; on a
 gap between a round's GPU time and its wall time.
 
     python scripts/bench_host.py [--batch 16] [--policy ema] [--tokens 400] [--repeats 3] [--out DIR]
-    python scripts/bench_host.py --device cuda [--steps 0 1 3 7] [--batch 16] [--tokens 256]
+    python scripts/bench_host.py --device cuda [--steps 0 0h 1 3 7] [--batch 16] [--tokens 256]
 
 With `--device cuda` the engine is the bundled pair with CUDA graphs and overlapped rounds, at each
 static depth of `--steps` (interleaved over the repeats): the bodies are graph launches, and `wait`
 is the time the host blocks on the device (reading a round); host work per round is the round's
 wall time less `wait`. A round is host-bound when its host work exceeds the device's time.
+`0h` in `--steps` is depth 0 with a draft head: the goodput engine held there (its catch-ups,
+deferred prefills and the policy's per-round work), beside `0`, the engine without a head.
 
 Writes `OUT/host.json` (medians and min-max over the repeats, microseconds per round) and
 `OUT/host.png`.
@@ -49,18 +51,40 @@ PARTS = (("retire", "scheduler", "retire"), ("admit", "scheduler", "admit"),
          ("bodies", "worker", "_extend_phase"), ("bodies", "worker", "_catch_up"))
 
 
+HELD = "0h"
+
+
+def depth_arg(text: str) -> int | str:
+    """A `--steps` entry: a depth, or `0h` (depth 0 with a head)."""
+    if text == HELD:
+        return HELD
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a depth (an integer) or {HELD}") from None
+
+
+def held_at_zero() -> Any:
+    """The goodput engine held at depth 0 (depth 1 priced out of reach, no probe due)."""
+    from adaptive_dist.config import AdaptiveConfig
+
+    return AdaptiveConfig(policy="goodput", candidate_steps=(0, 1), initial_steps=0,
+                          round_cost={"0": 1.0, "1": 1e9}, probe_every=10 ** 6)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--policy", default="ema", choices=("ema", "static"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--steps", type=int, nargs="+", default=None,
-                   help="static depths to time (default: the --policy run only; cuda: 0 1 3 7)")
+    p.add_argument("--steps", type=depth_arg, nargs="+", default=None,
+                   help="static depths to time, and 0h: the goodput engine held at depth 0 with "
+                        "its head (default: the --policy run only; cuda: 0 1 3 7)")
     p.add_argument("--tokens", type=int, default=400)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="runs/bench_host")
     args = p.parse_args()
-    if args.steps and any(d < 0 for d in args.steps):
+    if args.steps and any(d != HELD and d < 0 for d in args.steps):
         p.error(f"--steps {args.steps}: depths must be >= 0")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: must be >= 1")
@@ -83,6 +107,8 @@ def build(args: argparse.Namespace, steps: int | None) -> tuple[Any, list[list[i
     if steps is None:
         spec = load_config(None, args.policy,
                            **({"initial_steps": 3} if args.policy == "static" else {}))
+    elif steps == HELD:
+        spec = held_at_zero()
     elif steps == 0:
         spec = no_spec()
     else:
@@ -131,8 +157,9 @@ def instrument(engine: Any) -> collections.Counter:
         for bufs in (s.payload for s in engine.pool.states.values()):
             for entry in bufs.graphs.values():
                 entry.replay = timed(acc, "bodies", entry.replay)
-        for entry in engine.worker._catchup_graphs.values():
-            entry.replay = timed(acc, "bodies", entry.replay)
+        for graphs in (engine.worker._catchup_graphs, engine.worker._pending_graphs):
+            for entry in graphs.values():
+                entry.replay = timed(acc, "bodies", entry.replay)
     return acc
 
 
@@ -185,7 +212,8 @@ def main() -> int:
     meta = {"batch": args.batch, "policy": args.policy, "tokens": args.tokens,
             "device": args.device, "repeats": args.repeats, "torch": torch.__version__,
             "command": " ".join(sys.argv)}
-    label = {d: (args.policy if d is None else f"steps {d}") for d in steps}
+    label = {d: (args.policy if d is None else "steps 0 + head" if d == HELD else f"steps {d}")
+             for d in steps}
     (out / "host.json").write_text(json.dumps(
         {"meta": meta, "configs": {label[d]: {"us_per_round": summaries[d], "runs": samples[d]}
                                    for d in steps}}, indent=1))
