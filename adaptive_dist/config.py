@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 REDUCERS = ("weighted_mean", "min", "max")
-FLOAT_KEYS = ("ema_alpha", "up_hysteresis", "down_hysteresis", "switch_margin", "cost_alpha")
+FLOAT_KEYS = ("ema_alpha", "up_hysteresis", "down_hysteresis", "switch_margin", "cost_alpha",
+              "reset_nats")
+RESET_LIMIT = 1e6
 HYSTERESIS_LIMIT = 1000.0
 MARGIN_LIMIT = 1000.0
 POLICIES = ("static", "ema", "goodput")
@@ -148,6 +150,14 @@ class AdaptiveConfig:
     to that candidate instead when it scores above the current depth (it still measures
     acceptance, which depth 0 only learns from the catch-up's shadow checks); the next decision
     point may go on to 0. False: straight to 0."""
+    reset_nats: float = 8.0
+    """goodput: a round that measures acceptance and whose accept lengths are more than this many
+    nats likelier under their own acceptance rate than under the rank's EMAs (the geometric
+    model's log-likelihood ratio, ``policy.surprise``) restarts the rank's EMAs from that round
+    alone: a new regime is taken at once instead of over ``~1/ema_alpha`` rounds. At batch 1 it
+    takes a round far off the EMAs (a request that accepts all 7 drafts against a rate of 0.3:
+    8.4 nats; one that rejects the first against 0.85: 1.9); 16 requests that each reject at
+    once at depth 7 against 0.85 give 30. (>= 0; 0: off.)"""
     cost_alpha: float = 0.0
     """goodput: EMA weight of a timed round in its cost-table row's offset (in [0, 1]; 0: the
     table stays as agreed at start-up). The engine's rounds are timed (seconds from one round's
@@ -296,6 +306,8 @@ def _validate(c: AdaptiveConfig) -> None:
         _check(_is_int(v) and v >= 1, key, v, "must be an integer >= 1")
     _check(isinstance(c.zero_via_smallest, bool), "zero_via_smallest", c.zero_via_smallest,
            "must be true or false")
+    _check(_is_number(c.reset_nats) and 0 <= c.reset_nats < RESET_LIMIT, "reset_nats",
+           c.reset_nats, f"must be a finite number in [0, {RESET_LIMIT:g}) (0: off)")
     _check(_is_number(c.cost_alpha) and 0 <= c.cost_alpha <= 1, "cost_alpha", c.cost_alpha,
            "must be a number in [0, 1]")
     if c.cost_alpha:

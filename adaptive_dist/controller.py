@@ -27,11 +27,10 @@ from adaptive_dist.policy import (
     Decision,
     PolicyState,
     decide,
-    ema_fail_update,
-    ema_update,
     initial_ema,
     measures_acceptance,
     pick_bucket,
+    round_update,
     shadow_update,
     shifted_costs,
     update_offsets,
@@ -81,6 +80,7 @@ class ControllerStats:
     switches: int = 0
     probes: int = 0         # goodput: switches that were probes out of depth 0 (in `switches`)
     shadow_rounds: int = 0  # goodput: depth-0 rounds whose shadow checks updated the EMAs
+    resets: int = 0         # goodput: rounds whose surprise restarted this rank's EMAs
     accept_histogram: Counter = field(default_factory=Counter)
     steps_timeline: list = field(default_factory=list)   # (round, steps) at every change
     rounds_at_steps: Counter = field(default_factory=Counter)
@@ -208,7 +208,8 @@ class AdaptiveController:
         statistics one round older, the same on every rank.
 
         Updates the EMA of the accepted tokens and of the share of requests that rejected a
-        draft token (``accept < steps``), and the weight — except for a goodput round at depth 0,
+        draft token (``accept < steps``) — goodput: restarts both from this round when it is a
+        surprise (``policy.round_update``) — and the weight — except for a goodput round at depth 0,
         which has no acceptance signal (its requests still count the round) unless it reports
         ``shadow`` = (hits, checks, rows): the draft head's greedy guesses checked against
         committed tokens (the worker's catch-up), taken as depth-1 observations over the depth-0
@@ -229,9 +230,9 @@ class AdaptiveController:
                 if type(a) is not int or not 0 <= a <= steps:  # bool is not an int here
                     raise ValueError(f"accept length {a!r} outside [0, {steps}] (steps in force)")
         if measures_acceptance(self.config, steps):
-            alpha = self.config.ema_alpha
-            self.ema = ema_update(self.ema, accepts, alpha)
-            self.ema_fail = ema_fail_update(self.ema_fail, accepts, steps, alpha)
+            self.ema, self.ema_fail, reset = round_update(self.config, self.ema, self.ema_fail,
+                                                          accepts, steps)
+            self.stats.resets += reset
             self.weight += len(accepts)
             if accepts:
                 self._unobserved = 0

@@ -6,6 +6,7 @@ cost, with probes out of depth 0) and ``static``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -63,6 +64,49 @@ def ema_fail_update(ema_fail: float, accepts: Sequence[int], steps: int, alpha: 
     """``(1-α)·ema_fail + α·(share of requests with accept < steps)``; unchanged for an empty
     round (the same rule as ``ema_update``)."""
     return ema_update(ema_fail, fail_flags(accepts, steps), alpha)
+
+
+SURPRISE_RATE_CLIP = 0.01
+"""The rank's rate is held to ``[0.01, 0.99]`` in ``surprise``: the EMAs' start values (rate 0
+before the first round of a run that starts at depth 1) must not make one request's round an
+infinite surprise."""
+
+
+def surprise(accepts: Sequence[int], steps: int, ema: float, ema_fail: float) -> float:
+    """How much better a round's own acceptance rate explains its accept lengths than the rank's
+    EMAs do, in nats: with ``A = Σ accepts``, ``F = #{a < steps}`` (the requests that rejected a
+    draft token), the round's rate ``r = A / (A + F)`` and the rank's ``p = ema / (ema +
+    ema_fail)`` held to ``[0.01, 0.99]``, the log-likelihood ratio ``A·ln(r/p) + F·ln((1-r)/(1-p))``
+    of the geometric model (terms with A or F = 0 left out). 0 for an empty round or depth 0."""
+    if steps <= 0 or len(accepts) == 0:
+        return 0.0
+    accepted = sum(accepts)
+    failed = sum(1 for a in accepts if a < steps)
+    if accepted + failed == 0:
+        return 0.0
+    p = min(max(acceptance_rate(ema, ema_fail), SURPRISE_RATE_CLIP), 1.0 - SURPRISE_RATE_CLIP)
+    r = accepted / (accepted + failed)
+    nats = 0.0
+    if accepted:
+        nats += accepted * math.log(r / p)
+    if failed:
+        nats += failed * math.log((1.0 - r) / (1.0 - p))
+    return nats
+
+
+def round_update(cfg: AdaptiveConfig, ema: float, ema_fail: float, accepts: Sequence[int],
+                 steps: int) -> tuple[float, float, bool]:
+    """(ema, ema_fail, reset) after a round that measures acceptance (``measures_acceptance``):
+    the EMA updates with ``ema_alpha``; under goodput with ``reset_nats > 0``, a round whose
+    ``surprise`` exceeds ``reset_nats`` restarts both from that round alone (α = 1: its mean
+    accept length and its share of rejecting requests)."""
+    alpha = cfg.ema_alpha
+    reset = (cfg.policy == "goodput" and cfg.reset_nats > 0
+             and surprise(accepts, steps, ema, ema_fail) > cfg.reset_nats)
+    if reset:
+        alpha = 1.0
+    return (ema_update(ema, accepts, alpha), ema_fail_update(ema_fail, accepts, steps, alpha),
+            reset)
 
 
 def reduce_emas(emas: Sequence[float], weights: Sequence[float], reducer: str) -> Optional[float]:

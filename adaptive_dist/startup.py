@@ -98,6 +98,24 @@ def all_ranks_or_none(fn: Callable[[], T], group: "Group", what: str,
     return value  # type: ignore[return-value]
 
 
+# ---- the goodput policy's engine-side settings ----------------------------------------------------
+
+def probe_after_catchup(config: AdaptiveConfig, catchup_rounds: int) -> AdaptiveConfig:
+    """``config`` with ``probe_every`` raised, where needed, so that at depth 0 a probe never
+    comes before the engine's first shadow report: an engine whose draft cache catches up every
+    ``catchup_rounds`` depth-0 rounds reports shadow checks one round after the catch-up (a
+    round later again when it overlaps rounds), so the wait must span
+    ``ceil((catchup_rounds + 2) / update_interval)`` decision points. Unchanged for a policy
+    other than goodput or without a 0 candidate. Call it on every rank with the agreed
+    ``catchup_rounds``, before ``agree_round_cost`` (the effective config, hashed, includes it)."""
+    if catchup_rounds < 1:
+        raise ConfigError(f"probe_after_catchup: catchup_rounds={catchup_rounds!r}: must be >= 1")
+    if config.policy != "goodput" or 0 not in config.candidate_steps:
+        return config
+    need = -(-(catchup_rounds + 2) // config.update_interval)
+    return config if config.probe_every >= need else config.replace(probe_every=need)
+
+
 # ---- the goodput policy's cost table ------------------------------------------------------------
 
 MeasuredCost = Mapping[int, Mapping[int, float]]

@@ -24,7 +24,9 @@ and the oracle, computed from the static runs: per phase the best static depth's
 tokens/s. `NAME@N` runs a policy's engine with the draft cache caught up every N depth-0 rounds
 (`--catchup-rounds`, default the engine's), beside the same policy at other intervals;
 `NAME/nodefer` (also `NAME@N/nodefer`) the engine with the head run in every prefill
-(`--defer-prefill-width 0`: the head's part of a prefill at depth 0 not left to the catch-up).
+(`--defer-prefill-width 0`: the head's part of a prefill at depth 0 not left to the catch-up);
+`NAME+KEY=VALUE` (after the rest, repeatable) an adaptive setting for that policy alone, e.g.
+`goodput+reset_nats=0` beside `goodput`.
 One engine per policy, built once (graphs captured once); every run starts its policy
 afresh; runs are interleaved over the repeats. Per run: tokens/s overall and per phase, switches,
 switches per phase change (and per hour at the run's rate), rounds at each depth, the depth
@@ -98,23 +100,36 @@ def spec_of(policy: str, knobs: dict[str, Any] | None = None,
 NODEFER = "/nodefer"
 
 
-def split_policy(name: str) -> tuple[str, int | None, int | None]:
+def split_policy(name: str) -> tuple[str, int | None, int | None, dict[str, Any]]:
     """`NAME`, `NAME@N` (a speculating policy's engine at catch-up interval N), either with
-    `/nodefer` (the head in every prefill) -> (NAME, N or None, 0 with `/nodefer` else None: the
-    engine's default deferral); raises ValueError naming what is wrong."""
+    `/nodefer` (the head in every prefill), then any `+KEY=VALUE` (an adaptive setting of this
+    policy alone, over `--set`) -> (NAME, N or None, 0 with `/nodefer` else None: the engine's
+    default deferral, {KEY: VALUE}); raises ValueError naming what is wrong."""
+    name, *sets = name.split("+")
+    overrides: dict[str, Any] = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"+{item}: expected +KEY=VALUE (an adaptive setting)")
+        overrides[key] = parse_knobs([item])[key]
     defer = None
     if name.endswith(NODEFER):
         name, defer = name[:-len(NODEFER)], 0
     base, sep, rounds = name.partition("@")
     if base not in POLICIES + DIAGNOSTIC:
         raise ValueError(f"unknown policy {base!r}; allowed: {', '.join(POLICIES + DIAGNOSTIC)}")
+    if base.startswith("static") and overrides:
+        raise ValueError(f"{base} has no adaptive settings to override")
     if base == "static0" and (sep or defer is not None):
         raise ValueError("static0 has no draft head, so no catch-up interval or deferral")
+    if overrides:   # a bad key or value is refused here, by name, before any engine is built
+        spec = spec_of(base)
+        AdaptiveConfig.from_dict({**spec.to_dict(), **overrides}, source=f"+ in {name!r}")
     if not sep:
-        return base, None, defer
+        return base, None, defer, overrides
     if not rounds.isdigit() or int(rounds) < 1:
         raise ValueError(f"@{rounds}: the catch-up interval must be an integer >= 1")
-    return base, int(rounds), defer
+    return base, int(rounds), defer, overrides
 
 
 def parse_knobs(items: list[str]) -> dict[str, Any]:
@@ -142,12 +157,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--workloads", nargs="+", default=["transition", "code", "high_entropy",
                                                       "repetitive"], choices=list(WORKLOADS))
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), metavar="POLICY[@N][/nodefer]",
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), metavar="POLICY[@N][/nodefer][+KEY=VALUE]",
                    help=f"of {', '.join(POLICIES + DIAGNOSTIC)}; default: every policy but the "
                         "diagnostic depth0_head (the goodput engine held at depth 0). NAME@N: "
                         "that policy's engine with --catchup-rounds N (a speculating one; the "
                         "same policy may be listed at several N); NAME/nodefer: with the head "
-                        "in every prefill (--defer-prefill-width 0)")
+                        "in every prefill (--defer-prefill-width 0); NAME+KEY=VALUE: an "
+                        "adaptive setting of that policy alone (e.g. goodput+reset_nats=0)")
     p.add_argument("--catchup-rounds", type=int, default=EngineConfig.catchup_rounds,
                    metavar="N", help="the engines' catch-up interval of the draft cache at "
                    "depth 0 (as generate's flag; NAME@N overrides it for one policy)")
@@ -243,7 +259,8 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
         out["phase_rounds"].append(engine.planner.round - round0)
     stats = engine.planner.stats
     out.update(gc_full_collections=pauses.count, gc_seconds=pauses.seconds)
-    out.update(switches=stats.switches, probes=stats.probes, timeline=[list(x) for x in stats.steps_timeline],
+    out.update(switches=stats.switches, probes=stats.probes, resets=stats.resets,
+               timeline=[list(x) for x in stats.steps_timeline],
                rounds_at_steps={str(k): v for k, v in sorted(stats.rounds_at_steps.items())})
     if engine.planner.round_cost is not None:  # goodput: the table its last decision read
         out.update(timed_rounds=stats.timed_rounds,
@@ -274,9 +291,10 @@ def main() -> int:
     guard = ctx.guard(world, check_every=16) if ctx.distributed else None
     engines = {}
     for policy in args.policies:
-        base, catchup, defer = split_policy(policy)
+        base, catchup, defer, own = split_policy(policy)
         extra = {} if defer is None else {"defer_prefill_width": defer}
-        cfg = EngineConfig(spec=spec_of(base, knobs, args.cost_alpha), max_batch_size=top,
+        cfg = EngineConfig(spec=spec_of(base, {**knobs, **own}, args.cost_alpha),
+                           max_batch_size=top,
                            max_context_len=context, catchup_rounds=catchup or args.catchup_rounds,
                            **extra,
                            device=device, cuda_graphs=args.device == "cuda", dp=args.dp,
@@ -344,6 +362,7 @@ def summarise(workload: str, batch: int, policy: str, rep: int, parts: list[dict
             "tokens_per_second": sum(p["tokens"] for p in phases) / total_s, "phases": phases,
             "switches": lead["switches"], "switches_per_phase_change": lead["switches"] / changes,
             "probes": lead["probes"],
+            "resets": sum(p.get("resets", 0) for p in parts),   # goodput: every rank's
             "timed_rounds": lead.get("timed_rounds"), "live_round_cost": lead.get("live_round_cost"),
             "timed_samples": lead.get("timed_samples"),
             "switches_per_hour": lead["switches"] * 3600 / total_s,

@@ -6,6 +6,7 @@ cluster-wide decision from all ranks' traces in one loop, straight from the rule
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -40,9 +41,13 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
         for k, x in enumerate(rounds):
             acc = [min(a, steps) for a in x["accept"]]
             if acc and not (goodput and steps == 0):
-                ema[k] = (1.0 - alpha) * ema[k] + alpha * (sum(acc) / len(acc))
                 rejected = len([a for a in acc if a < steps])
-                fail[k] = (1.0 - alpha) * fail[k] + alpha * (rejected / len(acc))
+                a_k = alpha
+                if goodput and cfg.get("reset_nats", 0) > 0 and \
+                        _reference_nats(sum(acc), rejected, ema[k], fail[k]) > cfg["reset_nats"]:
+                    a_k = 1.0   # a surprise: the EMAs restart from this round
+                ema[k] = (1.0 - a_k) * ema[k] + a_k * (sum(acc) / len(acc))
+                fail[k] = (1.0 - a_k) * fail[k] + a_k * (rejected / len(acc))
                 weight[k] += len(acc)
                 unseen[k] = 0
             elif goodput and steps == 0:
@@ -126,6 +131,22 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
             else:
                 probe_wait, after_probe = 1, False
         idx = new
+    return out
+
+
+def _reference_nats(accepted: int, rejected: int, ema: float, fail: float) -> float:
+    """The round's log-likelihood ratio (docs/policy.md, goodput's reset): its own rate
+    against the rank's EMAs' rate held to [0.01, 0.99]."""
+    if accepted + rejected == 0:
+        return 0.0
+    rank_rate = 1.0 if ema + fail == 0 else ema / (ema + fail)
+    rank_rate = min(0.99, max(0.01, rank_rate))
+    own = accepted / (accepted + rejected)
+    out = 0.0
+    if accepted > 0:
+        out += accepted * math.log(own / rank_rate)
+    if rejected > 0:
+        out += rejected * math.log((1.0 - own) / (1.0 - rank_rate))
     return out
 
 

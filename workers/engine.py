@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from adaptive_dist.controller import AdaptiveController, RoundPlan
-from adaptive_dist.startup import agree_round_cost
+from adaptive_dist.startup import agree_round_cost, probe_after_catchup
 from collectives import Group, LockstepGuard
 from workers.attention import make_backend
 from workers.config import EngineConfig
@@ -397,6 +397,12 @@ def build_engine(config: EngineConfig, target: torch.nn.Module, head: torch.nn.M
                           device=config.device)
     group = group if group is not None else Group.single(config.device, name="world")
     engine = Engine(config, worker, scheduler, None, guard)  # every tier built (and captured)
+    if config.speculative:
+        # goodput at depth 0 learns acceptance from the catch-up's shadow checks: no probe
+        # before the first of them can arrive
+        spec = probe_after_catchup(config.spec, config.catchup_rounds)
+        if spec != config.spec:
+            engine.config = config = config.replace(spec=spec)
     if config.spec.needs_round_cost:
         # goodput: measure this rank's round costs on the built tiers and agree the table (the
         # element-wise maximum over the ranks) before the controller, whose hash includes it

@@ -79,12 +79,18 @@ def test_depth0_head_holds_the_goodput_engine_at_depth_0():
 
 def test_policy_names_take_a_catchup_interval():
     bench = _bench_adaptive()
-    assert bench.split_policy("goodput") == ("goodput", None, None)
-    assert bench.split_policy("depth0_head@32") == ("depth0_head", 32, None)
-    assert bench.split_policy("goodput/nodefer") == ("goodput", None, 0)
-    assert bench.split_policy("goodput@8/nodefer") == ("goodput", 8, 0)
+    assert bench.split_policy("goodput") == ("goodput", None, None, {})
+    assert bench.split_policy("depth0_head@32") == ("depth0_head", 32, None, {})
+    assert bench.split_policy("goodput/nodefer") == ("goodput", None, 0, {})
+    assert bench.split_policy("goodput@8/nodefer") == ("goodput", 8, 0, {})
+    assert bench.split_policy("goodput@8+reset_nats=0+switch_margin=0.1") == (
+        "goodput", 8, None, {"reset_nats": 0, "switch_margin": 0.1})
     for bad, message in (("goodput@0", "integer >= 1"), ("static0@8", "no draft head"),
-                         ("greedy@8", "unknown policy"), ("static0/nodefer", "no draft head")):
+                         ("greedy@8", "unknown policy"), ("static0/nodefer", "no draft head"),
+                         ("goodput+reset_nats", "+KEY=VALUE"), ("static3+ema_alpha=0.5",
+                                                                  "no adaptive settings"),
+                         ("goodput+reset_nats=-1", "reset_nats=-1.0"),
+                         ("goodput+bogus=1", "unknown key")):
         try:
             bench.split_policy(bad)
         except ValueError as err:

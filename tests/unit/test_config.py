@@ -476,3 +476,14 @@ def test_goodput_keys_in_every_effective_config():
     # the new keys are part of every effective config; ema ignores their values
     d = AdaptiveConfig().to_dict()
     assert d["round_cost"] is None and d["switch_margin"] == 0.05 and d["probe_every"] == 8
+
+
+def test_reset_nats_default_hash_and_validation():
+    assert gp().reset_nats == 8.0 and AdaptiveConfig().reset_nats == 8.0
+    assert gp(reset_nats=0).reset_nats == 0.0 and gp(reset_nats=0).digest() == gp(reset_nats=0.0).digest()
+    assert gp(reset_nats=0).digest() != gp().digest()
+    gp(reset_nats=999999.5)
+    for value, shown in ((-1, "-1.0"), (float("inf"), "inf"), (1e6, "1000000.0"), (True, "True"),
+                         ("8", "'8'"), (None, "None")):
+        msg = raises(["reset_nats", shown], policy="goodput", reset_nats=value)
+        assert "[0, 1e+06) (0: off)" in msg

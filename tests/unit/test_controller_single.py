@@ -347,7 +347,8 @@ def test_done_flag():
 
 # ====================================================================================== goodput
 # candidates [0, 1, 3], initial 1 (EMA starts at 0.0, ema_fail at 1.0), alpha 0.5, warmup 0,
-# interval 1, margin 0, probe_every 2, flat costs 0: 1.0, 1: 1.25, 3: 1.5.
+# interval 1, margin 0, probe_every 2, flat costs 0: 1.0, 1: 1.25, 3: 1.5; no reset (reset_nats 0:
+# r4 is a surprise of 2·ln(1/0.01) = 9.2 nats, which the default would act on).
 #   r0 steps 1 [0, 0]: ema 0.0, fail 1.0 -> p 0: s0 1.0 > s1 0.8 -> down to 0 (c1, last switch 1)
 #   r1 steps 0 [0, 0]: no signal (EMAs, weight unchanged); c2: 1 point since the switch -> stay
 #   r2 idle: not counted, nothing changes
@@ -358,7 +359,7 @@ def test_done_flag():
 #                      = 2.20703125 > s1 = 1.5, s0 = 1 -> stays
 GP_CFG = dict(policy="goodput", candidate_steps=[0, 1, 3], initial_steps=1, ema_alpha=0.5,
               warmup_batches=0, update_interval=1, switch_margin=0.0, probe_every=2,
-              round_cost={"0": 1.0, "1": 1.25, "3": 1.5})
+              round_cost={"0": 1.0, "1": 1.25, "3": 1.5}, reset_nats=0.0)
 GP_ROWS = [  # (requests, full accepts, steps that ran, ema, ema_fail, weight after end_round)
     (2, [0, 0], 1, 0.0, 1.0, 2),
     (2, [5, 5], 0, 0.0, 1.0, 0),
@@ -439,14 +440,19 @@ def test_goodput_bucket_row_from_the_plan():
     assert rows == [(1, 1), (4, 8), (65, 8)]
 
 
-def test_goodput_goes_to_zero_on_low_acceptance_and_comes_back():
+@pytest.mark.parametrize("reset_nats,climb", [
+    (0.0, [(104, 1), (108, 3), (112, 7)]),   # the EMAs move by alpha: through 3
+    (8.0, [(98, 0), (104, 1), (106, 7)]),    # the probe's round (3 of 3 accepted against a rate
+])                                           # of ~0: 13.8 nats) restarts them: p = 1, on to 7
+def test_goodput_goes_to_zero_on_low_acceptance_and_comes_back(reset_nats, climb):
     """A long run: acceptance collapses (every request rejects the first draft token), the
     policy goes to 0; probes go to depth 1, find nothing and return to 0; acceptance rises
     (every draft token accepted), the next probe stays up and climbs to the deepest tier. (No
     backoff here: every probe waits probe_every decision points.)"""
     cfg = AdaptiveConfig(policy="goodput", candidate_steps=[0, 1, 3, 7], initial_steps=3,
                          warmup_batches=2, update_interval=2, probe_every=3, probe_backoff=1,
-                         round_cost={"0": 1.0, "1": 1.25, "3": 1.6, "7": 2.4})
+                         round_cost={"0": 1.0, "1": 1.25, "3": 1.6, "7": 2.4},
+                         reset_nats=reset_nats)
     ctl = AdaptiveController(cfg, Group.single())
     steps, probes = [], []
     for r in range(200):
@@ -468,7 +474,8 @@ def test_goodput_goes_to_zero_on_low_acceptance_and_comes_back():
     gaps = [b - a for a, b in zip(low_probes, low_probes[1:])]
     assert gaps == [8] * (len(low_probes) - 1)
     # the first probe after the rise (decided at round 103) stays up and climbs
-    assert ctl.stats.steps_timeline[-3:] == [(104, 1), (108, 3), (112, 7)]
+    assert ctl.stats.steps_timeline[-3:] == climb
+    assert ctl.stats.resets == (1 if reset_nats else 0)
 
 
 def test_goodput_probe_backoff_doubles_the_wait_and_resets_after_a_climb():
@@ -574,7 +581,8 @@ def test_goodput_with_shadow_checks_follows_the_single_process_reference():
     trace = []
     for r in range(400):
         level = 0 if (r // 60) % 2 == 0 else 6
-        accepts = [min(rng.randint(0, 2 * level), 9) for _ in range(rng.randint(1, 4))]
+        width = rng.randint(1, 4) if r % 3 else rng.randint(8, 16)   # wide rounds: resets
+        accepts = [min(rng.randint(0, 2 * level), 9) for _ in range(width)]
         item = {"accept": accepts}
         if r % 4 == 3:
             checks = 7 * len(accepts)
@@ -600,7 +608,7 @@ def test_goodput_with_shadow_checks_follows_the_single_process_reference():
     ref = [{"round": e["round"], "steps": e["steps"], "switched": e["switched"],
             "probe": e["probe"], "accept_rate": e["accept_rate"]} for e in expected]
     assert got[:-1] == ref[:-1]
-    assert ctl.stats.shadow_rounds > 10 and ctl.stats.switches > 4
+    assert ctl.stats.shadow_rounds > 10 and ctl.stats.switches > 4 and ctl.stats.resets > 2
     assert any(e["switched"] and e["steps"] == 0 and not e["probe"] for e in ref)
 
 
@@ -631,3 +639,31 @@ def test_goodput_descends_to_zero_through_the_smallest_positive_depth():
         assert rates[0] == pytest.approx(1 / 6)
         if want[1] == 1:
             assert rates[1] == pytest.approx(0.02 / 1.02)
+
+
+@pytest.mark.parametrize("requests,reset_nats,want", [
+    (5, 8.0, (1, 0.0, 1.0, 1)),        # 5·ln 7 = 9.73 nats > 8: the EMAs restart, p 0 -> to 1
+    (4, 8.0, (7, 4.5, 1.0, 0)),        # 4·ln 7 = 7.78 nats: the alpha update, p 0.818 -> stays
+    (5, 0.0, (7, 4.5, 1.0, 0)),        # the reset off: the alpha update
+])
+def test_goodput_surprise_restarts_the_emas(requests, reset_nats, want):
+    """Candidates [1, 7] at costs 1 / 2, starting at 7 (ema 6, fail 1: p 6/7), alpha 0.25, a
+    decision every round, margin 0; every request rejects its first draft token.
+    A reset leaves ema 0, fail 1 (the round alone): p 0, s1 = 1 > s7 = 0.5 -> depth 1.
+    Without: ema 0.75·6 = 4.5, fail 0.75·1 + 0.25·1 = 1.0, p 4.5/5.5 = 0.818:
+    s7 = (1 + Σ_{k=1..7} p^k)/2 = 2.20 > s1 = 1.818 -> stays at 7."""
+    cfg = AdaptiveConfig(policy="goodput", candidate_steps=[1, 7], initial_steps=7, ema_alpha=0.25,
+                         warmup_batches=0, update_interval=1, switch_margin=0.0,
+                         round_cost={"1": 1.0, "7": 2.0}, reset_nats=reset_nats)
+    ctl = AdaptiveController(cfg, Group.single())
+    assert (ctl.ema, ctl.ema_fail) == (6.0, 1.0)
+    ctl.begin_round(requests)
+    ctl.end_round([0] * requests)
+    ema, fail = ctl.ema, ctl.ema_fail
+    plan = ctl.begin_round(requests)
+    steps, want_ema, want_fail, resets = want
+    assert plan.steps == steps
+    assert (ema, fail) == (pytest.approx(want_ema), pytest.approx(want_fail))
+    assert ctl.stats.resets == resets
+    if steps == 7:
+        assert ctl.last_outcome.decision.accept_rate == pytest.approx(4.5 / 5.5)

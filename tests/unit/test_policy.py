@@ -2,6 +2,8 @@
 "The adaptive layer". Every expected value is worked out by hand in the test."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from adaptive_dist.config import AdaptiveConfig
@@ -363,7 +365,9 @@ from adaptive_dist.policy import (  # noqa: E402
     initial_ema,
     measures_acceptance,
     probe_due,
+    round_update,
     shadow_update,
+    surprise,
 )
 
 FLAT = {"1": 1.25, "3": 1.5, "7": 2.0}
@@ -689,3 +693,47 @@ class TestProbe:
         assert st.index == 1
         st, d = decide(c, PolicyState(index=1), 1, [0.1], [1], ema_fails=[0.9], batch=1)
         assert st.index == 0 and d.switched and not d.probe
+
+
+# ------------------------------------------------------------------------- goodput: the reset
+class TestSurprise:
+    def test_by_hand(self):
+        # 16 requests reject at once at depth 7 (A 0, F 16) against ema 0.85 / fail 0.15 (p 0.85):
+        # r = 0 -> 16·ln(1/0.15) = 30.3539...
+        assert surprise([0] * 16, 7, 0.85, 0.15) == pytest.approx(16 * math.log(1 / 0.15))
+        # [3, 1] at depth 3: A 4, F 1, r 0.8, against ema 1.0 / fail 1.0 (p 0.5):
+        # 4·ln(0.8/0.5) + 1·ln(0.2/0.5) = 1.880017 - 0.916291 = 0.963726
+        assert surprise([3, 1], 3, 1.0, 1.0) == pytest.approx(
+            4 * math.log(1.6) + math.log(0.4), abs=1e-12)
+        # every draft accepted (F 0): only the A term; [7] against p 0.3: 7·ln(1/0.3) = 8.4278
+        assert surprise([7], 7, 0.3, 0.7) == pytest.approx(7 * math.log(1 / 0.3))
+        # the round agreeing with the EMAs exactly: 0
+        assert surprise([1, 0], 1, 1.0, 1.0) == pytest.approx(0.0, abs=1e-15)
+
+    def test_rate_held_inside_one_percent(self):
+        # p 0 (ema 0, fail 1) held to 0.01: [1, 1] at depth 1 -> 2·ln(1/0.01) = 9.2103
+        assert surprise([1, 1], 1, 0.0, 1.0) == pytest.approx(2 * math.log(100))
+        # p 1 (fail 0) held to 0.99: [0] at depth 3 -> ln(1/0.01)
+        assert surprise([0], 3, 2.0, 0.0) == pytest.approx(math.log(100))
+
+    def test_nothing_to_test(self):
+        assert surprise([], 3, 1.0, 1.0) == 0.0
+        assert surprise([0, 0], 0, 1.0, 1.0) == 0.0
+
+    def test_round_update_resets_only_goodput_above_the_threshold(self):
+        # [0] * 16 at depth 7 from (4.5, 0.5): p 0.9, surprise 16·ln 10 = 36.8 > 8
+        g = gp(ema_alpha=0.25)
+        assert round_update(g, 4.5, 0.5, [0] * 16, 7) == (0.0, 1.0, True)
+        # the same round with the reset off, or under ema: the alpha update
+        # ema 0.75·4.5 = 3.375, fail 0.75·0.5 + 0.25 = 0.625
+        assert round_update(g.replace(reset_nats=0.0), 4.5, 0.5, [0] * 16, 7) == (
+            3.375, 0.625, False)
+        e = AdaptiveConfig(ema_alpha=0.25)
+        assert round_update(e, 4.5, 0.5, [0] * 16, 7) == (3.375, 0.625, False)
+        # one request rejecting at once against p 0.9: ln 10 = 2.30 < 8: the alpha update
+        assert round_update(g, 4.5, 0.5, [0], 7) == (3.375, 0.625, False)
+        # a threshold above the surprise (36.84 < 40): no reset
+        assert round_update(g.replace(reset_nats=40.0), 4.5, 0.5, [0] * 16, 7)[2] is False
+        # [2, 3] at depth 3 from (0.0, 1.0) (p held to 0.01): A 5, F 1, r 5/6 ->
+        # 5·ln(83.33) + ln(0.1683) = 22.1 - 1.78 > 8: mean 2.5, rejecting share 0.5
+        assert round_update(g, 0.0, 1.0, [2, 3], 3) == (2.5, 0.5, True)

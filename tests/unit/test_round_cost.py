@@ -6,7 +6,7 @@ import pytest
 
 from adaptive_dist.config import AdaptiveConfig, ConfigError
 from adaptive_dist.controller import AdaptiveController
-from adaptive_dist.startup import agree_round_cost, measured_as_json
+from adaptive_dist.startup import agree_round_cost, measured_as_json, probe_after_catchup
 from collectives import Group
 
 MEASURED = {8: {1: 0.012, 3: 0.015, 7: 0.021}, 1: {7: 0.02, 3: 0.014, 1: 0.011}}
@@ -143,3 +143,21 @@ def test_cost_alpha_is_validated() -> None:
         AdaptiveConfig(policy="goodput", cost_alpha=1.5)
     with pytest.raises(ConfigError, match="goodput policy only"):
         AdaptiveConfig(policy="ema", cost_alpha=0.2)
+
+
+def test_probe_waits_for_the_first_shadow_report():
+    """goodput with depth 0 in an engine that catches up every N depth-0 rounds: probe_every is
+    raised to ceil((N + 2) / update_interval) decision points where it is below."""
+    cfg = AdaptiveConfig(policy="goodput", candidate_steps=[0, 1, 3, 7], initial_steps=1,
+                         update_interval=2)
+    lifted = probe_after_catchup(cfg, 32)
+    assert lifted.probe_every == 17 and lifted.digest() != cfg.digest()      # ceil(34 / 2)
+    assert probe_after_catchup(cfg, 31).probe_every == 17                    # ceil(33 / 2)
+    assert probe_after_catchup(cfg, 4).probe_every == 8                      # 3 < 8: kept
+    assert probe_after_catchup(cfg.replace(update_interval=5), 32).probe_every == 8   # 7 < 8
+    no_zero = AdaptiveConfig(policy="goodput", candidate_steps=[1, 3, 7], update_interval=1)
+    assert probe_after_catchup(no_zero, 32) == no_zero
+    assert probe_after_catchup(AdaptiveConfig(update_interval=1), 32) == AdaptiveConfig(
+        update_interval=1)
+    with pytest.raises(ConfigError, match="catchup_rounds=0"):
+        probe_after_catchup(cfg, 0)
