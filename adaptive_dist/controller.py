@@ -30,6 +30,7 @@ from adaptive_dist.policy import (
     initial_ema,
     measures_acceptance,
     pick_bucket,
+    resets,
     round_update,
     shadow_update,
     shifted_costs,
@@ -84,6 +85,8 @@ class ControllerStats:
     accept_histogram: Counter = field(default_factory=Counter)
     steps_timeline: list = field(default_factory=list)   # (round, steps) at every change
     rounds_at_steps: Counter = field(default_factory=Counter)
+    # rounds that ran requests, per (steps, padded batch): what a cost table prices
+    rounds_at_shape: Counter = field(default_factory=Counter)
     timed_rounds: int = 0   # goodput, cost_alpha > 0: rounds whose time moved the cost table
     # the latest timed rounds (round, steps, padded batch, slowest rank's seconds), for diagnosis
     timed_samples: deque = field(default_factory=lambda: deque(maxlen=4096))
@@ -119,6 +122,7 @@ class AdaptiveController:
         self.ema_fail = INITIAL_EMA_FAIL
         self.weight = 0
         self._unobserved = 0   # goodput: depth-0 rounds with requests since the EMAs last moved
+        self._fresh = True     # no round has measured acceptance yet: the EMAs hold start values
         self.round = 0
         self._config_hash = consensus.hash48(config.digest())
         self._prev_n_req = 0
@@ -189,6 +193,8 @@ class AdaptiveController:
         self.round += 1
         self.stats.rounds += 1
         self.stats.rounds_at_steps[plan.steps] += 1
+        if plan.cluster_requests:
+            self.stats.rounds_at_shape[(plan.steps, plan.batch_pad)] += 1
         return plan
 
     def ran(self, executed: Executed) -> None:
@@ -208,9 +214,9 @@ class AdaptiveController:
         statistics one round older, the same on every rank.
 
         Updates the EMA of the accepted tokens and of the share of requests that rejected a
-        draft token (``accept < steps``) — goodput: restarts both from this round when it is a
-        surprise (``policy.round_update``) — and the weight — except for a goodput round at depth 0,
-        which has no acceptance signal (its requests still count the round) unless it reports
+        draft token (``accept < steps``; goodput restarts both from this round when it is the
+        first to measure or a surprise, ``policy.round_update``), and the weight — except for a goodput round at
+        depth 0, which has no acceptance signal (its requests still count the round) unless it reports
         ``shadow`` = (hits, checks, rows): the draft head's greedy guesses checked against
         committed tokens (the worker's catch-up), taken as depth-1 observations over the depth-0
         rounds with requests since the EMAs last moved, one update per such round
@@ -231,11 +237,12 @@ class AdaptiveController:
                     raise ValueError(f"accept length {a!r} outside [0, {steps}] (steps in force)")
         if measures_acceptance(self.config, steps):
             self.ema, self.ema_fail, reset = round_update(self.config, self.ema, self.ema_fail,
-                                                          accepts, steps)
+                                                          accepts, steps, self._fresh)
             self.stats.resets += reset
             self.weight += len(accepts)
             if accepts:
                 self._unobserved = 0
+                self._fresh = False
         elif self.config.policy == "goodput":
             self._unobserved += bool(accepts)
             if shadow is not None:
@@ -247,10 +254,16 @@ class AdaptiveController:
                 if checks:
                     # the checks were gathered over the rounds since the EMAs last moved: as
                     # many updates as those rounds (the engine reports once per catch-up)
-                    self.ema, self.ema_fail = shadow_update(
-                        self.ema, self.ema_fail, hits, checks, self.config.ema_alpha,
-                        max(self._unobserved, 1))
+                    if self._fresh and resets(self.config):   # the first measurement
+                        self.ema, self.ema_fail = shadow_update(self.ema, self.ema_fail, hits,
+                                                                checks, 1.0)
+                        self.stats.resets += 1
+                    else:
+                        self.ema, self.ema_fail = shadow_update(
+                            self.ema, self.ema_fail, hits, checks, self.config.ema_alpha,
+                            max(self._unobserved, 1))
                     self._unobserved = 0
+                    self._fresh = False
                     self.weight += rows
                     self.stats.shadow_rounds += 1
         self._prev_n_req = len(accepts)

@@ -94,15 +94,22 @@ def surprise(accepts: Sequence[int], steps: int, ema: float, ema_fail: float) ->
     return nats
 
 
+def resets(cfg: AdaptiveConfig) -> bool:
+    """Whether the policy restarts a rank's EMAs on a surprise and on its first measurement
+    (goodput with ``reset_nats > 0``)."""
+    return cfg.policy == "goodput" and cfg.reset_nats > 0
+
+
 def round_update(cfg: AdaptiveConfig, ema: float, ema_fail: float, accepts: Sequence[int],
-                 steps: int) -> tuple[float, float, bool]:
+                 steps: int, first: bool = False) -> tuple[float, float, bool]:
     """(ema, ema_fail, reset) after a round that measures acceptance (``measures_acceptance``):
-    the EMA updates with ``ema_alpha``; under goodput with ``reset_nats > 0``, a round whose
-    ``surprise`` exceeds ``reset_nats`` restarts both from that round alone (α = 1: its mean
-    accept length and its share of rejecting requests)."""
+    the EMA updates with ``ema_alpha``; under goodput with ``reset_nats > 0`` a round restarts
+    both from itself alone (α = 1: its mean accept length and its share of rejecting requests)
+    when it is the rank's ``first`` measurement (the start values are placeholders, not
+    measurements) or its ``surprise`` exceeds ``reset_nats``."""
     alpha = cfg.ema_alpha
-    reset = (cfg.policy == "goodput" and cfg.reset_nats > 0
-             and surprise(accepts, steps, ema, ema_fail) > cfg.reset_nats)
+    reset = resets(cfg) and len(accepts) > 0 and (
+        first or surprise(accepts, steps, ema, ema_fail) > cfg.reset_nats)
     if reset:
         alpha = 1.0
     return (ema_update(ema, accepts, alpha), ema_fail_update(ema_fail, accepts, steps, alpha),

@@ -26,7 +26,10 @@ tokens/s. `NAME@N` runs a policy's engine with the draft cache caught up every N
 `NAME/nodefer` (also `NAME@N/nodefer`) the engine with the head run in every prefill
 (`--defer-prefill-width 0`: the head's part of a prefill at depth 0 not left to the catch-up);
 `NAME+KEY=VALUE` (after the rest, repeatable) an adaptive setting for that policy alone, e.g.
-`goodput+reset_nats=0` beside `goodput`.
+`goodput+reset_nats=0` beside `goodput`. `--model-costs TABLE` prices every run's rounds by a
+cost table (e.g. a GPU's start-up table, `meta.round_cost` of a GPU run) instead of timing them:
+the goodput engines decide on the same table: the decisions of a CPU run, compared in the
+device's units (prefills priced as the decode round they share, host work left out).
 One engine per policy, built once (graphs captured once); every run starts its policy
 afresh; runs are interleaved over the repeats. Per run: tokens/s overall and per phase, switches,
 switches per phase change (and per hour at the run's rate), rounds at each depth, the depth
@@ -36,6 +39,7 @@ spread, depth timelines over the phases) and prints the goals table.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -50,8 +54,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import collectives as C  # noqa: E402
-from adaptive_dist.config import AdaptiveConfig, load_config  # noqa: E402
+from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, load_config  # noqa: E402
 from adaptive_dist.controller import AdaptiveController  # noqa: E402
+from adaptive_dist.policy import cost_row  # noqa: E402
 from benchlib import (GcPauses, add_overlap_argument, overlap_of, settle_heap,  # noqa: E402
                       spread, sync)
 from regimes import make_prompts  # noqa: E402
@@ -183,8 +188,21 @@ def parse_args() -> argparse.Namespace:
                         "the config's default: the start-up table only)")
     p.add_argument("--set", dest="knobs", action="append", default=[], metavar="KEY=VALUE",
                    help="a config key for every adaptive policy alike (e.g. update_interval=2)")
+    p.add_argument("--model-costs", default=None, metavar="JSON",
+                   help="price every run's rounds by this round_cost table (as --set "
+                        "round_cost=..., e.g. a GPU's start-up table) instead of timing them: "
+                        "a phase's seconds become the sum over its rounds of the cost of the "
+                        "round's depth in its padded batch's row (wall time kept as "
+                        "wall_seconds); the goodput engines decide on it too (no start-up "
+                        "measurement). Prefills are priced as the round they run in. For "
+                        "comparing decisions off the device the table was measured on")
     p.add_argument("--out", default="runs/bench_adaptive")
     args = p.parse_args()
+    if args.model_costs is not None:
+        try:
+            args.model_costs = RoundCost.parse(json.loads(args.model_costs))
+        except (json.JSONDecodeError, ConfigError) as err:
+            p.error(f"--model-costs: {err}")
     if not 0 <= args.cost_alpha <= 1:
         p.error(f"--cost-alpha {args.cost_alpha}: must be in [0, 1]")
     if args.warmup_runs < 0:
@@ -237,15 +255,29 @@ def run_continuous(engine: Engine, prompts: list[list[int]], batch: int,
     return reqs
 
 
+def modelled_seconds(rounds: dict[tuple[int, int], int], table: RoundCost) -> float:
+    """The time `rounds` ((steps, padded batch) -> count) take by `table` (a round_cost table,
+    its row picked as the policy picks it: `policy.cost_row`)."""
+    total = 0.0
+    for (steps, batch), n in sorted(rounds.items()):
+        row = dict(table.rows[cost_row(table, batch)])
+        total += n * row[steps]
+    return total
+
+
 def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
-               device: str, batch: int | None = None, spread: float = 0.0) -> dict[str, Any]:
+               device: str, batch: int | None = None, spread: float = 0.0,
+               model: RoundCost | None = None) -> dict[str, Any]:
     """Every phase on this replica; per phase: seconds and tokens; and the policy's trace.
     `batch`: run each phase's prompts arriving continuously, at most `batch` at once (None: the
-    phase is one closed batch); `spread`: the requests' budgets vary (`budgets`)."""
+    phase is one closed batch); `spread`: the requests' budgets vary (`budgets`); `model`: a
+    phase's seconds are its rounds priced by this table (`modelled_seconds`), its wall time kept
+    as `wall_seconds`."""
     out: dict[str, Any] = {"phases": [], "phase_rounds": []}
     round0 = engine.planner.round
     pauses = GcPauses()
     for prompts in phases:
+        shapes = collections.Counter(engine.planner.stats.rounds_at_shape)
         sync(device)
         start = time.perf_counter()
         with pauses:
@@ -254,8 +286,12 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
             reqs = (engine.generate(prompts, params) if batch is None
                     else run_continuous(engine, prompts, batch, params))
             sync(device)
-        out["phases"].append({"seconds": time.perf_counter() - start,
-                              "tokens": sum(len(r.output_ids) for r in reqs)})
+        phase = {"seconds": time.perf_counter() - start,
+                 "tokens": sum(len(r.output_ids) for r in reqs)}
+        if model is not None:
+            ran = engine.planner.stats.rounds_at_shape - shapes
+            phase.update(wall_seconds=phase["seconds"], seconds=modelled_seconds(ran, model))
+        out["phases"].append(phase)
         out["phase_rounds"].append(engine.planner.round - round0)
     stats = engine.planner.stats
     out.update(gc_full_collections=pauses.count, gc_seconds=pauses.seconds)
@@ -293,6 +329,8 @@ def main() -> int:
     for policy in args.policies:
         base, catchup, defer, own = split_policy(policy)
         extra = {} if defer is None else {"defer_prefill_width": defer}
+        if args.model_costs is not None and base.startswith("goodput"):
+            own = {"round_cost": args.model_costs, **own}   # decided on the prices paid
         cfg = EngineConfig(spec=spec_of(base, {**knobs, **own}, args.cost_alpha),
                            max_batch_size=top,
                            max_context_len=context, catchup_rounds=catchup or args.catchup_rounds,
@@ -301,6 +339,12 @@ def main() -> int:
                            attn_tp=layout.attn_tp, **overlap_of(args, args.device))
         engines[policy] = build_engine(cfg, target, head, group=world, guard=guard)
         engines[policy].warmup()
+    if args.model_costs is not None:
+        for policy, engine in engines.items():
+            missing = sorted(set(engine.config.spec.tiers) - set(args.model_costs.steps))
+            if missing:
+                raise SystemExit(f"--model-costs: no cost for depth {missing} of {policy}; the "
+                                 f"table has {list(args.model_costs.steps)}")
     settle_heap()
     # the cost tables the goodput engines measured and agreed at start-up (relative costs)
     round_costs = {p: e.config.spec.round_cost.to_json() for p, e in engines.items()
@@ -323,7 +367,8 @@ def main() -> int:
             regime = [phase[par.replica % 2] for phase in WORKLOADS[workload]]
             phases = [enc[r][:batch * args.waves] for r in regime]
             res = run_phases(engine, phases, args.new_tokens, args.device,
-                             batch if args.waves > 1 else None, args.length_spread)
+                             batch if args.waves > 1 else None, args.length_spread,
+                             args.model_costs)
             parts: list[Any] = [res]
             if world.size > 1:
                 import torch.distributed as dist
@@ -423,6 +468,8 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
             "length_spread": args.length_spread, "catchup_rounds": args.catchup_rounds,
             "knobs": parse_knobs(args.knobs), "cost_alpha": args.cost_alpha,
             "warmup_runs": args.warmup_runs, "round_cost": round_costs, "repeats": args.repeats,
+            # not None: every phase's "seconds" is this table's price of its rounds
+            "model_costs": args.model_costs.to_json() if args.model_costs is not None else None,
             "repeats_done": len({r["repeat"] for r in records}),
             "workloads": {w: WORKLOADS[w] for w in args.workloads},
             "command": " ".join(sys.argv)}
@@ -433,7 +480,8 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
     for key, entry in analysis.items():
         plot(key, entry, records, out / (key.replace(" | b=", "_b") + ".png"))
         print(f"== {key}: best static {entry.get('best_static', 0):.0f} tok/s, oracle "
-              f"{entry.get('oracle_tokens_per_second', 0):.0f}")
+              f"{entry.get('oracle_tokens_per_second', 0):.0f}"
+              + (" (time: the --model-costs table's price)" if args.model_costs else ""))
         for p, v in entry["policies"].items():
             vs = entry.get("vs", {}).get(p, {})
             print(f"   {p:<15}{v['tokens_per_second']['median']:>9.0f} tok/s  "

@@ -28,6 +28,7 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
     fail = [1.0] * world
     weight = [0] * world
     unseen = [0] * world   # depth-0 rounds with requests since the rank's EMAs last moved
+    measured = [False] * world   # the rank's EMAs moved on a measurement (not start values)
     counted, last_switch = 0, None
     points_since_switch = 0
     probe_wait, after_probe = 1, False   # goodput: the probe wait's multiplier, last switch a probe
@@ -43,9 +44,10 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
             if acc and not (goodput and steps == 0):
                 rejected = len([a for a in acc if a < steps])
                 a_k = alpha
-                if goodput and cfg.get("reset_nats", 0) > 0 and \
-                        _reference_nats(sum(acc), rejected, ema[k], fail[k]) > cfg["reset_nats"]:
-                    a_k = 1.0   # a surprise: the EMAs restart from this round
+                if goodput and cfg.get("reset_nats", 0) > 0 and (not measured[k] or _reference_nats(
+                        sum(acc), rejected, ema[k], fail[k]) > cfg["reset_nats"]):
+                    a_k = 1.0   # the first measurement, or a surprise: restart from this round
+                measured[k] = True
                 ema[k] = (1.0 - a_k) * ema[k] + a_k * (sum(acc) / len(acc))
                 fail[k] = (1.0 - a_k) * fail[k] + a_k * (rejected / len(acc))
                 weight[k] += len(acc)
@@ -58,10 +60,14 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
                     len([a for a in x["accept"] if a >= 1]), len(x["accept"]), len(x["accept"]))
                 if report is not None and report[1] > 0:
                     hits, checks, rows = report
-                    # one update per round since the EMAs last moved, all with this share
-                    for _ in range(max(unseen[k], 1)):
-                        ema[k] = (1.0 - alpha) * ema[k] + alpha * (hits / checks)
-                        fail[k] = (1.0 - alpha) * fail[k] + alpha * (1.0 - hits / checks)
+                    if not measured[k] and cfg.get("reset_nats", 0) > 0:
+                        ema[k], fail[k] = hits / checks, 1.0 - hits / checks   # the first
+                    else:
+                        # one update per round since the EMAs last moved, all with this share
+                        for _ in range(max(unseen[k], 1)):
+                            ema[k] = (1.0 - alpha) * ema[k] + alpha * (hits / checks)
+                            fail[k] = (1.0 - alpha) * fail[k] + alpha * (1.0 - hits / checks)
+                    measured[k] = True
                     unseen[k] = 0
                     weight[k] += rows
         eligible = all(x.get("can_graph", True) for x in rounds)

@@ -186,6 +186,8 @@ def test_goodput_decisions_identical_and_match_reference(tmp_path, world, name):
     cfg = _goodput_cfg(name)
     merged = _replay_matches_reference(tmp_path, traces, cfg)
     assert any(rec["switched"] for rec in merged), "traces should make the policy switch"
+    # the traces hold surprises: without the reset the reference's records differ
+    assert simulate(traces, {**cfg, "reset_nats": 0.0}, "goodput") != merged
     assert set(merged[0]) == {"round", "rank", "steps", "local_ema", "global_ema", "switched",
                               "graph", "local_ema_fail", "accept_rate", "cost_row", "probe"}
     rows = {rec["cost_row"] for rec in merged}

@@ -77,6 +77,27 @@ def test_depth0_head_holds_the_goodput_engine_at_depth_0():
     assert [r.output_ids for r in out] == [r.output_ids for r in plain]
 
 
+def test_model_costs_price_each_phase_by_its_rounds():
+    """`--model-costs`: a phase's seconds are its rounds priced by the table, the row picked by
+    the round's padded batch as the policy picks it (larger batches: the largest row)."""
+    from adaptive_dist.config import RoundCost
+
+    bench = _bench_adaptive()
+    table = RoundCost.parse({"1": {"0": 1.0, "2": 3.0}, "4": {"0": 2.0, "2": 5.0}})
+    # by hand: 3 rounds at depth 2, batch 1 (row "1"): 9; 2 at depth 0, batch 4: 4; 1 at depth
+    # 2, batch 8 (past the largest row: "4"): 5
+    assert bench.modelled_seconds({(2, 1): 3, (0, 4): 2, (2, 8): 1}, table) == 18.0
+    target, head = tiny_pair()
+    prompts = random_prompts(6, target.config.vocab_size, seed=5)
+    engine = engine_for(target, head, "static", steps=2, max_batch=4)
+    res = bench.run_phases(engine, [prompts[:3], prompts[3:]], 5, "cpu", batch=2, model=table)
+    shapes = engine.planner.stats.rounds_at_shape
+    assert {steps for steps, _ in shapes} == {2} and {b for _, b in shapes} <= {1, 2}
+    assert all(ph["wall_seconds"] > 0 for ph in res["phases"])
+    assert sum(ph["seconds"] for ph in res["phases"]) == bench.modelled_seconds(shapes, table)
+    assert sum(shapes.values()) == engine.planner.stats.counted_rounds
+
+
 def test_policy_names_take_a_catchup_interval():
     bench = _bench_adaptive()
     assert bench.split_policy("goodput") == ("goodput", None, None, {})

@@ -442,8 +442,11 @@ def test_goodput_bucket_row_from_the_plan():
 
 @pytest.mark.parametrize("reset_nats,climb", [
     (0.0, [(104, 1), (108, 3), (112, 7)]),   # the EMAs move by alpha: through 3
-    (8.0, [(98, 0), (104, 1), (106, 7)]),    # the probe's round (3 of 3 accepted against a rate
-])                                           # of ~0: 13.8 nats) restarts them: p = 1, on to 7
+    # the first round restarts them (start values are not measurements: down 4 rounds sooner,
+    # the probes shifted alike); the probe's round (3 of 3 accepted against a rate of ~0: 13.8
+    # nats) restarts them again: p = 1, on to 7
+    (8.0, [(94, 0), (100, 1), (102, 7)]),
+])
 def test_goodput_goes_to_zero_on_low_acceptance_and_comes_back(reset_nats, climb):
     """A long run: acceptance collapses (every request rejects the first draft token), the
     policy goes to 0; probes go to depth 1, find nothing and return to 0; acceptance rises
@@ -475,7 +478,7 @@ def test_goodput_goes_to_zero_on_low_acceptance_and_comes_back(reset_nats, climb
     assert gaps == [8] * (len(low_probes) - 1)
     # the first probe after the rise (decided at round 103) stays up and climbs
     assert ctl.stats.steps_timeline[-3:] == climb
-    assert ctl.stats.resets == (1 if reset_nats else 0)
+    assert ctl.stats.resets == (2 if reset_nats else 0)
 
 
 def test_goodput_probe_backoff_doubles_the_wait_and_resets_after_a_climb():
@@ -516,7 +519,7 @@ def test_goodput_shadow_checks_at_depth_0_update_the_emas_and_leave_without_a_pr
     cost = {"0": 1.0, "1": 1.25, "3": 1.6, "7": 2.4}
     cfg = AdaptiveConfig(policy="goodput", candidate_steps=[0, 1, 3, 7], initial_steps=0,
                          warmup_batches=0, update_interval=2, ema_alpha=0.5, probe_every=50,
-                         round_cost=cost)
+                         round_cost=cost, reset_nats=0.0)   # the alpha rules alone
     ctl = AdaptiveController(cfg, Group.single())
     assert (ctl.ema, ctl.ema_fail) == (0.0, 1.0)
     ctl.begin_round(2)
@@ -547,7 +550,8 @@ def test_goodput_shadow_update_covers_the_depth_0_rounds_since_the_emas_moved():
     with requests since the EMAs last moved — not idle rounds, and a report without checks moves
     nothing (its rounds carry over); after a report the count starts again."""
     cfg = AdaptiveConfig(policy="goodput", candidate_steps=[0, 1], initial_steps=0,
-                         warmup_batches=1000, ema_alpha=0.5, round_cost={"0": 1.0, "1": 1e9})
+                         warmup_batches=1000, ema_alpha=0.5, round_cost={"0": 1.0, "1": 1e9},
+                         reset_nats=0.0)   # the alpha rules alone
     ctl = AdaptiveController(cfg, Group.single())
     ctl.begin_round(2)
     ctl.end_round([0, 0])                               # 1 round unobserved
@@ -623,7 +627,7 @@ def test_goodput_descends_to_zero_through_the_smallest_positive_depth():
     either way."""
     base = dict(policy="goodput", candidate_steps=[0, 1, 3], initial_steps=3, ema_alpha=0.9,
                 warmup_batches=0, update_interval=1, switch_margin=0.0, probe_every=50,
-                round_cost={"0": 1.0, "1": 1.25, "3": 1.5})
+                round_cost={"0": 1.0, "1": 1.25, "3": 1.5}, reset_nats=0.0)
     dear = {"0": 1.0, "1": 5.0, "3": 1.5}
     for extra, want in (({}, [3, 1, 0, 0]), ({"zero_via_smallest": False}, [3, 0, 0, 0]),
                         ({"round_cost": dear}, [3, 0, 0, 0])):
@@ -647,8 +651,11 @@ def test_goodput_descends_to_zero_through_the_smallest_positive_depth():
     (5, 0.0, (7, 4.5, 1.0, 0)),        # the reset off: the alpha update
 ])
 def test_goodput_surprise_restarts_the_emas(requests, reset_nats, want):
-    """Candidates [1, 7] at costs 1 / 2, starting at 7 (ema 6, fail 1: p 6/7), alpha 0.25, a
-    decision every round, margin 0; every request rejects its first draft token.
+    """Candidates [1, 7] at costs 1 / 2, starting at 7, alpha 0.25, a decision every round,
+    margin 0. Round 0: every request accepts 6 of 7 (mean 6, all reject one): with the reset on,
+    the first measurement replaces the start values (ema 6, fail 1: p 6/7, which the start
+    values happened to be already, so both runs go on from the same EMAs); s7 > s1 -> stays.
+    Round 1: every request rejects its first draft token.
     A reset leaves ema 0, fail 1 (the round alone): p 0, s1 = 1 > s7 = 0.5 -> depth 1.
     Without: ema 0.75·6 = 4.5, fail 0.75·1 + 0.25·1 = 1.0, p 4.5/5.5 = 0.818:
     s7 = (1 + Σ_{k=1..7} p^k)/2 = 2.20 > s1 = 1.818 -> stays at 7."""
@@ -656,14 +663,46 @@ def test_goodput_surprise_restarts_the_emas(requests, reset_nats, want):
                          warmup_batches=0, update_interval=1, switch_margin=0.0,
                          round_cost={"1": 1.0, "7": 2.0}, reset_nats=reset_nats)
     ctl = AdaptiveController(cfg, Group.single())
+    assert ctl.begin_round(requests).steps == 7
+    ctl.end_round([6] * requests)
     assert (ctl.ema, ctl.ema_fail) == (6.0, 1.0)
-    ctl.begin_round(requests)
+    assert ctl.begin_round(requests).steps == 7
     ctl.end_round([0] * requests)
     ema, fail = ctl.ema, ctl.ema_fail
     plan = ctl.begin_round(requests)
     steps, want_ema, want_fail, resets = want
     assert plan.steps == steps
     assert (ema, fail) == (pytest.approx(want_ema), pytest.approx(want_fail))
-    assert ctl.stats.resets == resets
+    assert ctl.stats.resets == resets + (reset_nats > 0)   # + the first measurement
     if steps == 7:
         assert ctl.last_outcome.decision.accept_rate == pytest.approx(4.5 / 5.5)
+
+
+def test_goodput_first_measurement_replaces_the_start_values():
+    """With the reset on, a rank's first measurement — a round's accepts, or at depth 0 a shadow
+    report — sets the EMAs alone (α = 1); the start values are placeholders. By hand:
+    start at 3 (ema 2, fail 1), alpha 0.25, round [1, 3] at depth 3 (surprise: A 4, F 1, r 0.8
+    against p 2/3: 0.4 nats): on -> ema 2.0, fail 0.5; off -> ema 0.75·2 + 0.25·2 = 2.0,
+    fail 0.75 + 0.125 = 0.875. Start at 0 (ema 0, fail 1), three depth-0 rounds, then a report
+    of 3 hits in 4 checks: on -> ema 0.75, fail 0.25; off -> three updates with h 0.75:
+    ema 0.75·(1 - 0.75³) = 0.43359375, fail 0.75³ + 0.25·(1 - 0.75³) = 0.56640625."""
+    for reset_nats, want in ((8.0, (2.0, 0.5)), (0.0, (2.0, 0.875))):
+        ctl = AdaptiveController(AdaptiveConfig(
+            policy="goodput", candidate_steps=[0, 1, 3], initial_steps=3, ema_alpha=0.25,
+            round_cost={"0": 1.0, "1": 1.2, "3": 1.5}, reset_nats=reset_nats), Group.single())
+        ctl.begin_round(2)
+        ctl.end_round([1, 3])
+        assert (ctl.ema, ctl.ema_fail) == want and ctl.stats.resets == (reset_nats > 0)
+        ctl.begin_round(2)
+        ctl.end_round([3, 3])       # no longer the first, no surprise: the alpha update
+        assert ctl.ema == pytest.approx(0.75 * want[0] + 0.25 * 3)
+    for reset_nats, want in ((8.0, (0.75, 0.25)), (0.0, (0.43359375, 0.56640625))):
+        ctl = AdaptiveController(AdaptiveConfig(
+            policy="goodput", candidate_steps=[0, 1], initial_steps=0, ema_alpha=0.25,
+            warmup_batches=1000, round_cost={"0": 1.0, "1": 1.2}, reset_nats=reset_nats),
+            Group.single())
+        for shadow in (None, None, (3, 4, 2)):
+            ctl.begin_round(2)
+            ctl.end_round([0, 0], shadow=shadow)
+        assert (ctl.ema, ctl.ema_fail) == (pytest.approx(want[0]), pytest.approx(want[1]))
+        assert ctl.stats.resets == (reset_nats > 0)
