@@ -157,7 +157,8 @@ class AdaptiveConfig:
     alone: a new regime is taken at once instead of over ``~1/ema_alpha`` rounds. At batch 1 it
     takes a round far off the EMAs (a request that accepts all 7 drafts against a rate of 0.3:
     8.4 nats; one that rejects the first against 0.85: 1.9); 16 requests that each reject at
-    once at depth 7 against 0.85 give 30. (>= 0; 0: off.)"""
+    once at depth 7 against 0.85 give 30. With it on, a rank's first measurement replaces the
+    start values too. (>= 0; 0: off — the EMAs follow ``ema_alpha`` alone.)"""
     cost_alpha: float = 0.0
     """goodput: EMA weight of a timed round in its cost-table row's offset (in [0, 1]; 0: the
     table stays as agreed at start-up). The engine's rounds are timed (seconds from one round's
