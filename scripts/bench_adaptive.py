@@ -14,7 +14,11 @@ the next prompt, so the batch stays full until the phase's last prompts (what a 
 what goodput's tokens per round measure). `--length-spread F` draws each request's budget uniformly
 from `new_tokens x [1-F, 1+F]` (the same budgets for every policy; default 0.5 with `--waves`,
 else 0: a continuous workload whose requests all end together refills in bulk, which real
-traffic does not):
+traffic does not). `--phase-rounds N` makes every phase a window of N rounds instead, each
+replica kept full throughout (its prompts cycled; requests in flight at a phase's end run on into
+the next): tokens/s under steady load rather than the time to finish a fixed set of prompts,
+which in a DP cluster the slowest replica sets — a depth that helps only the other replica cannot
+shorten it, while under steady load that replica's extra tokens count. Workloads:
 `code`, `high_entropy`, `repetitive` (one phase each), `transition` (code -> high_entropy ->
 repetitive -> high_entropy), `heterogeneous` (DP: replica 0 high-entropy while replica 1
 repetitive, then swapped). Policies: static 0 (no speculation), 1, 3, 7; ema (weighted_mean);
@@ -176,6 +180,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--waves", type=int, default=1,
                    help="prompts per phase as a multiple of the batch; above 1 they arrive "
                         "continuously (a finished request is replaced), 1: one closed batch")
+    p.add_argument("--phase-rounds", type=int, default=None, metavar="N",
+                   help="every phase is N rounds of the cluster with every replica kept full "
+                        "(its regime's prompts cycled), instead of a count of prompts run to "
+                        "completion: tokens/s under steady load, where a replica that finishes "
+                        "requests sooner takes more, rather than the time to finish a fixed "
+                        "set (which the slowest replica sets). Requests in flight at a phase's "
+                        "end run on into the next; the last phase's are aborted, uncounted")
     p.add_argument("--length-spread", type=float, default=None,
                    help="request budgets uniform in new_tokens x [1-F, 1+F] (default: 0.5 with "
                         "--waves > 1, else 0)")
@@ -218,8 +229,10 @@ def parse_args() -> argparse.Namespace:
             p.error(f"--policies {name}: {err}")
     if len(set(args.policies)) != len(args.policies):
         p.error(f"--policies {' '.join(args.policies)}: a policy is listed twice")
+    if args.phase_rounds is not None and args.phase_rounds < 1:
+        p.error(f"--phase-rounds {args.phase_rounds}: must be >= 1")
     if args.length_spread is None:
-        args.length_spread = 0.5 if args.waves > 1 else 0.0
+        args.length_spread = 0.5 if args.waves > 1 or args.phase_rounds else 0.0
     if not 0 <= args.length_spread < 1:
         p.error(f"--length-spread {args.length_spread}: must be in [0, 1)")
     return args
@@ -255,6 +268,28 @@ def run_continuous(engine: Engine, prompts: list[list[int]], batch: int,
     return reqs
 
 
+def run_window(engine: Engine, prompts: list[list[int]], batch: int, rounds: int,
+               budget: list[int], active: list[Any]) -> int:
+    """`rounds` rounds of the cluster with this replica kept full: before every round the free
+    places (at most `batch` in flight) are taken by `prompts`, cycled, the i-th admitted with
+    budget `budget[i % len(budget)]`. `active` (updated in place) holds the requests in flight,
+    those of an earlier window included: they run on into this one. Returns the tokens the
+    window's requests committed during it."""
+    sched = engine.scheduler
+    touched = list(active)
+    before = {id(r): len(r.output_ids) for r in touched}
+    for _ in range(rounds):
+        while len([r for r in sched.running if not r.finished]) + len(sched.waiting) < batch:
+            i = len(touched) - len(active)
+            req = engine.add(prompts[i % len(prompts)],
+                             SamplingParams(max_new_tokens=budget[i % len(budget)]), seed=i)
+            before[id(req)] = 0
+            touched.append(req)
+        engine.step(pending=True)
+    active[:] = [r for r in touched if not r.finished]
+    return sum(len(r.output_ids) - before[id(r)] for r in touched)
+
+
 def modelled_seconds(rounds: dict[tuple[int, int], int], table: RoundCost) -> float:
     """The time `rounds` ((steps, padded batch) -> count) take by `table` (a round_cost table,
     its row picked as the policy picks it: `policy.cost_row`)."""
@@ -267,32 +302,42 @@ def modelled_seconds(rounds: dict[tuple[int, int], int], table: RoundCost) -> fl
 
 def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
                device: str, batch: int | None = None, spread: float = 0.0,
-               model: RoundCost | None = None) -> dict[str, Any]:
+               model: RoundCost | None = None, window: int | None = None) -> dict[str, Any]:
     """Every phase on this replica; per phase: seconds and tokens; and the policy's trace.
     `batch`: run each phase's prompts arriving continuously, at most `batch` at once (None: the
     phase is one closed batch); `spread`: the requests' budgets vary (`budgets`); `model`: a
     phase's seconds are its rounds priced by this table (`modelled_seconds`), its wall time kept
-    as `wall_seconds`."""
+    as `wall_seconds`; `window` (with `batch`): every phase is that many rounds with the replica
+    kept full (`run_window`), requests in flight at its end running on into the next, the last
+    phase's aborted."""
     out: dict[str, Any] = {"phases": [], "phase_rounds": []}
     round0 = engine.planner.round
     pauses = GcPauses()
+    active: list[Any] = []
     for prompts in phases:
         shapes = collections.Counter(engine.planner.stats.rounds_at_shape)
         sync(device)
         start = time.perf_counter()
         with pauses:
-            params = [SamplingParams(max_new_tokens=n)
-                      for n in budgets(len(prompts), new_tokens, spread, seed=len(out["phases"]))]
-            reqs = (engine.generate(prompts, params) if batch is None
-                    else run_continuous(engine, prompts, batch, params))
+            lengths = budgets(len(prompts), new_tokens, spread, seed=len(out["phases"]))
+            if window is not None:
+                tokens = run_window(engine, prompts, batch, window, lengths, active)
+            else:
+                params = [SamplingParams(max_new_tokens=n) for n in lengths]
+                reqs = (engine.generate(prompts, params) if batch is None
+                        else run_continuous(engine, prompts, batch, params))
+                tokens = sum(len(r.output_ids) for r in reqs)
             sync(device)
-        phase = {"seconds": time.perf_counter() - start,
-                 "tokens": sum(len(r.output_ids) for r in reqs)}
+        phase = {"seconds": time.perf_counter() - start, "tokens": tokens}
         if model is not None:
             ran = engine.planner.stats.rounds_at_shape - shapes
             phase.update(wall_seconds=phase["seconds"], seconds=modelled_seconds(ran, model))
         out["phases"].append(phase)
         out["phase_rounds"].append(engine.planner.round - round0)
+    if window is not None:   # the last window's requests in flight: uncounted, cut short
+        for req in active:
+            engine.abort(req.rid)
+        engine.run()   # every rank, with or without requests left (the rounds are collective)
     stats = engine.planner.stats
     out.update(gc_full_collections=pauses.count, gc_seconds=pauses.seconds)
     out.update(switches=stats.switches, probes=stats.probes, resets=stats.resets,
@@ -367,8 +412,8 @@ def main() -> int:
             regime = [phase[par.replica % 2] for phase in WORKLOADS[workload]]
             phases = [enc[r][:batch * args.waves] for r in regime]
             res = run_phases(engine, phases, args.new_tokens, args.device,
-                             batch if args.waves > 1 else None, args.length_spread,
-                             args.model_costs)
+                             batch if args.waves > 1 or args.phase_rounds else None,
+                             args.length_spread, args.model_costs, args.phase_rounds)
             parts: list[Any] = [res]
             if world.size > 1:
                 import torch.distributed as dist
@@ -377,12 +422,14 @@ def main() -> int:
                 dist.all_gather_object(parts, res, group=world.control_pg)
             if ctx.rank == 0 and rep >= 0:
                 records.append(summarise(workload, batch, policy, rep, parts, layout.attn_tp))
+                # the results so far, every run (a cut-short run keeps what it measured)
+                write(args, records, ctx, quiet=True, round_costs=round_costs)
             if bar is not None:
                 bar.set_postfix_str(f"{workload} b{batch} {policy}: " + (
                     f"{records[-1]['tokens_per_second']:.0f} tok/s" if rep >= 0 else "warm-up"))
                 bar.update()
-        if ctx.rank == 0 and rep >= 0:  # results so far (a cut-short run keeps its repeats)
-            write(args, records, ctx, quiet=rep + 1 < args.repeats, round_costs=round_costs)
+        if ctx.rank == 0 and rep >= 0:   # the plots and the table of the repeats so far
+            write(args, records, ctx, round_costs=round_costs)
     if bar is not None:
         bar.close()
     for engine in engines.values():
@@ -466,6 +513,7 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "new_tokens": args.new_tokens, "waves": args.waves,
             "length_spread": args.length_spread, "catchup_rounds": args.catchup_rounds,
+            "phase_rounds": args.phase_rounds,
             "knobs": parse_knobs(args.knobs), "cost_alpha": args.cost_alpha,
             "warmup_runs": args.warmup_runs, "round_cost": round_costs, "repeats": args.repeats,
             # not None: every phase's "seconds" is this table's price of its rounds

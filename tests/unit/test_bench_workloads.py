@@ -98,6 +98,38 @@ def test_model_costs_price_each_phase_by_its_rounds():
     assert sum(shapes.values()) == engine.planner.stats.counted_rounds
 
 
+def test_phase_windows_keep_the_replica_full_for_a_fixed_number_of_rounds():
+    """`--phase-rounds`: every phase is that many rounds with the replica kept full (every round
+    starts with `batch` requests in flight or queued); requests in flight at a window's end run
+    on into the next; the last window's are aborted; the windows' tokens are every token the
+    requests committed."""
+    bench = _bench_adaptive()
+    target, head = tiny_pair()
+    prompts = random_prompts(3, target.config.vocab_size, seed=6)
+    for engine in (engine_for(target, None, "nospec", max_batch=4),
+                   engine_for(target, head, "static", steps=2, max_batch=4)):
+        made, full = [], []
+        add, step = engine.add, engine.step
+
+        def counted_add(*args, _add=add, **kwargs):
+            made.append(_add(*args, **kwargs))
+            return made[-1]
+
+        def counted_step(*args, _engine=engine, _step=step, **kwargs):
+            sched = _engine.scheduler
+            full.append(len([r for r in sched.running if not r.finished]) + len(sched.waiting))
+            return _step(*args, **kwargs)
+        engine.add, engine.step = counted_add, counted_step
+        res = bench.run_phases(engine, [prompts, prompts[::-1]], 5, "cpu", batch=2, spread=0.5,
+                               window=9)
+        assert res["phase_rounds"] == [9, 18] and full[:18] == [2] * 18
+        assert sum(ph["tokens"] for ph in res["phases"]) == sum(len(r.output_ids) for r in made)
+        assert all(ph["tokens"] >= 18 for ph in res["phases"])   # >= 1 token a request a round
+        assert len(made) > 6                             # prompts cycled past the three given
+        assert [r.finish_reason for r in made].count("abort") >= 1
+        assert not engine.scheduler.has_work
+
+
 def test_policy_names_take_a_catchup_interval():
     bench = _bench_adaptive()
     assert bench.split_policy("goodput") == ("goodput", None, None, {})
