@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-REDUCERS = ("weighted_mean", "min", "max")
+REDUCERS = ("weighted_mean", "min", "max", "mixture")
 FLOAT_KEYS = ("ema_alpha", "up_hysteresis", "down_hysteresis", "switch_margin", "cost_alpha",
               "reset_nats")
 RESET_LIMIT = 1e6
@@ -126,7 +126,8 @@ class AdaptiveConfig:
     """No switch within this many counted rounds of the previous switch: a switch at counted
     round c needs c - (counted round of the last switch) >= min_dwell_rounds (>= 0)."""
     reducer: str = "weighted_mean"
-    """How ranks' EMAs combine: ``weighted_mean``, ``min`` or ``max``."""
+    """How ranks' EMAs combine: ``weighted_mean``, ``min`` or ``max``; goodput also
+    ``mixture`` (the weighted mean of every rank's expected tokens, from its own rate)."""
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     """Padded batch sizes that have CUDA graphs; a larger cluster-wide batch runs eager."""
     lockstep_check_every: int = 16
@@ -300,6 +301,9 @@ def _validate(c: AdaptiveConfig) -> None:
         _check(_is_number(v) and -HYSTERESIS_LIMIT < v < HYSTERESIS_LIMIT, key, v,
                f"must be a finite number in ({-HYSTERESIS_LIMIT:g}, {HYSTERESIS_LIMIT:g})")
     _check(c.reducer in REDUCERS, "reducer", c.reducer, f"allowed: {', '.join(REDUCERS)}")
+    _check(c.reducer != "mixture" or c.policy == "goodput", "reducer", c.reducer,
+           f"mixture (the mean of the ranks' expected tokens) applies to the goodput policy "
+           f"only (policy={c.policy!r})")
     _check(_is_number(c.switch_margin) and 0 <= c.switch_margin < MARGIN_LIMIT, "switch_margin",
            c.switch_margin, f"must be a finite number in [0, {MARGIN_LIMIT:g})")
     for key in ("probe_every", "probe_backoff"):

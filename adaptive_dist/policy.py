@@ -121,7 +121,7 @@ def reduce_emas(emas: Sequence[float], weights: Sequence[float], reducer: str) -
     live = [(e, w) for e, w in zip(emas, weights) if w > 0]
     if not live:
         return None
-    if reducer == "weighted_mean":
+    if reducer in ("weighted_mean", "mixture"):   # (mixture: goodput, where it is shown only)
         num = 0.0
         den = 0.0
         for e, w in live:
@@ -132,7 +132,7 @@ def reduce_emas(emas: Sequence[float], weights: Sequence[float], reducer: str) -
         return min(e for e, _ in live)
     if reducer == "max":
         return max(e for e, _ in live)
-    raise ValueError(f"reducer={reducer!r}; allowed: weighted_mean, min, max")
+    raise ValueError(f"reducer={reducer!r}; allowed: weighted_mean, min, max, mixture")
 
 
 def ladder_walk(candidates: Sequence[int], index: int, value: float,
@@ -171,10 +171,19 @@ def cluster_rate(emas: Sequence[float], ema_fails: Sequence[float], weights: Seq
     """The cluster's acceptance rate over ranks with weight > 0, in rank order; None if Σw = 0.
 
     ``weighted_mean`` pools: ``Σw·ema / (Σw·ema + Σw·ema_fail)`` (1.0 when both sums are 0);
-    ``min`` / ``max`` take the smallest / largest per-rank rate."""
+    ``min`` / ``max`` take the smallest / largest per-rank rate; ``mixture`` the weighted mean
+    of the per-rank rates ``Σw·p / Σw`` (its decisions read every rank's rate:
+    ``mixture_expected``)."""
     live = [(e, f, w) for e, f, w in zip(emas, ema_fails, weights) if w > 0]
     if not live:
         return None
+    if reducer == "mixture":
+        num = 0.0
+        den = 0.0
+        for p, w in live_rates(emas, ema_fails, weights):
+            num += w * p
+            den += w
+        return num / den
     if reducer == "weighted_mean":
         acc = 0.0
         fail = 0.0
@@ -187,7 +196,27 @@ def cluster_rate(emas: Sequence[float], ema_fails: Sequence[float], weights: Seq
         return min(rates)
     if reducer == "max":
         return max(rates)
-    raise ValueError(f"reducer={reducer!r}; allowed: weighted_mean, min, max")
+    raise ValueError(f"reducer={reducer!r}; allowed: weighted_mean, min, max, mixture")
+
+
+def live_rates(emas: Sequence[float], ema_fails: Sequence[float],
+               weights: Sequence[float]) -> list[tuple[float, float]]:
+    """``(p_i, w_i)`` of the ranks with weight > 0, in rank order."""
+    return [(acceptance_rate(e, f), w) for e, f, w in zip(emas, ema_fails, weights) if w > 0]
+
+
+def mixture_expected(rates: Sequence[tuple[float, float]], steps: int) -> float:
+    """The ``mixture`` reducer's expected accepted tokens at depth ``steps``: the weighted mean
+    over the ranks of each rank's own ``E(S)``, ``Σ w_i·E(p_i, S) / Σ w_i`` (rank order,
+    float64). In lockstep every rank runs the same depth and the cluster's tokens are the sum of
+    the ranks', so this is the cluster's expectation, where one pooled rate (``weighted_mean``)
+    would fit a single geometric law to ranks that follow different ones."""
+    num = 0.0
+    den = 0.0
+    for p, w in rates:
+        num += w * expected_accepted(p, steps)
+        den += w
+    return num / den
 
 
 def expected_accepted(p: float, steps: int) -> float:
@@ -218,12 +247,16 @@ def cost_row(table: RoundCost, batch: int) -> int:
 
 
 def goodput_scores(cfg: AdaptiveConfig, p: float, batch: int,
-                   table: Optional[RoundCost] = None) -> list[float]:
+                   table: Optional[RoundCost] = None,
+                   mix: Optional[Sequence[tuple[float, float]]] = None) -> list[float]:
     """The score of every candidate (ascending depth) at rate ``p`` and padded batch ``batch``,
-    with ``table`` (default: ``cfg.round_cost``)."""
+    with ``table`` (default: ``cfg.round_cost``); with ``mix`` (the ``mixture`` reducer's
+    per-rank rates and weights) ``(1 + mixture_expected(mix, S)) / cost`` instead."""
     table = table if table is not None else cfg.round_cost
     assert table is not None, "goodput needs round_cost"
     costs = dict(table.rows[cost_row(table, batch)])
+    if mix is not None:
+        return [(1.0 + mixture_expected(mix, s)) / costs[s] for s in cfg.candidate_steps]
     return [goodput_score(p, s, costs[s]) for s in cfg.candidate_steps]
 
 
@@ -319,7 +352,8 @@ class Decision:
 
 
 def goodput_step(cfg: AdaptiveConfig, state: PolicyState, rate: Optional[float],
-                 batch: int, table: Optional[RoundCost] = None) -> tuple[int, bool]:
+                 batch: int, table: Optional[RoundCost] = None,
+                 mix: Optional[Sequence[tuple[float, float]]] = None) -> tuple[int, bool]:
     """The goodput decision at a decision point the dwell allows: (new index, is a probe).
     The best score with the margin, from the cluster's rate; at depth 0 without a rate (no rank
     reported shadow checks since the last decision point) only the probe moves, due
@@ -332,7 +366,7 @@ def goodput_step(cfg: AdaptiveConfig, state: PolicyState, rate: Optional[float],
         return state.index, False
     if rate is None:
         return state.index, False
-    scores = goodput_scores(cfg, rate, batch, table)
+    scores = goodput_scores(cfg, rate, batch, table, mix)
     new = goodput_pick(scores, state.index, cfg.switch_margin)
     return step_down(cfg, scores, state.index, new), False
 
@@ -378,7 +412,9 @@ def decide(cfg: AdaptiveConfig, state: PolicyState, cluster_requests: int,
         if table.buckets is not None:
             row = table.buckets[cost_row(table, batch)]
         if point and dwell_ok:
-            new_index, probe = goodput_step(cfg, state, rate, batch, table)
+            mix = (live_rates(emas, ema_fails, weights) if cfg.reducer == "mixture"
+                   else None)
+            new_index, probe = goodput_step(cfg, state, rate, batch, table, mix)
         if point and rate is not None and cfg.candidate_steps[state.index] == 0:
             state = PolicyState(state.index, counted, state.last_switch, state.probe_gap,
                                 state.probed, counted)   # a signal at depth 0: no probe due

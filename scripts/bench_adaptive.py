@@ -23,7 +23,8 @@ shorten it, while under steady load that replica's extra tokens count. Workloads
 repetitive -> high_entropy), `heterogeneous` (DP: replica 0 high-entropy while replica 1
 repetitive, then swapped). Policies: static 0 (no speculation), 1, 3, 7; ema (weighted_mean);
 ema_min (the min vote); goodput (candidates 0, 1, 3, 7; its cost table measured at start-up;
-the pooled rate) and goodput_min (the same with the `min` reducer: the smallest rank's rate);
+the pooled rate), goodput_min (the same with the `min` reducer: the smallest rank's rate) and
+goodput_mix (the `mixture` reducer: the mean of the ranks' expected tokens, each from its own rate);
 and the oracle, computed from the static runs: per phase the best static depth's median
 tokens/s. `NAME@N` runs a policy's engine with the draft cache caught up every N depth-0 rounds
 (`--catchup-rounds`, default the engine's), beside the same policy at other intervals;
@@ -71,7 +72,7 @@ from workers.model import ModelParallel  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 
 STATIC = ("static0", "static1", "static3", "static7")
-POLICIES = STATIC + ("ema", "ema_min", "goodput", "goodput_min")
+POLICIES = STATIC + ("ema", "ema_min", "goodput", "goodput_min", "goodput_mix")
 DIAGNOSTIC = ("depth0_head",)
 """Not run by default: `depth0_head` is the goodput engine held at depth 0 (its head kept
 current — prefilled, caught up every `--catchup-rounds` rounds, shadow-checked — but never
@@ -100,7 +101,8 @@ def spec_of(policy: str, knobs: dict[str, Any] | None = None,
     if policy.startswith("goodput"):
         spec = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=3,
                               cost_alpha=cost_alpha,
-                              reducer="min" if policy == "goodput_min" else "weighted_mean")
+                              reducer={"goodput_min": "min", "goodput_mix": "mixture"}.get(
+                                  policy, "weighted_mean"))
     else:
         spec = AdaptiveConfig(reducer="min" if policy == "ema_min" else "weighted_mean")
     return spec.replace(**knobs) if knobs else spec

@@ -79,7 +79,7 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
         live = [(e, w) for e, w in zip(ema, weight) if w > 0]
         if not live:
             g = None
-        elif cfg["reducer"] == "weighted_mean":
+        elif cfg["reducer"] in ("weighted_mean", "mixture"):
             num = den = 0.0
             for e, w in live:
                 num += w * e
@@ -108,7 +108,22 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
                 if points_since_switch >= probe_wait * cfg["probe_every"]:
                     new, probe = idx + 1, True
             elif point and dwell_ok and rate is not None:
-                scores = [(1.0 + _reference_expected(rate, s)) / costs[str(s)] for s in cand]
+                if cfg["reducer"] == "mixture":   # each live rank's own E(S), weighted
+                    live = [k for k in range(world) if weight[k] > 0]
+                    rates = [1.0 if ema[k] + fail[k] == 0 else ema[k] / (ema[k] + fail[k])
+                             for k in live]
+                    total_w = 0.0
+                    for k in live:
+                        total_w += weight[k]
+                    scores = []
+                    for s in cand:
+                        mixed = 0.0
+                        for k, rk in zip(live, rates):
+                            mixed += weight[k] * _reference_expected(rk, s)
+                        scores.append((1.0 + mixed / total_w) / costs[str(s)])
+                else:
+                    scores = [(1.0 + _reference_expected(rate, s)) / costs[str(s)]
+                              for s in cand]
                 best = max(range(len(cand)), key=lambda i: (scores[i], -i))
                 if best != idx and scores[best] > (1.0 + cfg["switch_margin"]) * scores[idx]:
                     new = best
@@ -169,6 +184,12 @@ def _reference_rate(ema: list[float], fail: list[float], weight: list[int],
             f += weight[k] * fail[k]
         return 1.0 if a + f == 0 else a / (a + f)
     rates = [1.0 if ema[k] + fail[k] == 0 else ema[k] / (ema[k] + fail[k]) for k in live]
+    if reducer == "mixture":
+        num = den = 0.0
+        for k, r in zip(live, rates):
+            num += weight[k] * r
+            den += weight[k]
+        return num / den
     return min(rates) if reducer == "min" else max(rates)
 
 

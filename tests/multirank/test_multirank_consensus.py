@@ -151,6 +151,10 @@ GOODPUT_CONFIGS = {
     "min": {"reducer": "min", "candidate_steps": [0, 1, 3, 7], "min_dwell_rounds": 5,
             "warmup_batches": 3, "update_interval": 3, "probe_every": 3, "switch_margin": 0.02,
             "round_cost": _row(1.0)},
+    # each rank's own expected tokens, averaged (ranks that follow different laws)
+    "mixture": {"reducer": "mixture", "candidate_steps": [0, 1, 3, 7], "initial_steps": 1,
+                "ema_alpha": 0.4, "warmup_batches": 1, "update_interval": 2, "probe_every": 3,
+                "round_cost": {"4": _row(1.0), "32": {"0": 2.0, "1": 2.6, "3": 3.6, "7": 6.0}}},
     # no depth 0, two rows (batches past 16 use the "16" row), decisions every round
     "max": {"reducer": "max", "candidate_steps": [1, 2, 4, 8], "initial_steps": 1,
             "switch_margin": 0.1, "warmup_batches": 0, "update_interval": 1, "ema_alpha": 0.5,
@@ -188,6 +192,9 @@ def test_goodput_decisions_identical_and_match_reference(tmp_path, world, name):
     assert any(rec["switched"] for rec in merged), "traces should make the policy switch"
     # the traces hold surprises: without the reset the reference's records differ
     assert simulate(traces, {**cfg, "reset_nats": 0.0}, "goodput") != merged
+    if name == "mixture":   # and its decisions are not the pooled rate's
+        pooled = simulate(traces, {**cfg, "reducer": "weighted_mean"}, "goodput")
+        assert [r["steps"] for r in pooled] != [r["steps"] for r in merged]
     assert set(merged[0]) == {"round", "rank", "steps", "local_ema", "global_ema", "switched",
                               "graph", "local_ema_fail", "accept_rate", "cost_row", "probe"}
     rows = {rec["cost_row"] for rec in merged}

@@ -364,6 +364,8 @@ from adaptive_dist.policy import (  # noqa: E402
     goodput_scores,
     initial_ema,
     measures_acceptance,
+    live_rates,
+    mixture_expected,
     probe_due,
     round_update,
     shadow_update,
@@ -737,3 +739,38 @@ class TestSurprise:
         # [2, 3] at depth 3 from (0.0, 1.0) (p held to 0.01): A 5, F 1, r 5/6 ->
         # 5·ln(83.33) + ln(0.1683) = 22.1 - 1.78 > 8: mean 2.5, rejecting share 0.5
         assert round_update(g, 0.0, 1.0, [2, 3], 3) == (2.5, 0.5, True)
+
+
+class TestMixture:
+    def test_scores_by_hand_against_the_pooled_rate(self):
+        """Two ranks, weight 1 each: rank 0 ema 0.1 / fail 0.9 (p 0.1), rank 1 ema 0.9 / fail 0.1
+        (p 0.9); costs 1: 1.0, 3: 1.5, margin 0, at depth 1.
+        mixture: E1 = (0.1 + 0.9)/2 = 0.5, E3 = (0.111 + 2.439)/2 = 1.275 -> s1 1.5,
+        s3 2.275/1.5 = 1.516667 -> to 3. Pooled (weighted_mean): p = 1.0/2.0 = 0.5, E3 = 0.875
+        -> s3 1.25 < s1 1.5 -> stays at 1."""
+        base = dict(policy="goodput", candidate_steps=[1, 3], initial_steps=1,
+                    warmup_batches=0, update_interval=1, switch_margin=0.0,
+                    round_cost={"1": 1.0, "3": 1.5})
+        emas, fails, weights = [0.1, 0.9], [0.9, 0.1], [1, 1]
+        for reducer, want, rate in (("mixture", 3, 0.5), ("weighted_mean", 1, 0.5)):
+            c = AdaptiveConfig(**base, reducer=reducer)
+            _, d = decide(c, PolicyState.initial(c), 2, emas, weights, ema_fails=fails, batch=1)
+            assert c.candidate_steps[d.new_index] == want and d.accept_rate == pytest.approx(rate)
+        mix = live_rates(emas, fails, weights)
+        assert mix == [(pytest.approx(0.1), 1), (pytest.approx(0.9), 1)]
+        assert mixture_expected(mix, 3) == pytest.approx((0.111 + 2.439) / 2)
+        c = AdaptiveConfig(**base, reducer="mixture")
+        assert goodput_scores(c, 0.5, 1, mix=mix) == [pytest.approx(1.5),
+                                                      pytest.approx(2.275 / 1.5)]
+
+    def test_weights_and_ranks_without_weight(self):
+        # weights 3 and 1 (a rank with weight 0 is left out): E1 = (3·0.5 + 1·1.0)/4 = 0.625
+        mix = live_rates([1.0, 0.4, 2.0], [1.0, 0.6, 0.0], [3, 0, 1])
+        assert mix == [(0.5, 3), (1.0, 1)] and mixture_expected(mix, 1) == 0.625
+        assert cluster_rate([1.0, 0.4, 2.0], [1.0, 0.6, 0.0], [3, 0, 1], "mixture") == 0.625
+        assert cluster_rate([1.0], [1.0], [0], "mixture") is None
+
+    def test_mixture_is_goodput_only(self):
+        with pytest.raises(Exception, match="mixture .* goodput policy only"):
+            AdaptiveConfig(reducer="mixture")
+        assert AdaptiveConfig(policy="goodput", reducer="mixture").reducer == "mixture"
