@@ -528,7 +528,8 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
     if quiet:
         return
     for key, entry in analysis.items():
-        plot(key, entry, records, out / (key.replace(" | b=", "_b") + ".png"))
+        plot(key, entry, records, out / (key.replace(" | b=", "_b") + ".png"),
+             modelled=args.model_costs is not None)
         print(f"== {key}: best static {entry.get('best_static', 0):.0f} tok/s, oracle "
               f"{entry.get('oracle_tokens_per_second', 0):.0f}"
               + (" (time: the --model-costs table's price)" if args.model_costs else ""))
@@ -542,7 +543,7 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
     print(f"wrote {out / 'results.json'}")
 
 
-def plot(key: str, entry: dict, records: list[dict], path: Path) -> None:
+def plot(key: str, entry: dict, records: list[dict], path: Path, modelled: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -559,7 +560,8 @@ def plot(key: str, entry: dict, records: list[dict], path: Path) -> None:
     if "oracle_tokens_per_second" in entry:
         ax.axhline(entry["oracle_tokens_per_second"], color="k", ls="--", label="oracle")
         ax.legend()
-    ax.set_title(f"{workload}, batch {batch}: tokens/s (median, min-max)")
+    ax.set_title(f"{workload}, batch {batch}: tokens/s (median, min-max)" if not modelled else
+                 f"{workload}, batch {batch}: tokens per second of the cost table")
     ax.tick_params(axis="x", rotation=30)
     ax.grid(axis="y", alpha=0.3)
     for n in names:
