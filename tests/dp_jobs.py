@@ -120,8 +120,8 @@ def _spec(mode: str) -> AdaptiveConfig:
     if mode == "forced":  # the static policy underneath: only the forced switches move the depth
         return cfg.replace(policy="static", candidate_steps=(1, 2, 3, 5, 7))
     if mode == "goodput":  # the cost table is measured and agreed at start-up
-        # starts at depth 0 (the head's cache lags) and probes out of it (the catch-up runs);
-        # timed rounds move the table, the same on every rank
+        # starts at depth 0 (the head's cache lags) and leaves it on the catch-up's shadow
+        # checks or a probe; timed rounds move the table, the same on every rank
         return cfg.replace(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=0,
                            probe_every=2, cost_alpha=0.3)
     return cfg
@@ -137,6 +137,8 @@ def _engine(mode: str, target, head, world, guard, max_batch: int, dp: int, attn
                        device=str(next(target.parameters()).device))
     if mode == "forced":  # every tier pre-built, although the policy underneath is static
         cfg = cfg.replace(spec=spec.replace(policy="ema"))
+    if mode == "goodput":  # a catch-up every 4 depth-0 rounds: shadow reports (and the probe
+        cfg = cfg.replace(catchup_rounds=4)   # wait they bound, 6 points) fit the short runs
     engine = build_engine(cfg, target, head, group=world, guard=guard)
     if mode == "forced":
         engine.planner = ForcedSwitches(spec, world, guard=guard, seed=11)
