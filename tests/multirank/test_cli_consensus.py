@@ -90,11 +90,12 @@ GOODPUT_FILE = {"candidate_steps": [0, 1, 3, 7], "initial_steps": 3, "reducer": 
                                "64": {"0": 3.0, "1": 4.5, "3": 6.0, "7": 10.0}}}
 
 
-def test_consensus_goodput_matches_reference(tmp_path):
+@pytest.mark.parametrize("reducer", ["max", "mixture"])
+def test_consensus_goodput_matches_reference(tmp_path, reducer):
     traces = phased_traces(3, rounds=120, seed=5)
     write_traces(traces, tmp_path / "tr")
     cfg_file = tmp_path / "cfg.json"
-    cfg_file.write_text(json.dumps(GOODPUT_FILE))
+    cfg_file.write_text(json.dumps({**GOODPUT_FILE, "reducer": reducer}))
     out_file = tmp_path / "out.jsonl"
     res = torchrun(3, "consensus", "--trace", str(tmp_path / "tr"), "--policy", "goodput",
                    "--config", str(cfg_file), "--out", str(out_file), "--no-progress")
@@ -105,7 +106,8 @@ def test_consensus_goodput_matches_reference(tmp_path):
     assert any(ln.startswith("final local acceptance rate") and "probes out of depth 0" in ln
                for ln in lines)
     got = [json.loads(ln) for ln in out_file.read_text().splitlines()]
-    cfg = AdaptiveConfig.from_dict({**GOODPUT_FILE, "policy": "goodput"}).to_dict()
+    cfg = AdaptiveConfig.from_dict({**GOODPUT_FILE, "reducer": reducer,
+                                    "policy": "goodput"}).to_dict()
     assert got == simulate(traces, cfg, "goodput")
     # depth 0 and back on the replay's shadow checks (no probe), and deep
     assert any(rec["steps"] == 0 and rec["switched"] and not rec["probe"] for rec in got)
