@@ -35,6 +35,9 @@ tokens/s. `NAME@N` runs a policy's engine with the draft cache caught up every N
 cost table (e.g. a GPU's start-up table, `meta.round_cost` of a GPU run) instead of timing them:
 the goodput engines decide on the same table: the decisions of a CPU run, compared in the
 device's units (prefills priced as the decode round they share, host work left out).
+The prompts are drawn once per run for its largest batch (`make_prompts(largest × waves)`) and a
+phase at batch b takes the first b × waves of its regime; the high-entropy and repetitive draws
+depend on that count, so compare figures within a run, or between runs with the same `--batches`.
 One engine per policy, built once (graphs captured once); every run starts its policy
 afresh; runs are interleaved over the repeats. Per run: tokens/s overall and per phase, switches,
 switches per phase change (and per hour at the run's rate), rounds at each depth, the depth
