@@ -215,12 +215,13 @@ class AdaptiveController:
 
         Updates the EMA of the accepted tokens and of the share of requests that rejected a
         draft token (``accept < steps``; goodput restarts both from this round when it is the
-        first to measure or a surprise, ``policy.round_update``), and the weight — except for a goodput round at
-        depth 0, which has no acceptance signal (its requests still count the round) unless it reports
-        ``shadow`` = (hits, checks, rows): the draft head's greedy guesses checked against
-        committed tokens (the worker's catch-up), taken as depth-1 observations over the depth-0
-        rounds with requests since the EMAs last moved, one update per such round
-        (``policy.shadow_update``; the weight grows by ``rows``, the rows that had checks).
+        first to measure or a surprise, ``policy.round_update``), and the weight — except for a
+        goodput round at depth 0, which has no acceptance signal (its requests still count the
+        round) unless it reports ``shadow`` = (hits, checks, rows): the draft head's greedy
+        guesses checked against committed tokens (the worker's catch-up), taken as depth-1
+        observations over the depth-0 rounds with requests since the EMAs last moved, one update
+        per such round (``policy.shadow_update``; the weight grows by ``rows``, the rows that
+        had checks; a rank's first measurement: one update with α = 1 when goodput resets).
 
         ``executed`` is what this rank's worker actually ran (its applied depth, graph or eager,
         bucket, forward mode); its hash travels in the next round's vector, so the next
@@ -254,14 +255,12 @@ class AdaptiveController:
                 if checks:
                     # the checks were gathered over the rounds since the EMAs last moved: as
                     # many updates as those rounds (the engine reports once per catch-up)
-                    if self._fresh and resets(self.config):   # the first measurement
-                        self.ema, self.ema_fail = shadow_update(self.ema, self.ema_fail, hits,
-                                                                checks, 1.0)
-                        self.stats.resets += 1
-                    else:
-                        self.ema, self.ema_fail = shadow_update(
-                            self.ema, self.ema_fail, hits, checks, self.config.ema_alpha,
-                            max(self._unobserved, 1))
+                    first = self._fresh and resets(self.config)   # replaces the start values
+                    alpha, rounds = ((1.0, 1) if first else
+                                     (self.config.ema_alpha, max(self._unobserved, 1)))
+                    self.ema, self.ema_fail = shadow_update(self.ema, self.ema_fail, hits, checks,
+                                                            alpha, rounds)
+                    self.stats.resets += first
                     self._unobserved = 0
                     self._fresh = False
                     self.weight += rows

@@ -177,13 +177,6 @@ def cluster_rate(emas: Sequence[float], ema_fails: Sequence[float], weights: Seq
     live = [(e, f, w) for e, f, w in zip(emas, ema_fails, weights) if w > 0]
     if not live:
         return None
-    if reducer == "mixture":
-        num = 0.0
-        den = 0.0
-        for p, w in live_rates(emas, ema_fails, weights):
-            num += w * p
-            den += w
-        return num / den
     if reducer == "weighted_mean":
         acc = 0.0
         fail = 0.0
@@ -192,6 +185,13 @@ def cluster_rate(emas: Sequence[float], ema_fails: Sequence[float], weights: Seq
             fail += w * f
         return acceptance_rate(acc, fail)
     rates = [acceptance_rate(e, f) for e, f, _ in live]
+    if reducer == "mixture":
+        num = 0.0
+        den = 0.0
+        for p, (_, _, w) in zip(rates, live):
+            num += w * p
+            den += w
+        return num / den
     if reducer == "min":
         return min(rates)
     if reducer == "max":

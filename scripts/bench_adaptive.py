@@ -252,6 +252,11 @@ def budgets(n: int, new_tokens: int, spread: float, seed: int = 0) -> list[int]:
     return [max(1, round(new_tokens * (1 + spread * (2 * rng.random() - 1)))) for _ in range(n)]
 
 
+def in_flight(sched: Any) -> int:
+    """Requests the scheduler holds that have not finished: running or waiting."""
+    return len([r for r in sched.running if not r.finished]) + len(sched.waiting)
+
+
 def run_continuous(engine: Engine, prompts: list[list[int]], batch: int,
                    params: SamplingParams | list[SamplingParams]) -> list[Any]:
     """`prompts` (with `params`, one for all or one each) through the engine with at most `batch`
@@ -262,8 +267,7 @@ def run_continuous(engine: Engine, prompts: list[list[int]], batch: int,
     queue, reqs = list(zip(prompts, per)), []
     sched = engine.scheduler
     while True:
-        while queue and len([r for r in sched.running if not r.finished]) + len(sched.waiting) \
-                < batch:
+        while queue and in_flight(sched) < batch:
             prompt, p = queue.pop(0)
             reqs.append(engine.add(prompt, p, seed=len(reqs)))
         engine.step(pending=bool(queue))
@@ -284,7 +288,7 @@ def run_window(engine: Engine, prompts: list[list[int]], batch: int, rounds: int
     touched = list(active)
     before = {id(r): len(r.output_ids) for r in touched}
     for _ in range(rounds):
-        while len([r for r in sched.running if not r.finished]) + len(sched.waiting) < batch:
+        while in_flight(sched) < batch:
             i = len(touched) - len(active)
             req = engine.add(prompts[i % len(prompts)],
                              SamplingParams(max_new_tokens=budget[i % len(budget)]), seed=i)
