@@ -79,7 +79,7 @@ def test_config_validation_names_key_value_and_allowed(key, value, match):
     ("hidden_act", "gelu", "'hidden_act' is 'gelu'; supported: 'silu'"),
     ("attention_bias", True, "'attention_bias' is True"),
     ("mlp_bias", True, "'mlp_bias' is True"),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "'rope_scaling.rope_type' is 'yarn'"),
+    ("rope_scaling", {"rope_type": "longrope", "factor": 2.0}, "'rope_scaling.rope_type' is 'longrope'"),
 ])
 def test_config_refuses_unsupported_math(key, value, match):
     raw = LlamaConfig(**TINY).to_hf()

@@ -47,34 +47,175 @@ TARGET_ARCHITECTURES = {
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (``rope_scaling.rope_type == "llama3"``)."""
+    """Llama-3 style frequency scaling (``rope_type: "llama3"``)."""
 
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
 
-    @staticmethod
-    def from_hf(raw: Mapping[str, Any] | None) -> RopeScaling | None:
-        """Parse ``rope_scaling``; ``None`` means plain RoPE."""
-        if raw is None:
-            return None
-        kind = raw.get("rope_type", raw.get("type"))
-        if kind == "default":
-            return None
-        if kind != "llama3":
-            raise ValueError(
-                f"config key 'rope_scaling.rope_type' is {kind!r}; supported: None, 'default', 'llama3'")
-        try:
-            return RopeScaling(float(raw["factor"]), float(raw["low_freq_factor"]),
-                               float(raw["high_freq_factor"]),
-                               int(raw["original_max_position_embeddings"]))
-        except KeyError as err:
-            raise ValueError(f"config key 'rope_scaling' lacks {err.args[0]!r} (needed for llama3)") from None
+    rope_type = "llama3"
+    attention_factor = 1.0
 
     def to_hf(self) -> dict[str, Any]:
-        """``rope_scaling`` dict as written to ``config.json``."""
-        return {"rope_type": "llama3", **dataclasses.asdict(self)}
+        """The scaling's ``rope_scaling`` dict as written to ``config.json``."""
+        return {"rope_type": self.rope_type, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Position interpolation (``rope_type: "linear"``): every frequency divided by ``factor``."""
+
+    factor: float
+
+    rope_type = "linear"
+    attention_factor = 1.0
+
+    def to_hf(self) -> dict[str, Any]:
+        return {"rope_type": self.rope_type, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (``rope_type: "yarn"``): frequencies blended between interpolated (``/ factor``) and
+    original along a linear ramp over the dimensions that rotate between ``beta_slow`` and
+    ``beta_fast`` times within ``original_max_position_embeddings``; ``cos``/``sin`` are
+    multiplied by ``attention_factor`` (resolved from ``mscale`` / ``mscale_all_dim`` when the
+    config does not give it)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+    rope_type = "yarn"
+
+    def to_hf(self) -> dict[str, Any]:
+        return {"rope_type": self.rope_type, **dataclasses.asdict(self)}
+
+
+RopeScalingType = RopeScaling | LinearRopeScaling | YarnRopeScaling
+
+# rope types transformers defines that this implementation refuses, and why
+_REFUSED_ROPE_TYPES = {
+    "dynamic": "it rescales every frequency by the sequence's current length at each forward, so "
+               "keys cached at one length would be rotated for another",
+    "longrope": "not implemented",
+    "proportional": "not implemented",
+    "axial": "not implemented",
+    "mrope": "multimodal RoPE is not implemented",
+    "su": "not implemented",
+}
+_ROPE_KEYS = {  # keys of a rope dict beside rope_type / type / rope_theta, per supported type
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+}
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope_number(where: str, raw: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = raw.get(key, default)
+    if value is None:
+        if default is None:
+            raise ValueError(f"config key '{where}.{key}' is missing; needed for rope_type "
+                             f"{raw.get('rope_type', raw.get('type'))!r}")
+        return default
+    _check_positive_float(f"{where}.{key}", value)
+    return value
+
+
+def _rope_scaling_from(where: str, raw: Mapping[str, Any],
+                       max_position_embeddings: Any) -> RopeScalingType | None:
+    """The scaling a ``rope_scaling`` / ``rope_parameters`` dict names (``None``: plain RoPE);
+    ``where`` is the key it came from, for the errors."""
+    kind = raw.get("rope_type", raw.get("type", "default"))
+    if kind in _REFUSED_ROPE_TYPES:
+        raise ValueError(f"config key '{where}.rope_type' is {kind!r}: {_REFUSED_ROPE_TYPES[kind]}; "
+                         f"supported: {sorted(_ROPE_KEYS)!r}")
+    if kind not in _ROPE_KEYS:
+        raise ValueError(f"config key '{where}.rope_type' is {kind!r}; supported: "
+                         f"{sorted(_ROPE_KEYS)!r}")
+    known = {"rope_type", "type", "rope_theta", "partial_rotary_factor", *_ROPE_KEYS[kind]}
+    for key in raw:
+        if key not in known:
+            raise ValueError(f"config key '{where}.{key}' is not understood for rope_type {kind!r} "
+                             f"(it would change the rotary embedding); understood: {sorted(known)!r}")
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"config key '{where}.partial_rotary_factor' is "
+                         f"{raw['partial_rotary_factor']!r}; supported: 1.0 (every dimension rotated)")
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return LinearRopeScaling(float(_rope_number(where, raw, "factor")))
+    if kind == "llama3":
+        factor, low, high = (float(_rope_number(where, raw, k)) for k in
+                             ("factor", "low_freq_factor", "high_freq_factor"))
+        original = _rope_number(where, raw, "original_max_position_embeddings", max_position_embeddings)
+        _check_int(f"{where}.original_max_position_embeddings", original)
+        if not high > low:
+            raise ValueError(f"config key '{where}.high_freq_factor' is {high}; allowed: greater "
+                             f"than low_freq_factor ({low})")
+        return RopeScaling(factor, low, high, int(original))
+    original = _rope_number(where, raw, "original_max_position_embeddings", max_position_embeddings)
+    _check_int(f"{where}.original_max_position_embeddings", original)
+    factor = raw.get("factor")
+    factor = float(max_position_embeddings / original if factor is None
+                   else _rope_number(where, raw, "factor"))
+    attention = raw.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = raw.get("mscale"), raw.get("mscale_all_dim")
+        for key, value in (("mscale", mscale), ("mscale_all_dim", mscale_all)):
+            if value is not None:
+                _check_positive_float(f"{where}.{key}", value)
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                     if mscale and mscale_all else _yarn_mscale(factor))
+    else:
+        _check_positive_float(f"{where}.attention_factor", attention)
+    truncate = raw.get("truncate", True)
+    _check_bool(f"{where}.truncate", truncate)
+    return YarnRopeScaling(factor, int(original), float(attention),
+                           float(raw.get("beta_fast") or 32.0), float(raw.get("beta_slow") or 1.0),
+                           truncate)
+
+
+def _rope_from_hf(raw: Mapping[str, Any]) -> tuple[float, RopeScalingType | None]:
+    """``(rope_theta, scaling)`` from either layout: transformers 5's ``rope_parameters`` (theta
+    inside) or the older top-level ``rope_theta`` + ``rope_scaling``. A value both give must agree."""
+    found = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        value = raw.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ValueError(f"config key {key!r} is {value!r}; allowed: an object or null")
+        if value and all(isinstance(v, dict) for v in value.values()):
+            raise ValueError(f"config key {key!r} gives RoPE per layer type {sorted(value)!r}; "
+                             f"supported: one RoPE for every layer")
+        found[key] = value
+    thetas = {k: v["rope_theta"] for k, v in found.items() if "rope_theta" in v}
+    if "rope_theta" in raw:
+        thetas["rope_theta"] = raw["rope_theta"]
+    if len(set(map(repr, thetas.values()))) > 1:
+        raise ValueError(f"config gives RoPE theta twice, differently: {thetas}; they must agree")
+    theta = next(iter(thetas.values()), 10000.0)
+    _check_positive_float("rope_theta", theta)
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"config key 'partial_rotary_factor' is {raw['partial_rotary_factor']!r}; "
+                         f"supported: 1.0 (every dimension rotated)")
+    max_pos = raw.get("max_position_embeddings", 2048)
+    scalings = {k: _rope_scaling_from(k, v, max_pos) for k, v in found.items()}
+    if len(set(scalings.values())) > 1:
+        raise ValueError(f"config keys 'rope_parameters' and 'rope_scaling' describe different "
+                         f"RoPE ({found['rope_parameters']} vs {found['rope_scaling']}); they must agree")
+    return float(theta), next(iter(scalings.values()), None)
 
 
 def _check_int(name: str, value: Any, minimum: int = 1) -> None:
@@ -115,7 +256,7 @@ class _DecoderDims:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScalingType | None = None
     explicit_head_dim: int | None = None
 
     def __post_init__(self) -> None:
@@ -180,6 +321,43 @@ def _architecture(raw: Mapping[str, Any], supported: Collection[str]) -> str:
                      f"{sorted(supported)!r}")
 
 
+# config.json keys that do not change the forward: bookkeeping, training-time settings and the
+# generation defaults older transformers wrote into every config
+IRRELEVANT_KEYS = frozenset({
+    "_name_or_path", "transformers_version", "model_type", "torch_dtype", "dtype",
+    "initializer_range", "use_cache", "pad_token_id", "attention_dropout", "pretraining_tp",
+    "auto_map", "_attn_implementation_autoset", "return_dict", "output_hidden_states",
+    "output_attentions", "torchscript", "use_bfloat16", "tf_legacy_loss", "pruned_heads",
+    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention",
+    "cross_attention_hidden_size", "tie_encoder_decoder", "finetuning_task", "id2label",
+    "label2id", "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id",
+    "task_specific_params", "problem_type", "max_length", "min_length", "do_sample",
+    "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k",
+    "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
+    "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens",
+})
+# keys of every decoder this module reads (their values are parsed or checked)
+_DIMS_KEYS = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+              "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+              "max_position_embeddings", "head_dim", "rope_theta", "rope_scaling",
+              "rope_parameters", "partial_rotary_factor", "hidden_act", "mlp_bias",
+              "attention_bias", "use_sliding_window", "sliding_window", "max_window_layers",
+              "layer_types", "bos_token_id", "eos_token_id")
+
+
+def _check_keys(raw: Mapping[str, Any], understood: Collection[str], what: str) -> None:
+    """Refuse every key of ``raw`` that is neither understood nor listed as irrelevant."""
+    unknown = sorted(k for k in raw if k not in understood and k not in IRRELEVANT_KEYS)
+    if unknown:
+        raise ValueError(f"config key {unknown[0]!r} is not understood by this implementation of "
+                         f"{what}: it may change the model's math, so it is refused (unknown keys: "
+                         f"{unknown}; the keys known not to change the forward are "
+                         f"workers.model.config.IRRELEVANT_KEYS)")
+
+
 def _check_unsupported(raw: Mapping[str, Any], attention_bias_ok: bool = False) -> None:
     refused = {"hidden_act": "silu", "mlp_bias": False, "use_sliding_window": False}
     if not attention_bias_ok:
@@ -187,6 +365,11 @@ def _check_unsupported(raw: Mapping[str, Any], attention_bias_ok: bool = False) 
     for key, allowed in refused.items():
         if key in raw and raw[key] != allowed:
             raise ValueError(f"config key {key!r} is {raw[key]!r}; supported: {allowed!r}")
+    layers = raw.get("layer_types")
+    if layers is not None and (not isinstance(layers, list)
+                               or any(t != "full_attention" for t in layers)):
+        raise ValueError(f"config key 'layer_types' is {layers!r}; supported: every layer "
+                         f"'full_attention' (sliding windows are not implemented)")
 
 
 def _dims_kwargs(raw: Mapping[str, Any]) -> dict:
@@ -196,11 +379,10 @@ def _dims_kwargs(raw: Mapping[str, Any]) -> dict:
     if missing:
         raise ValueError(f"config.json lacks required keys {missing}")
     kwargs = {k: raw[k] for k in required}
-    kwargs.update({k: raw[k] for k in ("rms_norm_eps", "rope_theta", "max_position_embeddings")
-                   if k in raw})
+    kwargs.update({k: raw[k] for k in ("rms_norm_eps", "max_position_embeddings") if k in raw})
     heads = raw.get("num_key_value_heads")
     kwargs["num_key_value_heads"] = heads if heads is not None else raw["num_attention_heads"]
-    kwargs["rope_scaling"] = RopeScaling.from_hf(raw.get("rope_scaling"))
+    kwargs["rope_theta"], kwargs["rope_scaling"] = _rope_from_hf(raw)
     head_dim, heads = raw.get("head_dim"), raw["num_attention_heads"]
     derived = raw["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else None
     if head_dim is not None and (head_dim != derived or raw["hidden_size"] % heads):
@@ -261,6 +443,7 @@ class LlamaConfig(_DecoderDims):
     def from_hf(raw: Mapping[str, Any]) -> LlamaConfig:
         """Build from a parsed Hugging Face ``config.json``; ``ValueError`` on anything unsupported."""
         arch = _architecture(raw, TARGET_ARCHITECTURES)
+        _check_keys(raw, (*_DIMS_KEYS, "tie_word_embeddings"), f"the target {arch}")
         kwargs = _dims_kwargs(raw)
         _check_unsupported(raw, attention_bias_ok=TARGET_ARCHITECTURES[arch].qkv_bias)
         for key in ("tie_word_embeddings", "bos_token_id"):
@@ -344,6 +527,9 @@ class EagleConfig(_DecoderDims):
         """Build from a parsed ``config.json`` of an EAGLE head (``tensor_names``: the checkpoint's
         tensors, which decide the optional parts of the EAGLE project's layout)."""
         arch = _architecture(raw, (EAGLE_ARCHITECTURE, *EAGLE_PROJECT_ARCHITECTURES))
+        # the EAGLE project's `bias` says whether fc has one: the tensors decide, as for the norms
+        _check_keys(raw, (*_DIMS_KEYS, "fc_bias" if arch == EAGLE_ARCHITECTURE else "bias",
+                          "tie_word_embeddings"), f"an EAGLE head ({arch})")
         kwargs = _dims_kwargs(raw)
         _check_unsupported(raw, attention_bias_ok=arch != EAGLE_ARCHITECTURE)  # tensors decide
         if arch == EAGLE_ARCHITECTURE:
@@ -377,7 +563,12 @@ class Eagle3Config(_DecoderDims):
     ``None``: the residual entering layers ``2``, ``L // 2`` and ``L - 3``);
     ``target_hidden_size``: the width of each target hidden state ``fc`` takes (default
     ``hidden_size``); ``fc_bias`` / ``own_embedding``: whether the checkpoint holds ``fc.bias`` /
-    ``embed_tokens.weight`` (without it the head uses the target's embedding).
+    ``embed_tokens.weight`` (without it the head uses the target's embedding);
+    ``norm_before_residual``: the midlayer's residual is the normed hidden state
+    (``hidden_norm(hidden)``) instead of the hidden state itself.
+
+    The captured states are concatenated in layer order, whatever order the config lists them in
+    (as SGLang and vLLM capture them during the target's forward).
     """
 
     num_hidden_layers: int = 1
@@ -386,6 +577,7 @@ class Eagle3Config(_DecoderDims):
     target_hidden_size: Optional[int] = None
     fc_bias: bool = False
     own_embedding: bool = False
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -398,13 +590,13 @@ class Eagle3Config(_DecoderDims):
                              f"at most vocab_size ({self.vocab_size})")
         if self.target_hidden_size is not None:
             _check_int("target_hidden_size", self.target_hidden_size)
-        for key in ("fc_bias", "own_embedding"):
+        for key in ("fc_bias", "own_embedding", "norm_before_residual"):
             _check_bool(key, getattr(self, key))
         if self.aux_layer_ids is not None and (
-                len(self.aux_layer_ids) != 3 or not all(
+                len(self.aux_layer_ids) != 3 or len(set(self.aux_layer_ids)) != 3 or not all(
                     isinstance(i, int) and not isinstance(i, bool) for i in self.aux_layer_ids)):
             raise ValueError(f"config key 'eagle_config.eagle_aux_hidden_state_layer_ids' is "
-                             f"{list(self.aux_layer_ids)!r}; allowed: three layer ids")
+                             f"{list(self.aux_layer_ids)!r}; allowed: three distinct layer ids")
 
     @property
     def fused_width(self) -> int:
@@ -412,11 +604,11 @@ class Eagle3Config(_DecoderDims):
         return 3 * (self.target_hidden_size or self.hidden_size)
 
     def capture_layers(self, num_target_layers: int) -> tuple[int, ...]:
-        """The target layers whose entering residual stream ``fc`` fuses (index ``L``: after the
-        last layer, before the final norm)."""
+        """The target layers whose entering residual stream ``fc`` fuses, in layer order (index
+        ``L``: after the last layer, before the final norm)."""
         n = num_target_layers
-        layers = ((2, n // 2, n - 3) if self.aux_layer_ids is None
-                  else tuple(k + 1 for k in self.aux_layer_ids))
+        layers = tuple(sorted((2, n // 2, n - 3) if self.aux_layer_ids is None
+                              else (k + 1 for k in self.aux_layer_ids)))
         if not all(0 <= i <= n for i in layers):
             given = ("the default (2, L//2, L-3)" if self.aux_layer_ids is None
                      else f"eagle_config.eagle_aux_hidden_state_layer_ids "
@@ -444,21 +636,35 @@ class Eagle3Config(_DecoderDims):
 
     @staticmethod
     def from_hf(raw: Mapping[str, Any], tensor_names: Collection[str] = ()) -> Eagle3Config:
-        """Build from a parsed ``config.json`` (``tensor_names``: the checkpoint's tensors)."""
+        """Build from a parsed ``config.json`` (``tensor_names``: the checkpoint's tensors).
+
+        The aux layer ids are read from the top level first, then from ``eagle_config`` (as vLLM
+        reads them); both present and different is refused."""
         _architecture(raw, (EAGLE3_ARCHITECTURE,))
+        _check_keys(raw, (*_DIMS_KEYS, "draft_vocab_size", "eagle_config", "target_hidden_size",
+                          "norm_before_residual", "eagle_aux_hidden_state_layer_ids",
+                          "tie_word_embeddings"), f"an EAGLE-3 head ({EAGLE3_ARCHITECTURE})")
         kwargs = _dims_kwargs(raw)
         _check_unsupported(raw)
         eagle = raw.get("eagle_config") or {}
         if not isinstance(eagle, dict):
             raise ValueError(f"config key 'eagle_config' is {eagle!r}; allowed: an object")
-        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-        if ids is not None and not isinstance(ids, list):
-            raise ValueError(f"config key 'eagle_config.eagle_aux_hidden_state_layer_ids' is "
-                             f"{ids!r}; allowed: a list of three layer ids")
+        for key in eagle:
+            if key not in ("eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state"):
+                raise ValueError(f"config key 'eagle_config.{key}' is not understood by this "
+                                 f"implementation of an EAGLE-3 head (it may change the math); "
+                                 f"understood: ['eagle_aux_hidden_state_layer_ids', "
+                                 f"'use_aux_hidden_state']")
+        if eagle.get("use_aux_hidden_state", True) is not True:
+            raise ValueError(f"config key 'eagle_config.use_aux_hidden_state' is "
+                             f"{eagle['use_aux_hidden_state']!r}; supported: true (the head fuses "
+                             f"three target layers)")
+        ids = _aux_layer_ids(raw.get("eagle_aux_hidden_state_layer_ids"),
+                             eagle.get("eagle_aux_hidden_state_layer_ids"))
         names = set(tensor_names)
         return Eagle3Config(**kwargs, draft_vocab_size=raw.get("draft_vocab_size", raw["vocab_size"]),
-                            aux_layer_ids=tuple(ids) if ids is not None else None,
-                            target_hidden_size=raw.get("target_hidden_size"),
+                            aux_layer_ids=ids, target_hidden_size=raw.get("target_hidden_size"),
+                            norm_before_residual=raw.get("norm_before_residual", False),
                             fc_bias="fc.bias" in names, own_embedding="embed_tokens.weight" in names)
 
     def to_hf(self) -> dict[str, Any]:
@@ -470,7 +676,23 @@ class Eagle3Config(_DecoderDims):
             out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
         if self.target_hidden_size is not None:
             out["target_hidden_size"] = self.target_hidden_size
+        if self.norm_before_residual:
+            out["norm_before_residual"] = True
         return out
+
+
+def _aux_layer_ids(top: Any, nested: Any) -> tuple[int, ...] | None:
+    """The EAGLE-3 aux layer ids from the top-level key or ``eagle_config``'s."""
+    for key, ids in (("eagle_aux_hidden_state_layer_ids", top),
+                     ("eagle_config.eagle_aux_hidden_state_layer_ids", nested)):
+        if ids is not None and not isinstance(ids, list):
+            raise ValueError(f"config key {key!r} is {ids!r}; allowed: a list of three layer ids")
+    if top is not None and nested is not None and top != nested:
+        raise ValueError(f"config keys 'eagle_aux_hidden_state_layer_ids' ({top}) and "
+                         f"'eagle_config.eagle_aux_hidden_state_layer_ids' ({nested}) differ; "
+                         f"give one, or the same ids in both")
+    ids = top if top is not None else nested
+    return tuple(ids) if ids is not None else None
 
 
 DraftConfig = EagleConfig | Eagle3Config

@@ -47,7 +47,8 @@ from workers.model.parallel import ModelParallel
 
 class Eagle3Layer(nn.Module):
     """The midlayer: attention over ``[input_layernorm(embedding); hidden_norm(hidden)]``, the
-    residual being the hidden state, then the post-attention norm and the MLP."""
+    residual being the hidden state (``hidden_norm(hidden)`` with ``norm_before_residual``), then
+    the post-attention norm and the MLP."""
 
     def __init__(self, cfg: Eagle3Config, par: ModelParallel) -> None:
         super().__init__()
@@ -57,6 +58,7 @@ class Eagle3Layer(nn.Module):
         self.self_attn = LlamaAttention(cfg, 0, par, in_features=2 * d)
         self.post_attention_layernorm = RMSNorm(d, eps)
         self.mlp = LlamaMLP(cfg, par)
+        self.norm_before_residual = cfg.norm_before_residual
 
     def forward(self, embedding: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, attn: LayerAttention) -> torch.Tensor:
@@ -69,8 +71,11 @@ class Eagle3Layer(nn.Module):
         """(the residual after attention, the MLP's output): ``forward`` is their sum, left
         to the caller's norm to add (one launch). ``last`` (row indices): every row's K/V is
         stored, only those rows go on."""
-        both = torch.cat((self.input_layernorm(embedding), self.hidden_norm(hidden)), dim=-1)
+        normed = self.hidden_norm(hidden)
+        both = torch.cat((self.input_layernorm(embedding), normed), dim=-1)
         out = self.self_attn(both, cos, sin, attn, last)
+        if self.norm_before_residual:
+            hidden = normed
         if last is not None:
             hidden = hidden.index_select(0, last)
         x, h = self.post_attention_layernorm.add_forward(hidden, out)

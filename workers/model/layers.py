@@ -23,7 +23,12 @@ from torch import nn
 
 from collectives import Group
 from workers import kernels
-from workers.model.config import RopeScaling
+from workers.model.config import (
+    LinearRopeScaling,
+    RopeScaling,
+    RopeScalingType,
+    YarnRopeScaling,
+)
 from workers.model.parallel import ModelParallel
 
 
@@ -72,15 +77,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] in float32, with Llama-3 scaling when given."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScalingType | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in float32, scaled as ``scaling`` says (``None``: plain)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is not None:
-        inv = _llama3_scale(inv, scaling)
+        inv = _SCALERS[type(scaling)](inv, scaling, head_dim, theta)
     return inv.float()
 
 
-def _llama3_scale(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+def _llama3_scale(inv: torch.Tensor, s: RopeScaling, head_dim: int, theta: float) -> torch.Tensor:
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -91,13 +96,39 @@ def _llama3_scale(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), mid, out)
 
 
+def _linear_scale(inv: torch.Tensor, s: LinearRopeScaling, head_dim: int, theta: float) -> torch.Tensor:
+    return inv / s.factor
+
+
+def _yarn_scale(inv: torch.Tensor, s: YarnRopeScaling, head_dim: int, theta: float) -> torch.Tensor:
+    """Dimension ``i`` keeps its frequency where it turns more than ``beta_fast`` times over the
+    original context, is interpolated (``/ factor``) where fewer than ``beta_slow``, and is
+    blended linearly in between."""
+    def dim_of(turns: float) -> float:  # the dimension that turns `turns` times
+        return head_dim * math.log(s.original_max_position_embeddings / (turns * 2 * math.pi)) / (
+            2 * math.log(theta))
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv / s.factor * ramp + inv * (1 - ramp)
+
+
+_SCALERS = {RopeScaling: _llama3_scale, LinearRopeScaling: _linear_scale,
+            YarnRopeScaling: _yarn_scale}
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE in the Hugging Face layout (rotate-half): ``cos, sin = rope(positions)`` once per
     forward, then ``apply_rope(x, cos, sin)`` in every layer. Positions are given per token."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScalingType | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.attention_factor = 1.0 if scaling is None else scaling.attention_factor
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
 
     def reset_buffers(self) -> None:
@@ -107,6 +138,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``/``sin`` of shape [T, head_dim/2] (float32) for int ``positions`` [T]."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq.float()[None, :]
+        if self.attention_factor != 1.0:  # YaRN scales the rotated q and k
+            return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
         return angles.cos(), angles.sin()
 
 
