@@ -10,9 +10,12 @@
 * ``Eagle3Config``: an EAGLE-3 head (``LlamaForCausalLMEagle3``): see ``workers.model.eagle3``.
 
 All are frozen dataclasses validated in ``__post_init__``; every error names the key, the value
-and what is allowed. Unknown keys in a ``config.json`` are ignored, as Hugging Face does; keys
-whose values would change the math and that this implementation does not compute (another
-activation, an MLP bias, sliding windows, an unknown RoPE scaling) are refused.
+and what is allowed. The readers are total: every key of a ``config.json`` (and of its nested
+RoPE and ``eagle_config`` dicts) is parsed, or listed in ``IRRELEVANT_KEYS`` as not changing the
+forward, or refused by name — a setting this implementation does not compute (another
+activation, an MLP bias, sliding windows, a RoPE type, a quantization) never loads a silently
+different model. RoPE is read in both layouts (``rope_parameters``, written by transformers 5,
+and the older top-level ``rope_theta`` + ``rope_scaling``). See docs/models.md.
 """
 from __future__ import annotations
 
