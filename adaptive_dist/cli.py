@@ -94,6 +94,7 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
 
 def register_consensus(sub: Any) -> None:
     p = sub.add_parser("consensus", help="consensus-only mode: replay acceptance traces",
+                       allow_abbrev=False,
                        description="Replay per-rank acceptance traces through the adaptive "
                                    "policy and the real per-round consensus collective.")
     p.add_argument("--trace", required=True, metavar="DIR",
@@ -118,7 +119,8 @@ def register_consensus(sub: Any) -> None:
 
 
 def register_config(sub: Any) -> None:
-    p = sub.add_parser("config", help="validate a config file and print the effective settings")
+    p = sub.add_parser("config", allow_abbrev=False,
+                       help="validate a config file and print the effective settings")
     p.add_argument("--config", default=None, metavar="FILE", help="JSON file of adaptive settings")
     p.add_argument("--policy", choices=POLICIES, default="ema",
                    help="ema (default), goodput or static")
@@ -127,7 +129,7 @@ def register_config(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
+    parser = Parser(allow_abbrev=False,
         prog="python -m adaptive_dist",
         description="Adaptive speculative decoding that stays in lockstep across DP/TP ranks.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -161,7 +161,7 @@ def parse_knobs(items: list[str]) -> dict[str, Any]:
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     add_overlap_argument(p)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

@@ -43,7 +43,7 @@ def stats(xs: list[float]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")

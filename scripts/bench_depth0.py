@@ -55,7 +55,7 @@ HEADLESS = "nohead"
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])

@@ -52,7 +52,7 @@ def spec_of(policy: str) -> AdaptiveConfig:
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     add_overlap_argument(p)
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--attn-tp", type=int, default=None)

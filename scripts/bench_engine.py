@@ -84,7 +84,7 @@ def graph_pool_bytes(engine: Engine) -> int:
 # ---- run -----------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--model", default=str(DEFAULT_MODEL),
                    help="target directory, or a directory with target/ and eagle/ (as generate)")

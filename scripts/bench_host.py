@@ -73,7 +73,7 @@ def held_at_zero() -> Any:
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--policy", default="ema", choices=("ema", "static"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))

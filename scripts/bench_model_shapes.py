@@ -40,7 +40,7 @@ TIERS = (0, 1, 3, 7)
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--layout", choices=("tp2", "dp2"))
     p.add_argument("--reanalyse", nargs="+", metavar="JSON", help="recompute a finished run's "
                    "GPU busy shares (kernel time over the agreed cost) and plot")

@@ -54,7 +54,7 @@ VARIANTS: dict[str, Callable[..., torch.Tensor]] = {"torch_uniforms": torch_unif
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--shape", choices=("bundled", "tiny"), default="bundled",

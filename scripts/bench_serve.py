@@ -297,7 +297,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running server")
     where.add_argument("--launch", metavar="ARGS", help="start `serve ARGS` for the run")

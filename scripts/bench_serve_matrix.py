@@ -29,7 +29,7 @@ from workers.server.process import ServerProcess  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--serve", default="", help="flags every server gets")
     p.add_argument("--modes", nargs="+", default=["steps1", "steps3", "steps7", "adaptive"],

@@ -101,7 +101,7 @@ def _time(fn, device: str, reps: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--shapes", default="1x4,16x4,64x4,64x8", help="BxS,...")

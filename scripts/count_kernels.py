@@ -203,7 +203,7 @@ def table(before: dict | None, after: dict, ops: bool = False) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--depths", nargs="+", type=int, default=[0, 1, 3, 7])
     p.add_argument("--sampled", action="store_true", help="sampled requests (default: greedy)")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=60.0, help="how long to probe")
     p.add_argument("--window", type=float, default=0.25, help="seconds per sample window")
     p.add_argument("--out", default="runs/host_probe")

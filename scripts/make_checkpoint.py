@@ -98,7 +98,7 @@ def build(shape: str, head: str, layers: int | None, seed: int, par: Any = None,
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     p.add_argument("--head", choices=("eagle3", "eagle"), default="eagle3")
     p.add_argument("--layers", type=int, default=None, help="fewer target layers than the shape's")

@@ -76,7 +76,7 @@ def check_out_dir(out: Path, ranks: int) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2, help="number of ranks (one file each)")
     ap.add_argument("--rounds", type=int, default=400, help="rounds of the longest trace")
     ap.add_argument("--out", required=True, help="directory for rank{R}.jsonl (created if needed)")

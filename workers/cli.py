@@ -29,7 +29,8 @@ from workers.loading import DEFAULT_MODEL
 def register(subparsers: Any) -> None:
     """Add the `generate` command to `python -m adaptive_dist`'s subparsers."""
     parser = subparsers.add_parser(
-        "generate", help="generate text with (adaptive) speculative decoding",
+        "generate", allow_abbrev=False,
+        help="generate text with (adaptive) speculative decoding",
         description="Generate text with the EAGLE engine (one process, or a DP-attention cluster "
                     "under torchrun) and print acceptance statistics.")
     add_arguments(parser)
@@ -244,7 +245,7 @@ def stats_table(out: dict[str, Any]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`generate` without the rest of `python -m adaptive_dist` (tests call it in-process)."""
-    parser = argparse.ArgumentParser(prog="python -m adaptive_dist")
+    parser = argparse.ArgumentParser(prog="python -m adaptive_dist", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     register(sub)
     args = parser.parse_args(argv)

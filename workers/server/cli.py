@@ -12,7 +12,8 @@ from workers.cli import add_engine_arguments
 def register_serve(subparsers: Any) -> None:
     """Add `serve` to `python -m adaptive_dist`."""
     p = subparsers.add_parser(
-        "serve", help="serve the engine behind an OpenAI-compatible HTTP endpoint",
+        "serve", allow_abbrev=False,
+        help="serve the engine behind an OpenAI-compatible HTTP endpoint",
         description="Serve completions over HTTP (OpenAI API). Under torchrun every rank runs "
                     "an engine; rank 0 also starts the HTTP frontend, which routes requests to "
                     "the DP groups over pyzmq.")
@@ -24,7 +25,8 @@ def register_client(subparsers: Any) -> None:
     """Add `client` to `python -m adaptive_dist`."""
     from workers.server.client import add_arguments
 
-    p = subparsers.add_parser("client", help="send one completion request to a running server")
+    p = subparsers.add_parser("client", allow_abbrev=False,
+                              help="send one completion request to a running server")
     add_arguments(p)
     p.set_defaults(handler=_cmd_client)
 
