@@ -27,6 +27,8 @@ from typing import Any, Collection, Mapping, Optional
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 QWEN2_ARCHITECTURE = "Qwen2ForCausalLM"
 QWEN3_ARCHITECTURE = "Qwen3ForCausalLM"
+QWEN3_MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
+MIXTRAL_ARCHITECTURE = "MixtralForCausalLM"
 EAGLE_ARCHITECTURE = "EagleLlamaHead"
 EAGLE_PROJECT_ARCHITECTURES = (LLAMA_ARCHITECTURE, "LlamaForCausalLMEagle")
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -39,13 +41,106 @@ class TargetArchitecture:
     model_type: str
     qkv_bias: bool          # q/k/v projections have biases (Qwen2)
     qk_norm: bool           # RMSNorm over each query and key head before RoPE (Qwen3)
+    moe: bool = False       # sparse mixture-of-experts MLPs (``MoeSpec``)
 
 
 TARGET_ARCHITECTURES = {
     LLAMA_ARCHITECTURE: TargetArchitecture("llama", qkv_bias=False, qk_norm=False),
     QWEN2_ARCHITECTURE: TargetArchitecture("qwen2", qkv_bias=True, qk_norm=False),
     QWEN3_ARCHITECTURE: TargetArchitecture("qwen3", qkv_bias=False, qk_norm=True),
+    QWEN3_MOE_ARCHITECTURE: TargetArchitecture("qwen3_moe", qkv_bias=False, qk_norm=True, moe=True),
+    MIXTRAL_ARCHITECTURE: TargetArchitecture("mixtral", qkv_bias=False, qk_norm=False, moe=True),
 }
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The sparse MLP of a mixture-of-experts target: a router ``gate`` [E, d], softmax over the
+    ``num_experts`` logits, the ``top_k`` most probable experts per token (their probabilities
+    renormalised to sum to 1 when ``norm_topk_prob``), each expert a SwiGLU of width
+    ``expert_size``. Layer ``i`` is sparse when ``(i + 1) % sparse_step == 0`` and ``i`` is not in
+    ``dense_layers`` (those keep the dense MLP of ``intermediate_size``).
+
+    ``names`` is the checkpoint's layout: ``"qwen3_moe"`` (``mlp.gate``,
+    ``mlp.experts.{e}.{gate,up,down}_proj``) or ``"mixtral"`` (``block_sparse_moe.gate``,
+    ``block_sparse_moe.experts.{e}.w1/w3/w2``)."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int
+    norm_topk_prob: bool
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+    names: str = "qwen3_moe"
+
+    def __post_init__(self) -> None:
+        _check_int("num_experts", self.num_experts)
+        _check_int("num_experts_per_tok", self.top_k)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"config key 'num_experts_per_tok' is {self.top_k}; allowed: at most "
+                             f"the number of experts ({self.num_experts})")
+        _check_int("moe_intermediate_size", self.expert_size)
+        _check_bool("norm_topk_prob", self.norm_topk_prob)
+        _check_int("decoder_sparse_step", self.sparse_step)
+        for layer in self.dense_layers:
+            _check_int("mlp_only_layers", layer, 0)
+        if self.names not in ("qwen3_moe", "mixtral"):
+            raise ValueError(f"MoE names {self.names!r}; allowed: 'qwen3_moe', 'mixtral'")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has the sparse MLP."""
+        return (layer + 1) % self.sparse_step == 0 and layer not in self.dense_layers
+
+    def check_split(self, mode: str, ranks: int) -> None:
+        """Raise ``ValueError`` unless the experts split over ``ranks`` in ``mode``: ``"tp"``
+        (every expert's width split) or ``"ep"`` (whole experts per rank)."""
+        if mode == "ep" and self.num_experts % ranks:
+            raise ValueError(f"expert parallelism over {ranks} ranks needs a number of experts "
+                             f"divisible by {ranks}; the checkpoint has {self.num_experts}")
+        if mode == "tp" and self.expert_size % ranks:
+            raise ValueError(f"config key 'moe_intermediate_size' is {self.expert_size}; expert "
+                             f"tensor parallelism over {ranks} ranks needs a multiple of {ranks} "
+                             f"(or use --moe-parallel ep)")
+        if mode not in MOE_PARALLEL:
+            raise ValueError(f"MoE parallel mode {mode!r}; allowed: {', '.join(MOE_PARALLEL)}")
+
+    @staticmethod
+    def from_hf(raw: Mapping[str, Any], arch: str) -> MoeSpec:
+        """The MoE fields of a Qwen3-MoE or Mixtral ``config.json``."""
+        if arch == MIXTRAL_ARCHITECTURE:
+            if raw.get("sliding_window") is not None:
+                raise ValueError(f"config key 'sliding_window' is {raw['sliding_window']!r}; "
+                                 f"supported: null (sliding windows are not implemented)")
+            return MoeSpec(raw.get("num_local_experts", 8), raw.get("num_experts_per_tok", 2),
+                           raw["intermediate_size"], True, names="mixtral")
+        both = [k for k in ("num_experts", "num_local_experts") if k in raw]
+        if len(both) == 2 and raw["num_experts"] != raw["num_local_experts"]:
+            raise ValueError(f"config keys 'num_experts' ({raw['num_experts']}) and "
+                             f"'num_local_experts' ({raw['num_local_experts']}) differ")
+        if not both or "moe_intermediate_size" not in raw:
+            raise ValueError("config.json lacks the MoE keys 'num_experts' (or "
+                             "'num_local_experts') and 'moe_intermediate_size'")
+        dense = raw.get("mlp_only_layers") or []
+        if not isinstance(dense, list):
+            raise ValueError(f"config key 'mlp_only_layers' is {dense!r}; allowed: a list of layer ids")
+        return MoeSpec(raw[both[0]], raw.get("num_experts_per_tok", 8), raw["moe_intermediate_size"],
+                       raw.get("norm_topk_prob", False), raw.get("decoder_sparse_step", 1),
+                       tuple(dense))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The MoE keys of ``config.json``."""
+        if self.names == "mixtral":
+            return {"num_local_experts": self.num_experts, "num_experts_per_tok": self.top_k}
+        return {"num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
+                "moe_intermediate_size": self.expert_size, "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": self.sparse_step, "mlp_only_layers": list(self.dense_layers)}
+
+
+MOE_PARALLEL = ("tp", "ep")    # how a MoE target's experts split (ModelParallel.moe)
+# keys of MoE configs read by MoeSpec, or (router training losses, jitter) irrelevant to inference
+_MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "output_router_logits",
+             "router_aux_loss_coef", "router_jitter_noise")
 
 
 @dataclass(frozen=True)
@@ -299,13 +394,14 @@ class _DecoderDims:
         """Whether every query and key head is RMS-normalised before RoPE."""
         return False
 
-    def check_tp(self, attn_tp: int, mlp_tp: int | None = None) -> None:
+    def check_tp(self, attn_tp: int, mlp_tp: int | None = None, dense_mlp: bool = True) -> None:
         """Raise ``ValueError`` unless the heads and KV heads split evenly over ``attn_tp`` ranks
-        and the MLP over ``mlp_tp`` ranks (default: ``attn_tp``, plain tensor parallelism)."""
+        and (``dense_mlp``: some layer has the dense MLP) the MLP over ``mlp_tp`` ranks (default:
+        ``attn_tp``, plain tensor parallelism)."""
         mlp_tp = attn_tp if mlp_tp is None else mlp_tp
         for name, size, what in (("num_attention_heads", attn_tp, "attention"),
                                  ("num_key_value_heads", attn_tp, "attention"),
-                                 ("intermediate_size", mlp_tp, "MLP")):
+                                 ("intermediate_size", mlp_tp if dense_mlp else 1, "MLP")):
             value = getattr(self, name)
             if value % size:
                 raise ValueError(
@@ -414,6 +510,7 @@ class LlamaConfig(_DecoderDims):
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     architecture: str = LLAMA_ARCHITECTURE
+    moe: MoeSpec | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -421,6 +518,9 @@ class LlamaConfig(_DecoderDims):
         if self.architecture not in TARGET_ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r}; supported: "
                              f"{sorted(TARGET_ARCHITECTURES)!r}")
+        if TARGET_ARCHITECTURES[self.architecture].moe != (self.moe is not None):
+            raise ValueError(f"architecture {self.architecture!r} "
+                             f"{'needs' if self.moe is None else 'has no'} a MoE spec")
         _check_token_id("bos_token_id", self.bos_token_id, self.vocab_size)
         for eos in self.eos_token_ids:
             _check_token_id("eos_token_id", eos, self.vocab_size)
@@ -428,6 +528,20 @@ class LlamaConfig(_DecoderDims):
     @property
     def qkv_bias(self) -> bool:
         return TARGET_ARCHITECTURES[self.architecture].qkv_bias
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has the MoE MLP."""
+        return self.moe is not None and self.moe.is_sparse(layer)
+
+    def check_tp(self, attn_tp: int, mlp_tp: int | None = None, dense_mlp: bool = True,
+                 moe_parallel: str = "tp") -> None:
+        """As ``_DecoderDims.check_tp``; a MoE target's experts split as ``moe_parallel`` says
+        (``MoeSpec.check_split``) and its dense MLP checked only if some layer has one."""
+        mlp_tp = attn_tp if mlp_tp is None else mlp_tp
+        if self.moe is not None:
+            self.moe.check_split(moe_parallel, mlp_tp)
+            dense_mlp = any(not self.is_sparse(i) for i in range(self.num_hidden_layers))
+        super().check_tp(attn_tp, mlp_tp, dense_mlp)
 
     @property
     def qk_norm(self) -> bool:
@@ -446,8 +560,12 @@ class LlamaConfig(_DecoderDims):
     def from_hf(raw: Mapping[str, Any]) -> LlamaConfig:
         """Build from a parsed Hugging Face ``config.json``; ``ValueError`` on anything unsupported."""
         arch = _architecture(raw, TARGET_ARCHITECTURES)
-        _check_keys(raw, (*_DIMS_KEYS, "tie_word_embeddings"), f"the target {arch}")
+        moe = TARGET_ARCHITECTURES[arch].moe
+        _check_keys(raw, (*_DIMS_KEYS, "tie_word_embeddings", *(_MOE_KEYS if moe else ())),
+                    f"the target {arch}")
         kwargs = _dims_kwargs(raw)
+        if moe:
+            kwargs["moe"] = MoeSpec.from_hf(raw, arch)
         _check_unsupported(raw, attention_bias_ok=TARGET_ARCHITECTURES[arch].qkv_bias)
         for key in ("tie_word_embeddings", "bos_token_id"):
             if key in raw:
@@ -466,6 +584,8 @@ class LlamaConfig(_DecoderDims):
                    else self.eos_token_id)
         if not self.qkv_bias:
             out["attention_bias"] = False
+        if self.moe is not None:
+            out.update(self.moe.to_hf())
         return out
 
 

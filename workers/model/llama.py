@@ -49,6 +49,7 @@ from workers.model.layers import (
     apply_rope,
     silu_mul,
 )
+from workers.model.moe import MOE_NAMES, MoeBlock
 from workers.model.parallel import ModelParallel
 
 
@@ -143,7 +144,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
         self.self_attn = LlamaAttention(cfg, layer_id, par)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, par)
+        self.ffn_name = "mlp"
+        if isinstance(cfg, LlamaConfig) and cfg.is_sparse(layer_id):
+            self.ffn_name = MOE_NAMES[cfg.moe.names][0]      # Mixtral: block_sparse_moe
+            setattr(self, self.ffn_name, MoeBlock(cfg, par))
+        else:
+            self.mlp = LlamaMLP(cfg, par)
+
+    @property
+    def ffn(self) -> nn.Module:
+        """The layer's MLP: dense (``mlp``) or sparse (``mlp`` / ``block_sparse_moe``)."""
+        return getattr(self, self.ffn_name)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: LayerAttention) -> torch.Tensor:
@@ -165,7 +176,7 @@ class LlamaDecoderLayer(nn.Module):
         if last is not None:
             x = x.index_select(0, last)
         x, h = self.post_attention_layernorm.add_forward(x, out)
-        return x, self.mlp(h)
+        return x, self.ffn(h)
 
 
 def add_norm(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor | None
@@ -241,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig, par: ModelParallel | None = None) -> None:
         super().__init__()
         par = par if par is not None else ModelParallel.single("cpu")
-        cfg.check_tp(par.attn.size, par.mlp.size)
+        cfg.check_tp(par.attn.size, par.mlp.size, moe_parallel=par.moe)
         self.config, self.par = cfg, par
         self.model = LlamaModel(cfg, par)
         self.lm_head = VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size, par)

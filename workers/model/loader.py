@@ -121,7 +121,7 @@ def load_llama(path: str | Path, par: ModelParallel | None = None,
     weights = WeightFiles(root)
     par = par if par is not None else ModelParallel.single(device)
     try:
-        cfg.check_tp(par.attn.size, par.mlp.size)
+        cfg.check_tp(par.attn.size, par.mlp.size, moe_parallel=par.moe)
     except ValueError as err:
         raise _in_file(root, err) from None
     with torch.device("meta"):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from collectives import Group, ParallelLayout, ops
+from workers.model.config import MOE_PARALLEL
 
 SCATTERS = ("reduce_scatter", "all_reduce")
 
@@ -38,25 +39,29 @@ class ModelParallel:
     mlp: Group
     dp: Group
     scatter: str = "reduce_scatter"
+    moe: str = "tp"         # a MoE target's experts: width split over mlp ("tp") or whole ("ep")
 
     def __post_init__(self) -> None:
         if self.scatter not in SCATTERS:
             raise ValueError(f"scatter={self.scatter!r}; allowed: {', '.join(SCATTERS)}")
+        if self.moe not in MOE_PARALLEL:
+            raise ValueError(f"moe={self.moe!r}; allowed: {', '.join(MOE_PARALLEL)}")
         if self.attn.size * self.dp.size != self.mlp.size:
             raise ValueError(f"attn ({self.attn.size}) x dp ({self.dp.size}) ranks must make the "
                              f"MLP group ({self.mlp.size})")
 
     @staticmethod
-    def single(device: torch.device | str = "cpu") -> "ModelParallel":
+    def single(device: torch.device | str = "cpu", moe: str = "tp") -> "ModelParallel":
         """One process: every group of size 1, every collective a no-op."""
         g = Group.single(device)
-        return ModelParallel(attn=g, mlp=g, dp=g)
+        return ModelParallel(attn=g, mlp=g, dp=g, moe=moe)
 
     @staticmethod
-    def from_layout(layout: ParallelLayout, scatter: str = "reduce_scatter") -> "ModelParallel":
+    def from_layout(layout: ParallelLayout, scatter: str = "reduce_scatter",
+                    moe: str = "tp") -> "ModelParallel":
         """Attention over ``attn_tp``, MLP/vocabulary over ``tp`` (the world), tokens over ``dp``."""
         return ModelParallel(attn=layout.group("attn_tp"), mlp=layout.group("tp"),
-                             dp=layout.group("dp"), scatter=scatter)
+                             dp=layout.group("dp"), scatter=scatter, moe=moe)
 
     @property
     def replica(self) -> int:

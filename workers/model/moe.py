@@ -1,0 +1,113 @@
+"""The sparse mixture-of-experts MLP of a MoE target (Qwen3-MoE, Mixtral), split over the cluster.
+
+    block = MoeBlock(cfg, par)          # par.moe: "tp" or "ep"
+    y = block(x)                        # x [T, d] this replica's rows -> [T, d]
+
+Like the dense MLP (``workers.model.llama.LlamaMLP``) it gathers every replica's tokens over the
+``dp`` group and hands each replica its rows summed over the world (``par.scatter_sum``). In
+between, every rank routes every gathered token (the router ``gate`` [E, d] is replicated and
+its inputs identical on every rank, so every rank routes alike): softmax over the expert logits
+in float32, the ``top_k`` most probable experts, their probabilities renormalised when
+``norm_topk_prob`` (Mixtral always), cast to the activations' dtype. Then this rank adds the
+outputs of the experts it holds, each weighted by its routing probability:
+
+* ``tp`` (default): every rank holds a ``1/world`` slice of every expert's width (gate/up split by
+  rows, down by columns); the partial sums add up over the world as the dense MLP's do.
+* ``ep``: every rank holds ``E / world`` whole experts (rank ``r``: experts ``r·E/world`` ...);
+  the contributions of the other experts come from their ranks in the same sum.
+
+**The collectives never depend on the routing.** Tokens reach their experts through the
+all-gather every MLP does anyway, and the results come back through the same reduce-scatter:
+every rank issues the same collectives with the round's agreed padded shapes whichever experts
+its tokens picked, so no capacity is needed and no token is ever dropped (lossless). What depends
+on the routing is local compute only: which rows each local expert multiplies.
+
+Two ways to compute the local experts, equal up to float rounding: ``sparse`` (each expert over
+the rows routed to it, ``index_add``: data-dependent shapes, eager only; the CPU path and the
+reference) and ``dense`` (each local expert over every gathered row, weighted by a routing weight
+that is zero where the token did not pick it: static shapes, captured in CUDA graphs; CUDA).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from collectives import Group
+from workers.model.config import LlamaConfig
+from workers.model.layers import ColumnParallelLinear, RowParallelLinear, silu_mul
+from workers.model.parallel import ModelParallel
+
+# checkpoint names per layout: the block's prefix, then the expert's gate, up and down linears
+MOE_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+             "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert, ``down(silu(gate(x)) * up(x))``, its width split over ``group``
+    (a size-1 group holds it whole); linears named as the checkpoint names them."""
+
+    def __init__(self, d: int, width: int, group: Group, names: tuple[str, str, str]) -> None:
+        super().__init__()
+        self.names = names
+        setattr(self, names[0], ColumnParallelLinear(d, width, group))
+        setattr(self, names[1], ColumnParallelLinear(d, width, group))
+        setattr(self, names[2], RowParallelLinear(width, d, group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(silu_mul(gate(x), up(x)))
+
+
+class MoeBlock(nn.Module):
+    """The router and this rank's experts (see the module docstring)."""
+
+    def __init__(self, cfg: LlamaConfig, par: ModelParallel) -> None:
+        super().__init__()
+        spec = cfg.moe
+        assert spec is not None, "MoeBlock needs a MoE config"
+        spec.check_split(par.moe, par.mlp.size)
+        self.spec, self.par = spec, par
+        linear_names = MOE_NAMES[spec.names][1]
+        self.gate = nn.Linear(cfg.hidden_size, spec.num_experts, bias=False)
+        if par.moe == "ep":
+            per_rank = spec.num_experts // par.mlp.size
+            first = par.mlp.rank * per_rank
+            local, group = range(first, first + per_rank), Group.single(par.mlp.device)
+        else:
+            local, group = range(spec.num_experts), par.mlp
+        self.local = tuple(local)
+        self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, spec.expert_size, group,
+                                                     linear_names) for e in local})
+
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the top-k expert ids [N, k], their routing weights [N, k] in ``tokens``' dtype)."""
+        probs = torch.softmax(F.linear(tokens, self.gate.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(tokens.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.par.gather(x)
+        ids, weights = self.route(tokens)
+        local = (self.dense if tokens.is_cuda else self.sparse)(tokens, ids, weights)
+        return self.par.scatter_sum(local)
+
+    def sparse(self, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's experts, each over the rows routed to it."""
+        out = torch.zeros_like(tokens)
+        for e in self.local:
+            rows, slot = torch.where(ids == e)
+            if rows.numel():
+                y = self.experts[str(e)](tokens.index_select(0, rows))
+                out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out
+
+    def dense(self, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's experts, each over every row, weighted by zero where not routed."""
+        out = torch.zeros_like(tokens)
+        for e in self.local:
+            w = (weights * (ids == e).to(weights.dtype)).sum(dim=-1, keepdim=True)
+            out = out + self.experts[str(e)](tokens) * w
+        return out
