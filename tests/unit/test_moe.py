@@ -1,0 +1,167 @@
+"""MoE targets against transformers: tiny random ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM``
+built with transformers' own classes and ``save_pretrained``; the engine's logits at every
+position of a prompt and its greedy ``--no-spec`` tokens equal transformers' (its forward, its
+``generate(do_sample=False)``), in both config layouts; greedy speculation with an EAGLE-3 head
+equals greedy without it at every depth and adaptive; the two ways of computing the local experts
+agree; bad inputs are refused by name. Multi-rank (``--tp 2``, ``--dp 2``, both
+``--moe-parallel`` modes): ``tests/multirank/test_moe_parallel.py``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from adaptive_dist.config import AdaptiveConfig
+from engine_fixtures import check_pages_back, engine_for, random_prompts
+from model_fixtures import random_head, write_checkpoint
+from workers.model import CheckpointError, DenseCausalAttention, load_eagle, load_llama
+from workers.model.config import LlamaConfig, MoeSpec
+from workers.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+torch.set_num_threads(1)
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+KINDS = {
+    # every second layer sparse (decoder_sparse_step 2) and layer 3 dense (mlp_only_layers)
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[2],
+                       head_dim=12)),
+    "qwen3_moe_unnormed": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                           dict(num_experts=4, num_experts_per_tok=3, moe_intermediate_size=16,
+                                norm_topk_prob=False, decoder_sparse_step=2)),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_local_experts=4, num_experts_per_tok=2,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+}
+
+
+def _hf_model(kind: str, seed: int = 0):
+    cfg_cls, model_cls, extra = KINDS[kind]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**COMMON, **extra)).eval()
+    with torch.no_grad():  # larger than the default init, so routing and logits spread
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.25)
+    return model
+
+
+def _old_layout(path: Path) -> None:
+    """Rewrite a transformers-5 config.json in the layout older releases wrote (top-level
+    rope_theta, the expert count as num_experts for Qwen3-MoE)."""
+    cfg = json.loads((path / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope["rope_theta"]
+    if cfg["model_type"] == "qwen3_moe":
+        cfg["num_experts"] = cfg.pop("num_local_experts")
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict:
+    out = {}
+    for kind in KINDS:
+        model = _hf_model(kind)
+        root = tmp_path_factory.mktemp(kind)
+        model.save_pretrained(root / "new")
+        model.save_pretrained(root / "old", safe_serialization=False)   # .bin
+        _old_layout(root / "old")
+        out[kind] = (model, root)
+    return out
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("layout", ["new", "old"])
+def test_logits_at_every_position_equal_transformers(saved, kind: str, layout: str) -> None:
+    model, root = saved[kind]
+    ours = load_llama(root / layout)
+    assert ours.config.moe is not None and ours.config.moe.num_experts == (8 if kind == "qwen3_moe" else 4)
+    ids = torch.randint(0, VOCAB, (23,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]
+        got = ours.compute_logits(ours(ids, torch.arange(23), DenseCausalAttention([23])))
+    assert (ref - got).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_greedy_no_spec_equals_transformers_generate(saved, kind: str) -> None:
+    model, root = saved[kind]
+    engine = engine_for(load_llama(root / "new"), None, "nospec")
+    prompts = random_prompts(3, VOCAB, seed=5, lo=4, hi=12)
+    got = [r.output_ids for r in engine.generate(prompts, [SamplingParams(max_new_tokens=16)] * 3)]
+    for prompt, out in zip(prompts, got):
+        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16,
+                             min_new_tokens=16)[0, len(prompt):].tolist()
+        assert out == ref
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_greedy_speculation_with_an_eagle3_head_equals_no_speculation(saved, kind: str,
+                                                                      tmp_path: Path) -> None:
+    _, root = saved[kind]
+    target = load_llama(root / "new")
+    write_checkpoint(random_head("eagle3", target, aux_layer_ids=(0, 1, 2)), tmp_path / "head")
+    head = load_eagle(tmp_path / "head", target)
+    prompts = random_prompts(5, VOCAB, seed=7, lo=2, hi=14)
+    params = [SamplingParams(max_new_tokens=8 + 5 * (i % 3)) for i in range(5)]
+    reference = [r.output_ids for r in engine_for(target, None, "nospec").generate(prompts, params)]
+    for mode, steps, cfg in [("static", 1, None), ("static", 3, None), ("static", 7, None),
+                             ("ema", 3, AdaptiveConfig(warmup_batches=1, update_interval=1)),
+                             ("ema", 1, AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7),
+                                                       initial_steps=1, warmup_batches=1,
+                                                       update_interval=1))]:
+        engine = engine_for(target, head, mode, steps=steps, config=cfg)
+        assert [r.output_ids for r in engine.generate(prompts, params)] == reference, (mode, steps)
+        check_pages_back(engine)
+
+
+def test_the_dense_and_sparse_expert_paths_agree(saved) -> None:
+    """The dense-weighted path (what CUDA graphs capture) against the sparse one (index_add)."""
+    ours = load_llama(saved["qwen3_moe"][1] / "new")
+    block = ours.model.layers[0].ffn
+    x = torch.randn(17, 32)
+    ids, weights = block.route(x)
+    assert ids.shape == (17, 2) and torch.allclose(weights.sum(-1), torch.ones(17))
+    torch.testing.assert_close(block.dense(x, ids, weights), block.sparse(x, ids, weights),
+                               atol=1e-5, rtol=1e-5)
+    assert type(ours.model.layers[2].ffn).__name__ == "LlamaMLP"     # mlp_only_layers
+
+
+def test_bad_moe_inputs_are_refused_by_name(saved, tmp_path: Path) -> None:
+    base = {"architectures": ["Qwen3MoeForCausalLM"], **{k: v for k, v in COMMON.items()
+                                                          if not k.endswith("token_id")},
+            "num_experts": 6, "moe_intermediate_size": 16, "num_experts_per_tok": 2}
+    with pytest.raises(ValueError, match="'num_experts_per_tok' is 7; allowed: at most the number "
+                                         "of experts \\(6\\)"):
+        LlamaConfig.from_hf({**base, "num_experts_per_tok": 7})
+    with pytest.raises(ValueError, match="'num_experts' \\(6\\) and 'num_local_experts' \\(4\\) differ"):
+        LlamaConfig.from_hf({**base, "num_local_experts": 4})
+    with pytest.raises(ValueError, match="config key 'shared_expert_intermediate_size' is not understood"):
+        LlamaConfig.from_hf({**base, "shared_expert_intermediate_size": 32})
+    with pytest.raises(ValueError, match="'sliding_window' is 4096"):
+        LlamaConfig.from_hf({**base, "architectures": ["MixtralForCausalLM"], "sliding_window": 4096})
+    spec = LlamaConfig.from_hf(base).moe
+    with pytest.raises(ValueError, match="expert parallelism over 4 ranks needs a number of experts "
+                                         "divisible by 4; the checkpoint has 6"):
+        spec.check_split("ep", 4)
+    with pytest.raises(ValueError, match="'moe_intermediate_size' is 16; expert tensor parallelism "
+                                         "over 3 ranks"):
+        spec.check_split("tp", 3)
+    with pytest.raises(ValueError, match="MoE parallel mode 'dp'"):
+        MoeSpec(4, 2, 16, True).check_split("dp", 2)
+    # a missing expert tensor is named
+    _, root = saved["mixtral"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((root / "new" / "config.json").read_text())
+    tensors = load_file(root / "new" / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.layers.1.block_sparse_moe.experts.3.w2.weight"):
+        load_llama(broken)
