@@ -23,11 +23,11 @@ from workers.model import DenseCausalAttention, ModelParallel, load_eagle, load_
 from workers.sampling import SamplingParams
 
 
-def setup(dp: int, timeout: float = 30.0, scatter: str = "reduce_scatter"):
+def setup(dp: int, timeout: float = 30.0, scatter: str = "reduce_scatter", moe: str = "tp"):
     torch.set_num_threads(1)
     ctx = C.init_distributed(timeout_s=timeout, record=True, keep_log=True)
     layout = ctx.layout(dp=dp)
-    return ctx, layout, ModelParallel.from_layout(layout, scatter)
+    return ctx, layout, ModelParallel.from_layout(layout, scatter, moe=moe)
 
 
 def load(root: str, par: ModelParallel, dtype: torch.dtype = torch.float64):
@@ -147,10 +147,11 @@ def _engine(mode: str, target, head, world, guard, max_batch: int, dp: int, attn
 
 def generate_job(rank: int, root: str, dp: int, modes: list[str], prompts: list[list[list[int]]],
                  new_tokens: list[list[int]], temperature: float = 0.0, seed: int = 0,
-                 graphs: bool = False) -> dict:
+                 graphs: bool = False, moe: str = "tp") -> dict:
     """Run every mode on this replica's prompts (`prompts[replica]`); return outputs, decisions
-    and this rank's collective log (signatures) per mode."""
-    ctx, layout, par = setup(dp)
+    and this rank's collective log (signatures) per mode (`moe`: how a MoE target's experts
+    split)."""
+    ctx, layout, par = setup(dp, moe=moe)
     try:
         # NCCL ranks run on their GPU; gloo ranks on the CPU (graphs emulated there)
         device = ctx.device if ctx.device.type == "cuda" else torch.device("cpu")
