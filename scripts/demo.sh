@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 out=runs/demo
 rm -rf "$out/traces"
-.venv/bin/python scripts/make_traces.py --ranks 2 --rounds 600 --out "$out/traces" --seed "${SEED:-0}"
+.venv/bin/python -m scripts.gen.make_traces --ranks 2 --rounds 600 --out "$out/traces" --seed "${SEED:-0}"
 OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 2 -m adaptive_dist consensus \
   --trace "$out/traces" --policy ema --out "$out/decisions.jsonl" "$@"
 echo "decisions: $out/decisions.jsonl"

@@ -45,7 +45,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 
 step gpu_multirank python3 -m pytest -q tests/gpu/test_multirank.py -p no:cacheprovider
-step bench_dp timeout 240 torchrun --nproc-per-node 2 scripts/bench_dp.py --dp 2 --device cuda \
+step bench_dp timeout 240 torchrun --nproc-per-node 2 -m scripts.bench.dp --dp 2 --device cuda \
   --batch 8 --new-tokens 64 --repeats "${BENCH_REPEATS:-3}" --out "$OUTDIR/res/bench_dp"
 P='def parse_config(path):\n'
 step generate_dp2 bash -c "python3 -m adaptive_dist generate --device cuda --eager --no-spec \
@@ -68,7 +68,7 @@ sys.exit(0 if all(same) else 1)\""
 step serve_gpu env ADAPTIVE_DIST_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
   tests/multirank/test_serve_cluster.py tests/unit/test_serve_api.py \
   -k "${SERVE_K:-reference or greedy or bad_requests or client_gone or rank_death}"
-step serve_matrix timeout 420 python3 scripts/bench_serve_matrix.py --nproc 2 \
+step serve_matrix timeout 420 python3 -m scripts.bench.serve_matrix --nproc 2 \
   --serve "--dp 2 --device cuda" --concurrency 4 32 --repeats "${BENCH_REPEATS:-3}" \
   --out "$OUTDIR/res/serve_matrix"
 step gpu_engine python3 -m pytest -q tests/gpu/test_engine.py tests/gpu/test_torch_backend.py \
@@ -76,55 +76,57 @@ step gpu_engine python3 -m pytest -q tests/gpu/test_engine.py tests/gpu/test_tor
 # the hot path, before and after, in one call: BEFORE (a tree exported to .gpu/before, e.g.
 # `git archive <ref> collectives adaptive_dist workers/*.py workers/attention workers/model
 # workers/server | tar -x -C .gpu/before`) against this tree
-# (.gpu/hotpath_before.json: a 'before' run kept from an earlier call, used as it is)
+# (.gpu/hotpath_before.json: a 'before' run kept from an earlier call, used as it is);
+# `python3 -P`: the current directory (this tree) is not put first on the path, so `workers`
+# and its packages come from .gpu/before and only `scripts` from here (through PYTHONPATH)
 if [ -f .gpu/hotpath_before.json ]; then
   mkdir -p "$OUTDIR/res/hotpath" && cp .gpu/hotpath_before.json "$OUTDIR/res/hotpath/before.json"
 elif [ -d .gpu/before/workers ]; then
-  step hotpath_before env PYTHONPATH=$PWD/.gpu/before:$PYTHONPATH python3 scripts/bench_hotpath.py \
+  step hotpath_before env PYTHONPATH=$PWD/.gpu/before:$PYTHONPATH python3 -P -m scripts.bench.hotpath \
     --overlap off \
     --device cuda --label before --model workers/assets/tiny_pair --out "$OUTDIR/res/hotpath" \
     --batches ${HOTPATH_BATCHES:-1 16 64} --modes ${HOTPATH_BEFORE_MODES:-nospec 1 3 7}
 fi
 # (after: overlapped rounds, and the same depths serial, interleaved in one process; whole runs
 # and steady decode windows; HOTPATH_MODES narrows the modes)
-step hotpath_after timeout 420 python3 scripts/bench_hotpath.py --device cuda --label after \
+step hotpath_after timeout 420 python3 -m scripts.bench.hotpath --device cuda --label after \
   --overlap on --modes ${HOTPATH_MODES:-nospec 1 3 7 nospec+serial 1+serial 3+serial 7+serial} \
   --batches ${HOTPATH_BATCHES:-1 16 64} --out "$OUTDIR/res/hotpath"
 # host work per round on this machine's CPU (graphs, overlap), per part, static depths 0/1/3/7
-step host_cuda python3 scripts/bench_host.py --device cuda --batch 16 --tokens 256 \
+step host_cuda python3 -m scripts.bench.host --device cuda --batch 16 --tokens 256 \
   --repeats "${BENCH_REPEATS:-3}" --out "$OUTDIR/res/host_cuda"
-# the issue's yardstick (bench_engine, float16, CUDA graphs), serial and overlapped interleaved
+# the issue's yardstick (scripts.bench.engine, float16, CUDA graphs), serial and overlapped interleaved
 step engine_overlap bash -c "for r in \$(seq ${BENCH_REPEATS:-3}); do for o in off on; do \
-  python3 scripts/bench_engine.py --device cuda --variants torch/graphs --new-tokens 48 \
+  python3 -m scripts.bench.engine --device cuda --variants torch/graphs --new-tokens 48 \
   --overlap \$o --out $OUTDIR/res/engine_overlap/\${o}_\$r | tail -n 8 || exit 1; done; done"
-[ -f "$OUTDIR/res/hotpath/before.json" ] && step hotpath_table python3 scripts/bench_hotpath.py \
+[ -f "$OUTDIR/res/hotpath/before.json" ] && step hotpath_table python3 -m scripts.bench.hotpath \
   --merge "$OUTDIR/res/hotpath/before.json" "$OUTDIR/res/hotpath/after.json" --out "$OUTDIR/res/hotpath"
 # adaptive against static depth (issue: goodput): one GPU, then heterogeneous DP on two
-step diag_continuous python3 scripts/diag_continuous.py cuda 16 "$OUTDIR/res/diag_continuous/diag.json"
+step diag_continuous python3 -m scripts.diag.continuous cuda 16 "$OUTDIR/res/diag_continuous/diag.json"
 # a depth-0 round of a speculating engine against a headless one, per catch-up interval
-step host_probe python3 scripts/host_probe.py --seconds "${HOST_PROBE_SECONDS:-30}" \
+step host_probe python3 -m scripts.diag.host_probe --seconds "${HOST_PROBE_SECONDS:-30}" \
   --out "$OUTDIR/res/host_probe"
-step bench_depth0 python3 scripts/bench_depth0.py --device cuda --repeats "${BENCH_REPEATS:-5}" \
+step bench_depth0 python3 -m scripts.bench.depth0 --device cuda --repeats "${BENCH_REPEATS:-5}" \
   --out "$OUTDIR/res/bench_depth0"
 # the padded prefill's and a round's kernels (torch.profiler) and graph replays, head or not
-step profile_prefill python3 scripts/profile_prefill.py --device cuda --out "$OUTDIR/res/profile_prefill"
+step profile_prefill python3 -m scripts.diag.profile_prefill --device cuda --out "$OUTDIR/res/profile_prefill"
 # sampled rounds: the uniforms in torch operations against the fused kernel (same tokens)
-step bench_sampling python3 scripts/bench_sampling.py --device cuda --repeats "${BENCH_REPEATS:-5}" \
+step bench_sampling python3 -m scripts.bench.sampling --device cuda --repeats "${BENCH_REPEATS:-5}" \
   --out "$OUTDIR/res/bench_sampling"
-step bench_depth0_8b python3 scripts/bench_depth0.py --device cuda --shape llama3-8b --iters 10 \
+step bench_depth0_8b python3 -m scripts.bench.depth0 --device cuda --shape llama3-8b --iters 10 \
   --repeats 3 --no-engine --out "$OUTDIR/res/bench_depth0_8b"
-step bench_adaptive timeout "${ADAPTIVE_TIMEOUT:-400}" python3 scripts/bench_adaptive.py --device cuda \
+step bench_adaptive timeout "${ADAPTIVE_TIMEOUT:-400}" python3 -m scripts.bench.adaptive --device cuda \
   --batches ${ADAPTIVE_BATCHES:-1 16 64} --repeats "${BENCH_REPEATS:-3}" ${ADAPTIVE_ARGS:-} \
   --out "$OUTDIR/res/bench_adaptive"
 step bench_adaptive_dp2 timeout "${ADAPTIVE_TIMEOUT:-400}" torchrun --nproc-per-node 2 \
-  scripts/bench_adaptive.py --dp 2 --device cuda --workloads heterogeneous transition \
+  -m scripts.bench.adaptive --dp 2 --device cuda --workloads heterogeneous transition \
   --batches ${ADAPTIVE_BATCHES:-1 16 64} --repeats "${BENCH_REPEATS:-3}" ${ADAPTIVE_ARGS:-} \
   --out "$OUTDIR/res/bench_adaptive_dp2"
 # production shapes without a download: an 8B-shaped target + EAGLE-3-shaped head (random bf16)
 step model_shapes bash -c "for l in tp2 dp2; do timeout 280 torchrun --nproc-per-node 2 \
-  scripts/bench_model_shapes.py --layout \$l --out $OUTDIR/res/model_shapes || exit 1; done"
+  -m scripts.bench.model_shapes --layout \$l --out $OUTDIR/res/model_shapes || exit 1; done"
 step bench_consensus bash -c "for ch in control device; do torchrun --nproc-per-node 2 \
-  scripts/bench_consensus.py --rounds 3000 --channel \$ch --out $OUTDIR/res/consensus_\$ch || exit 1; done"
+  -m scripts.bench.consensus --rounds 3000 --channel \$ch --out $OUTDIR/res/consensus_\$ch || exit 1; done"
 if [ "$(find "$FLASHINFER_WORKSPACE_BASE" -type f | wc -l)" != "$CACHE_BEFORE" ]; then
   tar -cf "$OUTDIR/flashinfer_cache.tar" -C "$FLASHINFER_WORKSPACE_BASE" .
 fi

@@ -1,22 +1,19 @@
-"""scripts/bench_adaptive.py's continuous arrivals: at most `batch` requests in flight, every
+"""scripts.bench.adaptive's continuous arrivals: at most `batch` requests in flight, every
 prompt runs to its budget, and the outputs equal the same prompts run as one closed batch
 (greedy decoding does not depend on who shares the batch)."""
-import importlib.util
 import sys
 from pathlib import Path
 
 from engine_fixtures import engine_for, random_prompts, tiny_pair
 from workers.sampling import SamplingParams
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench_adaptive():
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("bench_adaptive", SCRIPTS / "bench_adaptive.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from scripts.bench import adaptive
+
+    return adaptive
 
 
 def test_continuous_arrivals_keep_at_most_batch_in_flight_and_match_a_closed_batch():
@@ -160,10 +157,10 @@ def test_bench_depth0_prices_every_part_per_interval(tmp_path):
     import subprocess
 
     out = tmp_path / "d0"
-    subprocess.run([sys.executable, str(SCRIPTS / "bench_depth0.py"), "--shape", "tiny",
+    subprocess.run([sys.executable, "-m", "scripts.bench.depth0", "--shape", "tiny",
                     "--batches", "1", "2", "--catchup", "2", "5", "--iters", "1", "--repeats", "2",
                     "--context", "8", "--out", str(out)], check=True, capture_output=True,
-                   timeout=600)
+                   timeout=600, cwd=ROOT)
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["catchup"] == [2, 5] and (out / "depth0.png").stat().st_size > 0
     for key in ("b=1", "b=2"):
@@ -191,10 +188,10 @@ def test_bench_sampling_runs_both_uniforms_and_compares_tokens(tmp_path):
     import subprocess
 
     out = tmp_path / "s"
-    subprocess.run([sys.executable, str(SCRIPTS / "bench_sampling.py"), "--shape", "tiny",
+    subprocess.run([sys.executable, "-m", "scripts.bench.sampling", "--shape", "tiny",
                     "--batches", "1", "--requests", "2", "3", "--new-tokens", "5", "--repeats",
                     "2", "--iters", "1", "--context", "8", "--out", str(out)], check=True,
-                   capture_output=True, timeout=600)
+                   capture_output=True, timeout=600, cwd=ROOT)
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["same_tokens"] is True and (out / "sampling.png").stat().st_size > 0
     assert set(data["samples"]) == {f"{e}/generate x{n}" for e in ("torch_uniforms", "fused_uniforms")
@@ -209,13 +206,13 @@ def test_host_probe_writes_the_speed_timeline(tmp_path):
     import subprocess
 
     out = tmp_path / "hp"
-    subprocess.run([sys.executable, str(SCRIPTS / "host_probe.py"), "--seconds", "1",
+    subprocess.run([sys.executable, "-m", "scripts.diag.host_probe", "--seconds", "1",
                     "--window", "0.1", "--out", str(out)], check=True, capture_output=True,
-                   timeout=120)
+                   timeout=120, cwd=ROOT)
     data = json.loads((out / "host_probe.json").read_text())
     assert data["windows"] == len(data["timeline_rel"]) == 10
     assert data["min_rel"] <= 1.0 <= data["max_rel"]
     assert 0 <= data["share_below_0.8"] <= 1 and (out / "host_probe.png").stat().st_size > 0
-    bad = subprocess.run([sys.executable, str(SCRIPTS / "host_probe.py"), "--window", "0"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([sys.executable, "-m", "scripts.diag.host_probe", "--window", "0"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--window 0.0: must be > 0" in bad.stderr

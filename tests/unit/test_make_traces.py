@@ -1,9 +1,8 @@
-"""scripts/make_traces.py: ``--out`` is checked before anything is written, each rank file is
+"""scripts.gen.make_traces: ``--out`` is checked before anything is written, each rank file is
 written whole or not at all, and stale rank files of another run are refused."""
 from __future__ import annotations
 
 import errno
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +11,12 @@ from pathlib import Path
 from adaptive_dist import outputs
 from adaptive_dist.trace import load_trace
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_traces.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([sys.executable, "-m", "scripts.gen.make_traces", *argv],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
 def test_writes_one_readable_file_per_rank(tmp_path):
@@ -44,9 +43,8 @@ def test_stale_rank_files_of_another_run_are_refused(tmp_path):
 
 
 def test_a_full_disk_leaves_no_torn_rank_file(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("make_traces", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from scripts.gen import make_traces as mod
+
     calls = {"n": 0}
     real_write = outputs.os.write
 

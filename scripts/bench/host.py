@@ -5,8 +5,8 @@ round's bodies, the bodies themselves (here: eager forwards of the tiny model), 
 commit. What this measures is the host cost that CUDA graphs do not remove; on a GPU it is the
 gap between a round's GPU time and its wall time.
 
-    python scripts/bench_host.py [--batch 16] [--policy ema] [--tokens 400] [--repeats 3] [--out DIR]
-    python scripts/bench_host.py --device cuda [--steps 0 0h 1 3 7] [--batch 16] [--tokens 256]
+    python -m scripts.bench.host [--batch 16] [--policy ema] [--tokens 400] [--repeats 3] [--out DIR]
+    python -m scripts.bench.host --device cuda [--steps 0 0h 1 3 7] [--batch 16] [--tokens 256]
 
 With `--device cuda` the engine is the bundled pair with CUDA graphs and overlapped rounds, at each
 static depth of `--steps` (interleaved over the repeats): the bodies are graph launches, and `wait`
@@ -31,17 +31,13 @@ from typing import Any, Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from adaptive_dist.config import load_config  # noqa: E402
-from workers.config import EngineConfig, no_spec  # noqa: E402
-from workers.engine import build_engine  # noqa: E402
-from workers.model import EagleConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
-from workers.model.eagle import EagleHead  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
-from benchlib import settle_heap  # noqa: E402
+from adaptive_dist.config import load_config
+from scripts.bench.common import settle_heap
+from workers.config import EngineConfig, no_spec
+from workers.engine import build_engine
+from workers.model import EagleConfig, LlamaConfig, LlamaForCausalLM
+from workers.model.eagle import EagleHead
+from workers.sampling import SamplingParams
 
 PARTS = (("retire", "scheduler", "retire"), ("admit", "scheduler", "admit"),
          ("plan_begin", "planner", "begin_round"), ("plan_end", "planner", "end_round"),
@@ -117,7 +113,7 @@ def build(args: argparse.Namespace, steps: int | None) -> tuple[Any, list[list[i
         from workers import loading
 
         target, head = loading.load_pair(loading.DEFAULT_MODEL, device="cuda")
-        from regimes import make_prompts
+        from scripts.bench.regimes import make_prompts
 
         prompts = [loading.encode_prompt(t, target.config)
                    for t in make_prompts(args.batch, seed=0)["code"]]

@@ -1,9 +1,9 @@
 """Device kernels per phase of a speculative round, counted on a CPU (no GPU needed).
 
-    python scripts/count_kernels.py [--batch 16] [--depths 0 1 3 7] [--sampled] [--out FILE]
+    python -m scripts.diag.count_kernels [--batch 16] [--depths 0 1 3 7] [--sampled] [--out FILE]
         (FILE.json and a plot next to it, FILE.png)
         [--ops]                        # also the per-op breakdown of every phase
-    python scripts/count_kernels.py --merge BEFORE.json AFTER.json   # one before/after table
+    python -m scripts.diag.count_kernels --merge BEFORE.json AFTER.json   # one before/after table
 
 On the GPU a round runs as CUDA graphs of many small kernels, so how many a round launches matters
 as much as their work (`docs/benchmarks.md`, "Fewer kernels per round", for what the GPU
@@ -24,8 +24,10 @@ Not modelled: cuBLAS's split-K reduce kernels (a GEMM counts as one), multi-kern
 implementations of one op (sort, cumsum, searchsorted count one each), and ops the CPU
 implements differently. The counts are for comparing trees, not an exact trace of a GPU.
 
-Run it on another tree (e.g. ``git worktree add /tmp/before HEAD``) with
-``PYTHONPATH=/tmp/before``: the script imports ``workers`` from the path, not from its folder.
+Run it on another tree's packages (e.g. exported with ``git archive HEAD collectives
+adaptive_dist workers | tar -x -C /tmp/before``) from this repository's root with
+``PYTHONPATH=/tmp/before:$PWD python -P -m scripts.diag.count_kernels``: the script imports
+``workers`` from the path, and ``-P`` keeps the current directory (this tree) off its front.
 """
 from __future__ import annotations
 

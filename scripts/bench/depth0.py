@@ -1,6 +1,6 @@
 """What a depth-0 round costs an engine that keeps a draft head, against one that has none.
 
-    python scripts/bench_depth0.py [--device cuda] [--batches 1 16 64] [--catchup 8 16 32]
+    python -m scripts.bench.depth0 [--device cuda] [--batches 1 16 64] [--catchup 8 16 32]
         [--context 256] [--iters 100] [--repeats 5] [--shape bundled|llama3-8b]
         [--out runs/bench_depth0]
 
@@ -41,15 +41,11 @@ from typing import Any, Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from adaptive_dist.config import AdaptiveConfig  # noqa: E402
-from benchlib import settle_heap, spread  # noqa: E402
-from workers.config import EngineConfig, no_spec  # noqa: E402
-from workers.engine import Engine, build_engine  # noqa: E402
-from workers.loading import DEFAULT_MODEL, load_pair  # noqa: E402
+from adaptive_dist.config import AdaptiveConfig
+from scripts.bench.common import settle_heap, spread
+from workers.config import EngineConfig, no_spec
+from workers.engine import Engine, build_engine
+from workers.loading import DEFAULT_MODEL, load_pair
 
 HEADLESS = "nohead"
 
@@ -175,8 +171,7 @@ def main() -> int:
             target.reset_buffers()
             head.reset_buffers()
     else:
-        from make_checkpoint import build
-
+        from scripts.gen.make_checkpoint import build
         from workers.model import ModelParallel
 
         target, head = build(args.shape, "eagle3", None, 0, ModelParallel.single(args.device),

@@ -1,8 +1,8 @@
 """Where the padded prefill's device time goes, against a decode round: a diagnostic.
 
-    python scripts/profile_prefill.py [--device cuda] [--batches 1 64] [--out DIR]
+    python -m scripts.diag.profile_prefill [--device cuda] [--batches 1 64] [--out DIR]
 
-For an engine without a head and one keeping a head at depth 0 (`bench_depth0`'s engines, the
+For an engine without a head and one keeping a head at depth 0 (`scripts.bench.depth0`'s engines, the
 bundled pair in half precision on a GPU), per bucket: the graph replay time of the padded prefill
 (`bucket` rows of `--width` slots, full-length dummy prompts; greedy and sampling graphs) and of
 a depth-0 round (CUDA events over `--iters` replays), and `torch.profiler`'s kernels of the same
@@ -21,13 +21,10 @@ from typing import Any, Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_depth0 import HEADLESS, bodies, head_spec, timer  # noqa: E402
-from workers.config import EngineConfig, no_spec  # noqa: E402
-from workers.engine import build_engine  # noqa: E402
-from workers.loading import DEFAULT_MODEL, load_pair  # noqa: E402
+from scripts.bench.depth0 import HEADLESS, bodies, head_spec, timer
+from workers.config import EngineConfig, no_spec
+from workers.engine import build_engine
+from workers.loading import DEFAULT_MODEL, load_pair
 
 
 def parse_args() -> argparse.Namespace:

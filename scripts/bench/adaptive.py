@@ -1,9 +1,9 @@
 """Adaptive against static depth on phased workloads: the benchmark the goodput policy is judged by.
 
-    python scripts/bench_adaptive.py [--device cuda] [--model DIR [--draft-model DIR]]
+    python -m scripts.bench.adaptive [--device cuda] [--model DIR [--draft-model DIR]]
         [--batches 1 16 64] [--repeats 3]
         [--workloads transition code high_entropy repetitive] [--new-tokens 64] [--out DIR]
-    torchrun --nproc-per-node 2 scripts/bench_adaptive.py --dp 2 --device cuda \
+    torchrun --nproc-per-node 2 -m scripts.bench.adaptive --dp 2 --device cuda \
         --workloads heterogeneous [...]
 
 Workloads are sequences of phases; a phase gives every DP replica `batch` prompts of one regime
@@ -57,22 +57,18 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import collectives as C  # noqa: E402
-from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, load_config  # noqa: E402
-from adaptive_dist.controller import AdaptiveController  # noqa: E402
-from adaptive_dist.policy import cost_row  # noqa: E402
-from benchlib import (GcPauses, add_overlap_argument, overlap_of, settle_heap,  # noqa: E402
-                      spread, sync)
-from regimes import make_prompts  # noqa: E402
-from workers.config import EngineConfig, no_spec  # noqa: E402
-from workers.engine import Engine, build_engine  # noqa: E402
-from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_paths  # noqa: E402
-from workers.model import ModelParallel  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
+import collectives as C
+from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, load_config
+from adaptive_dist.controller import AdaptiveController
+from adaptive_dist.policy import cost_row
+from scripts.bench.common import (GcPauses, add_overlap_argument, overlap_of,
+                                  settle_heap, spread, sync)
+from scripts.bench.regimes import make_prompts
+from workers.config import EngineConfig, no_spec
+from workers.engine import Engine, build_engine
+from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_paths
+from workers.model import ModelParallel
+from workers.sampling import SamplingParams
 
 STATIC = ("static0", "static1", "static3", "static7")
 POLICIES = STATIC + ("ema", "ema_min", "goodput", "goodput_min", "goodput_mix")

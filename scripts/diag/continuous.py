@@ -2,17 +2,16 @@
 static 1 and 3, goodput, and goodput held at depth 0): each engine step timed and sorted into admission rounds (a prefill ran)
 and plain rounds, with the graph path and padded batches seen; and one short request end to end.
 
-    python scripts/diag_continuous.py [cuda|cpu] [BATCH] [OUT.json]
+    python -m scripts.diag.continuous [cuda|cpu] [BATCH] [OUT.json]
 
 4 x BATCH prompts per regime (high_entropy, code), 64 new tokens each, at most BATCH in flight
-(`bench_adaptive.run_continuous`), three passes (the last is reported). Writes OUT.json and
+(`scripts.bench.adaptive.run_continuous`), three passes (the last is reported). Writes OUT.json and
 OUT.png (milliseconds per admission round and per plain round, per engine and regime)."""
 import json, statistics as st, sys, time
-sys.path.insert(0, "scripts"); sys.path.insert(0, ".")
 import torch
-from regimes import make_prompts
+from scripts.bench.regimes import make_prompts
 from adaptive_dist.config import AdaptiveConfig, load_config
-from bench_adaptive import run_continuous
+from scripts.bench.adaptive import run_continuous
 from workers.config import EngineConfig, no_spec
 from workers.engine import build_engine
 from workers.loading import DEFAULT_MODEL, encode_prompt, load_pair

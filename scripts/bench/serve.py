@@ -1,14 +1,14 @@
 """Load generator for the server: phased prompt mix, concurrency and request rate, per-request
 time to first token (TTFT), inter-token latency (ITL) and latency percentiles, tokens/s.
 
-    python scripts/bench_serve.py --url http://127.0.0.1:8000 [--concurrency C] [--rate R] \
+    python -m scripts.bench.serve --url http://127.0.0.1:8000 [--concurrency C] [--rate R] \
         [--phases code:40,high_entropy:40,repetitive:40] [--max-tokens N] [--out DIR]
-    python scripts/bench_serve.py --launch "--adaptive --max-batch-size 16" [--nproc N] ...
+    python -m scripts.bench.serve --launch "--adaptive --max-batch-size 16" [--nproc N] ...
 
 ``--launch ARGS`` starts ``python -m adaptive_dist serve ARGS`` itself (under torchrun with
 ``--nproc`` > 1) on a free port and stops it afterwards. Requests are sent in phase order (all
 of the first phase's prompts, then the next phase's: code, high-entropy base64, repetitive runs,
-the prompt sets of ``scripts/bench_engine.py``), at most ``--concurrency`` at once, arriving as a
+the prompt sets of ``scripts.bench.engine``), at most ``--concurrency`` at once, arriving as a
 Poisson process of ``--rate`` requests/s (default: as fast as the concurrency allows). Every
 request streams (greedy unless ``--temperature``); TTFT is the time to the first token, ITL the
 gap between successive streamed chunks divided by the tokens in the later chunk, latency the time
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import random
 import shlex
@@ -36,18 +35,8 @@ from typing import Any, Optional
 import httpx
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from workers.server.metrics import find, parse  # noqa: E402
-
-
-def _bench_engine_prompts():
-    spec = importlib.util.spec_from_file_location("bench_engine", ROOT / "scripts" /
-                                                  "bench_engine.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.make_prompts
+from scripts.bench.regimes import make_prompts
+from workers.server.metrics import find, parse
 
 
 @dataclass
@@ -78,7 +67,6 @@ def parse_phases(text: str) -> list[tuple[str, int]]:
 
 
 def build_requests(phases: list[tuple[str, int]], seed: int) -> list[tuple[str, str]]:
-    make_prompts = _bench_engine_prompts()
     largest = max(n for _, n in phases)
     pool = make_prompts(largest, seed)
     return [(name, pool[name][i % len(pool[name])]) for name, n in phases for i in range(n)]

@@ -2,7 +2,7 @@
 on code, high-entropy and repetitive prompts; on CUDA also eager versus CUDA graphs and the torch
 versus the flashinfer attention backend.
 
-    python scripts/bench_engine.py [--device cpu|cuda] [--model DIR [--draft-model DIR]] [--out DIR]
+    python -m scripts.bench.engine [--device cpu|cuda] [--model DIR [--draft-model DIR]] [--out DIR]
         [--new-tokens N] [--variants torch/eager torch/graphs flashinfer/eager flashinfer/graphs]
         [--max-seconds S]
 
@@ -27,19 +27,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from adaptive_dist.config import load_config  # noqa: E402
-from workers.config import EngineConfig, no_spec  # noqa: E402
-from workers.engine import Engine  # noqa: E402
-from workers.engine import build_engine as build  # noqa: E402
-from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_paths  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from benchlib import add_overlap_argument, overlap_of, settle_heap, sync  # noqa: E402
-from regimes import KINDS, make_prompts  # noqa: E402
+from adaptive_dist.config import load_config
+from scripts.bench.common import add_overlap_argument, overlap_of, settle_heap, sync
+from scripts.bench.regimes import KINDS, make_prompts
+from workers.config import EngineConfig, no_spec
+from workers.engine import Engine
+from workers.engine import build_engine as build
+from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_paths
+from workers.sampling import SamplingParams
 
 MODES = ("nospec", 1, 3, 7)
 BATCHES = (1, 16)

@@ -1,6 +1,6 @@
 """DP attention under a phased, heterogeneous workload: static depths against adaptive policies.
 
-    torchrun --nproc-per-node N scripts/bench_dp.py --dp D [--attn-tp A] [--device cpu|cuda]
+    torchrun --nproc-per-node N -m scripts.bench.dp --dp D [--attn-tp A] [--device cpu|cuda]
         [--model DIR [--draft-model DIR]] [--batch B] [--new-tokens T] [--repeats R] [--policies static1 static3 static7 ema ema_min]
         [--out DIR]
 
@@ -26,20 +26,17 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import collectives as C  # noqa: E402
-from adaptive_dist.config import AdaptiveConfig, load_config  # noqa: E402
-from adaptive_dist.controller import AdaptiveController  # noqa: E402
-from benchlib import add_overlap_argument, overlap_of, settle_heap, spread, sync  # noqa: E402
-from regimes import make_prompts  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import Engine, build_engine  # noqa: E402
-from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_paths  # noqa: E402
-from workers.model import ModelParallel  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
+import collectives as C
+from adaptive_dist.config import AdaptiveConfig, load_config
+from adaptive_dist.controller import AdaptiveController
+from scripts.bench.common import (add_overlap_argument, overlap_of, settle_heap,
+                                  spread, sync)
+from scripts.bench.regimes import make_prompts
+from workers.config import EngineConfig
+from workers.engine import Engine, build_engine
+from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_paths
+from workers.model import ModelParallel
+from workers.sampling import SamplingParams
 
 POLICIES = ("static1", "static3", "static7", "ema", "ema_min")
 

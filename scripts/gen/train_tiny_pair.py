@@ -13,7 +13,7 @@ next-token distribution, two unrolled passes), both written in Hugging Face layo
 mean accepted draft tokens per round (greedy, bonus excluded) at steps 1/3/7 on code,
 high-entropy and repetitive-prose prompts (``OUT/eval.json``). Losses go to ``OUT/train_log.json``.
 
-    PYTHONPATH=. python scripts/train_tiny_pair.py --device cuda --out runs/tiny_pair
+    python -m scripts.gen.train_tiny_pair --device cuda --out runs/tiny_pair
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Time the device-side sampling of one speculative round (`workers.spec_decode`) against the host
 loop it replaces (`workers.sampling`: per-request generators, `.item()` per decision).
 
-    python scripts/bench_spec_decode.py [--device cuda] [--vocab 128256] [--json out.json]
+    python -m scripts.bench.spec_decode [--device cuda] [--vocab 128256] [--json out.json]
 
 For each (batch, steps): `draft_step` x steps + `verify`, eagerly and (on CUDA) as one CUDA-graph
 replay per variant of the static flags:

@@ -1,7 +1,7 @@
 """Measure the per-round consensus cost: the one all-gather of the consensus vector (with the
 result read on the host), and a whole ``begin_round`` (gather + pre-flight + decision + plan).
 
-    torchrun --nproc-per-node 2 scripts/bench_consensus.py --rounds 2000 --out runs/consensus_cpu
+    torchrun --nproc-per-node 2 -m scripts.bench.consensus --rounds 2000 --out runs/consensus_cpu
     (on GPUs the device group is NCCL; add --backend gloo to force CPU)
 
 Writes OUT/results.json and OUT/consensus_cost.png (rank 0).

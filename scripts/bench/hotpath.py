@@ -1,10 +1,10 @@
 """Where a speculative round's time goes: tokens/s, round wall time, GPU kernel time per round and
 host synchronisations per round, per batch, depth and prompt regime.
 
-    python scripts/bench_hotpath.py [--device cuda] [--model DIR [--draft-model DIR]]
+    python -m scripts.bench.hotpath [--device cuda] [--model DIR [--draft-model DIR]]
         [--batches 1 16 64] [--modes nospec 1 3 7 [7+serial 7+overlap ...]] [--overlap auto|on|off]
         [--new-tokens 48] [--repeats 3] [--label after] [--out DIR]
-    python scripts/bench_hotpath.py --merge BEFORE.json AFTER.json --out DIR   # one table
+    python -m scripts.bench.hotpath --merge BEFORE.json AFTER.json --out DIR   # one table
 
 A mode is a depth (`nospec` or steps), with `--overlap` (default: on with CUDA), or with a
 `+serial` / `+overlap` suffix that sets it for that mode (so both run interleaved in one process).
@@ -39,11 +39,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from benchlib import add_overlap_argument, overlap_of, settle_heap, spread, sync  # noqa: E402
-from regimes import KINDS, make_prompts  # noqa: E402
+from scripts.bench.common import add_overlap_argument, overlap_of, settle_heap, spread, sync
+from scripts.bench.regimes import KINDS, make_prompts
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 

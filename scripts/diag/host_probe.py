@@ -1,6 +1,6 @@
 """The host's single-thread speed over time: is this machine's CPU steady enough to benchmark on?
 
-    python scripts/host_probe.py [--seconds 60] [--window 0.25] [--out runs/host_probe]
+    python -m scripts.diag.host_probe [--seconds 60] [--window 0.25] [--out runs/host_probe]
 
 A fixed pure-Python workload (the kind of work the engine's host side does per round) is counted
 in consecutive windows of `--window` seconds for `--seconds`; each window's rate is reported

@@ -1,11 +1,11 @@
-"""`bench_serve.py` over a matrix: decoding modes x concurrencies, repeats interleaved.
+"""`scripts.bench.serve` over a matrix: decoding modes x concurrencies, repeats interleaved.
 
-    python scripts/bench_serve_matrix.py --nproc 2 --serve "--dp 2 --device cuda" \
+    python -m scripts.bench.serve_matrix --nproc 2 --serve "--dp 2 --device cuda" \
         [--modes steps1 steps3 steps7 adaptive] [--concurrency 4 32] \
         [--repeats 3] [--phases code:40,high_entropy:40,repetitive:40] [--out DIR]
 
 One server per mode (started once, `serve SERVE MODE`); for every repeat the modes take turns
-(order rotated) and each runs every concurrency against its server (`bench_serve.py --url`).
+(order rotated) and each runs every concurrency against its server (`scripts.bench.serve --url`).
 Writes `OUT/<mode>/c<N>_r<R>/results.json` (one per run), `OUT/summary.json` (per mode and
 concurrency: medians and min-max over the repeats of tokens/s, TTFT and ITL p50/p95/p99,
 and the idle probe's frontend overhead) and `OUT/serve_matrix.png`; prints a table.
@@ -21,11 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from collectives import free_port  # noqa: E402
-from workers.server.process import ServerProcess  # noqa: E402
+from collectives import free_port
+from workers.server.process import ServerProcess
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,7 +48,7 @@ def flags_of(mode: str) -> list[str]:
 
 
 def run_bench(url: str, conc: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--url", url,
+    cmd = [sys.executable, "-m", "scripts.bench.serve", "--url", url,
            "--concurrency", str(conc), "--phases", args.phases, "--max-tokens",
            str(args.max_tokens), "--idle-probe", "5", "--out", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

@@ -1,8 +1,8 @@
 """Write a random-weight checkpoint pair in the layout of a real one (nothing is downloaded): a
 target of a real model's shape and an EAGLE or EAGLE-3 head for it, for timing on GPUs.
 
-    python scripts/make_checkpoint.py --shape llama3-8b --head eagle3 --out DIR [--layers N]
-    torchrun --nproc-per-node 2 scripts/bench_dp.py --dp 2 --device cuda \
+    python -m scripts.gen.make_checkpoint --shape llama3-8b --head eagle3 --out DIR [--layers N]
+    torchrun --nproc-per-node 2 -m scripts.bench.dp --dp 2 --device cuda \
         --model DIR/target --draft-model DIR/eagle ...
     torchrun --nproc-per-node 2 -m adaptive_dist generate --tp 2 --device cuda \
         --model DIR/target --draft-model DIR/eagle --steps 3 --prompt "..."
@@ -24,10 +24,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from workers.model import (  # noqa: E402
+from workers.model import (
     Eagle3Config,
     Eagle3Head,
     EagleConfig,
@@ -36,7 +33,7 @@ from workers.model import (  # noqa: E402
     LlamaForCausalLM,
     save_pretrained,
 )
-from workers.model.config import RopeScaling  # noqa: E402
+from workers.model.config import RopeScaling
 
 SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,

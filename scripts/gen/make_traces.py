@@ -5,7 +5,7 @@ almost nothing is accepted, code in the middle, repetitive text that saturates a
 different times on different ranks, with idle stretches, bursts past the largest CUDA-graph
 bucket, rounds where a rank cannot use a graph, and one rank whose trace ends early.
 
-    python scripts/make_traces.py --ranks 2 --rounds 400 --out traces/ --seed 0
+    python -m scripts.gen.make_traces --ranks 2 --rounds 400 --out traces/ --seed 0
 """
 from __future__ import annotations
 

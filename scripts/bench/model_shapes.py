@@ -1,8 +1,8 @@
 """Round cost at production shapes without a download: a Llama-3.1-8B-shaped target and an
 EAGLE-3-shaped head with random weights, generated on the GPU in bfloat16.
 
-    torchrun --nproc-per-node 2 scripts/bench_model_shapes.py --layout tp2 --out OUT
-    torchrun --nproc-per-node 2 scripts/bench_model_shapes.py --layout dp2 --out OUT
+    torchrun --nproc-per-node 2 -m scripts.bench.model_shapes --layout tp2 --out OUT
+    torchrun --nproc-per-node 2 -m scripts.bench.model_shapes --layout dp2 --out OUT
 
 `tp2`: one replica, attention and MLP tensor-parallel over both GPUs; `dp2`: DP attention, two
 replicas (attention data-parallel, MLP and vocabulary tensor-parallel over both GPUs). The engine
@@ -25,16 +25,12 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import collectives as C  # noqa: E402
-from adaptive_dist.config import AdaptiveConfig  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import build_engine  # noqa: E402
-from make_checkpoint import build  # noqa: E402
-from workers.model import ModelParallel  # noqa: E402
+import collectives as C
+from adaptive_dist.config import AdaptiveConfig
+from workers.config import EngineConfig
+from scripts.gen.make_checkpoint import build
+from workers.engine import build_engine
+from workers.model import ModelParallel
 
 TIERS = (0, 1, 3, 7)
 

@@ -1,6 +1,6 @@
 """Sampled requests: the counter-based uniforms in torch operations against the fused kernel.
 
-    python scripts/bench_sampling.py [--device cuda] [--steps 3] [--batches 1 16 64]
+    python -m scripts.bench.sampling [--device cuda] [--steps 3] [--batches 1 16 64]
         [--requests 4 64] [--repeats 5] [--out DIR]
 
 A sampled round draws uniforms (`workers.spec_decode.uniforms`) in every draft step and three
@@ -30,16 +30,13 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import workers.spec_decode as spec_decode  # noqa: E402
-from adaptive_dist.config import load_config  # noqa: E402
-from bench_depth0 import timer  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import Engine, build_engine  # noqa: E402
-from workers.loading import DEFAULT_MODEL, load_pair  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
+import workers.spec_decode as spec_decode
+from adaptive_dist.config import load_config
+from scripts.bench.depth0 import timer
+from workers.config import EngineConfig
+from workers.engine import Engine, build_engine
+from workers.loading import DEFAULT_MODEL, load_pair
+from workers.sampling import SamplingParams
 
 FUSED = spec_decode.uniforms
 
@@ -81,8 +78,7 @@ def parse_args() -> argparse.Namespace:
 
 def build_pair(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Module]:
     if args.shape == "tiny":
-        from make_checkpoint import build
-
+        from scripts.gen.make_checkpoint import build
         from workers.model import ModelParallel
 
         return build("tiny", "eagle", None, 0, ModelParallel.single(args.device), args.device)

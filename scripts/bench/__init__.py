@@ -1,0 +1,1 @@
+"""Benchmarks (`python -m scripts.bench.NAME --help`); what they share: `scripts.bench.common`."""

@@ -1,0 +1,1 @@
+"""Diagnostics and one-off probes (`python -m scripts.diag.NAME --help`)."""

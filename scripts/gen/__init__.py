@@ -1,0 +1,2 @@
+"""Generators: the bundled pair's training, random-weight checkpoints, acceptance traces
+(`python -m scripts.gen.NAME --help`)."""
