@@ -101,3 +101,175 @@ def start_server(args: list[str], nproc: int = 1) -> ServerProcess:
     device = os.environ.get("ADAPTIVE_DIST_TEST_DEVICE")
     extra = ["--device", device] if device and "--device" not in args else []
     return ServerProcess(args + extra, free_port(), nproc=nproc).wait_ready()
+
+
+# ---- the rank side without the frontend: the test drives the ranks' inboxes itself ---------------
+
+def drive_ranks_job(rank: int, serve_argv: list[str], script: list[dict],
+                    timeout_s: float = 60.0) -> dict:
+    """One rank of a serving cluster built by the real launch code (`launch._build_loop`: the
+    engine, `EngineAdapter`, `RankLoop`), with this test as the frontend: rank 0 also runs
+    `_Driver`, which PUSHes `script` (``protocol.Generate`` fields, without ``seq``) to every rank's
+    real inbox — messages the HTTP frontend would refuse among them — waits for every request's
+    outcome, then sends ``Shutdown``. Returns this rank's refusals (rid, loop round), how its loop
+    ended and, on rank 0, every outcome."""
+    import contextlib
+    import threading
+
+    import zmq
+
+    from adaptive_dist.cli import build_parser
+    from collectives import free_port, init_distributed
+    from workers.server.engine_glue import Refused
+    from workers.server.inbox import Inbox, Outbox
+    from workers.server.launch import _build_loop, gather_addresses, rank_role
+    from workers.server.protocol import RankAddress
+    from workers.server.rank import StopFlag
+
+    args = build_parser().parse_args(["serve", *serve_argv])
+    role = rank_role(args)
+    ctx = init_distributed(timeout_s=timeout_s, backend="gloo", record=True)
+    zctx = zmq.Context()
+    inbox = Inbox(zctx)
+    first = ctx.layout(dp=1)
+    pg = first.group("world").control_pg if ctx.distributed else None
+    pull = f"tcp://127.0.0.1:{free_port()}" if rank == 0 else None
+    ranks, pulls = gather_addresses(RankAddress(rank, role.dp_rank, role.is_leader,
+                                                inbox.address), pull, pg)
+    driver = _Driver(zctx, pulls[0], ranks, script, timeout_s) if rank == 0 else None
+    outbox = Outbox(zctx, pulls[0])
+    closers = contextlib.ExitStack()
+    refusals: list[tuple[str, int]] = []
+    try:
+        loop = _build_loop(ctx, first, args, role, inbox, outbox, StopFlag(), None, closers)
+        add = loop.adapter.add
+
+        def recording_add(msg):          # the real add; notes which requests it refused, when
+            try:
+                add(msg)
+            except Refused:
+                refusals.append((repr(msg.rid), loop.adapter.rounds))
+                raise
+
+        loop.adapter.add = recording_add
+        thread = threading.Thread(target=driver.run, daemon=True) if driver else None
+        if thread is not None:
+            thread.start()
+        result = loop.run()
+        if thread is not None:
+            thread.join(timeout=10)
+    finally:
+        closers.close()
+        outbox.close()
+        inbox.close()
+        if driver is not None:
+            driver.close()
+        zctx.term()
+    if ctx.distributed:
+        ctx.shutdown()
+    return {"refusals": refusals, "exit": (result.reason, result.error),
+            "outcomes": driver.outcomes if driver else None,
+            "driver_error": driver.error if driver else None}
+
+
+class _Driver:
+    """The test's frontend: sequenced sends to every rank, outcomes from the leaders."""
+
+    def __init__(self, zctx, pull_address: str, ranks: list, script: list[dict],
+                 timeout_s: float) -> None:
+        import zmq
+
+        self.pull = zctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.bind(pull_address)
+        self.push = []
+        for r in ranks:
+            sock = zctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(r.address)
+            self.push.append(sock)
+        self.script, self.timeout_s = script, timeout_s
+        self.seq = 0
+        self.outcomes: dict[str, Any] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.error: Optional[str] = None
+
+    def send(self, cls, **fields) -> None:
+        from workers.server import protocol
+
+        self.seq += 1
+        msg = cls(seq=self.seq, **fields)
+        data = json.dumps({"type": cls.__name__, **msg.__dict__}).encode()   # NaN allowed
+        assert protocol.decode(data).seq == self.seq
+        for sock in self.push:
+            sock.send(data)
+
+    def run(self) -> None:
+        from workers.server.protocol import Generate, Shutdown
+
+        try:
+            for fields in self.script:
+                self.send(Generate, **fields)
+            self._collect({repr(f["rid"]) if not isinstance(f["rid"], str) else f["rid"]
+                           for f in self.script})
+        except Exception as err:   # reported by rank 0's result; the ranks are still stopped
+            self.error = f"{type(err).__name__}: {err}"
+        finally:
+            self.send(Shutdown, reason="the test is done")
+
+    def _collect(self, rids: set[str]) -> None:
+        import zmq
+
+        from workers.server import protocol
+        from workers.server.protocol import RequestError, StepOutput
+
+        deadline = time.monotonic() + self.timeout_s
+        while set(self.outcomes) < rids:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no outcome for {sorted(rids - set(self.outcomes))}")
+            if not self.pull.poll(200, zmq.POLLIN):
+                continue
+            msg = protocol.decode(self.pull.recv())
+            if isinstance(msg, RequestError):
+                self.outcomes[msg.rid] = ("refused", msg.status, msg.param, msg.message)
+            elif isinstance(msg, StepOutput):
+                for d in msg.deltas:
+                    self.tokens.setdefault(d.rid, []).extend(d.token_ids)
+                    if d.finish_reason is not None:
+                        self.outcomes[d.rid] = ("done", self.tokens[d.rid], d.finish_reason)
+
+    def close(self) -> None:
+        for sock in self.push:
+            sock.close()
+        self.pull.close()
+
+
+# Generate fields (beside rid, dp_rank, prompt_ids) that no rank can run -> the field at fault;
+# the HTTP frontend refuses all of them, a rank must refuse them too (`drive_ranks_job`)
+NAN, INF = float("nan"), float("inf")
+BAD_GENERATES = [
+    ({"seed": 2 ** 63}, "seed"), ({"seed": -2 ** 63 - 1}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"prompt_ids": [256, 264]}, "prompt"), ({"prompt_ids": [256, -1]}, "prompt"),
+    ({"prompt_ids": []}, "prompt"), ({"prompt_ids": [256, "a"]}, "prompt"),
+    ({"prompt_ids": "abc"}, "prompt"), ({"prompt_ids": [256, 10 ** 30]}, "prompt"),
+    ({"max_tokens": 10 ** 6}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"temperature": NAN}, "temperature"), ({"temperature": INF}, "temperature"),
+    ({"temperature": 1e-45}, "temperature"), ({"temperature": "hot"}, "temperature"),
+    ({"temperature": 10 ** 400}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": NAN}, "top_p"), ({"top_p": 2}, "top_p"),
+    ({"rid": [1]}, "rid"), ({"sent_at": "x"}, "sent_at"),
+]
+
+
+def refusal_script(prompt_ids: list[int], bad_dp: int, good_dps: tuple[int, ...]) -> list[dict]:
+    """Good requests (greedy, 8 tokens, on every group of `good_dps`), every `BAD_GENERATES`
+    on group `bad_dp`, then good requests again and a sampled one with the largest seed."""
+    def gen(name: str, dp: int, **kw: Any) -> dict:
+        return {"rid": name, "dp_rank": dp, "prompt_ids": list(prompt_ids), "max_tokens": 8,
+                "temperature": 0.0, "top_p": 1.0, "seed": 0, "sent_at": 0.0, **kw}
+
+    before = [gen(f"good-before-{g}", g) for g in good_dps]
+    bad = [gen(f"bad-{i}", bad_dp, **fields) for i, (fields, _) in enumerate(BAD_GENERATES)]
+    after = [gen(f"good-after-{g}", g) for g in good_dps]
+    return before + bad + after + [gen("sampled", bad_dp, temperature=1.0, seed=2 ** 63 - 1)]

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from workers.server import openai_io
 from workers.server.cluster import ClusterClient, Failure, Tokens, Unavailable
 from workers.server.metrics import FrontendMetrics, render
+from workers.server.admission import LongInt
 from workers.server.openai_io import ApiError, CompletionParams, Limits
 from workers.server.text import Codec, TextStream, codec_for
 
@@ -109,7 +110,7 @@ def create_app(cluster: ClusterClient, metrics: FrontendMetrics) -> FastAPI:
             except Unavailable as err:
                 raise ApiError(503, err.message, code=err.code) from None
             limits = Limits(cluster.model.max_context_len, cluster.model.vocab_size,
-                            cluster.config.dp)
+                            cluster.config.dp, cluster.capacity + cluster.config.max_queue)
             params = openai_io.parse_completion(body, served, limits, codec().encode)
             try:
                 cluster.check_available(len(params.prompts))
@@ -128,12 +129,24 @@ def create_app(cluster: ClusterClient, metrics: FrontendMetrics) -> FastAPI:
 
 
 async def _json_body(request: Request) -> Any:
+    """The decoded body. An integer literal too long for Python (over 4300 digits) is parsed
+    again as an ``admission.LongInt``, so the field that holds it refuses it by name; anything
+    else that is not JSON (nesting too deep for the parser too) is a 400 without a field."""
     raw = await request.body()
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ApiError(400, f"the request body is not valid JSON ({err})",
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            raise
+        except ValueError:     # "Exceeds the limit (4300 digits) for integer string conversion"
+            return json.loads(raw, parse_int=_parse_int)
+    except (ValueError, RecursionError) as err:    # JSONDecodeError, UnicodeDecodeError too
+        raise ApiError(400, f"the request body is not valid JSON ({str(err)[:200]})",
                        code="invalid_json") from None
+
+
+def _parse_int(text: str) -> int:
+    return int(text) if len(text) <= 4000 else LongInt(text)
 
 
 class _Job:
@@ -162,8 +175,7 @@ class _Job:
         choice = self.choices[index]
         if isinstance(event, Failure):
             self.abort()
-            raise ApiError(event.status, event.message,
-                           code="server_shutting_down" if event.status >= 500 else None)
+            raise ApiError(event.status, event.message, param=event.param, code=event.code)
         assert isinstance(event, Tokens)
         if self.first_token_at is None and event.token_ids:
             self.first_token_at = time.perf_counter()

@@ -39,8 +39,13 @@ class Tokens:
 
 @dataclass(frozen=True)
 class Failure:
+    """A request's end in error: the cluster stopped (503), or a rank refused it (400 with the
+    field, or 500)."""
+
     status: int
     message: str
+    param: Optional[str] = None
+    code: Optional[str] = "server_shutting_down"
 
 
 class Unavailable(Exception):
@@ -104,6 +109,11 @@ class ClusterClient:
         return len(self.config.ranks)
 
     @property
+    def capacity(self) -> int:
+        """Requests the DP groups run at once."""
+        return self.config.dp * self.config.max_batch_size
+
+    @property
     def healthy(self) -> bool:
         return self.failure is None and len(self.ready) == self.world_size
 
@@ -114,7 +124,7 @@ class ClusterClient:
         if len(self.ready) < self.world_size:
             raise Unavailable(f"the server is starting: {len(self.ready)} of {self.world_size} "
                               f"ranks ready", "starting")
-        capacity = self.config.dp * self.config.max_batch_size
+        capacity = self.capacity
         queued = len(self.trackers) + new_requests - capacity
         if queued > self.config.max_queue:
             raise Unavailable(f"the server is overloaded: {len(self.trackers)} requests in "
@@ -194,7 +204,8 @@ class ClusterClient:
         elif isinstance(msg, RequestError):
             t = self.trackers.pop(msg.rid, None)
             if t is not None:
-                t.sink.put_nowait((t.index, Failure(msg.status, msg.message)))
+                code = "invalid_value" if msg.status < 500 else "internal_error"
+                t.sink.put_nowait((t.index, Failure(msg.status, msg.message, msg.param, code)))
         elif isinstance(msg, RankExit):
             what = "failed" if msg.error else "stopped"
             self.fail(f"rank {msg.rank} {what}: {msg.reason}", orderly=not msg.error)

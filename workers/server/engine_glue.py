@@ -13,7 +13,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from workers.server.admission import generate_refusal
 from workers.server.protocol import Generate, QueueStats, TokenDelta
+
+ADD_ERRORS = (ValueError, TypeError, OverflowError, IndexError, KeyError)
+"""What `Engine.add` raises for a request it cannot take: errors of the request's values, which
+every rank of the replica raises alike (the same message, the same replicated state). Anything
+else it raises is this rank's own fault and ends the rank (docs/serving.md)."""
+
+
+class Refused(Exception):
+    """A request this replica does not run: HTTP `status`, the API field `param` (or None)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
 
 
 @dataclass(frozen=True)
@@ -83,10 +97,12 @@ class _Live:
 class EngineAdapter:
     """Adds, aborts and steps requests by the frontend's ids; turns progress into deltas."""
 
-    def __init__(self, engine: Any, eos_token_ids: tuple[int, ...], dp_rank: int) -> None:
+    def __init__(self, engine: Any, eos_token_ids: tuple[int, ...], dp_rank: int,
+                 vocab_size: int) -> None:
         self.engine = engine
         self.eos_token_ids = tuple(eos_token_ids)
         self.dp_rank = dp_rank
+        self.vocab_size = vocab_size
         self.live: dict[str, _Live] = {}
         self.rounds = 0
         self.round_seconds = 0.0
@@ -95,20 +111,38 @@ class EngineAdapter:
     def has_work(self) -> bool:
         return bool(self.engine.scheduler.has_work)
 
+    @property
+    def context(self) -> int:
+        """Tokens a request may span (prompt and output) on this replica."""
+        return int(self.engine.scheduler.max_context_len)
+
     def add(self, msg: Generate) -> None:
-        """Queue `msg` in the engine; `ValueError` naming the problem if it can never run."""
+        """Queue `msg` in the engine, or raise `Refused` if it cannot run. The verdict depends
+        on the message and on state every rank of the replica shares (its settings, the requests
+        it runs), never on this rank alone: every rank of the replica refuses alike, in the same
+        round, and the replica stays in lockstep."""
         from workers.sampling import SamplingParams
 
+        refusal = generate_refusal(msg, self.context, self.vocab_size)
+        if refusal is not None:
+            raise Refused(refusal.message, 400, refusal.param)
         if msg.rid in self.live:
-            raise ValueError(f"request id {msg.rid!r} is already running")
-        params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p,
-                                max_new_tokens=msg.max_tokens, stop_token_ids=self.eos_token_ids)
-        req = self.engine.add(list(msg.prompt_ids), params, seed=msg.seed)
+            raise Refused(f"rid: request id {msg.rid!r} is already running", 400, "rid")
+        try:
+            params = SamplingParams(temperature=float(msg.temperature), top_p=float(msg.top_p),
+                                    max_new_tokens=msg.max_tokens,
+                                    stop_token_ids=self.eos_token_ids)
+            req = self.engine.add(list(msg.prompt_ids), params, seed=msg.seed)
+        except ValueError as err:           # the engine's own checks (e.g. its KV pool)
+            raise Refused(f"the engine cannot run this request: {err}", 400) from None
+        except ADD_ERRORS as err:
+            raise Refused(f"the engine failed to add this request ({type(err).__name__}: "
+                          f"{err})", 500) from None
         self.live[msg.rid] = _Live(req, msg.sent_at, time.time())
 
     def abort(self, rid: str) -> None:
         """Finish `rid` early (its final delta, reason "abort", follows from `collect`)."""
-        live = self.live.get(rid)
+        live = self.live.get(rid) if isinstance(rid, str) else None
         if live is not None:
             self.engine.abort(live.req.rid)
 

@@ -236,7 +236,7 @@ def _build_loop(ctx: Any, first: Any, args: argparse.Namespace, role: RankRole, 
         first_layout=first)
     mcfg, engine, tok = cluster.target.config, cluster.engine, cluster.tokenizer
     eos = tuple(tok.eos_token_ids)
-    adapter = EngineAdapter(engine, eos, role.dp_rank)
+    adapter = EngineAdapter(engine, eos, role.dp_rank, mcfg.vocab_size)
     mode = cluster.config.mode
     info = ModelInfo(max_context_len=cluster.config.max_context_len,
                      bos_token_id=tok.bos_token_id, eos_token_ids=list(eos),

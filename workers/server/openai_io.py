@@ -2,14 +2,18 @@
 
 ``parse_completion`` turns a decoded JSON body into ``CompletionParams`` or raises ``ApiError``
 (HTTP 400 with an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``) naming the
-field. Unknown fields are refused too (a typo would otherwise be silently ignored).
+field, its value (cut when long) and what is allowed. Unknown fields are refused too (a typo would
+otherwise be silently ignored). The ranges are ``admission``'s, which the ranks check again;
+docs/serving.md lists them.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+from workers.server import admission
+from workers.server.admission import shown
 
 DEFAULT_MAX_TOKENS = 16          # OpenAI's default for completions
 DEFAULT_TEMPERATURE = 1.0
@@ -45,6 +49,7 @@ class Limits:
     max_context_len: int
     vocab_size: int
     dp: int
+    max_prompts: Optional[int] = None    # sub-requests the server can ever hold (None: no bound)
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,11 @@ class CompletionParams:
 
 
 def _type_name(value: Any) -> str:
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
-            dict: "object", type(None): "null"}.get(type(value), type(value).__name__)
+    for kind, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+                       (list, "array"), (dict, "object"), (type(None), "null")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
 
 
 def _int(body: dict, key: str, default: Optional[int]) -> Optional[int]:
@@ -76,14 +84,17 @@ def _int(body: dict, key: str, default: Optional[int]) -> Optional[int]:
     return value
 
 
-def _number(body: dict, key: str, default: float) -> float:
+def _number(body: dict, key: str, default: float, check: Callable[[Any], Optional[str]]
+            ) -> float:
+    """`body[key]` as a float, refused unless `check` (an ``admission`` rule) passes it."""
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not admission.is_number(value):
         raise bad(key, f"expected a number, got {_type_name(value)}", "invalid_type")
-    if not math.isfinite(value):
-        raise bad(key, f"{value!r} is not a finite number")
+    problem = check(value)
+    if problem is not None:
+        raise bad(key, problem)
     return float(value)
 
 
@@ -107,7 +118,7 @@ def _unsupported(body: dict) -> None:
         if value is None or (value == default
                              and isinstance(value, bool) == isinstance(default, bool)):
             continue
-        raise bad(key, f"{value!r} is not supported by this server (only {default!r})",
+        raise bad(key, f"{shown(value)} is not supported by this server (only {default!r})",
                   "unsupported")
 
 
@@ -117,8 +128,7 @@ def _prompts(body: dict, encode: Callable[[str], list[int]], limits: Limits) -> 
         raise bad("prompt", "required (a string, a list of strings, or token ids)", "missing")
     if isinstance(value, str):
         items: list[Any] = [value]
-    elif isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool)
-                                                   for v in value):
+    elif isinstance(value, list) and value and all(admission.is_int(v) for v in value):
         items = [value]
     elif isinstance(value, list):
         items = value
@@ -127,30 +137,38 @@ def _prompts(body: dict, encode: Callable[[str], list[int]], limits: Limits) -> 
                   "invalid_type")
     if not items:
         raise bad("prompt", "the list of prompts is empty")
-    out = []
-    for i, item in enumerate(items):
-        where = "prompt" if len(items) == 1 else f"prompt[{i}]"
-        if isinstance(item, str):
-            if not item:
-                raise ApiError(400, f"{where}: the prompt is empty; give at least one character",
-                               param="prompt", code="invalid_value")
+    if limits.max_prompts is not None and len(items) > limits.max_prompts:
+        raise bad("prompt", f"{len(items)} prompts; this server holds at most "
+                            f"{limits.max_prompts} requests at once (running and queued)")
+    return [_prompt(item, "prompt" if len(items) == 1 else f"prompt[{i}]", encode, limits)
+            for i, item in enumerate(items)]
+
+
+def _prompt(item: Any, where: str, encode: Callable[[str], list[int]], limits: Limits
+            ) -> list[int]:
+    """One prompt's token ids (a string is encoded); `where` names it in messages."""
+    def refuse(message: str, code: str = "invalid_value") -> ApiError:
+        return ApiError(400, f"{where}: {message}", param="prompt", code=code)
+
+    if isinstance(item, str):
+        if not item:
+            raise refuse("the prompt is empty; give at least one character")
+        try:
             ids = encode(item)
-        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                            for t in item):
-            if not item:
-                raise ApiError(400, f"{where}: the prompt is empty; give at least one token",
-                               param="prompt", code="invalid_value")
-            bad_ids = [t for t in item if not 0 <= t < limits.vocab_size]
-            if bad_ids:
-                raise ApiError(400, f"{where}: token id {bad_ids[0]} is outside the vocabulary "
-                                    f"[0, {limits.vocab_size})", param="prompt",
-                               code="invalid_value")
-            ids = list(item)
-        else:
-            raise ApiError(400, f"{where}: expected a string or a list of token ids, got "
-                                f"{_type_name(item)}", param="prompt", code="invalid_type")
-        out.append(ids)
-    return out
+        except Exception as err:   # e.g. a lone surrogate (JSON allows "\ud800"): no UTF-8
+            raise refuse(f"the text cannot be encoded ({type(err).__name__}: "
+                         f"{str(err)[:120]})") from None
+        problem = admission.token_error(ids, limits.vocab_size)
+        if problem is not None:
+            raise refuse(f"the text encodes to ids the model does not have: {problem}")
+        return ids
+    if not isinstance(item, list) or not all(admission.is_int(t) for t in item):
+        raise refuse(f"expected a string or a list of token ids, got {_type_name(item)}",
+                     "invalid_type")
+    problem = admission.token_error(item, limits.vocab_size)
+    if problem is not None:
+        raise refuse(problem)
+    return list(item)
 
 
 def _stop(body: dict) -> list[str]:
@@ -179,22 +197,18 @@ def parse_completion(body: Any, served_model: str, limits: Limits,
         raise bad("model", "required, a string" if model is None else
                   f"expected a string, got {_type_name(model)}", "invalid_type")
     if model != served_model:
-        raise ApiError(400, f"model: {model!r} does not exist; this server serves "
+        raise ApiError(400, f"model: {shown(model)} does not exist; this server serves "
                             f"{served_model!r}", param="model", code="model_not_found")
     _unsupported(body)
     max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS)
     if max_tokens < 1:
-        raise bad("max_tokens", f"{max_tokens} must be >= 1")
-    temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
-    if temperature < 0:
-        raise bad("temperature", f"{temperature} must be >= 0 (0 means greedy)")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise bad("top_p", f"{top_p} must be in (0, 1]")
+        raise bad("max_tokens", f"{shown(max_tokens)} must be >= 1")
+    temperature = _number(body, "temperature", DEFAULT_TEMPERATURE, admission.temperature_error)
+    top_p = _number(body, "top_p", 1.0, admission.top_p_error)
     seed = _int(body, "seed", None)
     dp_rank = _int(body, "dp_rank", None)
     if dp_rank is not None and not 0 <= dp_rank < limits.dp:
-        raise bad("dp_rank", f"{dp_rank} must be in [0, {limits.dp})")
+        raise bad("dp_rank", f"{shown(dp_rank)} must be in [0, {limits.dp})")
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -203,6 +217,10 @@ def parse_completion(body: Any, served_model: str, limits: Limits,
     include_usage = _bool(options or {}, "include_usage", False)
     stop = _stop(body)
     prompts = _prompts(body, encode, limits)
+    if seed is not None:
+        problem = admission.seed_error(seed, len(prompts))
+        if problem is not None:
+            raise bad("seed", problem)
     _check_context(prompts, max_tokens, limits.max_context_len)
     return CompletionParams(model, prompts, max_tokens, temperature, top_p, seed, stop, stream,
                             include_usage, dp_rank, _bool(body, "return_token_ids", False))
@@ -211,15 +229,10 @@ def parse_completion(body: Any, served_model: str, limits: Limits,
 def _check_context(prompts: list[list[int]], max_tokens: int, context: int) -> None:
     for i, ids in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        if len(ids) >= context:
-            raise ApiError(400, f"{where}: {len(ids)} tokens is longer than the context length "
-                                f"({context} tokens, room for at least one new token)",
-                           param="prompt", code="context_length_exceeded")
-        if len(ids) + max_tokens > context:
-            raise ApiError(400, f"max_tokens: prompt ({len(ids)} tokens) + max_tokens "
-                                f"({max_tokens}) = {len(ids) + max_tokens} exceeds the context "
-                                f"length ({context} tokens)",
-                           param="max_tokens", code="context_length_exceeded")
+        refusal = admission.length_error(len(ids), max_tokens, context, where)
+        if refusal is not None:
+            raise ApiError(400, refusal.message, param=refusal.param,
+                           code="context_length_exceeded")
 
 
 # ---- responses ----------------------------------------------------------------------------------

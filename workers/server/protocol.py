@@ -136,12 +136,14 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class RequestError:
-    """The leader of ``dp_rank`` refused or failed request ``rid`` (``status`` 400 or 500)."""
+    """The leader of ``dp_rank`` refused or failed request ``rid`` (``status`` 400 or 500;
+    ``param``: the API field at fault, when there is one)."""
 
     rid: str
     dp_rank: int
     message: str
     status: int = 400
+    param: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ One iteration is one engine round on every rank (its one collective agrees every
    stop, and whether messages wait; the round agrees the smallest ``seq`` (what every rank has)
    and whether any rank asked to stop (then every rank leaves after the same round);
 3. apply the messages up to the agreed ``seq`` in order — ``Generate`` for this DP replica ->
-   ``engine.add`` (admitted at the next round, on every rank of the replica alike), ``Abort`` ->
-   ``engine.abort``, ``Shutdown`` -> leave;
+   ``engine.add`` (admitted at the next round, on every rank of the replica alike; a request the
+   replica cannot run is refused by every rank of it alike, and its leader reports a
+   ``RequestError``: ``EngineAdapter.add``), ``Abort`` -> ``engine.abort``, ``Shutdown`` -> leave;
 4. the replica's leader sends the token deltas (and, at most every ``stats_every_s`` or when the
    replica turns idle, its queue statistics) to the frontend.
 """
@@ -21,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from workers.server.engine_glue import EngineAdapter
+from workers.server.engine_glue import EngineAdapter, Refused
 from workers.server.inbox import Inbox, Outbox
 from workers.server.protocol import Abort, Generate, RequestError, Shutdown, StepOutput
 
@@ -98,10 +99,11 @@ class RankLoop:
         elif msg.dp_rank == self.dp_rank:
             try:
                 self.adapter.add(msg)
-            except ValueError as err:
-                log.info("request %s refused: %s", msg.rid, err)
+            except Refused as err:    # every rank of the replica alike (EngineAdapter.add)
+                log.info("request %.80r refused: %s", msg.rid, err)
                 if self.outbox is not None:
-                    self.outbox.send(RequestError(msg.rid, self.dp_rank, str(err), 400))
+                    self.outbox.send(RequestError(_text(msg.rid), self.dp_rank, err.message,
+                                                  err.status, err.param))
 
     def _report(self, idle_now: bool) -> None:
         deltas = self.adapter.collect()
@@ -114,3 +116,7 @@ class RankLoop:
             self._last_stats = now
         if deltas or stats is not None:
             self.outbox.send(StepOutput(self.dp_rank, deltas, stats))
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else repr(value)

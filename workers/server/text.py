@@ -7,7 +7,9 @@ load_tokenizer`` over the target directory the ranks announce in ``ModelInfo.tok
 token ids into text through a ``workers.tokenizer.StreamDecoder`` (a trailing incomplete
 character is held back until it is whole) and holds back the last ``len(longest stop) - 1``
 characters (which may be the start of a stop string) until they are settled, so every emitted
-piece is final and the concatenation equals the non-streamed text. No torch here.
+piece is final and the concatenation equals the non-streamed text. A completion that meets a stop
+string keeps its tokens through the one that completed it (``TextStream``; docs/serving.md).
+No torch here.
 """
 from __future__ import annotations
 
@@ -50,7 +52,13 @@ def codec_for(model: Any) -> Codec:
 
 
 class TextStream:
-    """One completion's text as tokens arrive; see the module docstring."""
+    """One completion's text as tokens arrive; see the module docstring.
+
+    With stop strings, tokens are decoded one at a time, so where the completion stops does not
+    depend on how its tokens were grouped into rounds and deltas: ``token_ids`` (what the
+    response returns and counts as ``completion_tokens``) ends with the token after which the
+    decoded text first contains a stop string, that token included; every later token is
+    dropped. The text is cut before the earliest stop string in that text."""
 
     def __init__(self, codec: Codec, stops: Sequence[str] = ()) -> None:
         self.codec = codec
@@ -60,21 +68,16 @@ class TextStream:
         self.decoded = ""           # settled text (emitted, or held for a stop string)
         self.text = ""              # emitted so far
         self.stopped = False        # a stop string was found (the text is cut before it)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Every token id fed so far (until a stop string was found)."""
-        return self.decoder.ids
+        self.token_ids: list[int] = []   # the completion's tokens (through the stop, if any)
 
     def feed(self, token_ids: Sequence[int], final: bool) -> str:
         """Add tokens; return the newly settled text (everything left when `final`)."""
         if self.stopped:
             return ""
-        self.decoded += self.decoder.push(token_ids)
-        if final:
-            self.decoded += self.decoder.finish()
+        cut = self._push(token_ids)
+        if cut is None and final:
+            cut = self._grow(self.decoder.finish())
         full = self.decoded
-        cut = self._first_stop(full)
         if cut is not None:
             self.stopped = True
             end = cut
@@ -84,8 +87,25 @@ class TextStream:
         self.text += delta
         return delta
 
-    def _first_stop(self, full: str) -> Optional[int]:
-        # emitted text never holds a whole stop string, so a match starts at most `hold` before
-        start = max(0, len(self.text) - self.hold)
-        hits = [i for i in (full.find(s, start) for s in self.stops) if i >= 0]
+    def _push(self, token_ids: Sequence[int]) -> Optional[int]:
+        """Decode `token_ids` up to the first stop string; where it starts (None: none)."""
+        if not self.stops:
+            self.token_ids.extend(token_ids)
+            self.decoded += self.decoder.push(token_ids)
+            return None
+        for token in token_ids:
+            self.token_ids.append(token)
+            cut = self._grow(self.decoder.push([token]))
+            if cut is not None:
+                return cut
+        return None
+
+    def _grow(self, piece: str) -> Optional[int]:
+        """Append settled text; the start of the earliest stop string now in it (None: none)."""
+        # the text before `piece` held no stop string, so a match ends inside `piece`
+        start = max(0, len(self.decoded) - self.hold)
+        self.decoded += piece
+        if not piece or not self.stops:
+            return None
+        hits = [i for i in (self.decoded.find(s, start) for s in self.stops) if i >= 0]
         return min(hits) if hits else None
