@@ -38,11 +38,11 @@ from adaptive_dist.startup import agree_round_cost, probe_after_catchup
 from collectives import Group, LockstepGuard
 from workers.attention import make_backend
 from workers.config import EngineConfig
-from workers.eagle_worker import EagleWorker, RoundResult
 from workers.kv_cache import PageAllocator
 from workers.runtime_state import RuntimeStatePool
 from workers.sampling import SamplingParams
 from workers.scheduler import Request, Scheduler
+from workers.worker import EagleWorker, RoundResult
 
 COST_CHAIN = 8
 """Rounds per sample of `Engine.measure_round_costs` (but at depth 0 with a head: its catch-up
