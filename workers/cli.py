@@ -86,6 +86,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mlp-scatter", choices=("reduce_scatter", "all_reduce"),
                    default="reduce_scatter",
                    help="how MLP outputs return to the DP replicas (the same values)")
+    p.add_argument("--moe-parallel", choices=("tp", "ep"), default="tp",
+                   help="a MoE target's experts: every rank a slice of every expert's width (tp), "
+                        "or E/world whole experts per rank (ep); the same collectives either way")
     p.add_argument("--timeout", type=seconds, default=60.0,
                    help="seconds a collective may take before the job stops with an error")
 

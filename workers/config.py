@@ -13,6 +13,7 @@ from typing import Any
 from adaptive_dist.config import AdaptiveConfig, load_config
 from adaptive_dist.policy import pick_bucket
 from workers.kv_cache import pages_for
+from workers.model.config import MOE_PARALLEL
 from workers.model.parallel import SCATTERS
 
 ATTENTION_BACKENDS = ("torch", "flashinfer")
@@ -50,6 +51,9 @@ class EngineConfig:
     """Ranks that split one replica's attention."""
     mlp_scatter: str = "reduce_scatter"
     """How the MLP output goes back to the replicas (see workers.model.parallel)."""
+    moe_parallel: str = "tp"
+    """How a MoE target's experts split over the ranks: tp (width) or ep (whole experts); see
+    workers.model.moe."""
     padded_prefill_tokens: int = 4096
     """A prefill of at most this many token slots (requests bucket x longest-prompt bucket) runs
     padded, as a CUDA graph per shape with `cuda_graphs`; larger ones run ragged through
@@ -88,6 +92,8 @@ class EngineConfig:
                              f"{', '.join(ATTENTION_BACKENDS)}")
         if self.mlp_scatter not in SCATTERS:
             raise ValueError(f"mlp_scatter={self.mlp_scatter!r}; allowed: {', '.join(SCATTERS)}")
+        if self.moe_parallel not in MOE_PARALLEL:
+            raise ValueError(f"moe_parallel={self.moe_parallel!r}; allowed: {', '.join(MOE_PARALLEL)}")
         if self.max_steps > MAX_STEPS_LIMIT:
             raise ValueError(f"draft depth {self.max_steps} is beyond the maximum of "
                              f"{MAX_STEPS_LIMIT} steps")

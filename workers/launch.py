@@ -166,7 +166,8 @@ def _prepare(ctx: Any, args: argparse.Namespace) -> tuple[Any, tuple[int, int], 
     settings = {"--model/--draft-model (contents)": digest, "--device": device,
                 "--attention-backend": args.attention_backend, "--eager": args.eager,
                 "--overlap": args.overlap,
-                "--mlp-scatter": args.mlp_scatter, "--timeout": ctx.timeout_s,
+                "--mlp-scatter": args.mlp_scatter, "--moe-parallel": args.moe_parallel,
+                "--timeout": ctx.timeout_s,
                 "--dp": degrees[0], "--attn-tp": degrees[1],
                 "--steps/--adaptive/--no-spec/--config": spec.to_dict()}
     return spec, degrees, settings
@@ -196,7 +197,7 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
     if dp != 1:
         layout = ctx.layout(dp=dp)
     world = layout.group("world")
-    par = ModelParallel.from_layout(layout, args.mlp_scatter)
+    par = ModelParallel.from_layout(layout, args.mlp_scatter, moe=args.moe_parallel)
     on_gpu = settings["--device"] == "cuda"
     device = "cpu" if not on_gpu else (str(ctx.device) if ctx.device.type == "cuda" else "cuda")
 
@@ -215,6 +216,7 @@ def start_engine(ctx: Any, args: argparse.Namespace, closers: contextlib.ExitSta
                           cuda_graphs=on_gpu and not args.eager,
                           overlap=args.overlap == "on" or (args.overlap == "auto" and on_gpu),
                           dp=dp, attn_tp=attn_tp, mlp_scatter=args.mlp_scatter,
+                          moe_parallel=args.moe_parallel,
                           padded_prefill_tokens=args.padded_prefill_tokens,
                           catchup_rounds=args.catchup_rounds,
                           defer_prefill_width=args.defer_prefill_width,

@@ -165,3 +165,10 @@ def test_bad_moe_inputs_are_refused_by_name(saved, tmp_path: Path) -> None:
     save_file(tensors, broken / "model.safetensors")
     with pytest.raises(CheckpointError, match="model.layers.1.block_sparse_moe.experts.3.w2.weight"):
         load_llama(broken)
+
+
+def test_the_moe_split_is_an_engine_setting_refused_by_name() -> None:
+    from workers.config import EngineConfig
+    assert EngineConfig(moe_parallel="ep").to_dict()["moe_parallel"] == "ep"
+    with pytest.raises(ValueError, match="moe_parallel='dp'; allowed: tp, ep"):
+        EngineConfig(moe_parallel="dp")
