@@ -324,7 +324,7 @@ class Engine:
                     in_flight = 1 if self.config.overlap else 0   # as the engine runs rounds
                     for _ in range(chain):
                         if context:
-                            self.worker.slot_len[self.worker.dummy_slot] = context
+                            self.worker.slots.set_dummy_length(context)
                         queued.append(self.worker.launch([], bucket, graph))
                         if len(queued) > in_flight:
                             self.worker.collect(queued.pop(0))
@@ -333,7 +333,7 @@ class Engine:
                     sync()
                     times.append((time.perf_counter() - start) / chain)
                 table.setdefault(bucket, {})[steps] = statistics.median(times[1:])
-        self.worker.slot_len[self.worker.dummy_slot] = 0
+        self.worker.slots.set_dummy_length(0)
         self.pool.apply(self.config.spec.initial_steps)
         return table
 

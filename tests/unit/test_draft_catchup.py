@@ -29,11 +29,11 @@ def _engine(pair, script: list[int], graphs: bool, tiers=(0, 3), every: int = 8,
 def _draft_state(engine, req) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(draft K and V of KV indices 0..n-1 for every layer, the head feature g_n, n)."""
     worker = engine.worker
-    n = int(worker.slot_len[req.slot])
+    n = int(worker.slots.cache_len[req.slot])
     ps = worker.draft_kv.page_size
     flat = torch.tensor([req.pages[j // ps] * ps + j % ps for j in range(n)])
     kv = [t.view(-1, *t.shape[2:])[flat] for t in worker.draft_kv.k + worker.draft_kv.v]
-    return torch.stack(kv), worker.slot_feature[req.slot].clone(), n
+    return torch.stack(kv), worker.slots.feature[req.slot].clone(), n
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
@@ -61,7 +61,7 @@ def test_caught_up_draft_cache_equals_a_prefill_of_the_same_tokens(pair, rounds,
     else:
         assert worker.pend_len is None and worker._pending_width == 0
     plan = engine.last_plan
-    reach = worker.slot_pages.shape[1]
+    reach = worker.slots.reach
     worker._catch_up(worker.state.payload, plan.batch_bucket or len(reqs), reach,
                      plan.batch_bucket)
     assert worker._lag_rounds == 0 and all(int(worker.slot_lag[r.slot]) == 0 for r in reqs)
@@ -75,7 +75,7 @@ def test_caught_up_draft_cache_equals_a_prefill_of_the_same_tokens(pair, rounds,
     admitted = fresh.scheduler.admit()
     fresh.worker.prefill(admitted, sum(len(r.prompt_ids) for r in admitted), len(admitted))
     for req, ref in zip(reqs, refs):
-        assert int(fresh.worker.slot_last[ref.slot]) == req.output_ids[-1]
+        assert int(fresh.worker.slots.last_token[ref.slot]) == req.output_ids[-1]
         kv, g, n = _draft_state(engine, req)
         kv_ref, g_ref, n_ref = _draft_state(fresh, ref)
         assert n == n_ref == len(req.prompt_ids) + rounds
@@ -310,8 +310,8 @@ def test_a_deferred_prompt_caught_up_alone_equals_the_prefills_head(pair) -> Non
         longest = max(len(p) for p in prompts)
         worker.prefill(admitted, sum(len(r.prompt_ids) for r in admitted), len(admitted), longest)
         assert worker._pending_width == (64 if defer else 0)
-        worker.round_rows[:len(reqs)] = torch.tensor([r.slot for r in reqs])
-        worker._catch_up(worker.state.payload, len(reqs), worker.slot_pages.shape[1], None)
+        worker.slots.round_rows[:len(reqs)] = torch.tensor([r.slot for r in reqs])
+        worker._catch_up(worker.state.payload, len(reqs), worker.slots.reach, None)
         assert worker._pending_width == 0 and worker._lag_rounds == 0
         states.append([_draft_state(engine, r) for r in reqs])
         engine.close()

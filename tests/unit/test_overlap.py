@@ -55,7 +55,7 @@ class Recorder:
         def launch_(reqs, batch_pad, bucket=None):
             steps = worker.steps
             for r in reqs:  # this round writes KV positions n .. n + steps
-                last = int(worker.slot_len[r.slot]) + steps
+                last = int(worker.slots.cache_len[r.slot]) + steps
                 self.over.append((last + 1, len(r.pages) * page,
                                   engine.config.replace(overlap=False).kv_tokens(
                                       len(r.prompt_ids), r.params.max_new_tokens)))

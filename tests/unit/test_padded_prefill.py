@@ -70,9 +70,9 @@ def test_padded_prefill_leaves_what_the_ragged_one_leaves(pair, graphs) -> None:
     assert padded.prefill_shape(3, max(len(p) for p in prompts)) is not None
     for a, b, p in zip(reqs_r, reqs_p, prompts):
         n = len(p)
-        assert int(padded.slot_len[b.slot]) == int(ragged.slot_len[a.slot]) == n
-        assert int(padded.slot_last[b.slot]) == int(ragged.slot_last[a.slot])
-        torch.testing.assert_close(padded.slot_feature[b.slot], ragged.slot_feature[a.slot])
+        assert int(padded.slots.cache_len[b.slot]) == int(ragged.slots.cache_len[a.slot]) == n
+        assert int(padded.slots.last_token[b.slot]) == int(ragged.slots.last_token[a.slot])
+        torch.testing.assert_close(padded.slots.feature[b.slot], ragged.slots.feature[a.slot])
         torch.testing.assert_close(_kv(padded.target_kv, b, n), _kv(ragged.target_kv, a, n))
         torch.testing.assert_close(_kv(padded.draft_kv, b, n), _kv(ragged.draft_kv, a, n))
 

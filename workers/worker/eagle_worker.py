@@ -1,11 +1,8 @@
 """The EAGLE worker of one rank: prefill and the speculative round, on shapes the plan fixes.
 
-Per request the worker keeps, on the device, in the request's batch slot: its page table (given by
-the scheduler at admission, fixed while it runs), `n` (tokens in each cache), its last committed
-token `x_n` (not in the caches yet) and the head's last output `g_n`. Caches, for tokens
-`x_0 .. x_n`: the target holds the KV of positions `0 .. n-1`; the draft head holds positions
-`1 .. n` (KV index `j` is position `j+1`: the head's input at position `p` is `x_p` with the target
-feature `f_{p-1}`, see `workers.model.eagle`).
+Per request the worker keeps, on the device, in the request's batch slot (`SlotState`, see
+`workers.worker.slots`): its page table, `n` (tokens in each cache), its last committed token `x_n`
+and the head's last output `g_n`.
 
 One round at depth `S` over `B` requests, padded to `Bp` rows (the plan's batch: the agreed
 CUDA-graph bucket, or the cluster's largest batch when eager; rows beyond `B` are dummy rows in a
@@ -60,7 +57,7 @@ launches: thousands of operator calls, several milliseconds, tens of decode roun
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -71,15 +68,15 @@ from workers.attention import ForwardMode, PaddedBatch, StaticBackend, build_met
 from workers.attention.base import AttentionBackend, upload
 from workers.config import EngineConfig
 from workers.cuda_graphs import CudaGraphRunner, GraphEntry
-from workers.kv_cache import DUMMY_PAGE, KVPool, pages_for
+from workers.kv_cache import KVPool, pages_for
 from workers.runtime_state import SpecRuntimeState
 from workers.scheduler import Request
 from workers.spec_decode import SALT_SAMPLE, draft_step, sample_tokens, verify
+from workers.worker.slots import SHADOW_COLUMNS, SlotState, StepBuffers
 
 PHASES = ("draft", "verify", "extend")
 CATCHUP = "catchup"
 PENDING = "pending-prompts"
-SHADOW_COLUMNS = 2  # depth 0 with a head: the catch-up's (hits, checks) per row, after the tokens
 
 
 @dataclass
@@ -129,32 +126,6 @@ class LaunchedRound:
     shadow: bool = False    # a catch-up ran after the round: those columns are fresh
 
 
-@dataclass
-class StepBuffers:
-    """One tier's static buffers (fixed addresses: what its CUDA graphs read and write) and its
-    graphs, keyed by (phase, bucket, all_greedy)."""
-
-    steps: int
-    rows: torch.Tensor       # [Bmax] in: the slot of each row (dummy slot for padding; shared)
-    drafts: torch.Tensor     # [Bmax, S] draft tokens          (draft -> verify)
-    q: torch.Tensor          # [Bmax, S, V] draft distributions (draft -> verify)
-    hidden: torch.Tensor     # [Bmax * W, F] verify features   (verify -> extend)
-    accept: torch.Tensor     # [Bmax] accepted drafts           (verify -> extend, host)
-    tokens: torch.Tensor     # [Bmax, W] committed candidates   (verify -> extend, host)
-    out: torch.Tensor        # [Bmax, 2 + W] staging of what the host reads once per round
-    graphs: dict[tuple[str, int, bool], GraphEntry] = field(default_factory=dict)
-
-    @property
-    def extra_columns(self) -> int:
-        """Columns of `out` after the round's tokens: SHADOW_COLUMNS for tier 0 with a head."""
-        return self.out.shape[1] - 2 - self.steps - 1
-
-    @property
-    def nbytes(self) -> int:
-        tensors = (self.drafts, self.q, self.hidden, self.accept, self.tokens, self.out)  # not rows
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
 class EagleWorker:
     """Runs the target (and the EAGLE head, unless `head` is None) of one rank.
 
@@ -176,27 +147,12 @@ class EagleWorker:
         attn_tp = target.par.attn.size
         self.target_kv = self._pool(target, attn_tp)
         self.draft_kv = self._pool(head, attn_tp) if config.speculative else None
-        slots, reach = config.max_batch_size + 1, config.pages_per_request
-        self.dummy_slot = config.max_batch_size
-        dim, dtype = target.feature_size, next(target.parameters()).dtype
+        dtype = next(target.parameters()).dtype
+        self.slots = SlotState(config, target.feature_size, dtype, self.device)
 
         def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dt, device=self.device)
 
-        # per-request state, one row per batch slot (the last row is the dummy slot)
-        self.slot_pages = torch.full((slots, reach), DUMMY_PAGE, dtype=torch.int64,
-                                     device=self.device)
-        self.slot_len = zeros(slots)            # n: tokens in each cache
-        self.slot_last = zeros(slots)           # x_n: the last committed token
-        self.slot_feature = zeros(slots, dim, dt=dtype)   # g_n: the head's last output
-        self.slot_seed = zeros(slots)
-        self.slot_temp = zeros(slots, dt=torch.float32)
-        self.slot_top_p = torch.ones(slots, dtype=torch.float32, device=self.device)
-        top = max([slots, *config.graph_buckets])
-        # the slot of each row of the round, read by every tier's bodies (one round runs at a
-        # time, and the catch-up of the draft cache runs within whichever tier is in force)
-        self.round_rows = torch.full((top,), self.dummy_slot, dtype=torch.int64,
-                                     device=self.device)
         # depth 0 with a head: committed tokens not in the draft cache yet (built with tier 0)
         self.slot_lag: torch.Tensor | None = None     # [slots] entries in the ring
         self.lag_tokens: torch.Tensor | None = None   # [slots, catchup_every] x_{p}
@@ -231,6 +187,7 @@ class EagleWorker:
         self.prefill_graph_bytes = 0   # growth of the shared graph pool while they captured
         # host staging of a round (rows in, results out), two sets: with overlap the next round is
         # staged while the device may still copy the previous one's
+        top = self.slots.round_rows.shape[0]
         self._stages = [HostStage.make(top, 2 + config.max_steps + 1 + SHADOW_COLUMNS,
                                        self.device) for _ in range(2)]
         self._launches = 0
@@ -274,7 +231,7 @@ class EagleWorker:
         """Pre-allocate (and capture, with graphs) everything a round at `steps` needs."""
         if not 0 <= steps <= self.config.max_steps:
             raise ValueError(f"steps={steps}: must be in [0, max_steps={self.config.max_steps}]")
-        width, dim = steps + 1, self.target.feature_size
+        dim = self.target.feature_size
         top = max([self.config.max_batch_size, *self.buckets])
         vocab = self.target.config.vocab_size
 
@@ -282,21 +239,18 @@ class EagleWorker:
             return torch.zeros(*shape, dtype=dt, device=self.device)
 
         if steps == 0 and self.speculative and self.slot_lag is None:
-            slots, lag = self.slot_len.shape[0], self.catchup_every
+            slots, lag = self.slots.count, self.catchup_every
             self.slot_lag = zeros(slots)
             self.lag_tokens = zeros(slots, lag)
-            self.lag_features = zeros(slots, lag, dim, dt=self.slot_feature.dtype)
+            self.lag_features = zeros(slots, lag, dim, dt=self.slots.feature.dtype)
             if self._defer_widths:
                 self.pend_len = zeros(slots)
                 self.pend_tokens = zeros(slots, self._defer_widths[-1])
                 self.pend_features = zeros(slots, self._defer_widths[-1], dim,
-                                           dt=self.slot_feature.dtype)
+                                           dt=self.slots.feature.dtype)
         extra = SHADOW_COLUMNS if steps == 0 and self.slot_lag is not None else 0
-        bufs = StepBuffers(steps=steps, rows=self.round_rows, drafts=zeros(top, steps),
-                           q=zeros(top, steps, vocab, dt=torch.float32),
-                           hidden=zeros(top * width, dim, dt=self.slot_feature.dtype),
-                           accept=zeros(top), tokens=zeros(top, width),
-                           out=zeros(top, 2 + width + extra))
+        bufs = StepBuffers.allocate(steps, self.slots.round_rows, top, vocab, dim,
+                                    self.slots.feature.dtype, extra, self.device)
         nbytes = bufs.nbytes
         if steps == 0 and self.slot_lag is not None:
             nbytes += sum(t.numel() * t.element_size()
@@ -317,8 +271,8 @@ class EagleWorker:
         """Capture every phase at every bucket, largest bucket first (start-up only): the whole
         draft loop, verify + accept, draft-extend + the slot update; the draft and verify phases
         once with device sampling (any request) and once greedy-only (argmax, cheaper)."""
-        bufs.rows.fill_(self.dummy_slot)
-        reach = self.slot_pages.shape[1]
+        bufs.rows.fill_(self.slots.dummy)
+        reach = self.slots.reach
         for bucket in sorted(self.buckets, reverse=True):
             for phase in self._phases(bufs.steps):
                 for greedy in ((False, True) if phase != "extend" else (True,)):
@@ -334,7 +288,7 @@ class EagleWorker:
                         self._pending_graphs[(bucket, width)] = self.graphs.capture_body(
                             f"{PENDING}/bucket={bucket}/width={width}",
                             self._pending_body(bucket, reach, width))
-        self.slot_len[self.dummy_slot] = 0
+        self.slots.set_dummy_length(0)
 
     @staticmethod
     def _phases(steps: int) -> tuple[str, ...]:
@@ -351,34 +305,18 @@ class EagleWorker:
               "extend": self._extend_phase, CATCHUP: self._catchup_phase}[phase]
         return lambda: fn(bufs, bp, reach, greedy)
 
-    def _rows(self, bufs: StepBuffers, bp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(slot of each row, its cache length n, 1 for a real row / 0 for a dummy one)."""
-        rows = bufs.rows[:bp]
-        return rows, self.slot_len[rows], (rows != self.dummy_slot).to(torch.int64)
-
-    def _pages(self, rows: torch.Tensor, reach: int) -> torch.Tensor:
-        return self.slot_pages[rows][:, :reach]
-
     def _attn(self, pool: KVPool, pages: torch.Tensor, cached: torch.Tensor,
               qo_len: torch.Tensor, width: int) -> Any:
         return self.static.plan(PaddedBatch(pages, cached, qo_len, width), pool)
 
-    def _sampling(self, rows: torch.Tensor,
-                  greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each row's temperature, top-p and seed; for an all-greedy round (which reads none of
-        them) views of the right shape instead of three gathers."""
-        if greedy:
-            bp = rows.shape[0]
-            return self.slot_temp[:bp], self.slot_top_p[:bp], self.slot_seed[:bp]
-        return self.slot_temp[rows], self.slot_top_p[rows], self.slot_seed[rows]
-
     def _draft_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
         """`steps` draft tokens per row (chain drafting) and their distributions (an all-greedy
         round keeps only the tokens: its acceptance is an exact match and reads no `q`)."""
-        rows, n, real = self._rows(bufs, bp)
-        temp, top_p, seed = self._sampling(rows, greedy)
-        pages = self._pages(rows, reach) if bufs.steps > 1 else None
-        g = self.slot_feature[rows]
+        rows = bufs.rows[:bp]
+        n, real = self.slots.row_state(rows)
+        temp, top_p, seed = self.slots.sampling(rows, greedy)
+        pages = self.slots.pages_of(rows, reach) if bufs.steps > 1 else None
+        g = self.slots.feature[rows]
         for k in range(1, bufs.steps + 1):
             if k > 1:  # the head over d_{k-1} at position n+k-1 (draft KV index n+k-2)
                 attn = self._attn(self.draft_kv, pages, n + k - 2, real, 1)
@@ -394,11 +332,12 @@ class EagleWorker:
     def _verify_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
         """The target over `[x_n, d_1..d_S]`, then acceptance on the device."""
         steps, width = bufs.steps, bufs.steps + 1
-        rows, n, real = self._rows(bufs, bp)
-        temp, top_p, seed = self._sampling(rows, greedy)
+        rows = bufs.rows[:bp]
+        n, real = self.slots.row_state(rows)
+        temp, top_p, seed = self.slots.sampling(rows, greedy)
         offsets = torch.arange(width, device=self.device)
-        ids = torch.cat([self.slot_last[rows][:, None], bufs.drafts[:bp]], dim=1).reshape(-1)
-        attn = self._attn(self.target_kv, self._pages(rows, reach), n, real * width, width)
+        ids = torch.cat([self.slots.last_token[rows][:, None], bufs.drafts[:bp]], dim=1).reshape(-1)
+        attn = self._attn(self.target_kv, self.slots.pages_of(rows, reach), n, real * width, width)
         hidden = self.target(ids, (n[:, None] + offsets).reshape(-1), attn)
         logits = self.target.compute_logits(hidden).float().view(bp, width, -1)
         if steps == 0:
@@ -411,12 +350,12 @@ class EagleWorker:
         bufs.hidden[:bp * width] = hidden
         bufs.accept[:bp] = accept * real
         bufs.tokens[:bp] = tokens
-        bufs.out[:bp, 0] = self.slot_last[rows]
+        bufs.out[:bp, 0] = self.slots.last_token[rows]
         if steps == 0:
             if self.slot_lag is not None:  # the head's inputs at position n+1, for the catch-up
                 if kernels.enabled(hidden):
                     kernels.lag_append(rows, tokens[:, 0], hidden, self.slot_lag,
-                                       self.lag_tokens, self.lag_features, self.dummy_slot)
+                                       self.lag_tokens, self.lag_features, self.slots.dummy)
                 else:
                     lag = self.slot_lag[rows]
                     self.lag_tokens[rows, lag] = tokens[:, 0]
@@ -428,10 +367,12 @@ class EagleWorker:
         """The head over the committed tokens at positions n+1.. (draft KV index n..), fed the
         target features f_n.. (verify rows 0..a); its row a is the next g; the slots advance."""
         width = bufs.steps + 1
-        rows, n, real = self._rows(bufs, bp)
+        rows = bufs.rows[:bp]
+        n, real = self.slots.row_state(rows)
         accept = bufs.accept[:bp]
         offsets = torch.arange(width, device=self.device)
-        attn = self._attn(self.draft_kv, self._pages(rows, reach), n, real * (accept + 1), width)
+        pages = self.slots.pages_of(rows, reach)
+        attn = self._attn(self.draft_kv, pages, n, real * (accept + 1), width)
         last = torch.arange(bp, device=self.device) * width + accept
         g = self.head(bufs.tokens[:bp].reshape(-1), bufs.hidden[:bp * width],
                       (n[:, None] + 1 + offsets).reshape(-1), attn, last=last)
@@ -444,17 +385,18 @@ class EagleWorker:
         columns (tier 0's buffers) each row's hits and checks of the head's greedy guesses
         against the ring's next tokens go to the last two columns of `out`."""
         width = self.catchup_every
-        rows, n, real = self._rows(bufs, bp)
+        rows = bufs.rows[:bp]
+        n, real = self.slots.row_state(rows)
         lag = self.slot_lag[rows] * real
         base = n - lag
         offsets = torch.arange(width, device=self.device)
-        attn = self._attn(self.draft_kv, self._pages(rows, reach), base, lag, width)
+        attn = self._attn(self.draft_kv, self.slots.pages_of(rows, reach), base, lag, width)
         out = self.head(self.lag_tokens[rows].reshape(-1),
                         self.lag_features[rows].reshape(bp * width, -1),
                         (base[:, None] + 1 + offsets).reshape(-1), attn)
         g = out.view(bp, width, -1)[torch.arange(bp, device=self.device), (lag - 1).clamp(min=0)]
-        fresh = torch.where((lag > 0)[:, None], g, self.slot_feature[rows])
-        self.slot_feature.index_copy_(0, rows, fresh)
+        fresh = torch.where((lag > 0)[:, None], g, self.slots.feature[rows])
+        self.slots.feature.index_copy_(0, rows, fresh)
         self.slot_lag.index_copy_(0, rows, torch.zeros_like(lag))
         if bufs.extra_columns == SHADOW_COLUMNS:
             # NOTE: one logits row per ring entry (bp x catchup_every rows, once per catch-up)
@@ -474,18 +416,18 @@ class EagleWorker:
         f_0 .. f_{P-1}; its row P-1 is the new g. Rows without a deferred prompt (and dummy
         rows) write nothing and keep their g; `width` >= every waiting prompt's bucket. Runs
         with the catch-up, before the ring (whose entries follow the prompt)."""
-        rows = self.round_rows[:bp]
-        real = (rows != self.dummy_slot).to(torch.int64)
+        rows = self.slots.round_rows[:bp]
+        real = self.slots.real(rows)
         length = self.pend_len[rows] * real
         start = torch.zeros_like(length)
         pos = torch.arange(1, width + 1, device=self.device).repeat(bp)
         last = torch.arange(bp, device=self.device) * width + (length - 1).clamp(min=0)
-        attn = self._attn(self.draft_kv, self._pages(rows, reach), start, length, width)
+        attn = self._attn(self.draft_kv, self.slots.pages_of(rows, reach), start, length, width)
         g = self.head(self.pend_tokens[rows, :width].reshape(-1),
                       self.pend_features[rows, :width].reshape(bp * width, -1), pos, attn,
                       last=last)
-        fresh = torch.where((length > 0)[:, None], g, self.slot_feature[rows])
-        self.slot_feature.index_copy_(0, rows, fresh)
+        fresh = torch.where((length > 0)[:, None], g, self.slots.feature[rows])
+        self.slots.feature.index_copy_(0, rows, fresh)
         self.pend_len.index_copy_(0, rows, start)
 
     def _advance(self, bufs: StepBuffers, bp: int, rows: torch.Tensor, n: torch.Tensor,
@@ -493,11 +435,11 @@ class EagleWorker:
         """Move every row's slot past its committed tokens and stage what the host reads."""
         accept = bufs.accept[:bp]
         index = torch.arange(bp, device=self.device)
-        self.slot_len.index_copy_(0, rows, n + accept + 1)
-        self.slot_last.index_copy_(0, rows, bufs.tokens[:bp][index, accept])
+        self.slots.cache_len.index_copy_(0, rows, n + accept + 1)
+        self.slots.last_token.index_copy_(0, rows, bufs.tokens[:bp][index, accept])
         if g is not None:
-            self.slot_feature.index_copy_(0, rows, g)
-        self.slot_len[self.dummy_slot:].zero_()
+            self.slots.feature.index_copy_(0, rows, g)
+        self.slots.cache_len[self.slots.dummy:].zero_()
         bufs.out[:bp, 1] = accept
         bufs.out[:bp, 2:2 + bufs.steps + 1] = bufs.tokens[:bp]   # then the shadow columns, if any
 
@@ -519,7 +461,7 @@ class EagleWorker:
         if self.graphs is None or not self._pf_cap:
             return
         self.pf_buf.zero_()
-        self.prefill_inputs(self._pf_top, 0)[1].fill_(self.dummy_slot)
+        self.prefill_inputs(self._pf_top, 0)[1].fill_(self.slots.dummy)
         longest = 1 << (self.config.max_context_len - 1).bit_length()
         before = self.graphs.pool_bytes()
         for rows in sorted(self.buckets, reverse=True):
@@ -534,7 +476,7 @@ class EagleWorker:
                         self._deferred_graphs[(rows, width, greedy)] = self.graphs.capture_body(
                             f"prefill/rows={rows}/width={width}/greedy={greedy}/deferred", body)
                 width *= 2
-        self.slot_len[self.dummy_slot] = 0
+        self.slots.set_dummy_length(0)
         self.prefill_graph_bytes = self.graphs.pool_bytes() - before
 
     def prefill_inputs(self, bp: int, width: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -559,14 +501,14 @@ class EagleWorker:
         positions 1 .. (`defer`: those inputs kept in the rows' slots for the next catch-up
         instead), and the rows' slots set. Dummy rows (length 0) write the dummy slot."""
         ids, rows, lens = self.prefill_inputs(bp, width)
-        reach = min(pages_for(width, self.config.page_size), self.slot_pages.shape[1])
-        pages = self._pages(rows, reach)
+        reach = min(pages_for(width, self.config.page_size), self.slots.reach)
+        pages = self.slots.pages_of(rows, reach)
         start = torch.zeros_like(lens)
         pos = torch.arange(width, device=self.device).repeat(bp)
         hidden = self.target(ids, pos, self._attn(self.target_kv, pages, start, lens, width))
         last = torch.arange(bp, device=self.device) * width + (lens - 1).clamp(min=0)
         logits = self.target.compute_logits(hidden[last]).float()
-        temp, top_p, seed = self._sampling(rows)
+        temp, top_p, seed = self.slots.sampling(rows)
         first = sample_tokens(logits, temp, top_p, seed, lens - 1, SALT_SAMPLE, all_greedy=greedy)
         if self.speculative:
             nxt = torch.cat([ids.view(bp, width)[:, 1:], start[:, None]], dim=1).reshape(-1)
@@ -577,21 +519,21 @@ class EagleWorker:
             else:
                 g = self.head(nxt, hidden, pos + 1,
                               self._attn(self.draft_kv, pages, start, lens, width), last=last)
-                self.slot_feature.index_copy_(0, rows, g)
+                self.slots.feature.index_copy_(0, rows, g)
         self._filled(rows, lens, first, defer)
 
     def _filled(self, slots: torch.Tensor, lens: torch.Tensor, first: torch.Tensor,
                 deferred: bool = False) -> None:
         """Prefilled slots: their cache length, first token, an empty lag ring and (`deferred`)
         the prompt's head forward waiting for the catch-up, or none."""
-        self.slot_len.index_copy_(0, slots, lens)
-        self.slot_last.index_copy_(0, slots, first)
+        self.slots.cache_len.index_copy_(0, slots, lens)
+        self.slots.last_token.index_copy_(0, slots, first)
         if self.slot_lag is not None:
             self.slot_lag.index_copy_(0, slots, torch.zeros_like(slots))
         if self.pend_len is not None:
             self.pend_len.index_copy_(0, slots, lens if deferred else torch.zeros_like(slots))
-            self.pend_len[self.dummy_slot:].zero_()
-        self.slot_len[self.dummy_slot:].zero_()
+            self.pend_len[self.slots.dummy:].zero_()
+        self.slots.cache_len[self.slots.dummy:].zero_()
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Request], pad_tokens: int, pad_requests: int, width: int = 0,
@@ -608,7 +550,7 @@ class EagleWorker:
             if max(lens, default=0) > width or len(reqs) > pad_requests:
                 raise RuntimeError(f"prefill of {len(reqs)} requests, longest {max(lens)} tokens, "
                                    f"exceeds the agreed {pad_requests} / {width}")
-            self._set_slots(reqs)
+            self.slots.admit(reqs)
             bp, slots = shape
             ids = np.zeros((bp, slots), dtype=np.int64)
             for i, r in enumerate(reqs):
@@ -616,7 +558,7 @@ class EagleWorker:
             pad = bp - len(reqs)
             dev_ids, dev_rows, dev_lens = upload(
                 self.device, ids.reshape(-1).tolist(),
-                [r.slot for r in reqs] + [self.dummy_slot] * pad, lens + [0] * pad)
+                [r.slot for r in reqs] + [self.slots.dummy] * pad, lens + [0] * pad)
             for dst, src in zip(self.prefill_inputs(bp, slots), (dev_ids, dev_rows, dev_lens)):
                 dst.copy_(src)
             greedy = all(r.params.greedy for r in reqs)
@@ -635,14 +577,14 @@ class EagleWorker:
         if total > pad_tokens or len(reqs) > pad_requests:
             raise RuntimeError(f"prefill of {len(reqs)} requests / {total} tokens exceeds the "
                                f"agreed {pad_requests} / {pad_tokens}")
-        self._set_slots(reqs)
+        self.slots.admit(reqs)
         pad = pad_requests - len(reqs)
         ends = [sum(lens[:i + 1]) - 1 for i in range(len(reqs))]
         fields = {  # every host value of the prefill, uploaded in one copy
             "ids": self._padded([t for r in reqs for t in r.prompt_ids], pad_tokens),
             "pos": self._padded([i for n in lens for i in range(n)], pad_tokens),
             "last": self._padded(ends, pad_requests),
-            "slots": [r.slot for r in reqs] + [self.dummy_slot] * pad,
+            "slots": [r.slot for r in reqs] + [self.slots.dummy] * pad,
             "lens": self._padded(lens, pad_requests)}
         if self.speculative:  # the head over x_1 .. x_P with f_0 .. f_{P-1}: positions 1 .. P
             fields["nxt"] = self._padded(
@@ -654,7 +596,7 @@ class EagleWorker:
         hidden = self.target(dev["ids"], dev["pos"], self.backend.plan(meta, self.target_kv))
         last, slots = dev["last"], dev["slots"]
         logits = self.target.compute_logits(hidden[last]).float()
-        temp, top_p, seed = self._sampling(slots)
+        temp, top_p, seed = self.slots.sampling(slots)
         first = sample_tokens(logits, temp, top_p, seed, dev["lens"] - 1, SALT_SAMPLE,
                               all_greedy=all(r.params.greedy for r in reqs))
         if self.speculative:
@@ -662,7 +604,7 @@ class EagleWorker:
             nxt[last[:len(reqs)]] = first[:len(reqs)]
             g = self.head(nxt, hidden, dev["pos2"], self.backend.plan(meta, self.draft_kv),
                           last=last)
-            self.slot_feature.index_copy_(0, slots, g)
+            self.slots.feature.index_copy_(0, slots, g)
         self._filled(slots, dev["lens"], first)
 
     def _defers(self, width: int) -> bool:
@@ -670,22 +612,6 @@ class EagleWorker:
         depth 0 (the tier in force, agreed) with the deferral buffers, at a width they hold."""
         return (self.pend_len is not None and self.state is not None and self.state.steps == 0
                 and width in self._defer_widths)
-
-    def _set_slots(self, reqs: list[Request]) -> None:
-        """Page tables and sampling settings of newly admitted requests into their slots (two
-        host-to-device copies, whatever the number of requests)."""
-        if not reqs:
-            return
-        reach = self.slot_pages.shape[1]
-        tables = [r.pages + [DUMMY_PAGE] * (reach - len(r.pages)) for r in reqs]
-        slots, seeds, pages = upload(self.device, [r.slot for r in reqs], [r.seed for r in reqs],
-                                           [p for t in tables for p in t])
-        self.slot_pages.index_copy_(0, slots, pages.view(len(reqs), reach))
-        self.slot_seed.index_copy_(0, slots, seeds)
-        temp, top_p = upload(self.device, [float(r.params.temperature) for r in reqs],
-                                   [float(r.params.top_p) for r in reqs], dtype=torch.float32)
-        self.slot_temp.index_copy_(0, slots, temp)
-        self.slot_top_p.index_copy_(0, slots, top_p)
 
     @staticmethod
     def _padded(values: list[int], size: int) -> list[int]:
@@ -719,7 +645,7 @@ class EagleWorker:
         self._launches += 1
         staged = stage.rows_np
         staged[:len(reqs)] = [r.slot for r in reqs]
-        staged[len(reqs):bp] = self.dummy_slot
+        staged[len(reqs):bp] = self.slots.dummy
         bufs.rows[:bp].copy_(stage.rows[:bp], non_blocking=True)
         greedy = all(r.params.greedy for r in reqs)
         reach = self._reach(reqs, graph_bucket)
@@ -778,7 +704,7 @@ class EagleWorker:
     def _reach(self, reqs: Sequence[Request], bucket: int | None) -> int:
         """Pages of KV each row may read: the captured reach for graphs, else what this batch
         needs (attention is local to the rank, so eager ranks may differ)."""
-        full = self.slot_pages.shape[1]
+        full = self.slots.reach
         if bucket is not None:
             return full
         if not reqs:

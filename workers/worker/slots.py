@@ -1,0 +1,148 @@
+"""The slot state: what the worker keeps per request on the device, and a tier's round buffers.
+
+Per request the worker keeps, on the device, in the request's batch slot: its page table (given by
+the scheduler at admission, fixed while it runs), `n` (tokens in each cache), its last committed
+token `x_n` (not in the caches yet), the head's last output `g_n`, and its sampling settings
+(seed, temperature, top-p). Caches, for tokens `x_0 .. x_n`: the target holds the KV of positions
+`0 .. n-1`; the draft head holds positions `1 .. n` (KV index `j` is position `j+1`: the head's
+input at position `p` is `x_p` with the target feature `f_{p-1}`, see `workers.model.eagle`).
+
+The last slot is the dummy slot: a round's rows beyond its requests (padding up to the plan's
+batch) are dummy rows in it; its pages are the dummy page and its cache length is 0 after every
+forward that writes it (a measurement may set it first: the dummy rows then read that many
+positions). `round_rows` holds the slot of each row of the round in force: every tier's buffers
+share it (one round runs at a time).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.attention.base import upload
+from workers.config import EngineConfig
+from workers.cuda_graphs import GraphEntry
+from workers.kv_cache import DUMMY_PAGE
+from workers.scheduler import Request
+
+SHADOW_COLUMNS = 2  # depth 0 with a head: the catch-up's (hits, checks) per row, after the tokens
+
+
+class SlotState:
+    """The per-slot device tensors (one row per batch slot, the last is the dummy slot) and the
+    slot of each row of the round."""
+
+    def __init__(self, config: EngineConfig, feature_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        slots, reach = config.max_batch_size + 1, config.pages_per_request
+        self.device = device
+        self.dummy = config.max_batch_size
+
+        def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dt, device=device)
+
+        self.pages = torch.full((slots, reach), DUMMY_PAGE, dtype=torch.int64, device=device)
+        self.cache_len = zeros(slots)                      # n: tokens in each cache
+        self.last_token = zeros(slots)                     # x_n: the last committed token
+        self.feature = zeros(slots, feature_size, dt=dtype)   # g_n: the head's last output
+        self.seed = zeros(slots)
+        self.temperature = zeros(slots, dt=torch.float32)
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
+        top = max([slots, *config.graph_buckets])
+        # the slot of each row of the round, read by every tier's bodies (one round runs at a
+        # time, and the catch-up of the draft cache runs within whichever tier is in force)
+        self.round_rows = torch.full((top,), self.dummy, dtype=torch.int64, device=device)
+
+    @property
+    def count(self) -> int:
+        """Slots, the dummy slot included."""
+        return self.cache_len.shape[0]
+
+    @property
+    def reach(self) -> int:
+        """Pages of a slot's page table (what a captured forward may read)."""
+        return self.pages.shape[1]
+
+    def real(self, rows: torch.Tensor) -> torch.Tensor:
+        """1 for a real row, 0 for a dummy one."""
+        return (rows != self.dummy).to(torch.int64)
+
+    def row_state(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each row's cache length n, 1 for a real row / 0 for a dummy one)."""
+        return self.cache_len[rows], self.real(rows)
+
+    def pages_of(self, rows: torch.Tensor, reach: int) -> torch.Tensor:
+        """The first `reach` pages of each row's page table."""
+        return self.pages[rows][:, :reach]
+
+    def sampling(self, rows: torch.Tensor,
+                 greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's temperature, top-p and seed; for an all-greedy round (which reads none of
+        them) views of the right shape instead of three gathers."""
+        if greedy:
+            bp = rows.shape[0]
+            return self.temperature[:bp], self.top_p[:bp], self.seed[:bp]
+        return self.temperature[rows], self.top_p[rows], self.seed[rows]
+
+    def admit(self, reqs: list[Request]) -> None:
+        """Page tables and sampling settings of newly admitted requests into their slots (two
+        host-to-device copies, whatever the number of requests)."""
+        if not reqs:
+            return
+        reach = self.reach
+        tables = [r.pages + [DUMMY_PAGE] * (reach - len(r.pages)) for r in reqs]
+        slots, seeds, pages = upload(self.device, [r.slot for r in reqs], [r.seed for r in reqs],
+                                     [p for t in tables for p in t])
+        self.pages.index_copy_(0, slots, pages.view(len(reqs), reach))
+        self.seed.index_copy_(0, slots, seeds)
+        temp, top_p = upload(self.device, [float(r.params.temperature) for r in reqs],
+                             [float(r.params.top_p) for r in reqs], dtype=torch.float32)
+        self.temperature.index_copy_(0, slots, temp)
+        self.top_p.index_copy_(0, slots, top_p)
+
+    def set_dummy_length(self, tokens: int) -> None:
+        """The dummy slot's cache length: how many positions the dummy rows' attention reads
+        (0 but in measurements; every forward that writes the slot sets it back to 0)."""
+        self.cache_len[self.dummy] = tokens
+
+
+@dataclass
+class StepBuffers:
+    """One tier's static buffers (fixed addresses: what its CUDA graphs read and write) and its
+    graphs, keyed by (phase, bucket, all_greedy)."""
+
+    steps: int
+    rows: torch.Tensor       # [Bmax] in: the slot of each row (dummy slot for padding; shared)
+    drafts: torch.Tensor     # [Bmax, S] draft tokens          (draft -> verify)
+    q: torch.Tensor          # [Bmax, S, V] draft distributions (draft -> verify)
+    hidden: torch.Tensor     # [Bmax * W, F] verify features   (verify -> extend)
+    accept: torch.Tensor     # [Bmax] accepted drafts           (verify -> extend, host)
+    tokens: torch.Tensor     # [Bmax, W] committed candidates   (verify -> extend, host)
+    out: torch.Tensor        # [Bmax, 2 + W] staging of what the host reads once per round
+    graphs: dict[tuple[str, int, bool], GraphEntry] = field(default_factory=dict)
+
+    @staticmethod
+    def allocate(steps: int, rows: torch.Tensor, top: int, vocab: int, feature_size: int,
+                 dtype: torch.dtype, extra: int, device: torch.device) -> "StepBuffers":
+        """The buffers of a tier at `steps` for up to `top` rows (`extra` columns of `out`
+        after the tokens)."""
+        width = steps + 1
+
+        def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dt, device=device)
+
+        return StepBuffers(steps=steps, rows=rows, drafts=zeros(top, steps),
+                           q=zeros(top, steps, vocab, dt=torch.float32),
+                           hidden=zeros(top * width, feature_size, dt=dtype),
+                           accept=zeros(top), tokens=zeros(top, width),
+                           out=zeros(top, 2 + width + extra))
+
+    @property
+    def extra_columns(self) -> int:
+        """Columns of `out` after the round's tokens: SHADOW_COLUMNS for tier 0 with a head."""
+        return self.out.shape[1] - 2 - self.steps - 1
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.drafts, self.q, self.hidden, self.accept, self.tokens, self.out)  # not rows
+        return sum(t.numel() * t.element_size() for t in tensors)
