@@ -22,11 +22,11 @@ import inspect, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from workers import kernels
+from workers import kernels, moe_kernels
 
 INT_PTRS = {"pages_ptr", "cached_ptr", "slots_ptr", "qo_ptr", "draft_ptr", "arg_ptr", "nd_ptr",
             "accept_ptr", "tokens_ptr", "tok_ptr", "rows_ptr", "lag_ptr", "ring_tok_ptr",
-            "seed_ptr", "counter_ptr"}
+            "seed_ptr", "counter_ptr", "block_expert_ptr"}
 FLOAT_ARGS = {"eps", "scale"}
 # kernel: [(float pointer type, constexprs), ...]
 CASES = {
@@ -44,11 +44,14 @@ CASES = {
     "one_hot": [("fp32", dict(BLOCK=1024))],
     "lag_append": [("fp16", dict(BLOCK_D=256))],
     "uniforms": [("fp32", dict(BLOCK=8))],
+    "gate_up": [("bf16", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
+                ("fp16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32))],
+    "down": [("bf16", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64))],
 }
-found = kernels._kernels()
 out = {}
-for name in sorted(vars(found)):
-    fn = getattr(found, name)
+found = {**vars(kernels._kernels()), **vars(moe_kernels._kernels())}
+for name in sorted(found):
+    fn = found[name]
     for ftype, const in CASES.get(name, [(None, None)]):
         key = f"{name}/{ftype}"
         if const is None:

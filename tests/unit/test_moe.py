@@ -172,3 +172,28 @@ def test_the_moe_split_is_an_engine_setting_refused_by_name() -> None:
     assert EngineConfig(moe_parallel="ep").to_dict()["moe_parallel"] == "ep"
     with pytest.raises(ValueError, match="moe_parallel='dp'; allowed: tp, ep"):
         EngineConfig(moe_parallel="dp")
+
+
+@pytest.mark.parametrize("ep_slice", [False, True])
+def test_the_fused_grouped_gemms_equal_the_sparse_path(saved, ep_slice: bool) -> None:
+    """workers.moe_kernels (triton's interpreter on a CPU, compiled on a GPU) against index_add:
+    rows sorted by expert, padded runs, blocks past the last run skipped; with `ep_slice` the
+    router's ids include experts of other ranks, which contribute nothing here."""
+    pytest.importorskip("triton")
+    from workers import moe_kernels
+    block = load_llama(saved["qwen3_moe"][1] / "new").model.layers[0].ffn
+    x = torch.randn(13, 32)
+    ids, weights = block.route(x)
+    w13 = block.gate_up.stacked.view(8, 32, 32)
+    if ep_slice:   # this rank holds experts 4..7: ids 0..3 are another rank's
+        local_ids = torch.where(ids >= 4, ids - 4, 4)
+        got = moe_kernels.fused_moe(x, local_ids, weights, w13[4:], block.down.stacked[4:])
+        keep = (ids >= 4).to(weights.dtype)
+        want = block.sparse(x, ids, weights * keep)
+    else:
+        got = moe_kernels.fused_moe(x, ids, weights, w13, block.down.stacked)
+        want = block.sparse(x, ids, weights)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    rows, block_expert = moe_kernels.align(ids, 8)
+    assert rows.numel() == 160 and block_expert.numel() == 10   # 26 pairs + 8 x 15 pad, to 16s
+    assert sorted(rows[rows < 26].tolist()) == list(range(26))      # every pair exactly once

@@ -22,10 +22,13 @@ every rank issues the same collectives with the round's agreed padded shapes whi
 its tokens picked, so no capacity is needed and no token is ever dropped (lossless). What depends
 on the routing is local compute only: which rows each local expert multiplies.
 
-Two ways to compute the local experts, equal up to float rounding: ``sparse`` (each expert over
-the rows routed to it, ``index_add``: data-dependent shapes, eager only; the CPU path and the
-reference) and ``dense`` (each local expert over every gathered row, weighted by a routing weight
-that is zero where the token did not pick it: static shapes, captured in CUDA graphs; CUDA).
+Three ways to compute the local experts, equal up to float rounding: ``sparse`` (each expert
+over the rows routed to it, ``index_add``: data-dependent shapes, eager only; the CPU path and the
+reference), ``fused`` (``workers.moe_kernels``: rows sorted by expert, two grouped Triton GEMMs,
+static shapes; CUDA with the fused kernels on) and ``dense`` (each local expert over every row,
+weighted by zero where not routed: static shapes, CUDA with ``ADAPTIVE_DIST_FUSED=0``). The
+experts' weights are views of two stacked buffers per block (``[E, 2F, d]`` gate and up rows,
+``[E, d, F]`` down), so the grouped GEMMs read them in place and nothing is held twice.
 """
 from __future__ import annotations
 
@@ -34,8 +37,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from collectives import Group
+from workers import kernels, moe_kernels
 from workers.model.config import LlamaConfig
-from workers.model.layers import ColumnParallelLinear, RowParallelLinear, silu_mul
+from workers.model.layers import (
+    ColumnParallelLinear,
+    FusedOwner,
+    RowParallelLinear,
+    _fuse_rows,
+    silu_mul,
+)
 from workers.model.parallel import ModelParallel
 
 # checkpoint names per layout: the block's prefix, then the expert's gate, up and down linears
@@ -59,7 +69,24 @@ class Expert(nn.Module):
         return down(silu_mul(gate(x), up(x)))
 
 
-class MoeBlock(nn.Module):
+class StackedWeights:
+    """The weights of sibling linears as views of one buffer, stacked along a new first dim
+    (``FusedColumns``' contract: ``fuse()`` after construction and after new storage)."""
+
+    def __init__(self, linears: list[nn.Module]) -> None:
+        self.linears, self.stacked = linears, None
+
+    def release(self) -> None:
+        self.stacked = None
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        params = [m.weight for m in self.linears]
+        base = _fuse_rows(params)
+        self.stacked = base.view(len(params), *params[0].shape)
+
+
+class MoeBlock(FusedOwner):
     """The router and this rank's experts (see the module docstring)."""
 
     def __init__(self, cfg: LlamaConfig, par: ModelParallel) -> None:
@@ -79,6 +106,12 @@ class MoeBlock(nn.Module):
         self.local = tuple(local)
         self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, spec.expert_size, group,
                                                      linear_names) for e in local})
+        gate, up, down = ([getattr(x, n) for x in self.experts.values()] for n in linear_names)
+        self.gate_up = StackedWeights([lin for pair in zip(gate, up) for lin in pair])
+        self.down = StackedWeights(down)
+        self._fused = (self.gate_up, self.down)
+        for stack in self._fused:
+            stack.fuse()
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the top-k expert ids [N, k], their routing weights [N, k] in ``tokens``' dtype)."""
@@ -91,8 +124,19 @@ class MoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = self.par.gather(x)
         ids, weights = self.route(tokens)
-        local = (self.dense if tokens.is_cuda else self.sparse)(tokens, ids, weights)
+        if kernels.enabled(tokens):
+            local = self.fused(tokens, ids, weights)
+        else:
+            local = (self.dense if tokens.is_cuda else self.sparse)(tokens, ids, weights)
         return self.par.scatter_sum(local)
+
+    def fused(self, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's experts through the grouped GEMMs (``workers.moe_kernels``)."""
+        e, width = len(self.local), self.down.stacked.shape[-1]
+        w13 = self.gate_up.stacked.view(e, 2 * width, -1)    # [gate_e; up_e] rows per expert
+        local_ids = ids - self.local[0]
+        local_ids = torch.where((local_ids >= 0) & (local_ids < e), local_ids, e)
+        return moe_kernels.fused_moe(tokens, local_ids, weights, w13, self.down.stacked)
 
     def sparse(self, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """This rank's experts, each over the rows routed to it."""

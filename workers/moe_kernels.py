@@ -1,0 +1,147 @@
+"""The fused MoE path of ``workers.model.moe.MoeBlock`` on the GPU: tokens sorted by expert, two
+grouped GEMMs in Triton, static shapes (so a CUDA graph captures it at every depth and bucket).
+
+    out = fused_moe(x [N, d], ids [N, k], weights [N, k], w13 [E, 2F, d], w2 [E, d, F])
+
+``ids`` are local expert indices (``E`` or more: an expert of another rank, contributing nothing
+here); ``w13[e]`` is expert ``e``'s gate rows then its up rows; the result is
+``sum_j weights[:, j] * expert_{ids[:, j]}(x)`` [N, d] over this rank's experts.
+
+1. ``align``: the ``P = N·k`` (token, choice) pairs sorted by expert (a stable sort), each
+   expert's run padded to a multiple of ``BLOCK_M`` rows, so every block of ``BLOCK_M`` sorted
+   rows belongs to one expert. The padded length is bounded by ``P + E·(BLOCK_M - 1)`` whatever the
+   routing: every tensor has a shape fixed by ``N``, ``k`` and ``E``, and blocks past the last
+   expert's run are skipped by the kernels (no host sync, nothing data-dependent in a shape).
+2. ``gate_up``: per block, ``silu(x W_gate^T) * (x W_up^T)`` of its rows, float32 accumulation.
+3. ``down``: per block, ``h W_down^T`` times each pair's routing weight, written to its pair.
+4. The ``k`` pairs of each token summed.
+
+Like ``workers.kernels`` it runs under triton's interpreter on a CPU (``TRITON_INTERPRET=1``),
+which is how the CPU tests compare it with the sparse torch path.
+"""
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import torch
+
+BLOCK_M = 16     # sorted rows per block (tl.dot's smallest tile; decode rounds route few rows)
+BLOCK_N = 64     # output columns per program
+BLOCK_K = 64     # reduction slice
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> SimpleNamespace:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gate_up_kernel(x_ptr, rows_ptr, block_expert_ptr, w_ptr, out_ptr, pairs, top_k,
+                       num_experts, d, f, stride_x, stride_we, stride_wn,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        b = tl.program_id(0)
+        e = tl.load(block_expert_ptr + b)
+        if e < num_experts:
+            m = b * BLOCK_M + tl.arange(0, BLOCK_M)
+            pair = tl.load(rows_ptr + m)
+            live = pair < pairs
+            tok = (pair // top_k).to(tl.int64)
+            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            nmask = n < f
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            w_e = w_ptr + e.to(tl.int64) * stride_we
+            for k0 in range(0, d, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                kmask = kk < d
+                a = tl.load(x_ptr + tok[:, None] * stride_x + kk[None, :],
+                            mask=live[:, None] & kmask[None, :], other=0.0)
+                wmask = kmask[:, None] & nmask[None, :]
+                wg = tl.load(w_e + n[None, :] * stride_wn + kk[:, None], mask=wmask, other=0.0)
+                wu = tl.load(w_e + (n[None, :] + f) * stride_wn + kk[:, None], mask=wmask,
+                             other=0.0)
+                acc_g += tl.dot(a, wg)
+                acc_u += tl.dot(a, wu)
+            g = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+            up = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(out_ptr + m.to(tl.int64)[:, None] * f + n[None, :],
+                     (act * up).to(out_ptr.dtype.element_ty), mask=live[:, None] & nmask[None, :])
+
+    @triton.jit
+    def down_kernel(h_ptr, rows_ptr, block_expert_ptr, w_ptr, weight_ptr, out_ptr, pairs,
+                    num_experts, d, f, stride_we, stride_wn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        b = tl.program_id(0)
+        e = tl.load(block_expert_ptr + b)
+        if e < num_experts:
+            m = b * BLOCK_M + tl.arange(0, BLOCK_M)
+            pair = tl.load(rows_ptr + m)
+            live = pair < pairs
+            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            nmask = n < d
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            w_e = w_ptr + e.to(tl.int64) * stride_we
+            for k0 in range(0, f, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                kmask = kk < f
+                a = tl.load(h_ptr + m.to(tl.int64)[:, None] * f + kk[None, :],
+                            mask=live[:, None] & kmask[None, :], other=0.0)
+                w = tl.load(w_e + n[None, :] * stride_wn + kk[:, None],
+                            mask=kmask[:, None] & nmask[None, :], other=0.0)
+                acc += tl.dot(a, w)
+            y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            scale = tl.load(weight_ptr + pair, mask=live, other=0.0).to(tl.float32)
+            tl.store(out_ptr + pair.to(tl.int64)[:, None] * d + n[None, :],
+                     (y * scale[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=live[:, None] & nmask[None, :])
+
+    return SimpleNamespace(gate_up=gate_up_kernel, down=down_kernel)
+
+
+def align(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the pairs in expert order, each expert's run padded to ``block`` rows with the sentinel
+    ``P`` [padded length]; the expert of every block, ``>= num_experts`` past the last run).
+    Shapes depend on ``ids.numel()``, ``num_experts`` and ``block`` only."""
+    flat = ids.reshape(-1).clamp(max=num_experts)          # other ranks' experts: one sentinel
+    pairs = flat.numel()
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts[:num_experts] + block - 1) // block * block
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    first_sorted = torch.cumsum(counts, 0) - counts          # where each expert's pairs start
+    rank = torch.arange(pairs, device=ids.device) - first_sorted[expert]
+    length = (pairs + num_experts * (block - 1) + block - 1) // block * block
+    starts = ends - padded
+    dest = torch.where(expert < num_experts, starts[expert.clamp(max=num_experts - 1)] + rank,
+                       length)                               # others' pairs: a dump slot
+    rows = torch.full((length + 1,), pairs, dtype=torch.int64, device=ids.device)
+    rows.scatter_(0, dest, order)
+    block_start = torch.arange(0, length, block, device=ids.device)
+    block_expert = torch.searchsorted(ends, block_start, right=True)
+    return rows[:length], block_expert
+
+
+def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+              w2: torch.Tensor) -> torch.Tensor:
+    """See the module docstring. ``w13`` [E, 2F, d], ``w2`` [E, d, F], both contiguous."""
+    n_tok, d = x.shape
+    top_k, experts, f = ids.shape[1], w13.shape[0], w2.shape[2]
+    pairs = n_tok * top_k
+    x = x.contiguous()
+    rows, block_expert = align(ids, experts)
+    blocks = rows.numel() // BLOCK_M
+    k = _kernels()
+    hidden = torch.empty(rows.numel(), f, dtype=x.dtype, device=x.device)
+    k.gate_up[(blocks, -(-f // BLOCK_N))](
+        x, rows, block_expert, w13, hidden, pairs, top_k, experts, d, f, x.stride(0),
+        w13.stride(0), w13.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    out = torch.zeros(pairs, d, dtype=x.dtype, device=x.device)
+    k.down[(blocks, -(-d // BLOCK_N))](
+        hidden, rows, block_expert, w2, weights.reshape(-1).contiguous(), out, pairs, experts, d,
+        f, w2.stride(0), w2.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return out.view(n_tok, top_k, d).sum(dim=1)
