@@ -18,7 +18,7 @@ def test_torch_backend_on_gpu_is_lossless_and_matches_cpu() -> None:
         engine = engine_for(target, head, "static", steps=steps, device="cuda")
         out = engine.generate(prompts, lossless_params(len(prompts)))
         assert [r.output_ids for r in out] == reference, f"steps={steps}"
-        assert engine.worker.target_kv.k[0].is_cuda
+        assert engine.worker.models.target_kv.k[0].is_cuda
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=20)
     engine = engine_for(target, head, "ema", config=AdaptiveConfig(warmup_batches=1, update_interval=1),
                         device="cuda")

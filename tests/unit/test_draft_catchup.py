@@ -30,9 +30,10 @@ def _draft_state(engine, req) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(draft K and V of KV indices 0..n-1 for every layer, the head feature g_n, n)."""
     worker = engine.worker
     n = int(worker.slots.cache_len[req.slot])
-    ps = worker.draft_kv.page_size
+    pool = worker.models.draft_kv
+    ps = pool.page_size
     flat = torch.tensor([req.pages[j // ps] * ps + j % ps for j in range(n)])
-    kv = [t.view(-1, *t.shape[2:])[flat] for t in worker.draft_kv.k + worker.draft_kv.v]
+    kv = [t.view(-1, *t.shape[2:])[flat] for t in pool.k + pool.v]
     return torch.stack(kv), worker.slots.feature[req.slot].clone(), n
 
 
@@ -185,13 +186,13 @@ def test_catch_up_reports_the_heads_greedy_guesses_checked_against_the_ring(pair
     # reference: the head over prompt + the first 9 outputs, every position's output kept
     fresh = engine_for(*pair, "static", steps=3)
     outs: list = []
-    head = fresh.worker.head
+    head = fresh.worker.models.head
 
     def recording(*args, **kw):  # every position's output kept; the prefill gets what it asks
         outs.append(head(*args))
         return head(*args, **kw)
 
-    fresh.worker.head = recording
+    fresh.worker.models.head = recording
     refs = [fresh.add(p + r.output_ids[:9], SamplingParams(max_new_tokens=2))
             for p, r in zip(prompts, reqs)]
     admitted = fresh.scheduler.admit()

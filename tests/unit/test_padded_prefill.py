@@ -73,8 +73,10 @@ def test_padded_prefill_leaves_what_the_ragged_one_leaves(pair, graphs) -> None:
         assert int(padded.slots.cache_len[b.slot]) == int(ragged.slots.cache_len[a.slot]) == n
         assert int(padded.slots.last_token[b.slot]) == int(ragged.slots.last_token[a.slot])
         torch.testing.assert_close(padded.slots.feature[b.slot], ragged.slots.feature[a.slot])
-        torch.testing.assert_close(_kv(padded.target_kv, b, n), _kv(ragged.target_kv, a, n))
-        torch.testing.assert_close(_kv(padded.draft_kv, b, n), _kv(ragged.draft_kv, a, n))
+        torch.testing.assert_close(_kv(padded.models.target_kv, b, n),
+                                   _kv(ragged.models.target_kv, a, n))
+        torch.testing.assert_close(_kv(padded.models.draft_kv, b, n),
+                                   _kv(ragged.models.draft_kv, a, n))
 
 
 @pytest.mark.parametrize("mode,graphs", [("nospec", False), ("static", False), ("static", True),

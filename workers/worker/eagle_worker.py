@@ -64,14 +64,15 @@ import numpy as np
 import torch
 
 from workers import kernels
-from workers.attention import ForwardMode, PaddedBatch, StaticBackend, build_metadata
+from workers.attention import ForwardMode, build_metadata
 from workers.attention.base import AttentionBackend, upload
 from workers.config import EngineConfig
 from workers.cuda_graphs import CudaGraphRunner, GraphEntry
-from workers.kv_cache import KVPool, pages_for
+from workers.kv_cache import pages_for
 from workers.runtime_state import SpecRuntimeState
 from workers.scheduler import Request
 from workers.spec_decode import SALT_SAMPLE, draft_step, sample_tokens, verify
+from workers.worker.models import RankModels
 from workers.worker.slots import SHADOW_COLUMNS, SlotState, StepBuffers
 
 PHASES = ("draft", "verify", "extend")
@@ -140,13 +141,10 @@ class EagleWorker:
             raise ValueError(f"the draft head reads {head.feature_size}-wide features, the target "
                              f"gives {target.feature_size} (an EAGLE-3 head attaches its feature "
                              f"tap to the target it is built for)")
-        self.target, self.head, self.backend, self.config = target, head, backend, config
+        self.config = config
         self.device = torch.device(config.device)
         self.catchup_every = config.catchup_rounds  # the catch-up forward's width
-        self.static = StaticBackend()
-        attn_tp = target.par.attn.size
-        self.target_kv = self._pool(target, attn_tp)
-        self.draft_kv = self._pool(head, attn_tp) if config.speculative else None
+        self.models = RankModels(target, head, config, backend, self.device)
         dtype = next(target.parameters()).dtype
         self.slots = SlotState(config, target.feature_size, dtype, self.device)
 
@@ -195,20 +193,6 @@ class EagleWorker:
         self.buckets = config.graph_buckets
         self.state: SpecRuntimeState | None = None
 
-    def _pool(self, model: torch.nn.Module, attn_tp: int) -> KVPool:
-        """A pool for `model`'s layers holding this rank's KV heads (in the backend's format)."""
-        cfg, dtype = model.config, next(model.parameters()).dtype
-        head_dim = cfg.head_dim
-        kv_format = getattr(self.backend, "kv_format", None)
-        if kv_format is not None:  # flashinfer: padded head dim, float16/bfloat16
-            head_dim, dtype = kv_format(head_dim, dtype)
-        return KVPool(model.num_layers, self.config.pool_pages, self.config.page_size,
-                      cfg.num_key_value_heads // attn_tp, head_dim, dtype=dtype, device=self.device)
-
-    @property
-    def speculative(self) -> bool:
-        return self.head is not None and self.config.speculative
-
     @property
     def steps(self) -> int:
         """Draft steps of the runtime state in force."""
@@ -231,14 +215,14 @@ class EagleWorker:
         """Pre-allocate (and capture, with graphs) everything a round at `steps` needs."""
         if not 0 <= steps <= self.config.max_steps:
             raise ValueError(f"steps={steps}: must be in [0, max_steps={self.config.max_steps}]")
-        dim = self.target.feature_size
+        dim = self.models.target.feature_size
         top = max([self.config.max_batch_size, *self.buckets])
-        vocab = self.target.config.vocab_size
+        vocab = self.models.target.config.vocab_size
 
         def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dt, device=self.device)
 
-        if steps == 0 and self.speculative and self.slot_lag is None:
+        if steps == 0 and self.models.speculative and self.slot_lag is None:
             slots, lag = self.slots.count, self.catchup_every
             self.slot_lag = zeros(slots)
             self.lag_tokens = zeros(slots, lag)
@@ -305,10 +289,6 @@ class EagleWorker:
               "extend": self._extend_phase, CATCHUP: self._catchup_phase}[phase]
         return lambda: fn(bufs, bp, reach, greedy)
 
-    def _attn(self, pool: KVPool, pages: torch.Tensor, cached: torch.Tensor,
-              qo_len: torch.Tensor, width: int) -> Any:
-        return self.static.plan(PaddedBatch(pages, cached, qo_len, width), pool)
-
     def _draft_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
         """`steps` draft tokens per row (chain drafting) and their distributions (an all-greedy
         round keeps only the tokens: its acceptance is an exact match and reads no `q`)."""
@@ -319,9 +299,9 @@ class EagleWorker:
         g = self.slots.feature[rows]
         for k in range(1, bufs.steps + 1):
             if k > 1:  # the head over d_{k-1} at position n+k-1 (draft KV index n+k-2)
-                attn = self._attn(self.draft_kv, pages, n + k - 2, real, 1)
-                g = self.head(bufs.drafts[:bp, k - 2], g, n + k - 1, attn)
-            logits = self.head.compute_logits(g)
+                attn = self.models.padded_attn(self.models.draft_kv, pages, n + k - 2, real, 1)
+                g = self.models.head(bufs.drafts[:bp, k - 2], g, n + k - 1, attn)
+            logits = self.models.head.compute_logits(g)
             if greedy:
                 bufs.drafts[:bp, k - 1] = logits.argmax(-1)
                 continue
@@ -337,9 +317,9 @@ class EagleWorker:
         temp, top_p, seed = self.slots.sampling(rows, greedy)
         offsets = torch.arange(width, device=self.device)
         ids = torch.cat([self.slots.last_token[rows][:, None], bufs.drafts[:bp]], dim=1).reshape(-1)
-        attn = self._attn(self.target_kv, self.slots.pages_of(rows, reach), n, real * width, width)
-        hidden = self.target(ids, (n[:, None] + offsets).reshape(-1), attn)
-        logits = self.target.compute_logits(hidden).float().view(bp, width, -1)
+        attn = self.models.padded_attn(self.models.target_kv, self.slots.pages_of(rows, reach), n, real * width, width)
+        hidden = self.models.target(ids, (n[:, None] + offsets).reshape(-1), attn)
+        logits = self.models.target.compute_logits(hidden).float().view(bp, width, -1)
         if steps == 0:
             tokens = sample_tokens(logits[:, 0], temp, top_p, seed, n, SALT_SAMPLE,
                                    all_greedy=greedy)[:, None]
@@ -372,9 +352,9 @@ class EagleWorker:
         accept = bufs.accept[:bp]
         offsets = torch.arange(width, device=self.device)
         pages = self.slots.pages_of(rows, reach)
-        attn = self._attn(self.draft_kv, pages, n, real * (accept + 1), width)
+        attn = self.models.padded_attn(self.models.draft_kv, pages, n, real * (accept + 1), width)
         last = torch.arange(bp, device=self.device) * width + accept
-        g = self.head(bufs.tokens[:bp].reshape(-1), bufs.hidden[:bp * width],
+        g = self.models.head(bufs.tokens[:bp].reshape(-1), bufs.hidden[:bp * width],
                       (n[:, None] + 1 + offsets).reshape(-1), attn, last=last)
         self._advance(bufs, bp, rows, n, g)
 
@@ -390,8 +370,8 @@ class EagleWorker:
         lag = self.slot_lag[rows] * real
         base = n - lag
         offsets = torch.arange(width, device=self.device)
-        attn = self._attn(self.draft_kv, self.slots.pages_of(rows, reach), base, lag, width)
-        out = self.head(self.lag_tokens[rows].reshape(-1),
+        attn = self.models.padded_attn(self.models.draft_kv, self.slots.pages_of(rows, reach), base, lag, width)
+        out = self.models.head(self.lag_tokens[rows].reshape(-1),
                         self.lag_features[rows].reshape(bp * width, -1),
                         (base[:, None] + 1 + offsets).reshape(-1), attn)
         g = out.view(bp, width, -1)[torch.arange(bp, device=self.device), (lag - 1).clamp(min=0)]
@@ -400,7 +380,7 @@ class EagleWorker:
         self.slot_lag.index_copy_(0, rows, torch.zeros_like(lag))
         if bufs.extra_columns == SHADOW_COLUMNS:
             # NOTE: one logits row per ring entry (bp x catchup_every rows, once per catch-up)
-            guess = self.head.compute_logits(out).argmax(-1).view(bp, width)[:, :-1]
+            guess = self.models.head.compute_logits(out).argmax(-1).view(bp, width)[:, :-1]
             checks = (lag - 1).clamp(min=0)
             valid = offsets[None, :-1] < checks[:, None]
             hits = ((guess == self.lag_tokens[rows][:, 1:]) & valid).sum(1)
@@ -422,8 +402,8 @@ class EagleWorker:
         start = torch.zeros_like(length)
         pos = torch.arange(1, width + 1, device=self.device).repeat(bp)
         last = torch.arange(bp, device=self.device) * width + (length - 1).clamp(min=0)
-        attn = self._attn(self.draft_kv, self.slots.pages_of(rows, reach), start, length, width)
-        g = self.head(self.pend_tokens[rows, :width].reshape(-1),
+        attn = self.models.padded_attn(self.models.draft_kv, self.slots.pages_of(rows, reach), start, length, width)
+        g = self.models.head(self.pend_tokens[rows, :width].reshape(-1),
                       self.pend_features[rows, :width].reshape(bp * width, -1), pos, attn,
                       last=last)
         fresh = torch.where((length > 0)[:, None], g, self.slots.feature[rows])
@@ -505,20 +485,20 @@ class EagleWorker:
         pages = self.slots.pages_of(rows, reach)
         start = torch.zeros_like(lens)
         pos = torch.arange(width, device=self.device).repeat(bp)
-        hidden = self.target(ids, pos, self._attn(self.target_kv, pages, start, lens, width))
+        hidden = self.models.target(ids, pos, self.models.padded_attn(self.models.target_kv, pages, start, lens, width))
         last = torch.arange(bp, device=self.device) * width + (lens - 1).clamp(min=0)
-        logits = self.target.compute_logits(hidden[last]).float()
+        logits = self.models.target.compute_logits(hidden[last]).float()
         temp, top_p, seed = self.slots.sampling(rows)
         first = sample_tokens(logits, temp, top_p, seed, lens - 1, SALT_SAMPLE, all_greedy=greedy)
-        if self.speculative:
+        if self.models.speculative:
             nxt = torch.cat([ids.view(bp, width)[:, 1:], start[:, None]], dim=1).reshape(-1)
             nxt = nxt.index_copy(0, last, first)
             if defer:
                 self.pend_tokens[rows, :width] = nxt.view(bp, width)
                 self.pend_features[rows, :width] = hidden.view(bp, width, -1)
             else:
-                g = self.head(nxt, hidden, pos + 1,
-                              self._attn(self.draft_kv, pages, start, lens, width), last=last)
+                g = self.models.head(nxt, hidden, pos + 1,
+                              self.models.padded_attn(self.models.draft_kv, pages, start, lens, width), last=last)
                 self.slots.feature.index_copy_(0, rows, g)
         self._filled(rows, lens, first, defer)
 
@@ -586,23 +566,23 @@ class EagleWorker:
             "last": self._padded(ends, pad_requests),
             "slots": [r.slot for r in reqs] + [self.slots.dummy] * pad,
             "lens": self._padded(lens, pad_requests)}
-        if self.speculative:  # the head over x_1 .. x_P with f_0 .. f_{P-1}: positions 1 .. P
+        if self.models.speculative:  # the head over x_1 .. x_P with f_0 .. f_{P-1}: positions 1 .. P
             fields["nxt"] = self._padded(
                 [t for r, n in zip(reqs, lens) for t in r.prompt_ids[1:n] + [0]], pad_tokens)
             fields["pos2"] = self._padded([i + 1 for n in lens for i in range(n)], pad_tokens)
         dev = dict(zip(fields, upload(self.device, *fields.values())))
         meta = build_metadata(ForwardMode.EXTEND, [r.pages for r in reqs], [0] * len(reqs), lens,
                               self.config.page_size, self.device)
-        hidden = self.target(dev["ids"], dev["pos"], self.backend.plan(meta, self.target_kv))
+        hidden = self.models.target(dev["ids"], dev["pos"], self.models.backend.plan(meta, self.models.target_kv))
         last, slots = dev["last"], dev["slots"]
-        logits = self.target.compute_logits(hidden[last]).float()
+        logits = self.models.target.compute_logits(hidden[last]).float()
         temp, top_p, seed = self.slots.sampling(slots)
         first = sample_tokens(logits, temp, top_p, seed, dev["lens"] - 1, SALT_SAMPLE,
                               all_greedy=all(r.params.greedy for r in reqs))
-        if self.speculative:
+        if self.models.speculative:
             nxt = dev["nxt"]
             nxt[last[:len(reqs)]] = first[:len(reqs)]
-            g = self.head(nxt, hidden, dev["pos2"], self.backend.plan(meta, self.draft_kv),
+            g = self.models.head(nxt, hidden, dev["pos2"], self.models.backend.plan(meta, self.models.draft_kv),
                           last=last)
             self.slots.feature.index_copy_(0, slots, g)
         self._filled(slots, dev["lens"], first)
