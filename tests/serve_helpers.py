@@ -273,3 +273,22 @@ def refusal_script(prompt_ids: list[int], bad_dp: int, good_dps: tuple[int, ...]
     bad = [gen(f"bad-{i}", bad_dp, **fields) for i, (fields, _) in enumerate(BAD_GENERATES)]
     after = [gen(f"good-after-{g}", g) for g in good_dps]
     return before + bad + after + [gen("sampled", bad_dp, temperature=1.0, seed=2 ** 63 - 1)]
+
+
+REFUSAL_SERVE = ["--steps", "3", "--max-batch-size", "4", "--max-model-len", "64",
+                 "--timeout", "30"]
+
+
+def check_outcomes(outcomes: dict, reference: list[int]) -> None:
+    """Every bad request refused with 400 naming its field; every good one equal to the
+    reference; the sampled one with the largest seed ran."""
+    for i, (fields, param) in enumerate(BAD_GENERATES):
+        rid = f"bad-{i}" if "rid" not in fields else repr(fields["rid"])
+        kind, status, got_param, message = outcomes[rid]
+        assert (kind, status, got_param) == ("refused", 400, param), (fields, outcomes[rid])
+        assert message.startswith(f"{param}: ") and len(message) < 200, message
+    good = {rid: o for rid, o in outcomes.items() if rid.startswith("good-")}
+    assert len(good) >= 2, outcomes
+    finish = "length" if len(reference) == 8 else "stop"
+    assert all(o == ("done", reference, finish) for o in good.values()), good
+    assert outcomes["sampled"][0] == "done" and len(outcomes["sampled"][1]) >= 1

@@ -1,6 +1,8 @@
 """A served cluster under torchrun: 2 ranks, 2 DP groups (one engine rank each), the frontend
 spawned by rank 0. Outputs equal the offline reference whichever group serves them; a killed
-rank and Ctrl-C both end in errors for the clients and no process left."""
+rank and Ctrl-C both end in errors for the clients and no process left. And on two gloo ranks
+driven by the test itself: requests no rank can run are refused by every rank of their replica
+alike, and the cluster keeps serving."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -14,8 +16,11 @@ import httpx
 import openai
 import pytest
 
-from serve_helpers import (LONG_CONTEXT, PROMPTS, decode, kv_back_to_full, metrics,
-                           offline_greedy, start_server, wait_until)
+from multirank import run_ranks
+from serve_helpers import (BAD_GENERATES, LONG_CONTEXT, PROMPTS, REFUSAL_SERVE, _offline_pair,
+                           check_outcomes, decode, drive_ranks_job, kv_back_to_full, metrics,
+                           offline_greedy, refusal_script, start_server, wait_until)
+from workers.loading import encode_prompt
 from workers.server.metrics import find
 
 MAX_TOKENS = 10
@@ -144,3 +149,28 @@ def _observe_failure(url: str) -> tuple:
             break                                        # the frontend is gone already
         time.sleep(0.05)
     return health, refused
+
+
+@pytest.mark.parametrize("layout", ["dp_2", "attn_tp_2"])
+def test_a_replica_refuses_what_it_cannot_run_on_every_rank_in_the_same_round(layout) -> None:
+    """The test is the frontend: it PUSHes requests no rank can run (a seed past int64, token
+    ids past the vocabulary, NaN, ...) to every rank's real inbox, among good ones. Two replicas
+    of one rank (the bad ones on replica 1), or one replica over two attention ranks: every rank
+    of the replica refuses each bad request in the same round (so the good ones equal the
+    reference: the replica stayed in lockstep), the leader reports 400 naming the field, and
+    every rank leaves at the Shutdown, not by a failure."""
+    argv = REFUSAL_SERVE + (["--dp", "2"] if layout == "dp_2" else ["--dp", "1", "--attn-tp", "2"])
+    bad_dp, good_dps = (1, (0, 1)) if layout == "dp_2" else (0, (0,))
+    ids = encode_prompt(PROMPTS[0], _offline_pair()[1])
+    results = run_ranks(drive_ranks_job, 2, argv, refusal_script(ids, bad_dp, good_dps),
+                        timeout=300)
+    first = results[0].value
+    assert first["driver_error"] is None, first["driver_error"]
+    check_outcomes(first["outcomes"], offline_greedy([PROMPTS[0]], 8)[0])
+    for r in results:
+        assert r.value["exit"] == ("the frontend asked to stop (the test is done)", False)
+    refusals = [r.value["refusals"] for r in results]
+    if layout == "dp_2":                                 # only replica 1's rank saw them
+        assert refusals[0] == [] and len(refusals[1]) == len(BAD_GENERATES)
+    else:                                                # the same requests, the same rounds
+        assert refusals[0] == refusals[1] and len(refusals[0]) == len(BAD_GENERATES)

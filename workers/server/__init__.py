@@ -14,6 +14,10 @@ Processes and sockets (the README's "Serving" section has the whole picture):
 
 Modules: ``protocol`` (messages), ``inbox`` (rank-side sockets), ``engine_glue`` (the only code
 that touches the engine), ``rank`` (the rank loop), ``launch`` (the ``serve`` command on a rank),
+``admission`` (the ranges of a request's values, checked by the frontend and again by every rank),
 ``frontend`` / ``api`` / ``openai_io`` / ``text`` / ``router`` / ``metrics`` (the frontend
 process), ``client`` and ``cli`` (the ``client`` command and the entry points).
+
+docs/serving.md specifies the request fields' ranges, how stop strings count tokens, and when a
+rank refuses a request (every rank of the replica alike, in the same round).
 """
