@@ -29,6 +29,7 @@ import torch
 BLOCK_M = 16     # sorted rows per block (tl.dot's smallest tile; decode rounds route few rows)
 BLOCK_N = 64     # output columns per program
 BLOCK_K = 64     # reduction slice
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)   # tl.dot's (float64: MoeBlock.dense)
 
 
 @functools.lru_cache(maxsize=1)

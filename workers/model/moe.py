@@ -25,8 +25,9 @@ on the routing is local compute only: which rows each local expert multiplies.
 Three ways to compute the local experts, equal up to float rounding: ``sparse`` (each expert
 over the rows routed to it, ``index_add``: data-dependent shapes, eager only; the CPU path and the
 reference), ``fused`` (``workers.moe_kernels``: rows sorted by expert, two grouped Triton GEMMs,
-static shapes; CUDA with the fused kernels on) and ``dense`` (each local expert over every row,
-weighted by zero where not routed: static shapes, CUDA with ``ADAPTIVE_DIST_FUSED=0``). The
+static shapes; CUDA with the fused kernels on, half precision or float32) and ``dense`` (each local expert over every row,
+weighted by zero where not routed: static shapes, CUDA otherwise: float64, or
+``ADAPTIVE_DIST_FUSED=0``). The
 experts' weights are views of two stacked buffers per block (``[E, 2F, d]`` gate and up rows,
 ``[E, d, F]`` down), so the grouped GEMMs read them in place and nothing is held twice.
 """
@@ -124,7 +125,7 @@ class MoeBlock(FusedOwner):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = self.par.gather(x)
         ids, weights = self.route(tokens)
-        if kernels.enabled(tokens):
+        if kernels.enabled(tokens) and tokens.dtype in moe_kernels.DTYPES:
             local = self.fused(tokens, ids, weights)
         else:
             local = (self.dense if tokens.is_cuda else self.sparse)(tokens, ids, weights)
