@@ -23,9 +23,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from workers.server import openai_io
+from workers.server.admission import LongInt
 from workers.server.cluster import ClusterClient, Failure, Tokens, Unavailable
 from workers.server.metrics import FrontendMetrics, render
-from workers.server.admission import LongInt
 from workers.server.openai_io import ApiError, CompletionParams, Limits
 from workers.server.text import Codec, TextStream, codec_for
 
