@@ -83,27 +83,32 @@ def rope_parameters(kind: str, theta: float) -> dict:
     return {"rope_type": kind, "rope_theta": theta, **extra}
 
 
-def target_hf_config(arch: str, rope: Optional[str] = None, max_pos: int = MAX_POS):
-    """The transformers config of target `arch` (`rope`: the RoPE type of the ``llama`` carrier)."""
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                  num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                  num_key_value_heads=KV_HEADS, max_position_embeddings=max_pos,
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                  attn_implementation="eager")
+def target_hf_config(arch: str, rope: Optional[str] = None, max_pos: int = MAX_POS,
+                     **overrides):
+    """The transformers config of target `arch` (`rope`: the RoPE type of the ``llama`` carrier;
+    `overrides`: config fields replaced)."""
+    kw = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+              num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+              max_position_embeddings=max_pos, bos_token_id=None, eos_token_id=None,
+              pad_token_id=None, attn_implementation="eager", tie_word_embeddings=False)
     if arch in ("llama3-tied", "llama3"):
-        return LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=arch == "llama3-tied",
-                           rope_parameters=rope_parameters("llama3", 500000.0))
-    if arch == "llama":
-        return LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                           rope_parameters=rope_parameters(rope or "default", 10000.0))
-    if arch == "qwen2":
+        cls = LlamaConfig
+        kw.update(rms_norm_eps=1e-5, tie_word_embeddings=arch == "llama3-tied",
+                  rope_parameters=rope_parameters("llama3", 500000.0))
+    elif arch == "llama":
+        cls = LlamaConfig
+        kw.update(rms_norm_eps=1e-5, rope_parameters=rope_parameters(rope or "default", 10000.0))
+    elif arch == "qwen2":
         # an eps far from every default: a reader that dropped the key would be seen
-        return Qwen2Config(**common, rms_norm_eps=0.05, tie_word_embeddings=False,
-                           rope_parameters=rope_parameters("default", 1e6))
-    if arch == "qwen3":
-        return Qwen3Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=False, head_dim=32,
-                           rope_parameters=rope_parameters("default", 1e6))
-    raise ValueError(f"arch {arch!r}; known: {ARCHS + ('llama',)}")
+        cls = Qwen2Config
+        kw.update(rms_norm_eps=0.05, rope_parameters=rope_parameters("default", 1e6))
+    elif arch == "qwen3":
+        cls = Qwen3Config
+        kw.update(rms_norm_eps=1e-6, head_dim=32, rope_parameters=rope_parameters("default", 1e6))
+    else:
+        raise ValueError(f"arch {arch!r}; known: {ARCHS + ('llama',)}")
+    kw.update(overrides)
+    return cls(**kw)
 
 
 _CLASSES = {LlamaConfig: LlamaForCausalLM, Qwen2Config: Qwen2ForCausalLM,
@@ -128,9 +133,9 @@ def randomize(model: nn.Module, seed: int) -> None:
 
 
 def build_target(arch: str, seed: int = 0, rope: Optional[str] = None,
-                 max_pos: int = MAX_POS) -> nn.Module:
+                 max_pos: int = MAX_POS, **overrides) -> nn.Module:
     """A float32 target of `arch` built by transformers, every weight redrawn from `seed`."""
-    cfg = target_hf_config(arch, rope, max_pos)
+    cfg = target_hf_config(arch, rope, max_pos, **overrides)
     torch.manual_seed(seed)
     model = _CLASSES[type(cfg)](cfg).float().eval()
     randomize(model, seed)
@@ -211,10 +216,12 @@ def causal_mask(n: int) -> torch.Tensor:
 
 def head_config(kind: str, target: nn.Module, draft_vocab: int = 0,
                 aux_ids: Optional[list[int]] = None, head_dim: Optional[int] = None,
-                intermediate: int = 96, norm_before_residual: bool = False) -> LlamaConfig:
+                intermediate: int = 96, norm_before_residual: bool = False,
+                aux_top_level: bool = False) -> LlamaConfig:
     """The transformers ``LlamaConfig`` of a head over `target` (its RoPE and dimensions; an
     intermediate size of its own): EAGLE (the EAGLE project's: a Llama config of one layer) or
-    EAGLE-3 (``LlamaForCausalLMEagle3`` with ``draft_vocab_size`` and ``eagle_config``)."""
+    EAGLE-3 (``LlamaForCausalLMEagle3`` with ``draft_vocab_size`` and the aux layer ids in
+    ``eagle_config``, or at the top level with `aux_top_level`, as vLLM also reads them)."""
     t = target.config
     kw = dict(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=intermediate,
               num_hidden_layers=1, num_attention_heads=t.num_attention_heads,
@@ -229,9 +236,12 @@ def head_config(kind: str, target: nn.Module, draft_vocab: int = 0,
         return LlamaConfig(**kw, architectures=["LlamaForCausalLM"])
     assert kind == "eagle3", kind
     extra = {"norm_before_residual": True} if norm_before_residual else {}
+    if aux_top_level:
+        extra["eagle_aux_hidden_state_layer_ids"] = list(aux_ids)
+    else:
+        extra["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_ids)}
     return LlamaConfig(**kw, architectures=["LlamaForCausalLMEagle3"],
-                       draft_vocab_size=draft_vocab,
-                       eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_ids)}, **extra)
+                       draft_vocab_size=draft_vocab, **extra)
 
 
 def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:

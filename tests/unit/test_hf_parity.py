@@ -51,6 +51,7 @@ from hf_models import (
     hf_logits,
     oracle_eagle3_tensors,
     oracle_eagle_tensors,
+    rope_parameters,
     save_target,
     set_eos,
     target_hf_config,
@@ -286,6 +287,38 @@ def test_other_rope_types_match_transformers_or_are_refused_by_name(saved, kind:
     assert got == s.reference
 
 
+_YARN = rope_parameters("yarn", 10000.0)
+VARIANTS = {  # name: (arch, config fields replaced)
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),          # as Qwen2.5-0.5B
+    "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),          # as Qwen3-0.6B
+    "qwen3-yarn": ("qwen3", {"rope_parameters": rope_parameters("yarn", 1e6)}),
+    "yarn-attention-factor": ("llama", {"rope_parameters": {**_YARN, "attention_factor": 0.7}}),
+    "yarn-mscale": ("llama", {"rope_parameters": {**_YARN, "mscale": 1.0, "mscale_all_dim": 0.5}}),
+    "yarn-untruncated": ("llama", {"rope_parameters": {**_YARN, "truncate": False,
+                                                       "beta_fast": 16.0, "beta_slow": 2.0}}),
+    "llama3-head-dim-32": ("llama3", {"head_dim": 32}),
+    "llama3-one-kv-head": ("llama3", {"num_key_value_heads": 1}),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_config_variants_match_transformers(tmp_path: Path, name: str, layout: str) -> None:
+    """Logits at every position within 1e-4 of transformers' for configurations real checkpoints
+    use beside the main four: tied Qwen embeddings, YaRN with an explicit attention factor, with
+    ``mscale`` / ``mscale_all_dim``, untruncated with other betas, on a Qwen3, an explicit Llama
+    ``head_dim``, one KV head. Catches a key of these read wrong or ignored."""
+    arch, overrides = VARIANTS[name]
+    model = build_target(arch, seed=30 + list(VARIANTS).index(name), **overrides)
+    path = save_target(model, tmp_path / "v5", "safetensors")
+    if layout == "legacy":
+        path = to_legacy_layout(path, tmp_path / "legacy")
+    target = load_llama(path)
+    diffs = [max_diff(got, hf_logits(model, p)) for got, p in zip(engine_logits(target, PROMPTS),
+                                                                 PROMPTS)]
+    assert max(diffs) <= TOL, f"{name} {layout}: max |logit diff| per prompt {diffs}"
+
+
 # ---- draft heads: their forward against transformers' blocks ---------------------------------------
 
 CHAIN = list(range(3, 64, 5))[:12] + [7, 7, 40, 2, 19, 33, 33, 8, 61, 0, 12, 5, 44]
@@ -341,7 +374,8 @@ def _compare(got: tuple, want: tuple, what: str) -> None:
 EAGLE3_CASES = [  # target, layout, format, aux layer ids, extras
     ("llama3", "v5", "safetensors", [0, 1, 2], {}),
     ("llama3-tied", "legacy", "bin", [2, 0, 1], {"norm_before_residual": True}),
-    ("qwen3", "v5", "safetensors", [1, 0, 2], {"head_dim": 32, "own_embedding": True}),
+    ("qwen3", "v5", "safetensors", [1, 0, 2], {"head_dim": 32, "own_embedding": True,
+                                               "aux_top_level": True}),
 ]
 
 
@@ -349,14 +383,15 @@ EAGLE3_CASES = [  # target, layout, format, aux layer ids, extras
 def test_eagle3_head_matches_reference(saved, tmp_path: Path, case) -> None:
     """An EAGLE-3 head in SGLang's layout (random weights) computes what the reference computes,
     through draft-extend and fed-back draft steps: catches a tensor or config field read wrong
-    (aux layer ids and their order, ``d2t``/``t2d``, ``norm_before_residual``, an explicit
-    ``head_dim``, its own embedding, its RoPE in either layout) or a wrong midlayer."""
+    (aux layer ids — in ``eagle_config`` or at the top level — and their order, ``d2t``/``t2d``,
+    ``norm_before_residual``, an explicit ``head_dim``, its own embedding, its RoPE in either
+    layout) or a wrong midlayer."""
     arch, layout, fmt, aux, extra = case
     s = saved(arch)
     own = extra.get("own_embedding", False)
     nbr = extra.get("norm_before_residual", False)
     cfg = head_config("eagle3", s.model, 32, aux, head_dim=extra.get("head_dim"),
-                      norm_before_residual=nbr)
+                      norm_before_residual=nbr, aux_top_level=extra.get("aux_top_level", False))
     tensors = eagle3_tensors(cfg, draft_vocab(32, seed=5), seed=7, own_embedding=own)
     path = write_head(tmp_path / "eagle3", cfg, tensors, fmt, layout)
     target = load_llama(s.dirs["safetensors", layout])
