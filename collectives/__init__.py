@@ -8,10 +8,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from collectives.errors import EXIT_DIVERGENCE, EXIT_TIMEOUT, CollectiveTimeoutError, DivergenceError
+from collectives.errors import (
+    EXIT_DIVERGENCE,
+    EXIT_TIMEOUT,
+    CollectiveTimeoutError,
+    DivergenceError,
+    SettingsMismatchError,
+    StartupError,
+)
 
 _LAZY = {
     "ops": "collectives.ops",
+    "agree_settings": "collectives.agreement", "all_ranks_or_none": "collectives.agreement",
+    "exchange": "collectives.agreement",
     "DistContext": "collectives.distributed", "free_port": "collectives.distributed",
     "init_distributed": "collectives.distributed", "pick_backend": "collectives.distributed",
     "Group": "collectives.group",
@@ -25,7 +34,8 @@ __all__ = [
     "ops", "DistContext", "free_port", "init_distributed", "pick_backend", "Group",
     "EXIT_DIVERGENCE", "EXIT_TIMEOUT", "CollectiveTimeoutError", "DivergenceError",
     "LockstepGuard", "first_difference", "GROUP_NAMES", "ParallelLayout", "check_degrees",
-    "CollectiveEntry", "CollectiveRecorder",
+    "CollectiveEntry", "CollectiveRecorder", "StartupError", "SettingsMismatchError",
+    "agree_settings", "all_ranks_or_none", "exchange",
 ]
 
 

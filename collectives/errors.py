@@ -20,6 +20,10 @@ class StartupError(ValueError):
     configuration or input error)."""
 
 
+class SettingsMismatchError(StartupError):
+    """The ranks were started with different settings (``collectives.agreement.agree_settings``)."""
+
+
 class JobAborted(RuntimeError):
     """Another rank failed and ended the job; carries the line and exit code it reported."""
 
