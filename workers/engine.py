@@ -314,8 +314,8 @@ class Engine:
             graph = bucket if self.worker.buckets else None
             for steps in self.pool.states:
                 self.pool.apply(steps)
-                chain = (self.worker.catchup_every
-                         if steps == 0 and self.worker.slot_lag is not None else COST_CHAIN)
+                chain = (self.worker.lag.catchup_every
+                         if steps == 0 and self.worker.lag.built else COST_CHAIN)
                 times = []
                 for _ in range(repeats + 1):  # the first is a warm-up
                     sync()

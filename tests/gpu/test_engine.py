@@ -168,7 +168,7 @@ def test_depth_0_catch_up_graphs_equal_eager(gpu_pair, prompts, reference) -> No
         engine.planner = ScriptPlanner(script, graphs, 4)
         out = _outputs(engine, prompts, _params(len(prompts)))
         assert out == reference
-        assert bool(engine.worker._catchup_graphs) == graphs
+        assert bool(engine.worker.lag.catchup_graphs) == graphs
         runs.append(dict(engine.stats.accept_histogram))
         _close_and_check_pages(engine)
     assert runs[0] == runs[1] and sum(v for k, v in runs[0].items() if k > 0) > 0
@@ -196,7 +196,7 @@ def test_deferred_prefill_graphs_equal_eager(gpu_pair, prompts, reference) -> No
             entry.replay = (lambda e: lambda: (replays.__setitem__(0, replays[0] + 1),
                                                type(e).replay(e))[1])(entry)
         assert _outputs(engine, prompts, _params(len(prompts))) == reference
-        assert bool(worker._deferred_graphs) == bool(worker._pending_graphs) == graphs
+        assert bool(worker._deferred_graphs) == bool(worker.lag.deferred_graphs) == graphs
         assert replays[0] > 0 if graphs else replays[0] == 0
         runs.append(dict(engine.stats.accept_histogram))
         _close_and_check_pages(engine)

@@ -51,23 +51,24 @@ def test_caught_up_draft_cache_equals_a_prefill_of_the_same_tokens(pair, rounds,
         engine.step()
     worker = engine.worker
     assert all(len(r.output_ids) == rounds + 1 for r in reqs)
-    assert worker.catchup_every == every and worker.lag_tokens.shape[1] == every
+    assert worker.lag.catchup_every == every and worker.lag.ring_tokens.shape[1] == every
     lag = rounds % every
-    assert worker._lag_rounds == lag
-    assert [int(worker.slot_lag[r.slot]) for r in reqs] == [lag] * len(reqs)
+    assert worker.lag.rounds_behind == lag
+    assert [int(worker.lag.ring_len[r.slot]) for r in reqs] == [lag] * len(reqs)
     waiting = [len(r.prompt_ids) for r in reqs] if defer and rounds < every else [0] * len(reqs)
     if defer:   # the prompts wait until the first catch-up (a 32-slot prefill: width 32)
-        assert [int(worker.pend_len[r.slot]) for r in reqs] == waiting
-        assert worker._pending_width == (32 if rounds < every else 0)
+        assert [int(worker.lag.deferred_len[r.slot]) for r in reqs] == waiting
+        assert worker.lag.deferred_width == (32 if rounds < every else 0)
     else:
-        assert worker.pend_len is None and worker._pending_width == 0
+        assert worker.lag.deferred_len is None and worker.lag.deferred_width == 0
     plan = engine.last_plan
     reach = worker.slots.reach
-    worker._catch_up(worker.state.payload, plan.batch_bucket or len(reqs), reach,
-                     plan.batch_bucket)
-    assert worker._lag_rounds == 0 and all(int(worker.slot_lag[r.slot]) == 0 for r in reqs)
-    assert worker._pending_width == 0
-    assert defer == 0 or all(int(worker.pend_len[r.slot]) == 0 for r in reqs)
+    worker.lag.catch_up(worker.state.payload, plan.batch_bucket or len(reqs), reach,
+                        plan.batch_bucket)
+    assert worker.lag.rounds_behind == 0 and all(int(worker.lag.ring_len[r.slot]) == 0
+                                                 for r in reqs)
+    assert worker.lag.deferred_width == 0
+    assert defer == 0 or all(int(worker.lag.deferred_len[r.slot]) == 0 for r in reqs)
 
     # reference: a fresh worker prefilling prompt + outputs but the last (greedy: it redraws it)
     fresh = engine_for(*pair, "static", steps=3)
@@ -123,15 +124,15 @@ def test_catch_up_runs_every_catchup_every_rounds_and_before_drafting(pair, grap
     script = [0] * 20 + [3, 3] + [0] * 3 + [1] + [0] * 2 + [3]
     engine = _engine(pair, script, graphs, tiers=(0, 1, 3))
     worker = engine.worker
-    assert worker.catchup_every == every
+    assert worker.lag.catchup_every == every
     calls: list[int] = []
-    real = worker._catch_up
+    real = worker.lag.catch_up
 
     def counted(*args):
         calls.append(engine.planner.i)
         real(*args)
 
-    worker._catch_up = counted
+    worker.lag.catch_up = counted
     prompts = random_prompts(2, vocab=64, seed=3)
     reqs = [engine.add(p, SamplingParams(max_new_tokens=60)) for p in prompts]
     for _ in range(len(script)):
@@ -139,7 +140,7 @@ def test_catch_up_runs_every_catchup_every_rounds_and_before_drafting(pair, grap
     # rounds 8 and 16 (full rings), 21 (the first depth-3 round, after 4 depth-0 rounds), 26 (the
     # depth-1 round after 3 depth-0 rounds), 29 (the depth-3 round after 2)
     assert calls == [8, 16, 21, 26, 29]
-    assert (len(worker._catchup_graphs) > 0) == graphs
+    assert (len(worker.lag.catchup_graphs) > 0) == graphs
     while engine.scheduler.has_work:
         engine.step()
     engine.drain()
@@ -152,7 +153,7 @@ def test_catch_up_runs_every_catchup_every_rounds_and_before_drafting(pair, grap
 
 def test_a_head_without_a_depth_0_tier_keeps_no_lag_state(pair) -> None:
     engine = engine_for(*pair, "static", steps=3)
-    assert engine.worker.slot_lag is None and engine.worker.lag_features is None
+    assert engine.worker.lag.ring_len is None and engine.worker.lag.ring_features is None
 
 
 class _Recording(ScriptPlanner):
@@ -200,7 +201,7 @@ def test_catch_up_reports_the_heads_greedy_guesses_checked_against_the_ring(pair
     out, start, hits = outs[0], 0, 0
     for req, ref in zip(reqs, refs):
         p, o = len(req.prompt_ids), req.output_ids
-        ring = worker.lag_tokens[req.slot].tolist()
+        ring = worker.lag.ring_tokens[req.slot].tolist()
         assert ring == o[1:9]                         # the 8 tokens of the depth-0 rounds
         # the head's output after the ring token at position p+1+j is row p+j of its prefill
         with torch.inference_mode():
@@ -224,9 +225,9 @@ def test_round_cost_chains_hold_one_catch_up_at_depth_0(pair) -> None:
     worker = engine.worker
     launched: list[int] = []
     catch_ups: list[int] = []
-    launch, catch_up = worker.launch, worker._catch_up
+    launch, catch_up = worker.launch, worker.lag.catch_up
     worker.launch = lambda *a: launched.append(worker.steps) or launch(*a)
-    worker._catch_up = lambda *a: catch_ups.append(worker.steps) or catch_up(*a)
+    worker.lag.catch_up = lambda *a: catch_ups.append(worker.steps) or catch_up(*a)
     table = engine.measure_round_costs(repeats=repeats)
     buckets = sorted(table)
     assert buckets and all(sorted(row) == [0, 1, 3] for row in table.values())
@@ -270,9 +271,9 @@ def test_deferred_prompts_draft_as_prompts_run_through_the_head_in_the_prefill(p
         prefill = engine.worker.prefill
 
         def counted(reqs, *args, _prefill=prefill, _worker=engine.worker, _out=deferred):
-            before = _worker._pending_width
+            before = _worker.lag.deferred_width
             _prefill(reqs, *args)
-            _out.append(_worker._pending_width > before)
+            _out.append(_worker.lag.deferred_width > before)
         engine.worker.prefill = counted
         reqs = [engine.add(p, SamplingParams(max_new_tokens=b)) for p, b in zip(prompts, budgets)]
         while engine.scheduler.has_work:
@@ -291,8 +292,8 @@ def test_deferred_prompts_draft_as_prompts_run_through_the_head_in_the_prefill(p
 
 def test_defer_prefill_width_picks_the_widths_whose_head_waits(pair) -> None:
     worker = _engine(pair, [0], False, defer=100).worker
-    assert worker._defer_widths == (32, 64) and worker.pend_tokens.shape[1] == 64
-    assert _engine(pair, [0], False, defer=31).worker.pend_len is None
+    assert worker.lag.defer_widths == (32, 64) and worker.lag.deferred_tokens.shape[1] == 64
+    assert _engine(pair, [0], False, defer=31).worker.lag.deferred_len is None
     with pytest.raises(ValueError, match="defer_prefill_width=-1"):
         _engine(pair, [0], False, defer=-1)
 
@@ -310,10 +311,10 @@ def test_a_deferred_prompt_caught_up_alone_equals_the_prefills_head(pair) -> Non
         admitted = engine.scheduler.admit()
         longest = max(len(p) for p in prompts)
         worker.prefill(admitted, sum(len(r.prompt_ids) for r in admitted), len(admitted), longest)
-        assert worker._pending_width == (64 if defer else 0)
+        assert worker.lag.deferred_width == (64 if defer else 0)
         worker.slots.round_rows[:len(reqs)] = torch.tensor([r.slot for r in reqs])
-        worker._catch_up(worker.state.payload, len(reqs), worker.slots.reach, None)
-        assert worker._pending_width == 0 and worker._lag_rounds == 0
+        worker.lag.catch_up(worker.state.payload, len(reqs), worker.slots.reach, None)
+        assert worker.lag.deferred_width == 0 and worker.lag.rounds_behind == 0
         states.append([_draft_state(engine, r) for r in reqs])
         engine.close()
     for (kv, g, n), (kv_ref, g_ref, n_ref) in zip(states[1], states[0]):

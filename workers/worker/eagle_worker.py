@@ -24,21 +24,8 @@ inside the verify graph); the head's own output has the same width. An EAGLE-3 h
 elsewhere), so the drafts and their distributions `q` are over target ids before verify sees them.
 At `S = 0` (no speculation) the round is one target forward of `x_n` and a sampled token.
 
-Depth 0 with a head (a tier the goodput policy may pick) is the same plain round: the head does not
-run, so its cache falls behind. Each such round appends the committed token `x_{n+1}` and the
-target feature `f_n` to the slot's lag ring (`lag` entries, at most `catchup_every`); a catch-up
-forward runs the head over the ring (positions `n-lag+1 .. n`, draft KV index `n-lag ..`, one
-padded forward of width `catchup_every`), writes those KV entries, sets `g_n` from its last real
-row and empties the ring. It runs after every `catchup_every`-th consecutive depth-0 round and
-before the first round at a depth > 0, so drafting always resumes from a current draft cache, and
-a depth-0 round costs one head forward per `catchup_every` rounds instead of one per round. The
-catch-up also checks the head's greedy guesses against the ring: its output at entry j predicts
-the token of entry j+1, already committed, so a row with `lag` entries gives `lag - 1` free
-depth-1 checks; a depth-0 round after which the catch-up ran reports each row's (hits, checks),
-the shadow acceptance the goodput policy reads at depth 0 (`adaptive_dist.controller`). The
-count of depth-0 rounds is the worker's own, the same on every rank (every rank launches every
-round of the cluster), so every rank runs the catch-up, and the collectives inside the head, in
-the same round.
+Depth 0 with a head runs the same plain round and lets the head's cache lag; the lag ring, the
+deferred prompts and the catch-up are `DraftLag`'s (`workers.worker.draft_lag`).
 
 Every forward of the round is padded (`attention.static_backend`), so the eager path and the CUDA
 graph path run the same code; under DP attention every rank runs the same forwards with the same
@@ -63,7 +50,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from workers import kernels
 from workers.attention import ForwardMode, build_metadata
 from workers.attention.base import AttentionBackend, upload
 from workers.config import EngineConfig
@@ -72,12 +58,11 @@ from workers.kv_cache import pages_for
 from workers.runtime_state import SpecRuntimeState
 from workers.scheduler import Request
 from workers.spec_decode import SALT_SAMPLE, draft_step, sample_tokens, verify
+from workers.worker.draft_lag import CATCHUP, DraftLag
 from workers.worker.models import RankModels
 from workers.worker.slots import SHADOW_COLUMNS, SlotState, StepBuffers
 
 PHASES = ("draft", "verify", "extend")
-CATCHUP = "catchup"
-PENDING = "pending-prompts"
 
 
 @dataclass
@@ -143,27 +128,14 @@ class EagleWorker:
                              f"tap to the target it is built for)")
         self.config = config
         self.device = torch.device(config.device)
-        self.catchup_every = config.catchup_rounds  # the catch-up forward's width
         self.models = RankModels(target, head, config, backend, self.device)
         dtype = next(target.parameters()).dtype
         self.slots = SlotState(config, target.feature_size, dtype, self.device)
+        self.lag = DraftLag(config, self.slots, self.models)
 
         def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dt, device=self.device)
 
-        # depth 0 with a head: committed tokens not in the draft cache yet (built with tier 0)
-        self.slot_lag: torch.Tensor | None = None     # [slots] entries in the ring
-        self.lag_tokens: torch.Tensor | None = None   # [slots, catchup_every] x_{p}
-        self.lag_features: torch.Tensor | None = None  # [slots, catchup_every, F] f_{p-1}
-        self._lag_rounds = 0                          # depth-0 rounds since the last catch-up
-        self._catchup_graphs: dict[int, GraphEntry] = {}
-        # depth 0 with a head: prompts whose head forward waits for the catch-up (built with tier
-        # 0 when `defer_prefill_width` admits a padded width)
-        self.pend_len: torch.Tensor | None = None        # [slots] prompt tokens waiting (0: none)
-        self.pend_tokens: torch.Tensor | None = None     # [slots, W] the head's x_1 .. x_P
-        self.pend_features: torch.Tensor | None = None   # [slots, W, F] f_0 .. f_{P-1}
-        self._pending_width = 0       # the widest deferred prefill since the last catch-up
-        self._pending_graphs: dict[tuple[int, int], GraphEntry] = {}   # (bucket, width)
         # the padded prefill: its shapes, its static inputs (token ids of `rows x width` slots,
         # then the slot of each row, then each row's prompt length) and its graphs
         self._pf_cap = config.padded_prefill_tokens
@@ -171,14 +143,6 @@ class EagleWorker:
             1 << i for i in range(config.max_batch_size.bit_length() + 1)
             if 1 << i < 2 * config.max_batch_size)
         self._pf_top = self._pf_buckets[-1]
-        # the padded prefill widths whose head forward may wait for the catch-up
-        self._defer_widths: tuple[int, ...] = ()
-        if config.speculative and self._pf_cap:
-            width, widths = 32, []
-            while width <= min(config.defer_prefill_width, self._pf_cap):
-                widths.append(width)
-                width *= 2
-            self._defer_widths = tuple(widths)
         self.pf_buf = zeros(self._pf_cap + 2 * self._pf_top) if self._pf_cap else None
         self._prefill_graphs: dict[tuple[int, int, bool], GraphEntry] = {}  # (rows, width, greedy)
         self._deferred_graphs: dict[tuple[int, int, bool], GraphEntry] = {}  # the head left out
@@ -218,29 +182,14 @@ class EagleWorker:
         dim = self.models.target.feature_size
         top = max([self.config.max_batch_size, *self.buckets])
         vocab = self.models.target.config.vocab_size
-
-        def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dt, device=self.device)
-
-        if steps == 0 and self.models.speculative and self.slot_lag is None:
-            slots, lag = self.slots.count, self.catchup_every
-            self.slot_lag = zeros(slots)
-            self.lag_tokens = zeros(slots, lag)
-            self.lag_features = zeros(slots, lag, dim, dt=self.slots.feature.dtype)
-            if self._defer_widths:
-                self.pend_len = zeros(slots)
-                self.pend_tokens = zeros(slots, self._defer_widths[-1])
-                self.pend_features = zeros(slots, self._defer_widths[-1], dim,
-                                           dt=self.slots.feature.dtype)
-        extra = SHADOW_COLUMNS if steps == 0 and self.slot_lag is not None else 0
+        if steps == 0 and self.models.speculative and not self.lag.built:
+            self.lag.allocate()
+        extra = SHADOW_COLUMNS if steps == 0 and self.lag.built else 0
         bufs = StepBuffers.allocate(steps, self.slots.round_rows, top, vocab, dim,
                                     self.slots.feature.dtype, extra, self.device)
         nbytes = bufs.nbytes
-        if steps == 0 and self.slot_lag is not None:
-            nbytes += sum(t.numel() * t.element_size()
-                          for t in (self.slot_lag, self.lag_tokens, self.lag_features,
-                                    self.pend_len, self.pend_tokens, self.pend_features)
-                          if t is not None)
+        if steps == 0 and self.lag.built:
+            nbytes += self.lag.nbytes
         if self.graphs is not None:
             before = self.graphs.pool_bytes()
             self._capture(bufs)
@@ -263,15 +212,7 @@ class EagleWorker:
                     body = self._body(bufs, phase, bucket, reach, greedy)
                     name = f"{phase}/steps={bufs.steps}/bucket={bucket}/greedy={greedy}"
                     bufs.graphs[(phase, bucket, greedy)] = self.graphs.capture_body(name, body)
-            if bufs.steps == 0 and self.slot_lag is not None and bucket not in self._catchup_graphs:
-                body = self._body(bufs, CATCHUP, bucket, reach, True)
-                self._catchup_graphs[bucket] = self.graphs.capture_body(
-                    f"{CATCHUP}/bucket={bucket}", body)
-                if self.pend_len is not None:
-                    for width in self._defer_widths:
-                        self._pending_graphs[(bucket, width)] = self.graphs.capture_body(
-                            f"{PENDING}/bucket={bucket}/width={width}",
-                            self._pending_body(bucket, reach, width))
+            self.lag.capture(self.graphs, bufs, bucket, reach)
         self.slots.set_dummy_length(0)
 
     @staticmethod
@@ -286,7 +227,7 @@ class EagleWorker:
         """Phase `phase` of a round over `bp` rows whose KV reach is `reach` pages; reads and
         writes only the tier's static buffers and the slot state."""
         fn = {"draft": self._draft_phase, "verify": self._verify_phase,
-              "extend": self._extend_phase, CATCHUP: self._catchup_phase}[phase]
+              "extend": self._extend_phase, CATCHUP: self.lag.catchup_phase}[phase]
         return lambda: fn(bufs, bp, reach, greedy)
 
     def _draft_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
@@ -332,15 +273,8 @@ class EagleWorker:
         bufs.tokens[:bp] = tokens
         bufs.out[:bp, 0] = self.slots.last_token[rows]
         if steps == 0:
-            if self.slot_lag is not None:  # the head's inputs at position n+1, for the catch-up
-                if kernels.enabled(hidden):
-                    kernels.lag_append(rows, tokens[:, 0], hidden, self.slot_lag,
-                                       self.lag_tokens, self.lag_features, self.slots.dummy)
-                else:
-                    lag = self.slot_lag[rows]
-                    self.lag_tokens[rows, lag] = tokens[:, 0]
-                    self.lag_features[rows, lag] = hidden
-                    self.slot_lag.index_copy_(0, rows, lag + real)
+            if self.lag.built:  # the head's inputs at position n+1, for the catch-up
+                self.lag.append(rows, tokens[:, 0], hidden, real)
             self._advance(bufs, bp, rows, n, None)
 
     def _extend_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
@@ -357,58 +291,6 @@ class EagleWorker:
         g = self.models.head(bufs.tokens[:bp].reshape(-1), bufs.hidden[:bp * width],
                       (n[:, None] + 1 + offsets).reshape(-1), attn, last=last)
         self._advance(bufs, bp, rows, n, g)
-
-    def _catchup_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
-        """The head over each row's lag ring: `lag` tokens at positions n-lag+1 .. n (draft KV
-        index n-lag ..) fed the target features recorded with them; its row lag-1 is the new g.
-        Rows without lag (and dummy rows) write nothing and keep their g. With the shadow
-        columns (tier 0's buffers) each row's hits and checks of the head's greedy guesses
-        against the ring's next tokens go to the last two columns of `out`."""
-        width = self.catchup_every
-        rows = bufs.rows[:bp]
-        n, real = self.slots.row_state(rows)
-        lag = self.slot_lag[rows] * real
-        base = n - lag
-        offsets = torch.arange(width, device=self.device)
-        attn = self.models.padded_attn(self.models.draft_kv, self.slots.pages_of(rows, reach), base, lag, width)
-        out = self.models.head(self.lag_tokens[rows].reshape(-1),
-                        self.lag_features[rows].reshape(bp * width, -1),
-                        (base[:, None] + 1 + offsets).reshape(-1), attn)
-        g = out.view(bp, width, -1)[torch.arange(bp, device=self.device), (lag - 1).clamp(min=0)]
-        fresh = torch.where((lag > 0)[:, None], g, self.slots.feature[rows])
-        self.slots.feature.index_copy_(0, rows, fresh)
-        self.slot_lag.index_copy_(0, rows, torch.zeros_like(lag))
-        if bufs.extra_columns == SHADOW_COLUMNS:
-            # NOTE: one logits row per ring entry (bp x catchup_every rows, once per catch-up)
-            guess = self.models.head.compute_logits(out).argmax(-1).view(bp, width)[:, :-1]
-            checks = (lag - 1).clamp(min=0)
-            valid = offsets[None, :-1] < checks[:, None]
-            hits = ((guess == self.lag_tokens[rows][:, 1:]) & valid).sum(1)
-            bufs.out[:bp, -2] = hits
-            bufs.out[:bp, -1] = checks
-
-    def _pending_body(self, bp: int, reach: int, width: int) -> Callable[[], None]:
-        return lambda: self._pending_phase(bp, reach, width)
-
-    def _pending_phase(self, bp: int, reach: int, width: int) -> None:
-        """The head over each row's deferred prompt (the part of a padded prefill run at depth 0
-        that was left out): `P` tokens x_1 .. x_P at positions 1 .. P (draft KV index 0 ..) fed
-        f_0 .. f_{P-1}; its row P-1 is the new g. Rows without a deferred prompt (and dummy
-        rows) write nothing and keep their g; `width` >= every waiting prompt's bucket. Runs
-        with the catch-up, before the ring (whose entries follow the prompt)."""
-        rows = self.slots.round_rows[:bp]
-        real = self.slots.real(rows)
-        length = self.pend_len[rows] * real
-        start = torch.zeros_like(length)
-        pos = torch.arange(1, width + 1, device=self.device).repeat(bp)
-        last = torch.arange(bp, device=self.device) * width + (length - 1).clamp(min=0)
-        attn = self.models.padded_attn(self.models.draft_kv, self.slots.pages_of(rows, reach), start, length, width)
-        g = self.models.head(self.pend_tokens[rows, :width].reshape(-1),
-                      self.pend_features[rows, :width].reshape(bp * width, -1), pos, attn,
-                      last=last)
-        fresh = torch.where((length > 0)[:, None], g, self.slots.feature[rows])
-        self.slots.feature.index_copy_(0, rows, fresh)
-        self.pend_len.index_copy_(0, rows, start)
 
     def _advance(self, bufs: StepBuffers, bp: int, rows: torch.Tensor, n: torch.Tensor,
                  g: torch.Tensor | None) -> None:
@@ -451,7 +333,7 @@ class EagleWorker:
                     body = self._prefill_body(rows, width, greedy)
                     self._prefill_graphs[(rows, width, greedy)] = self.graphs.capture_body(
                         f"prefill/rows={rows}/width={width}/greedy={greedy}", body)
-                    if self.pend_len is not None and width in self._defer_widths:
+                    if self.lag.deferred_len is not None and width in self.lag.defer_widths:
                         body = self._prefill_body(rows, width, greedy, defer=True)
                         self._deferred_graphs[(rows, width, greedy)] = self.graphs.capture_body(
                             f"prefill/rows={rows}/width={width}/greedy={greedy}/deferred", body)
@@ -494,8 +376,7 @@ class EagleWorker:
             nxt = torch.cat([ids.view(bp, width)[:, 1:], start[:, None]], dim=1).reshape(-1)
             nxt = nxt.index_copy(0, last, first)
             if defer:
-                self.pend_tokens[rows, :width] = nxt.view(bp, width)
-                self.pend_features[rows, :width] = hidden.view(bp, width, -1)
+                self.lag.store_prompts(rows, width, nxt, hidden)
             else:
                 g = self.models.head(nxt, hidden, pos + 1,
                               self.models.padded_attn(self.models.draft_kv, pages, start, lens, width), last=last)
@@ -508,11 +389,7 @@ class EagleWorker:
         the prompt's head forward waiting for the catch-up, or none."""
         self.slots.cache_len.index_copy_(0, slots, lens)
         self.slots.last_token.index_copy_(0, slots, first)
-        if self.slot_lag is not None:
-            self.slot_lag.index_copy_(0, slots, torch.zeros_like(slots))
-        if self.pend_len is not None:
-            self.pend_len.index_copy_(0, slots, lens if deferred else torch.zeros_like(slots))
-            self.pend_len[self.slots.dummy:].zero_()
+        self.lag.reset(slots, lens, deferred)
         self.slots.cache_len[self.slots.dummy:].zero_()
 
     @torch.inference_mode()
@@ -542,7 +419,7 @@ class EagleWorker:
             for dst, src in zip(self.prefill_inputs(bp, slots), (dev_ids, dev_rows, dev_lens)):
                 dst.copy_(src)
             greedy = all(r.params.greedy for r in reqs)
-            defer = self._defers(slots)
+            defer = self.lag.defers(slots, None if self.state is None else self.state.steps)
             graphs = self._deferred_graphs if defer else self._prefill_graphs
             entry = graphs.get((bp, slots, greedy)) if graph else None
             if entry is not None:
@@ -550,7 +427,7 @@ class EagleWorker:
             else:
                 self._prefill_padded(bp, slots, greedy, defer)
             if defer:
-                self._pending_width = max(self._pending_width, slots)
+                self.lag.mark_deferred(slots)
             return
         lens = [len(r.prompt_ids) for r in reqs]
         total = sum(lens)
@@ -586,12 +463,6 @@ class EagleWorker:
                           last=last)
             self.slots.feature.index_copy_(0, slots, g)
         self._filled(slots, dev["lens"], first)
-
-    def _defers(self, width: int) -> bool:
-        """Whether a padded prefill of `width` slots leaves the head's part to the catch-up: at
-        depth 0 (the tier in force, agreed) with the deferral buffers, at a width they hold."""
-        return (self.pend_len is not None and self.state is not None and self.state.steps == 0
-                and width in self._defer_widths)
 
     @staticmethod
     def _padded(values: list[int], size: int) -> list[int]:
@@ -629,19 +500,17 @@ class EagleWorker:
         bufs.rows[:bp].copy_(stage.rows[:bp], non_blocking=True)
         greedy = all(r.params.greedy for r in reqs)
         reach = self._reach(reqs, graph_bucket)
-        if bufs.steps > 0 and (self._lag_rounds or self._pending_width):
-            self._catch_up(bufs, bp, reach, graph_bucket)   # drafting resumes: the draft cache first
+        if bufs.steps > 0 and self.lag.behind:
+            self.lag.catch_up(bufs, bp, reach, graph_bucket)   # drafting resumes: first the cache
         for phase in self._phases(bufs.steps):
             if graph_bucket is None:
                 self._body(bufs, phase, bp, reach, greedy)()
             else:  # draft-extend samples nothing: one graph serves both
                 bufs.graphs[(phase, graph_bucket, greedy or phase == "extend")].replay()
         shadow = False
-        if bufs.steps == 0 and self.slot_lag is not None:
-            self._lag_rounds += 1
-            if self._lag_rounds == self.catchup_every:  # the ring is full for a row in every round
-                self._catch_up(bufs, bp, reach, graph_bucket)
-                shadow = True
+        if bufs.steps == 0 and self.lag.built and self.lag.count_round():
+            self.lag.catch_up(bufs, bp, reach, graph_bucket)   # a full ring
+            shadow = True
         width = bufs.out.shape[1]
         out = bufs.out[:len(reqs)]
         host = stage.out[:len(reqs) * width].view(len(reqs), width)
@@ -652,23 +521,6 @@ class EagleWorker:
         extra = bufs.extra_columns
         return LaunchedRound(reqs=reqs, host=host, done=done, steps=bufs.steps, extra=extra,
                              shadow=shadow)
-
-    def _catch_up(self, bufs: StepBuffers, bp: int, reach: int, graph_bucket: int | None) -> None:
-        """The draft cache caught up: the deferred prompts (if any prefill left its head part
-        since the last catch-up), then the lag ring (if any depth-0 round ran since)."""
-        width = self._pending_width
-        if width:
-            if graph_bucket is None:
-                self._pending_phase(bp, reach, width)
-            else:
-                self._pending_graphs[(graph_bucket, width)].replay()
-            self._pending_width = 0
-        if self._lag_rounds:
-            if graph_bucket is None:
-                self._catchup_phase(bufs, bp, reach, True)
-            else:
-                self._catchup_graphs[graph_bucket].replay()
-            self._lag_rounds = 0
 
     def collect(self, launched: "LaunchedRound") -> "RoundResult":
         """Wait for a launched round and read its results (the round's one host synchronisation:
