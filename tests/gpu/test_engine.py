@@ -97,7 +97,7 @@ def test_cuda_graph_replay_equals_eager(gpu_pair, prompts, reference, steps: int
                          overlap=overlap)
     runner = engine.worker.graphs
     # a static run builds only its own tier (and the padded prefill: one graph per shape)
-    prefill = len(engine.worker._prefill_graphs)
+    prefill = len(engine.worker.prefill_runner.graphs)
     assert prefill == 30   # buckets 1, 2, 4 x widths 32 .. 512 (the context) x greedy or not
     assert runner.capture and runner.num_captures == _captures_per_bucket(steps) * len(
         engine.worker.buckets) + prefill
@@ -130,7 +130,7 @@ def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference
     runner, pool = engine.worker.graphs, engine.pool
     captured = runner.num_captures
     assert captured == sum(_captures_per_bucket(s) for s in pool.states) * len(
-        engine.worker.buckets) + len(engine.worker._prefill_graphs)
+        engine.worker.buckets) + len(engine.worker.prefill_runner.graphs)
     growth = {s: st.nbytes - st.payload.nbytes for s, st in pool.states.items()}
     for steps, state in pool.states.items():
         assert growth[steps] >= 0 and all(e.graph is not None
@@ -139,7 +139,7 @@ def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference
     print(f"graph pool {pool_bytes} B; growth of the shared pool while each tier captured: {growth}")
     # a tier may fit in segments an earlier tier left free: the growths (and the padded
     # prefill's, captured last) add up to the pool
-    prefill = engine.worker.prefill_graph_bytes
+    prefill = engine.worker.prefill_runner.graph_bytes
     assert pool_bytes > 0 and sum(growth.values()) + prefill == pool_bytes
     for steps in list(pool.states) * 2:
         torch.cuda.synchronize()
@@ -192,11 +192,12 @@ def test_deferred_prefill_graphs_equal_eager(gpu_pair, prompts, reference) -> No
         worker = engine.worker
         engine.planner = ScriptPlanner(script, graphs, 4)
         replays = [0]
-        for entry in worker._deferred_graphs.values():
+        for entry in worker.prefill_runner.graphs_without_head.values():
             entry.replay = (lambda e: lambda: (replays.__setitem__(0, replays[0] + 1),
                                                type(e).replay(e))[1])(entry)
         assert _outputs(engine, prompts, _params(len(prompts))) == reference
-        assert bool(worker._deferred_graphs) == bool(worker.lag.deferred_graphs) == graphs
+        assert bool(worker.prefill_runner.graphs_without_head) == bool(
+            worker.lag.deferred_graphs) == graphs
         assert replays[0] > 0 if graphs else replays[0] == 0
         runs.append(dict(engine.stats.accept_histogram))
         _close_and_check_pages(engine)
@@ -374,7 +375,7 @@ def test_prefill_graph_replays_leave_what_the_ragged_prefill_leaves() -> None:
     for cap in (0, 4096):
         engine = engine_for(*pair, "static", steps=3, max_batch=4, device="cuda",
                             cuda_graphs=True, padded_prefill_tokens=cap)
-        graphs = engine.worker._prefill_graphs
+        graphs = engine.worker.prefill_runner.graphs
         assert bool(graphs) == bool(cap)
         count = [0]
         for entry in graphs.values():

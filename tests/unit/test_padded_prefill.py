@@ -20,21 +20,22 @@ def pair():
 
 def test_prefill_shape_rule(pair) -> None:
     worker = engine_for(*pair, "static", steps=3, max_batch=4).worker   # buckets 1, 2, 4
-    assert worker.prefill_shape(3, 20) == (4, 32)      # width: a power of two, at least 32
-    assert worker.prefill_shape(1, 33) == (1, 64)
-    assert worker.prefill_shape(2, 64) == (2, 64)
-    assert worker.prefill_shape(4, 1024) == (4, 1024)  # 4096 slots: the default limit
-    assert worker.prefill_shape(4, 1025) is None       # 8192 slots: ragged
-    assert worker.prefill_shape(5, 10) is None         # more requests than any bucket
-    assert worker.prefill_shape(2, 0) is None          # nothing to prefill
+    assert worker.prefill_runner.shape(3, 20) == (4, 32)      # width: a power of two, at least 32
+    assert worker.prefill_runner.shape(1, 33) == (1, 64)
+    assert worker.prefill_runner.shape(2, 64) == (2, 64)
+    assert worker.prefill_runner.shape(4, 1024) == (4, 1024)  # 4096 slots: the default limit
+    assert worker.prefill_runner.shape(4, 1025) is None       # 8192 slots: ragged
+    assert worker.prefill_runner.shape(5, 10) is None         # more requests than any bucket
+    assert worker.prefill_runner.shape(2, 0) is None          # nothing to prefill
     off = engine_for(*pair, "static", steps=3, max_batch=4, padded_prefill_tokens=0).worker
-    assert off.prefill_shape(1, 8) is None
+    assert off.prefill_runner.shape(1, 8) is None
     graphs = engine_for(*pair, "static", steps=3, max_batch=4, cuda_graphs=True,
                         padded_prefill_tokens=256).worker
     # the shapes captured: every bucket, every width up to the limit and the context, each with
     # device sampling and greedy-only
     shapes = [(1, 32), (1, 64), (1, 128), (1, 256), (2, 32), (2, 64), (2, 128), (4, 32), (4, 64)]
-    assert sorted(graphs._prefill_graphs) == sorted((*s, g) for s in shapes for g in (False, True))
+    assert sorted(graphs.prefill_runner.graphs) == sorted((*s, g) for s in shapes
+                                                          for g in (False, True))
 
 
 def test_padded_prefill_tokens_and_catchup_rounds_are_checked() -> None:
@@ -67,7 +68,7 @@ def test_padded_prefill_leaves_what_the_ragged_one_leaves(pair, graphs) -> None:
     prompts = random_prompts(3, vocab=64, seed=5, lo=2, hi=40)
     ragged, reqs_r = _prefilled(pair, prompts, False, padded_prefill_tokens=0)
     padded, reqs_p = _prefilled(pair, prompts, graphs)
-    assert padded.prefill_shape(3, max(len(p) for p in prompts)) is not None
+    assert padded.prefill_runner.shape(3, max(len(p) for p in prompts)) is not None
     for a, b, p in zip(reqs_r, reqs_p, prompts):
         n = len(p)
         assert int(padded.slots.cache_len[b.slot]) == int(ragged.slots.cache_len[a.slot]) == n
@@ -97,7 +98,8 @@ def test_outputs_equal_with_either_prefill(pair, mode, graphs) -> None:
 def test_prefill_beyond_the_limit_runs_ragged(pair) -> None:
     prompts = random_prompts(4, vocab=64, seed=3, lo=40, hi=70)   # 4 x 128 slots > 256
     worker = engine_for(*pair, "static", steps=3, max_batch=4, padded_prefill_tokens=256).worker
-    assert worker.prefill_shape(4, 70) is None and worker.prefill_shape(2, 70) == (2, 128)
+    assert worker.prefill_runner.shape(4, 70) is None and worker.prefill_runner.shape(
+        2, 70) == (2, 128)
     outs = []
     for cap in (0, 256):
         engine = engine_for(*pair, "static", steps=3, max_batch=4, padded_prefill_tokens=cap)

@@ -53,7 +53,7 @@ class DraftLag:
         self.catchup_graphs: dict[int, GraphEntry] = {}   # bucket
         # prompts whose head forward waits for the catch-up (when `defer_prefill_width` admits a
         # padded prefill width)
-        self.deferred_len: torch.Tensor | None = None       # [slots] prompt tokens waiting (0: none)
+        self.deferred_len: torch.Tensor | None = None       # [slots] tokens waiting (0: none)
         self.deferred_tokens: torch.Tensor | None = None    # [slots, W] the head's x_1 .. x_P
         self.deferred_features: torch.Tensor | None = None  # [slots, W, F] f_0 .. f_{P-1}
         self.deferred_width = 0     # the widest deferred prefill since the last catch-up

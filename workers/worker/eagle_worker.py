@@ -33,14 +33,8 @@ row counts (an idle rank: all dummy rows), which is what keeps the collectives i
 lockstep. Everything whose shape depends on `S` lives in a `SpecRuntimeState` (one per tier,
 pre-built).
 
-Prefill takes one of two paths, chosen from the round's agreed sizes (so every rank takes the same):
-a padded prefill — `rows` requests (a bucket) by `width` token slots (a power of two >= the longest
-prompt, >= 32), at most `padded_prefill_tokens` slots — runs through the same padded attention
-as the round, as a CUDA graph per (rows, width, every request greedy or not: the argmax alone or
-device sampling, as the round) when the round uses graphs (eager otherwise, the
-same body); anything larger runs ragged through `attention_backend`, padded to the agreed token
-count. The padded path exists because an eager prefill of a small model is all host work and
-launches: thousands of operator calls, several milliseconds, tens of decode rounds' worth.
+Prefill (padded or ragged, and the padded prefill's CUDA graphs) is `PrefillRunner`'s
+(`workers.worker.prefill`).
 """
 from __future__ import annotations
 
@@ -50,16 +44,16 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from workers.attention import ForwardMode, build_metadata
-from workers.attention.base import AttentionBackend, upload
+from workers.attention.base import AttentionBackend
 from workers.config import EngineConfig
-from workers.cuda_graphs import CudaGraphRunner, GraphEntry
+from workers.cuda_graphs import CudaGraphRunner
 from workers.kv_cache import pages_for
 from workers.runtime_state import SpecRuntimeState
 from workers.scheduler import Request
 from workers.spec_decode import SALT_SAMPLE, draft_step, sample_tokens, verify
 from workers.worker.draft_lag import CATCHUP, DraftLag
 from workers.worker.models import RankModels
+from workers.worker.prefill import PrefillRunner
 from workers.worker.slots import SHADOW_COLUMNS, SlotState, StepBuffers
 
 PHASES = ("draft", "verify", "extend")
@@ -132,21 +126,7 @@ class EagleWorker:
         dtype = next(target.parameters()).dtype
         self.slots = SlotState(config, target.feature_size, dtype, self.device)
         self.lag = DraftLag(config, self.slots, self.models)
-
-        def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dt, device=self.device)
-
-        # the padded prefill: its shapes, its static inputs (token ids of `rows x width` slots,
-        # then the slot of each row, then each row's prompt length) and its graphs
-        self._pf_cap = config.padded_prefill_tokens
-        self._pf_buckets = config.graph_buckets or tuple(
-            1 << i for i in range(config.max_batch_size.bit_length() + 1)
-            if 1 << i < 2 * config.max_batch_size)
-        self._pf_top = self._pf_buckets[-1]
-        self.pf_buf = zeros(self._pf_cap + 2 * self._pf_top) if self._pf_cap else None
-        self._prefill_graphs: dict[tuple[int, int, bool], GraphEntry] = {}  # (rows, width, greedy)
-        self._deferred_graphs: dict[tuple[int, int, bool], GraphEntry] = {}  # the head left out
-        self.prefill_graph_bytes = 0   # growth of the shared graph pool while they captured
+        self.prefill_runner = PrefillRunner(config, self.slots, self.models, self.lag)
         # host staging of a round (rows in, results out), two sets: with overlap the next round is
         # staged while the device may still copy the previous one's
         top = self.slots.round_rows.shape[0]
@@ -306,91 +286,10 @@ class EagleWorker:
         bufs.out[:bp, 2:2 + bufs.steps + 1] = bufs.tokens[:bp]   # then the shadow columns, if any
 
     # ---- prefill ------------------------------------------------------------------------------
-    def prefill_shape(self, pad_requests: int, width: int) -> tuple[int, int] | None:
-        """(rows, width) of the padded prefill of `pad_requests` requests whose longest prompt
-        is `width` tokens (both agreed), or None: the prefill runs ragged."""
-        if not self._pf_cap or width < 1:
-            return None
-        rows = next((b for b in self._pf_buckets if b >= pad_requests), None)
-        slots = max(32, 1 << (width - 1).bit_length())
-        if rows is None or rows * slots > self._pf_cap:
-            return None
-        return rows, slots
-
     def capture_prefill(self) -> None:
         """Capture the padded prefill at every shape that can occur (with graphs; start-up only,
         after the tiers: a body resets the lag ring of the slots it fills if tier 0 has one)."""
-        if self.graphs is None or not self._pf_cap:
-            return
-        self.pf_buf.zero_()
-        self.prefill_inputs(self._pf_top, 0)[1].fill_(self.slots.dummy)
-        longest = 1 << (self.config.max_context_len - 1).bit_length()
-        before = self.graphs.pool_bytes()
-        for rows in sorted(self.buckets, reverse=True):
-            width = 32
-            while rows * width <= self._pf_cap and width <= max(longest, 32):
-                for greedy in (False, True):
-                    body = self._prefill_body(rows, width, greedy)
-                    self._prefill_graphs[(rows, width, greedy)] = self.graphs.capture_body(
-                        f"prefill/rows={rows}/width={width}/greedy={greedy}", body)
-                    if self.lag.deferred_len is not None and width in self.lag.defer_widths:
-                        body = self._prefill_body(rows, width, greedy, defer=True)
-                        self._deferred_graphs[(rows, width, greedy)] = self.graphs.capture_body(
-                            f"prefill/rows={rows}/width={width}/greedy={greedy}/deferred", body)
-                width *= 2
-        self.slots.set_dummy_length(0)
-        self.prefill_graph_bytes = self.graphs.pool_bytes() - before
-
-    def prefill_inputs(self, bp: int, width: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                            torch.Tensor]:
-        """The padded prefill's static inputs for `bp` rows of `width` slots (views of one
-        buffer, what its graphs read): token ids [bp * width], each row's slot [bp] and prompt
-        length [bp]."""
-        cap, top = self._pf_cap, self._pf_top
-        return (self.pf_buf[:bp * width], self.pf_buf[cap:cap + bp],
-                self.pf_buf[cap + top:cap + top + bp])
-
-    def _prefill_body(self, rows: int, width: int, greedy: bool,
-                      defer: bool = False) -> Callable[[], None]:
-        return lambda: self._prefill_padded(rows, width, greedy, defer)
-
-    def _prefill_padded(self, bp: int, width: int, greedy: bool = False,
-                        defer: bool = False) -> None:
-        """The padded prefill over `bp` rows of `width` token slots, from the static inputs:
-        the target over each row's prompt at positions 0.., its first token drawn at the last
-        prompt position (`greedy`: every request greedy, the argmax alone — like the round, one
-        graph each way), the head over x_1 .. x_P (the first token last) with f_0 .. f_{P-1} at
-        positions 1 .. (`defer`: those inputs kept in the rows' slots for the next catch-up
-        instead), and the rows' slots set. Dummy rows (length 0) write the dummy slot."""
-        ids, rows, lens = self.prefill_inputs(bp, width)
-        reach = min(pages_for(width, self.config.page_size), self.slots.reach)
-        pages = self.slots.pages_of(rows, reach)
-        start = torch.zeros_like(lens)
-        pos = torch.arange(width, device=self.device).repeat(bp)
-        hidden = self.models.target(ids, pos, self.models.padded_attn(self.models.target_kv, pages, start, lens, width))
-        last = torch.arange(bp, device=self.device) * width + (lens - 1).clamp(min=0)
-        logits = self.models.target.compute_logits(hidden[last]).float()
-        temp, top_p, seed = self.slots.sampling(rows)
-        first = sample_tokens(logits, temp, top_p, seed, lens - 1, SALT_SAMPLE, all_greedy=greedy)
-        if self.models.speculative:
-            nxt = torch.cat([ids.view(bp, width)[:, 1:], start[:, None]], dim=1).reshape(-1)
-            nxt = nxt.index_copy(0, last, first)
-            if defer:
-                self.lag.store_prompts(rows, width, nxt, hidden)
-            else:
-                g = self.models.head(nxt, hidden, pos + 1,
-                              self.models.padded_attn(self.models.draft_kv, pages, start, lens, width), last=last)
-                self.slots.feature.index_copy_(0, rows, g)
-        self._filled(rows, lens, first, defer)
-
-    def _filled(self, slots: torch.Tensor, lens: torch.Tensor, first: torch.Tensor,
-                deferred: bool = False) -> None:
-        """Prefilled slots: their cache length, first token, an empty lag ring and (`deferred`)
-        the prompt's head forward waiting for the catch-up, or none."""
-        self.slots.cache_len.index_copy_(0, slots, lens)
-        self.slots.last_token.index_copy_(0, slots, first)
-        self.lag.reset(slots, lens, deferred)
-        self.slots.cache_len[self.slots.dummy:].zero_()
+        self.prefill_runner.capture(self.graphs, self.buckets)
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Request], pad_tokens: int, pad_requests: int, width: int = 0,
@@ -400,73 +299,9 @@ class EagleWorker:
         rank calls it when any rank prefills: `pad_tokens` / `pad_requests` / `width` (the
         longest prompt) are the round's agreed sizes (this rank's rows beyond its own are
         padding); `graph`: the round runs through CUDA graphs (agreed), so a captured padded
-        prefill replays. Padded or ragged: see the module docstring."""
-        shape = self.prefill_shape(pad_requests, width)
-        if shape is not None:
-            lens = [len(r.prompt_ids) for r in reqs]
-            if max(lens, default=0) > width or len(reqs) > pad_requests:
-                raise RuntimeError(f"prefill of {len(reqs)} requests, longest {max(lens)} tokens, "
-                                   f"exceeds the agreed {pad_requests} / {width}")
-            self.slots.admit(reqs)
-            bp, slots = shape
-            ids = np.zeros((bp, slots), dtype=np.int64)
-            for i, r in enumerate(reqs):
-                ids[i, :lens[i]] = r.prompt_ids
-            pad = bp - len(reqs)
-            dev_ids, dev_rows, dev_lens = upload(
-                self.device, ids.reshape(-1).tolist(),
-                [r.slot for r in reqs] + [self.slots.dummy] * pad, lens + [0] * pad)
-            for dst, src in zip(self.prefill_inputs(bp, slots), (dev_ids, dev_rows, dev_lens)):
-                dst.copy_(src)
-            greedy = all(r.params.greedy for r in reqs)
-            defer = self.lag.defers(slots, None if self.state is None else self.state.steps)
-            graphs = self._deferred_graphs if defer else self._prefill_graphs
-            entry = graphs.get((bp, slots, greedy)) if graph else None
-            if entry is not None:
-                entry.replay()
-            else:
-                self._prefill_padded(bp, slots, greedy, defer)
-            if defer:
-                self.lag.mark_deferred(slots)
-            return
-        lens = [len(r.prompt_ids) for r in reqs]
-        total = sum(lens)
-        if total > pad_tokens or len(reqs) > pad_requests:
-            raise RuntimeError(f"prefill of {len(reqs)} requests / {total} tokens exceeds the "
-                               f"agreed {pad_requests} / {pad_tokens}")
-        self.slots.admit(reqs)
-        pad = pad_requests - len(reqs)
-        ends = [sum(lens[:i + 1]) - 1 for i in range(len(reqs))]
-        fields = {  # every host value of the prefill, uploaded in one copy
-            "ids": self._padded([t for r in reqs for t in r.prompt_ids], pad_tokens),
-            "pos": self._padded([i for n in lens for i in range(n)], pad_tokens),
-            "last": self._padded(ends, pad_requests),
-            "slots": [r.slot for r in reqs] + [self.slots.dummy] * pad,
-            "lens": self._padded(lens, pad_requests)}
-        if self.models.speculative:  # the head over x_1 .. x_P with f_0 .. f_{P-1}: positions 1 .. P
-            fields["nxt"] = self._padded(
-                [t for r, n in zip(reqs, lens) for t in r.prompt_ids[1:n] + [0]], pad_tokens)
-            fields["pos2"] = self._padded([i + 1 for n in lens for i in range(n)], pad_tokens)
-        dev = dict(zip(fields, upload(self.device, *fields.values())))
-        meta = build_metadata(ForwardMode.EXTEND, [r.pages for r in reqs], [0] * len(reqs), lens,
-                              self.config.page_size, self.device)
-        hidden = self.models.target(dev["ids"], dev["pos"], self.models.backend.plan(meta, self.models.target_kv))
-        last, slots = dev["last"], dev["slots"]
-        logits = self.models.target.compute_logits(hidden[last]).float()
-        temp, top_p, seed = self.slots.sampling(slots)
-        first = sample_tokens(logits, temp, top_p, seed, dev["lens"] - 1, SALT_SAMPLE,
-                              all_greedy=all(r.params.greedy for r in reqs))
-        if self.models.speculative:
-            nxt = dev["nxt"]
-            nxt[last[:len(reqs)]] = first[:len(reqs)]
-            g = self.models.head(nxt, hidden, dev["pos2"], self.models.backend.plan(meta, self.models.draft_kv),
-                          last=last)
-            self.slots.feature.index_copy_(0, slots, g)
-        self._filled(slots, dev["lens"], first)
-
-    @staticmethod
-    def _padded(values: list[int], size: int) -> list[int]:
-        return values + [0] * (size - len(values))
+        prefill replays. Padded or ragged: see `workers.worker.prefill`."""
+        self.prefill_runner.run(reqs, pad_tokens, pad_requests, width, graph,
+                                None if self.state is None else self.state.steps)
 
     # ---- the speculative round ------------------------------------------------------------------
     @torch.inference_mode()
