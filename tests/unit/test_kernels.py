@@ -251,7 +251,7 @@ def test_greedy_accept_and_one_hot_match_torch(monkeypatch: pytest.MonkeyPatch, 
 
 @pytest.mark.parametrize("dim", [40, 2100])   # one block; several blocks of 1024
 def test_lag_append_matches_torch(dim: int) -> None:
-    """The depth-0 round's append to the lag rings (`EagleWorker._verify_phase`) against its torch
+    """The depth-0 round's append to the lag rings (`DraftLag.append`) against its torch
     code: rows in any order, rings part full, dummy rows (their slot's lag stays put; its ring
     entry is scratch, written by each of them), a strided feature view."""
     torch.manual_seed(7)

@@ -4,34 +4,12 @@ Per request the worker keeps, on the device, in the request's batch slot (`SlotS
 `workers.worker.slots`): its page table, `n` (tokens in each cache), its last committed token `x_n`
 and the head's last output `g_n`.
 
-One round at depth `S` over `B` requests, padded to `Bp` rows (the plan's batch: the agreed
-CUDA-graph bucket, or the cluster's largest batch when eager; rows beyond `B` are dummy rows in a
-dummy slot whose pages are the dummy page):
-1. draft: `d_1` from `g_n`; for k = 2..S one head forward of `d_{k-1}` at position `n+k-1`;
-2. verify: one target forward of `[x_n, d_1 .. d_S]` at positions `n .. n+S`;
-3. accept (greedy: exact match on the device; sampling: rejection sampling) -> `a` drafts + bonus;
-4. draft-extend: the head over the `a+1` committed tokens at positions `n+1 .. n+a+1` with the
-   target features `f_n .. f_{n+a}` (verify rows `0..a`); its row `a` becomes `g_{n+a+1}` (the
-   head's last layer stores every row's KV but goes on with row `a` only: no other output is read;
-   the prefill's head likewise with each prompt's last row);
-5. the slots advance on the device (`n += a+1`, last token, feature); the host reads the accepted
-   lengths and tokens once and commits them to the requests.
-Rejected tokens need no cleanup: their KV slots are past `n` and the next round overwrites them.
-Features are `target.feature_size` (F) wide: the final hidden state (EAGLE), or with an EAGLE-3
-head `[hidden | fc(three captured target states)]`, computed inside the target's forward (so
-inside the verify graph); the head's own output has the same width. An EAGLE-3 head's
-`compute_logits` scatters its draft-vocabulary logits to target ids through `d2t` (`-inf`
-elsewhere), so the drafts and their distributions `q` are over target ids before verify sees them.
-At `S = 0` (no speculation) the round is one target forward of `x_n` and a sampled token.
-
-Depth 0 with a head runs the same plain round and lets the head's cache lag; the lag ring, the
-deferred prompts and the catch-up are `DraftLag`'s (`workers.worker.draft_lag`).
-
-Every forward of the round is padded (`attention.static_backend`), so the eager path and the CUDA
-graph path run the same code; under DP attention every rank runs the same forwards with the same
-row counts (an idle rank: all dummy rows), which is what keeps the collectives inside them in
-lockstep. Everything whose shape depends on `S` lives in a `SpecRuntimeState` (one per tier,
-pre-built).
+One round at depth `S` runs three device phases on the agreed padded batch — the whole draft
+loop, verify + accept, draft-extend + the slot update (`RoundPhases`, `workers.worker.phases`) —
+one CUDA graph each per depth and bucket (greedy-only and sampling variants), the same bodies
+eager; the host reads the round's rows once (`collect`). Depth 0 with a head runs the plain round
+and lets the head's cache lag; the lag ring, the deferred prompts and the catch-up are
+`DraftLag`'s (`workers.worker.draft_lag`).
 
 Prefill (padded or ragged, and the padded prefill's CUDA graphs) is `PrefillRunner`'s
 (`workers.worker.prefill`).
@@ -39,7 +17,7 @@ Prefill (padded or ragged, and the padded prefill's CUDA graphs) is `PrefillRunn
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -50,13 +28,11 @@ from workers.cuda_graphs import CudaGraphRunner
 from workers.kv_cache import pages_for
 from workers.runtime_state import SpecRuntimeState
 from workers.scheduler import Request
-from workers.spec_decode import SALT_SAMPLE, draft_step, sample_tokens, verify
-from workers.worker.draft_lag import CATCHUP, DraftLag
+from workers.worker.draft_lag import DraftLag
 from workers.worker.models import RankModels
+from workers.worker.phases import RoundPhases, round_phases
 from workers.worker.prefill import PrefillRunner
 from workers.worker.slots import SHADOW_COLUMNS, SlotState, StepBuffers
-
-PHASES = ("draft", "verify", "extend")
 
 
 @dataclass
@@ -126,6 +102,7 @@ class EagleWorker:
         dtype = next(target.parameters()).dtype
         self.slots = SlotState(config, target.feature_size, dtype, self.device)
         self.lag = DraftLag(config, self.slots, self.models)
+        self.phases = RoundPhases(self.slots, self.models, self.lag)
         self.prefill_runner = PrefillRunner(config, self.slots, self.models, self.lag)
         # host staging of a round (rows in, results out), two sets: with overlap the next round is
         # staged while the device may still copy the previous one's
@@ -182,108 +159,14 @@ class EagleWorker:
 
     def _capture(self, bufs: StepBuffers) -> None:
         """Capture every phase at every bucket, largest bucket first (start-up only): the whole
-        draft loop, verify + accept, draft-extend + the slot update; the draft and verify phases
-        once with device sampling (any request) and once greedy-only (argmax, cheaper)."""
+        draft loop, verify + accept, draft-extend + the slot update (`RoundPhases.capture`), and
+        at depth 0 with a head the catch-up forwards (`DraftLag.capture`)."""
         bufs.rows.fill_(self.slots.dummy)
         reach = self.slots.reach
         for bucket in sorted(self.buckets, reverse=True):
-            for phase in self._phases(bufs.steps):
-                for greedy in ((False, True) if phase != "extend" else (True,)):
-                    body = self._body(bufs, phase, bucket, reach, greedy)
-                    name = f"{phase}/steps={bufs.steps}/bucket={bucket}/greedy={greedy}"
-                    bufs.graphs[(phase, bucket, greedy)] = self.graphs.capture_body(name, body)
+            self.phases.capture(self.graphs, bufs, bucket, reach)
             self.lag.capture(self.graphs, bufs, bucket, reach)
         self.slots.set_dummy_length(0)
-
-    @staticmethod
-    def _phases(steps: int) -> tuple[str, ...]:
-        """The phases of a round at `steps` (depth 0, with or without a head: the target only;
-        the head's catch-up is scheduled by `launch`)."""
-        return PHASES if steps > 0 else ("verify",)
-
-    # ---- the round's three bodies (what a graph holds; eager rounds call them directly) ---------
-    def _body(self, bufs: StepBuffers, phase: str, bp: int, reach: int,
-              greedy: bool) -> Callable[[], None]:
-        """Phase `phase` of a round over `bp` rows whose KV reach is `reach` pages; reads and
-        writes only the tier's static buffers and the slot state."""
-        fn = {"draft": self._draft_phase, "verify": self._verify_phase,
-              "extend": self._extend_phase, CATCHUP: self.lag.catchup_phase}[phase]
-        return lambda: fn(bufs, bp, reach, greedy)
-
-    def _draft_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
-        """`steps` draft tokens per row (chain drafting) and their distributions (an all-greedy
-        round keeps only the tokens: its acceptance is an exact match and reads no `q`)."""
-        rows = bufs.rows[:bp]
-        n, real = self.slots.row_state(rows)
-        temp, top_p, seed = self.slots.sampling(rows, greedy)
-        pages = self.slots.pages_of(rows, reach) if bufs.steps > 1 else None
-        g = self.slots.feature[rows]
-        for k in range(1, bufs.steps + 1):
-            if k > 1:  # the head over d_{k-1} at position n+k-1 (draft KV index n+k-2)
-                attn = self.models.padded_attn(self.models.draft_kv, pages, n + k - 2, real, 1)
-                g = self.models.head(bufs.drafts[:bp, k - 2], g, n + k - 1, attn)
-            logits = self.models.head.compute_logits(g)
-            if greedy:
-                bufs.drafts[:bp, k - 1] = logits.argmax(-1)
-                continue
-            token, q = draft_step(logits.float(), temp, top_p, seed, n, k)
-            bufs.drafts[:bp, k - 1] = token
-            bufs.q[:bp, k - 1] = q
-
-    def _verify_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
-        """The target over `[x_n, d_1..d_S]`, then acceptance on the device."""
-        steps, width = bufs.steps, bufs.steps + 1
-        rows = bufs.rows[:bp]
-        n, real = self.slots.row_state(rows)
-        temp, top_p, seed = self.slots.sampling(rows, greedy)
-        offsets = torch.arange(width, device=self.device)
-        ids = torch.cat([self.slots.last_token[rows][:, None], bufs.drafts[:bp]], dim=1).reshape(-1)
-        attn = self.models.padded_attn(self.models.target_kv, self.slots.pages_of(rows, reach), n, real * width, width)
-        hidden = self.models.target(ids, (n[:, None] + offsets).reshape(-1), attn)
-        logits = self.models.target.compute_logits(hidden).float().view(bp, width, -1)
-        if steps == 0:
-            tokens = sample_tokens(logits[:, 0], temp, top_p, seed, n, SALT_SAMPLE,
-                                   all_greedy=greedy)[:, None]
-            accept = torch.zeros_like(n)
-        else:
-            accept, tokens = verify(bufs.drafts[:bp], bufs.q[:bp], logits, temp, top_p, seed, n,
-                                    real * steps, all_greedy=greedy)
-        bufs.hidden[:bp * width] = hidden
-        bufs.accept[:bp] = accept * real
-        bufs.tokens[:bp] = tokens
-        bufs.out[:bp, 0] = self.slots.last_token[rows]
-        if steps == 0:
-            if self.lag.built:  # the head's inputs at position n+1, for the catch-up
-                self.lag.append(rows, tokens[:, 0], hidden, real)
-            self._advance(bufs, bp, rows, n, None)
-
-    def _extend_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
-        """The head over the committed tokens at positions n+1.. (draft KV index n..), fed the
-        target features f_n.. (verify rows 0..a); its row a is the next g; the slots advance."""
-        width = bufs.steps + 1
-        rows = bufs.rows[:bp]
-        n, real = self.slots.row_state(rows)
-        accept = bufs.accept[:bp]
-        offsets = torch.arange(width, device=self.device)
-        pages = self.slots.pages_of(rows, reach)
-        attn = self.models.padded_attn(self.models.draft_kv, pages, n, real * (accept + 1), width)
-        last = torch.arange(bp, device=self.device) * width + accept
-        g = self.models.head(bufs.tokens[:bp].reshape(-1), bufs.hidden[:bp * width],
-                      (n[:, None] + 1 + offsets).reshape(-1), attn, last=last)
-        self._advance(bufs, bp, rows, n, g)
-
-    def _advance(self, bufs: StepBuffers, bp: int, rows: torch.Tensor, n: torch.Tensor,
-                 g: torch.Tensor | None) -> None:
-        """Move every row's slot past its committed tokens and stage what the host reads."""
-        accept = bufs.accept[:bp]
-        index = torch.arange(bp, device=self.device)
-        self.slots.cache_len.index_copy_(0, rows, n + accept + 1)
-        self.slots.last_token.index_copy_(0, rows, bufs.tokens[:bp][index, accept])
-        if g is not None:
-            self.slots.feature.index_copy_(0, rows, g)
-        self.slots.cache_len[self.slots.dummy:].zero_()
-        bufs.out[:bp, 1] = accept
-        bufs.out[:bp, 2:2 + bufs.steps + 1] = bufs.tokens[:bp]   # then the shadow columns, if any
 
     # ---- prefill ------------------------------------------------------------------------------
     def capture_prefill(self) -> None:
@@ -337,9 +220,9 @@ class EagleWorker:
         reach = self._reach(reqs, graph_bucket)
         if bufs.steps > 0 and self.lag.behind:
             self.lag.catch_up(bufs, bp, reach, graph_bucket)   # drafting resumes: first the cache
-        for phase in self._phases(bufs.steps):
+        for phase in round_phases(bufs.steps):
             if graph_bucket is None:
-                self._body(bufs, phase, bp, reach, greedy)()
+                self.phases.body(bufs, phase, bp, reach, greedy)()
             else:  # draft-extend samples nothing: one graph serves both
                 bufs.graphs[(phase, graph_bucket, greedy or phase == "extend")].replay()
         shadow = False
