@@ -12,14 +12,13 @@ and lets the head's cache lag; the lag ring, the deferred prompts and the catch-
 `DraftLag`'s (`workers.worker.draft_lag`).
 
 Prefill (padded or ragged, and the padded prefill's CUDA graphs) is `PrefillRunner`'s
-(`workers.worker.prefill`).
+(`workers.worker.prefill`); the host memory a round is staged in and read from is
+`workers.worker.staging`'s.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
-import numpy as np
 import torch
 
 from workers.attention.base import AttentionBackend
@@ -33,53 +32,7 @@ from workers.worker.models import RankModels
 from workers.worker.phases import RoundPhases, round_phases
 from workers.worker.prefill import PrefillRunner
 from workers.worker.slots import SHADOW_COLUMNS, SlotState, StepBuffers
-
-
-@dataclass
-class RoundResult:
-    """What the host reads of a round, one row per request: its first token (drawn at prefill),
-    its accepted draft tokens, and the round's candidate tokens (`tokens[b, :accept[b] + 1]`
-    are committed)."""
-
-    first: np.ndarray
-    accept: np.ndarray
-    tokens: np.ndarray
-    shadow: np.ndarray | None = None   # [n, 2] (hits, checks) of a depth-0 round's catch-up
-
-
-@dataclass
-class HostStage:
-    """Host memory one launched round uses (pinned on CUDA): the slot of each row, copied in,
-    and the round's results, copied out (flat: a round of `n` requests at width `w` reads the
-    first `n * w` values); the event recorded after that copy (reused: a stage serves every
-    other round, and a round is collected before its stage is staged again)."""
-
-    rows: torch.Tensor
-    out: torch.Tensor
-    rows_np: np.ndarray          # `rows` as numpy (the same memory: filled without torch ops)
-    done: Any = None
-
-    @staticmethod
-    def make(top: int, width: int, device: torch.device) -> "HostStage":
-        pin = device.type == "cuda"
-        rows = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
-        out = torch.zeros(top * width, dtype=torch.int64, pin_memory=pin)
-        return HostStage(rows=rows, out=out, rows_np=rows.numpy(),
-                         done=torch.cuda.Event() if device.type == "cuda" else None)
-
-
-@dataclass
-class LaunchedRound:
-    """A round queued on the device whose results are not read yet: its requests, the host
-    staging its results land in, and the event recorded after that copy (None on the CPU, where
-    the round ran at launch)."""
-
-    reqs: list[Request]
-    host: torch.Tensor
-    done: Any
-    steps: int
-    extra: int = 0          # trailing columns of `host` that are not tokens (the shadow checks)
-    shadow: bool = False    # a catch-up ran after the round: those columns are fresh
+from workers.worker.staging import HostStage, LaunchedRound, RoundResult
 
 
 class EagleWorker:
