@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -43,10 +42,6 @@ from workers.runtime_state import RuntimeStatePool
 from workers.sampling import SamplingParams
 from workers.scheduler import Request, Scheduler
 from workers.worker import EagleWorker, RoundResult
-
-COST_CHAIN = 8
-"""Rounds per sample of `Engine.measure_round_costs` (but at depth 0 with a head: its catch-up
-interval)."""
 
 
 class RoundPlanner(Protocol):
@@ -298,42 +293,15 @@ class Engine:
 
     def measure_round_costs(self, repeats: int = 5, context: int = 0) -> dict[int, dict[int, float]]:
         """Seconds of one round at every tier and batch bucket (dummy rows, the graphs when the
-        engine has them): what the goodput policy weighs depths with. Each sample is a chain of
-        `COST_CHAIN` rounds run as the engine runs them — back to back, each read after the next
-        is launched, with overlap; launched and read one by one without — divided by its length;
-        at depth 0 with a draft head the chain is `worker.catchup_every` rounds, which hold one
-        catch-up of the draft cache, so the tier's share of it is in the cost. The median of
-        `repeats` chains after a warm-up chain. `context`: the dummy rows' cache length
-        (their attention reads that many positions of the dummy page). Collective: every rank
-        measures the same tiers and buckets in the same order."""
-        buckets = self.worker.buckets or tuple(b for b in self.config.spec.graph_buckets
-                                               if b <= self.config.max_batch_size) or (1,)
-        sync = (torch.cuda.synchronize if self.worker.device.type == "cuda" else (lambda: None))
-        table: dict[int, dict[int, float]] = {}
-        for bucket in buckets:
-            graph = bucket if self.worker.buckets else None
-            for steps in self.pool.states:
-                self.pool.apply(steps)
-                chain = (self.worker.lag.catchup_every
-                         if steps == 0 and self.worker.lag.built else COST_CHAIN)
-                times = []
-                for _ in range(repeats + 1):  # the first is a warm-up
-                    sync()
-                    start = time.perf_counter()
-                    queued = []   # launched, not read yet
-                    in_flight = 1 if self.config.overlap else 0   # as the engine runs rounds
-                    for _ in range(chain):
-                        if context:
-                            self.worker.slots.set_dummy_length(context)
-                        queued.append(self.worker.launch([], bucket, graph))
-                        if len(queued) > in_flight:
-                            self.worker.collect(queued.pop(0))
-                    for handle in queued:
-                        self.worker.collect(handle)
-                    sync()
-                    times.append((time.perf_counter() - start) / chain)
-                table.setdefault(bucket, {})[steps] = statistics.median(times[1:])
-        self.worker.slots.set_dummy_length(0)
+        engine has them, without them the configured buckets up to the largest batch): what the
+        goodput policy weighs depths with; chains of rounds run as this engine runs them, see
+        `EagleWorker.measure_round_costs`. `context`: the dummy rows' cache length. Collective:
+        every rank measures the same tiers and buckets in the same order; the initial tier is
+        applied again after."""
+        eager = tuple(b for b in self.config.spec.graph_buckets
+                      if b <= self.config.max_batch_size) or (1,)
+        table = self.worker.measure_round_costs(self.pool, eager, self.config.overlap, repeats,
+                                                context)
         self.pool.apply(self.config.spec.initial_steps)
         return table
 

@@ -218,7 +218,7 @@ def test_round_cost_chains_hold_one_catch_up_at_depth_0(pair) -> None:
     """`measure_round_costs` times depth 0 with a head over chains of `catchup_rounds` rounds,
     each holding exactly one catch-up (its share is in the cost), and the other tiers over
     chains of `COST_CHAIN` rounds, which start with an empty lag ring (no catch-up)."""
-    from workers.engine import COST_CHAIN
+    from workers.worker.round_cost import COST_CHAIN
 
     every, repeats = 5, 2
     engine = _engine(pair, [0], False, tiers=(0, 1, 3), every=every)

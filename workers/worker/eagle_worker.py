@@ -25,12 +25,13 @@ from workers.attention.base import AttentionBackend
 from workers.config import EngineConfig
 from workers.cuda_graphs import CudaGraphRunner
 from workers.kv_cache import pages_for
-from workers.runtime_state import SpecRuntimeState
+from workers.runtime_state import RuntimeStatePool, SpecRuntimeState
 from workers.scheduler import Request
 from workers.worker.draft_lag import DraftLag
 from workers.worker.models import RankModels
 from workers.worker.phases import RoundPhases, round_phases
 from workers.worker.prefill import PrefillRunner
+from workers.worker.round_cost import measure_tiers
 from workers.worker.slots import SHADOW_COLUMNS, SlotState, StepBuffers
 from workers.worker.staging import HostStage, LaunchedRound, RoundResult
 
@@ -215,3 +216,16 @@ class EagleWorker:
         # the host's token count may lag the device's by the round launched before (overlap)
         longest = max(r.num_tokens for r in reqs) + self.config.round_overshoot
         return min(pages_for(longest, self.config.page_size), full)
+
+    # ---- start-up ---------------------------------------------------------------------------
+    def measure_round_costs(self, tiers: RuntimeStatePool, eager_buckets: Sequence[int],
+                            overlap: bool, repeats: int = 5,
+                            context: int = 0) -> dict[int, dict[int, float]]:
+        """Seconds of one round at every tier of `tiers` and batch bucket, {bucket: {steps:
+        seconds}}, on dummy rows (`workers.worker.round_cost`): at the captured buckets through
+        the CUDA graphs, without graphs at `eager_buckets`; `overlap`: rounds run as the engine
+        runs them with overlap; `context`: the dummy rows' cache length. Leaves the last tier
+        applied. Collective: every rank measures the same tiers and buckets in the same order."""
+        return measure_tiers(self, tiers, self.buckets or tuple(eager_buckets), bool(self.buckets),
+                             overlap, self.lag.catchup_every if self.lag.built else None,
+                             repeats, context)
