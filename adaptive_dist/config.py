@@ -17,10 +17,7 @@ from typing import Any, Optional
 REDUCERS = ("weighted_mean", "min", "max", "mixture")
 FLOAT_KEYS = ("ema_alpha", "up_hysteresis", "down_hysteresis", "switch_margin", "cost_alpha",
               "reset_nats")
-RESET_LIMIT = 1e6
-HYSTERESIS_LIMIT = 1000.0
-MARGIN_LIMIT = 1000.0
-POLICIES = ("static", "ema", "goodput")
+POLICIES = ("static", "ema", "goodput")   # one class each in adaptive_dist.policy
 INT_KEY = re.compile(r"0|[1-9][0-9]*")  # an integer written as a JSON key: "0", "7", "64"
 
 
@@ -28,11 +25,11 @@ class ConfigError(ValueError):
     """A configuration value or file is not acceptable; the message names key, value, allowed."""
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
@@ -93,7 +90,7 @@ def _cost_row(where: str, row: Any) -> tuple[tuple[int, float], ...]:
     pairs = []
     for key, cost in row.items():
         steps = _int_key(where, key, 0)
-        if not _is_number(cost) or cost <= 0:
+        if not is_number(cost) or cost <= 0:
             raise ConfigError(f"{where}[{key!r}]={cost!r}: must be a positive finite number "
                               f"(the relative cost of a round at {steps} steps)")
         pairs.append((steps, float(cost)))
@@ -173,7 +170,7 @@ class AdaptiveConfig:
         object.__setattr__(self, "graph_buckets", _as_int_tuple("graph_buckets", self.graph_buckets))
         for key in FLOAT_KEYS:  # 0 and 0.0 are the same setting and must hash the same
             v = getattr(self, key)
-            if _is_number(v):
+            if is_number(v):
                 object.__setattr__(self, key, float(v))
         _validate(self)
 
@@ -185,13 +182,13 @@ class AdaptiveConfig:
     @property
     def adaptive(self) -> bool:
         """Whether the policy may change the depth."""
-        return self.policy != "static"
+        return policy_section(self.policy).adaptive
 
     @property
     def needs_round_cost(self) -> bool:
         """The policy needs a ``round_cost`` table and none is set yet (the engine measures it
         and calls ``adaptive_dist.startup.agree_round_cost`` before the first round)."""
-        return self.policy == "goodput" and self.round_cost is None
+        return policy_section(self.policy).uses_round_cost and self.round_cost is None
 
     @property
     def tiers(self) -> tuple[int, ...]:
@@ -266,77 +263,50 @@ def _as_int_tuple(key: str, value: Any, minimum: int = 1) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not value:
         raise ConfigError(f"{key}={value!r}: must be a non-empty list of integers")
     for v in value:
-        if not _is_int(v) or v < minimum:
+        if not is_int(v) or v < minimum:
             raise ConfigError(f"{key}={list(value)!r}: every entry must be an integer >= "
                               f"{minimum}, got {v!r}")
     return tuple(sorted(set(value)))
 
 
-def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+def check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: {allowed}")
 
 
 def _validate(c: AdaptiveConfig) -> None:
-    _check(c.policy in POLICIES, "policy", c.policy, f"allowed: {', '.join(POLICIES)}")
-    _check(len(c.candidate_steps) >= 2, "candidate_steps", list(c.candidate_steps),
-           "needs at least two distinct candidates (duplicates removed)")
-    _check(c.candidate_steps[0] > 0 or c.policy != "ema", "candidate_steps",
-           list(c.candidate_steps),
-           "0 (no speculation) is a candidate of the static and goodput policies only: the ema "
-           "ladder has no acceptance signal at depth 0")
-    _check(_is_int(c.initial_steps), "initial_steps", c.initial_steps, "must be an integer")
-    _check(c.initial_steps in c.candidate_steps, "initial_steps", c.initial_steps,
-           f"must be one of candidate_steps {list(c.candidate_steps)}")
-    _check(_is_number(c.ema_alpha) and 0 < c.ema_alpha <= 1, "ema_alpha", c.ema_alpha,
-           "must be a number in (0, 1]")
+    """The keys every policy reads, then each policy's own section (``check_section``: every
+    effective configuration holds every key, whatever its policy)."""
+    check(c.policy in POLICIES, "policy", c.policy, f"allowed: {', '.join(POLICIES)}")
+    active = policy_section(c.policy)
+    check(len(c.candidate_steps) >= 2, "candidate_steps", list(c.candidate_steps),
+          "needs at least two distinct candidates (duplicates removed)")
+    check(c.candidate_steps[0] > 0 or active.allows_depth_zero, "candidate_steps",
+          list(c.candidate_steps),
+          "0 (no speculation) is a candidate of the static and goodput policies only: the ema "
+          "ladder has no acceptance signal at depth 0")
+    check(is_int(c.initial_steps), "initial_steps", c.initial_steps, "must be an integer")
+    check(c.initial_steps in c.candidate_steps, "initial_steps", c.initial_steps,
+          f"must be one of candidate_steps {list(c.candidate_steps)}")
+    check(is_number(c.ema_alpha) and 0 < c.ema_alpha <= 1, "ema_alpha", c.ema_alpha,
+          "must be a number in (0, 1]")
     for key in ("warmup_batches", "min_dwell_rounds"):
         v = getattr(c, key)
-        _check(_is_int(v) and v >= 0, key, v, "must be an integer >= 0")
+        check(is_int(v) and v >= 0, key, v, "must be an integer >= 0")
     for key in ("update_interval", "lockstep_check_every"):
         v = getattr(c, key)
-        _check(_is_int(v) and v >= 1, key, v, "must be an integer >= 1")
-    for key in ("up_hysteresis", "down_hysteresis"):
-        v = getattr(c, key)
-        _check(_is_number(v) and -HYSTERESIS_LIMIT < v < HYSTERESIS_LIMIT, key, v,
-               f"must be a finite number in ({-HYSTERESIS_LIMIT:g}, {HYSTERESIS_LIMIT:g})")
-    _check(c.reducer in REDUCERS, "reducer", c.reducer, f"allowed: {', '.join(REDUCERS)}")
-    _check(c.reducer != "mixture" or c.policy == "goodput", "reducer", c.reducer,
-           f"mixture (the mean of the ranks' expected tokens) applies to the goodput policy "
-           f"only (policy={c.policy!r})")
-    _check(_is_number(c.switch_margin) and 0 <= c.switch_margin < MARGIN_LIMIT, "switch_margin",
-           c.switch_margin, f"must be a finite number in [0, {MARGIN_LIMIT:g})")
-    for key in ("probe_every", "probe_backoff"):
-        v = getattr(c, key)
-        _check(_is_int(v) and v >= 1, key, v, "must be an integer >= 1")
-    _check(isinstance(c.zero_via_smallest, bool), "zero_via_smallest", c.zero_via_smallest,
-           "must be true or false")
-    _check(_is_number(c.reset_nats) and 0 <= c.reset_nats < RESET_LIMIT, "reset_nats",
-           c.reset_nats, f"must be a finite number in [0, {RESET_LIMIT:g}) (0: off)")
-    _check(_is_number(c.cost_alpha) and 0 <= c.cost_alpha <= 1, "cost_alpha", c.cost_alpha,
-           "must be a number in [0, 1]")
-    if c.cost_alpha:
-        _check(c.policy == "goodput", "cost_alpha", c.cost_alpha,
-               f"applies to the goodput policy only (policy={c.policy!r})")
-    if c.round_cost is not None:
-        _check(c.policy == "goodput", "round_cost", c.round_cost.to_json(),
-               f"applies to the goodput policy only (policy={c.policy!r})")
-        _check_cost_steps(c.round_cost, c.candidate_steps)
+        check(is_int(v) and v >= 1, key, v, "must be an integer >= 1")
+    check(c.reducer in REDUCERS, "reducer", c.reducer, f"allowed: {', '.join(REDUCERS)}")
+    for name in POLICIES:
+        policy_section(name).check_section(c)
 
 
-def _check_cost_steps(table: RoundCost, candidates: tuple[int, ...]) -> None:
-    """Every row of ``table`` lists exactly the candidate depths."""
-    for i, row in enumerate(table.rows):
-        where = "round_cost" if table.buckets is None else f"round_cost[{str(table.buckets[i])!r}]"
-        have = [s for s, _ in row]
-        missing = [s for s in candidates if s not in have]
-        extra = [s for s in have if s not in candidates]
-        if missing or extra:
-            what = (f"missing {[str(s) for s in missing]}" if missing
-                    else f"has {[str(s) for s in extra]}, which are not candidates")
-            raise ConfigError(f"{where}={dict((str(s), v) for s, v in row)!r}: {what}; "
-                              f"allowed: one cost for every candidate depth "
-                              f"{[str(s) for s in candidates]}")
+def policy_section(name: str) -> Any:
+    """The class of the policy called ``name`` (``adaptive_dist.policy``): what it allows, and
+    ``check_section`` for the keys only it reads."""
+    from adaptive_dist.policy import policy_class
+
+    return policy_class(name)
 
 
 def load_config(
@@ -350,7 +320,7 @@ def load_config(
     """
     if policy not in POLICIES:
         raise ConfigError(f"policy={policy!r}: allowed: {', '.join(POLICIES)}")
-    if path is not None and policy == "static":
+    if path is not None and not policy_section(policy).adaptive:
         raise ConfigError(
             f"--config {path!r} was given but adaptive mode is off (static policy); "
             f"a config file only applies to the adaptive policy"
@@ -364,8 +334,8 @@ def load_config(
                               f"asks for {policy!r}; drop the key or change the flag")
         cfg = AdaptiveConfig.from_dict({**data, "policy": policy}, source=f"config file {path!r}")
     if initial_steps is not None:
-        lowest = 1 if policy == "ema" else 0
-        if not _is_int(initial_steps) or initial_steps < lowest:
+        lowest = 0 if policy_section(policy).allows_depth_zero else 1
+        if not is_int(initial_steps) or initial_steps < lowest:
             raise ConfigError(f"initial_steps={initial_steps!r}: must be an integer >= {lowest}")
         if initial_steps not in cfg.candidate_steps:
             if cfg.adaptive:

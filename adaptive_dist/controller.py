@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 from collectives import Group, LockstepGuard
@@ -25,14 +25,8 @@ from adaptive_dist.config import AdaptiveConfig
 from adaptive_dist.policy import (
     INITIAL_EMA_FAIL,
     Decision,
-    PolicyState,
-    decide,
-    initial_ema,
-    measures_acceptance,
+    depth_policy,
     pick_bucket,
-    resets,
-    round_update,
-    shadow_update,
     shifted_costs,
     update_offsets,
 )
@@ -117,12 +111,9 @@ class AdaptiveController:
         self.cost_offsets = (0.0,) * len(config.round_cost.rows) if config.round_cost else ()
         self._clock = clock     # None: rounds are not timed (consensus-only replay)
         self._last_begin: Optional[float] = None
-        self.state = PolicyState.initial(config)
-        self.ema = initial_ema(config)
-        self.ema_fail = INITIAL_EMA_FAIL
-        self.weight = 0
-        self._unobserved = 0   # goodput: depth-0 rounds with requests since the EMAs last moved
-        self._fresh = True     # no round has measured acceptance yet: the EMAs hold start values
+        self.policy = depth_policy(config)
+        self.state = self.policy.initial_state()   # shared: identical on every rank
+        self.local = self.policy.initial_estimate()   # this rank's EMAs and weight
         self.round = 0
         self._config_hash = consensus.hash48(config.digest())
         self._prev_n_req = 0
@@ -137,6 +128,21 @@ class AdaptiveController:
     @property
     def steps(self) -> int:
         return self.config.candidate_steps[self.state.index]
+
+    @property
+    def ema(self) -> float:
+        """This rank's EMA of accepted draft tokens per request."""
+        return self.local.ema
+
+    @property
+    def ema_fail(self) -> float:
+        """This rank's EMA of the share of its requests that rejected a draft token."""
+        return self.local.ema_fail
+
+    @property
+    def weight(self) -> int:
+        """The requests this rank reported since the last decision point."""
+        return self.local.weight
 
     def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
                     done: bool = False, num_extend: int = 0, seq: int = 0,
@@ -213,15 +219,12 @@ class AdaptiveController:
         that overlaps rounds reports round r after beginning round r+1; its decisions then read
         statistics one round older, the same on every rank.
 
-        Updates the EMA of the accepted tokens and of the share of requests that rejected a
-        draft token (``accept < steps``; goodput restarts both from this round when it is the
-        first to measure or a surprise, ``policy.round_update``), and the weight — except for a
-        goodput round at depth 0, which has no acceptance signal (its requests still count the
-        round) unless it reports ``shadow`` = (hits, checks, rows): the draft head's greedy
-        guesses checked against committed tokens (the worker's catch-up), taken as depth-1
-        observations over the depth-0 rounds with requests since the EMAs last moved, one update
-        per such round (``policy.shadow_update``; the weight grows by ``rows``, the rows that
-        had checks; a rank's first measurement: one update with α = 1 when goodput resets).
+        The depth policy turns them into this rank's estimate (``DepthPolicy.observe``): the
+        EMAs of the accepted tokens and of the share of requests that rejected a draft token
+        (``accept < steps``), and the weight. At a depth where the policy measures nothing
+        (goodput at depth 0) the requests still count the round, and only ``shadow`` =
+        (hits, checks, rows) moves them: the draft head's greedy guesses checked against
+        committed tokens (the worker's catch-up).
 
         ``executed`` is what this rank's worker actually ran (its applied depth, graph or eager,
         bucket, forward mode); its hash travels in the next round's vector, so the next
@@ -236,35 +239,9 @@ class AdaptiveController:
             for a in accepts:
                 if type(a) is not int or not 0 <= a <= steps:  # bool is not an int here
                     raise ValueError(f"accept length {a!r} outside [0, {steps}] (steps in force)")
-        if measures_acceptance(self.config, steps):
-            self.ema, self.ema_fail, reset = round_update(self.config, self.ema, self.ema_fail,
-                                                          accepts, steps, self._fresh)
-            self.stats.resets += reset
-            self.weight += len(accepts)
-            if accepts:
-                self._unobserved = 0
-                self._fresh = False
-        elif self.config.policy == "goodput":
-            self._unobserved += bool(accepts)
-            if shadow is not None:
-                hits, checks, rows = shadow
-                if not (all(type(v) is int for v in shadow) and 0 <= hits <= checks
-                        and rows >= 0):
-                    raise ValueError(f"shadow checks {shadow!r}: want integers 0 <= hits <= "
-                                     f"checks and rows >= 0")
-                if checks:
-                    # the checks were gathered over the rounds since the EMAs last moved: as
-                    # many updates as those rounds (the engine reports once per catch-up)
-                    first = self._fresh and resets(self.config)   # replaces the start values
-                    alpha, rounds = ((1.0, 1) if first else
-                                     (self.config.ema_alpha, max(self._unobserved, 1)))
-                    self.ema, self.ema_fail = shadow_update(self.ema, self.ema_fail, hits, checks,
-                                                            alpha, rounds)
-                    self.stats.resets += first
-                    self._unobserved = 0
-                    self._fresh = False
-                    self.weight += rows
-                    self.stats.shadow_rounds += 1
+        self.local, observed = self.policy.observe(self.local, accepts, steps, shadow)
+        self.stats.resets += observed.reset
+        self.stats.shadow_rounds += observed.shadow
         self._prev_n_req = len(accepts)
         self.stats.accept_histogram.update(accepts)
 
@@ -297,13 +274,12 @@ class AdaptiveController:
             return None
         cluster = int(sum(cols["prev_n_req"]))
         local_ema, local_fail = self.ema, self.ema_fail
-        self.state, decision = decide(
-            self.config, self.state, cluster,
-            cols["ema"], cols["weight"], ema_fails=cols["ema_fail"], batch=prev.batch_pad,
-            table=self.round_cost,
+        self.state, decision = self.policy.decide(
+            self.state, cluster, cols["ema"], cols["weight"], ema_fails=cols["ema_fail"],
+            batch=prev.batch_pad, table=self.round_cost,
         )
         if decision.decision_point:
-            self.weight = 0
+            self.local = replace(self.local, weight=0)
         if decision.counted:
             self.stats.counted_rounds += 1
         if decision.switched:

@@ -22,6 +22,7 @@ from collectives import CollectiveTimeoutError, DistContext, DivergenceError, Gr
 from adaptive_dist import __version__, consensus
 from adaptive_dist.config import AdaptiveConfig, ConfigError
 from adaptive_dist.controller import AdaptiveController, RoundOutcome
+from adaptive_dist.policy import DepthPolicy, depth_policy
 from adaptive_dist.outputs import OutputError, check_output_dir, check_output_file, write_lines
 from adaptive_dist.startup import agree_settings, all_ranks_or_none, exchange
 from adaptive_dist.trace import RANK_FILE, TraceRound
@@ -36,21 +37,16 @@ class ReplayResult:
     controller: Optional[AdaptiveController] = None
 
 
-GOODPUT_KEYS = ("local_ema_fail", "accept_rate", "cost_row", "probe")
-"""Keys the goodput policy adds to each output line."""
-
-
-def outcome_record(outcome: RoundOutcome, rank: int, goodput: bool = False) -> dict:
-    """One output line; ``goodput`` adds the rank's ``local_ema_fail``, the cluster's
-    ``accept_rate`` (null when no rank has weight), the ``round_cost`` row used (``cost_row``,
-    its bucket; null for a flat table) and whether the switch is a ``probe`` out of depth 0."""
+def outcome_record(outcome: RoundOutcome, rank: int, policy: DepthPolicy) -> dict:
+    """One output line: the round, the rank, the steps that ran, the EMAs, whether it switched
+    and went through the graphs, and what ``policy`` adds (``DepthPolicy.outcome_fields``;
+    goodput: the rank's ``local_ema_fail``, the cluster's ``accept_rate``, the ``cost_row`` and
+    whether the switch is a ``probe``)."""
     d = outcome.decision
     rec = {"round": outcome.round, "rank": rank, "steps": outcome.steps,
            "local_ema": outcome.local_ema, "global_ema": d.global_ema,
            "switched": d.switched, "graph": outcome.use_graph}
-    if goodput:
-        rec.update(local_ema_fail=outcome.local_ema_fail, accept_rate=d.accept_rate,
-                   cost_row=d.cost_row, probe=d.probe)
+    rec.update(policy.outcome_fields(d, outcome.local_ema_fail))
     return rec
 
 
@@ -68,9 +64,9 @@ def require_round_cost(config: AdaptiveConfig) -> AdaptiveConfig:
 
 
 def shadow_checks(full: list[int], steps: int) -> Optional[tuple[int, int, int]]:
-    """A depth-0 round's shadow checks from its trace (goodput): one check per request, a hit
-    when its unlimited accept length is >= 1 (its first draft would have been accepted); None
-    at depth > 0 or for an idle round."""
+    """A depth-0 round's shadow checks from its trace: one check per request, a hit when its
+    unlimited accept length is >= 1 (its first draft would have been accepted); None at depth > 0
+    or for an idle round. Only a policy that measures nothing at depth 0 (goodput) reads them."""
     if steps != 0 or not full:
         return None
     return sum(1 for a in full if a >= 1), len(full), len(full)
@@ -80,7 +76,6 @@ def replay(trace: list[TraceRound], config: AdaptiveConfig, group: Group,
            guard: Optional[LockstepGuard] = None, progress=None) -> ReplayResult:
     """Replay ``trace`` on this rank in lockstep with the other members of ``group``."""
     ctrl = AdaptiveController(config, group, guard=guard, clock=None)  # replays are untimed
-    goodput = config.policy == "goodput"
     records: list[dict] = []
     times: list[float] = []
     r = 0
@@ -95,11 +90,10 @@ def replay(trace: list[TraceRound], config: AdaptiveConfig, group: Group,
         times.append((time.perf_counter() - t0) * 1e6)
         out = ctrl.last_outcome
         if out is not None and out.decision.counted:
-            records.append(outcome_record(out, group.global_rank, goodput))
+            records.append(outcome_record(out, group.global_rank, ctrl.policy))
         if plan.all_done:
             break
-        ctrl.end_round([min(a, plan.steps) for a in full], shadow=shadow_checks(full, plan.steps)
-                       if goodput else None)
+        ctrl.end_round([min(a, plan.steps) for a in full], shadow=shadow_checks(full, plan.steps))
         r += 1
         if progress is not None:
             progress.update(1)
@@ -165,14 +159,7 @@ def summary(records: list[dict], result: ReplayResult, world: int, config: Adapt
         by_rank.setdefault(r["rank"], []).append(r["local_ema"])
     ema = ", ".join(f"rank {k}: {v[-1]:.3f}" for k, v in sorted(by_rank.items()))
     lines.append(f"final local EMA: {ema or 'none (no round had requests on any rank)'}")
-    if config.policy == "goodput":
-        last: dict[int, dict] = {}
-        for r in records:
-            last[r["rank"]] = r
-        rates = ", ".join(f"rank {k}: {_rate(v):.3f}" for k, v in sorted(last.items()))
-        probes = sum(1 for r in rank0 if r["probe"])
-        lines.append(f"final local acceptance rate ema/(ema+ema_fail): {rates or 'none'}; "
-                     f"probes out of depth 0: {probes}")
+    lines.extend(depth_policy(config).summary_lines(records))
     if result.consensus_us:
         lines.append(f"consensus collective (rank 0): median {statistics.median(result.consensus_us):.1f} us "
                      f"per round")
@@ -181,12 +168,6 @@ def summary(records: list[dict], result: ReplayResult, world: int, config: Adapt
                  f"(digest {result.decision_digest:#014x}, {checks} hash checks, "
                  f"{recorded} collectives recorded per rank)")
     return "\n".join(lines)
-
-
-def _rate(record: dict) -> float:
-    from adaptive_dist.policy import acceptance_rate
-
-    return acceptance_rate(record["local_ema"], record["local_ema_fail"])
 
 
 def write_records(path: str, records: list[dict], flag: str = "--out") -> int:

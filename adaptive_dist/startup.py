@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, TypeVar
 
 from adaptive_dist.config import AdaptiveConfig, ConfigError
+from adaptive_dist.policy import policy_class
 import collectives.agreement as agreement
 from collectives.agreement import exchange
 
@@ -64,19 +65,17 @@ def agree_config(build: Callable[[], AdaptiveConfig], group: "Group",
 # ---- the goodput policy's engine-side settings ----------------------------------------------------
 
 def probe_after_catchup(config: AdaptiveConfig, catchup_rounds: int) -> AdaptiveConfig:
-    """``config`` with ``probe_every`` raised, where needed, so that at depth 0 a probe never
-    comes before the engine's first shadow report: an engine whose draft cache catches up every
-    ``catchup_rounds`` depth-0 rounds reports shadow checks one round after the catch-up (a
-    round later again when it overlaps rounds), so the wait must span
-    ``ceil((catchup_rounds + 2) / update_interval)`` decision points. Unchanged for a policy
-    other than goodput or without a 0 candidate. Call it on every rank with the agreed
-    ``catchup_rounds``, before ``agree_round_cost`` (the effective config, hashed, includes it)."""
+    """The effective configuration of ``config`` in an engine whose draft cache catches up every
+    ``catchup_rounds`` depth-0 rounds (``DepthPolicy.in_engine``): under goodput with a 0
+    candidate, ``probe_every`` raised where needed so that a probe never comes before the
+    engine's first shadow report (``adaptive_dist.policy.probe_floor``: the report comes one
+    round after the catch-up, a round later again when rounds overlap, so the wait must span
+    ``ceil((catchup_rounds + 2) / update_interval)`` decision points); ``config`` itself
+    otherwise. Call it on every rank with the agreed ``catchup_rounds``, before
+    ``agree_round_cost`` (the effective config, hashed, includes it)."""
     if catchup_rounds < 1:
         raise ConfigError(f"probe_after_catchup: catchup_rounds={catchup_rounds!r}: must be >= 1")
-    if config.policy != "goodput" or 0 not in config.candidate_steps:
-        return config
-    need = -(-(catchup_rounds + 2) // config.update_interval)
-    return config if config.probe_every >= need else config.replace(probe_every=need)
+    return policy_class(config.policy).in_engine(config, catchup_rounds)
 
 
 # ---- the goodput policy's cost table ------------------------------------------------------------
@@ -100,7 +99,7 @@ def agree_round_cost(config: AdaptiveConfig, measured: MeasuredCost,
     what = "agreeing the round cost table"
 
     def local() -> dict:
-        if config.policy != "goodput":
+        if not policy_class(config.policy).uses_round_cost:
             raise ConfigError(f"agree_round_cost: policy={config.policy!r}; round_cost applies "
                               f"to the goodput policy only")
         table = measured_as_json(measured)

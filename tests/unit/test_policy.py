@@ -10,6 +10,7 @@ from adaptive_dist.config import AdaptiveConfig
 from adaptive_dist.policy import (
     PolicyState,
     decide,
+    depth_policy,
     ema_update,
     is_decision_point,
     ladder_walk,
@@ -251,7 +252,7 @@ class TestLadder:
     def test_decide_several_tiers(self):
         c = cfg(candidate_steps=[1, 2, 3, 5, 8], initial_steps=8, warmup_batches=0,
                 update_interval=1)
-        st, d = decide(c, PolicyState.initial(c), 1, [0.0], [1])
+        st, d = decide(c, depth_policy(c).initial_state(), 1, [0.0], [1])
         assert d.old_index == 4 and d.new_index == 0 and st.index == 0 and d.switched
 
 
@@ -353,6 +354,7 @@ class TestPickBucket:
 # docs/policy.md, "goodput". Costs are dyadic where possible so expected values are exact.
 from adaptive_dist.config import RoundCost  # noqa: E402
 from adaptive_dist.policy import (  # noqa: E402
+    GoodputState,
     acceptance_rate,
     cluster_rate,
     cost_row,
@@ -523,32 +525,32 @@ class TestGoodputDecide:
     # p = 0.75 (ema 1.5, fail 0.5), flat costs 1.25 / 1.5 / 2.0:
     #   s1 = 1.75/1.25 = 1.4; s3 = 2.734375/1.5 = 1.822916..; s7 = (1 + 3(1 - .75^7))/2 = 1.79977..
     def test_moves_to_best(self):
-        st, d = decide(gp(), PolicyState(index=0), 1, [1.5], [1], ema_fails=[0.5], batch=1)
+        st, d = decide(gp(), GoodputState(index=0), 1, [1.5], [1], ema_fails=[0.5], batch=1)
         assert d.accept_rate == 0.75 and d.decision_point
         assert st.index == 1 and d.switched and not d.probe and st.last_switch == 1
 
     def test_margin_blocks_a_small_gain(self):
         # from 7: best 3 by 1.2% < 5% -> stays; with margin 0 it moves
-        st, d = decide(gp(), PolicyState(index=2), 1, [1.5], [1], ema_fails=[0.5], batch=1)
+        st, d = decide(gp(), GoodputState(index=2), 1, [1.5], [1], ema_fails=[0.5], batch=1)
         assert st.index == 2 and not d.switched
-        st, d = decide(gp(switch_margin=0.0), PolicyState(index=2), 1, [1.5], [1],
+        st, d = decide(gp(switch_margin=0.0), GoodputState(index=2), 1, [1.5], [1],
                        ema_fails=[0.5], batch=1)
         assert st.index == 1 and d.switched
 
     def test_high_acceptance_goes_deep(self):
         # p = 0.9: s7 = (1 + 9(1 - .9^7))/2 = 2.8477 > 1.05 * s3 = 1.05 * 3.439/1.5 = 2.4073
-        st, _ = decide(gp(), PolicyState(index=1), 1, [0.9], [0.1], ema_fails=[0.1], batch=1)
+        st, _ = decide(gp(), GoodputState(index=1), 1, [0.9], [0.1], ema_fails=[0.1], batch=1)
         assert st.index == 2
 
     def test_no_decision_without_point_or_weight(self):
         c = gp(warmup_batches=3)
-        st, d = decide(c, PolicyState(index=0), 1, [1.5], [1], ema_fails=[0.5], batch=1)
+        st, d = decide(c, GoodputState(index=0), 1, [1.5], [1], ema_fails=[0.5], batch=1)
         assert not d.decision_point and st.index == 0 and d.accept_rate == 0.75
-        st, d = decide(gp(), PolicyState(index=0), 1, [1.5], [0], ema_fails=[0.5], batch=1)
+        st, d = decide(gp(), GoodputState(index=0), 1, [1.5], [0], ema_fails=[0.5], batch=1)
         assert d.decision_point and d.accept_rate is None and st.index == 0
 
     def test_idle_round_not_counted(self):
-        st0 = PolicyState(index=0, counted=2)
+        st0 = GoodputState(index=0, counted=2)
         st, d = decide(gp(), st0, 0, [1.5], [1], ema_fails=[0.5], batch=1)
         assert st == st0 and not d.counted and d.accept_rate is None
 
@@ -560,7 +562,7 @@ class TestGoodputDecide:
         ("max", 0.9, 2),
     ])
     def test_reducer_drives_decision(self, reducer, rate, index):
-        st, d = decide(gp(reducer=reducer), PolicyState(index=1), 2, [0.25, 0.9], [1, 1],
+        st, d = decide(gp(reducer=reducer), GoodputState(index=1), 2, [0.25, 0.9], [1, 1],
                        ema_fails=[0.75, 0.1], batch=1)
         assert d.accept_rate == rate and st.index == index
 
@@ -568,18 +570,18 @@ class TestGoodputDecide:
         # p = 0.5. Row "1" (FLAT): best is 3 (1.25 vs 1.2). Row "8": costs 1: 1.0, 3: 2.0, 7: 4.0
         # -> 1.5, 0.9375, 0.498.. best is 1. Batch 2 uses row "8".
         c = gp(round_cost={"1": FLAT, "8": {"1": 1.0, "3": 2.0, "7": 4.0}}, switch_margin=0.0)
-        st, d = decide(c, PolicyState(index=2), 1, [1.0], [1], ema_fails=[1.0], batch=1)
+        st, d = decide(c, GoodputState(index=2), 1, [1.0], [1], ema_fails=[1.0], batch=1)
         assert d.cost_row == 1 and st.index == 1
-        st, d = decide(c, PolicyState(index=2), 1, [1.0], [1], ema_fails=[1.0], batch=2)
+        st, d = decide(c, GoodputState(index=2), 1, [1.0], [1], ema_fails=[1.0], batch=2)
         assert d.cost_row == 8 and st.index == 0
-        st, d = decide(c, PolicyState(index=2), 1, [1.0], [1], ema_fails=[1.0], batch=65)
+        st, d = decide(c, GoodputState(index=2), 1, [1.0], [1], ema_fails=[1.0], batch=65)
         assert d.cost_row == 8 and st.index == 0
-        _, d = decide(gp(), PolicyState(index=2), 1, [1.0], [1], ema_fails=[1.0], batch=2)
+        _, d = decide(gp(), GoodputState(index=2), 1, [1.0], [1], ema_fails=[1.0], batch=2)
         assert d.cost_row is None  # flat table
 
     def test_dwell(self):
         c = gp(min_dwell_rounds=3, switch_margin=0.0)
-        st = PolicyState(index=1)
+        st = GoodputState(index=1)
         hi, lo = ([0.9], [0.1]), ([0.0], [1.0])
         st, d = decide(c, st, 1, hi[0], [1], ema_fails=hi[1], batch=1)   # c1: up to 7
         assert st.index == 2 and st.last_switch == 1
@@ -592,9 +594,9 @@ class TestGoodputDecide:
 
     def test_needs_ema_fails_and_round_cost(self):
         with pytest.raises(ValueError, match="ema_fail"):
-            decide(gp(), PolicyState(index=0), 1, [1.5], [1])
+            decide(gp(), GoodputState(index=0), 1, [1.5], [1])
         with pytest.raises(ValueError, match="round_cost"):
-            decide(gp(round_cost=None), PolicyState(index=0), 1, [1.5], [1], ema_fails=[0.5])
+            decide(gp(round_cost=None), GoodputState(index=0), 1, [1.5], [1], ema_fails=[0.5])
 
     def test_ema_ignores_the_goodput_inputs(self):
         c = cfg(warmup_batches=0, update_interval=1)
@@ -614,7 +616,7 @@ class TestProbe:
     def test_probe_from_the_start(self):
         # interval 1, probe_every 3, start at 0 with no switch: points c1, c2, c3 -> probe at c3
         c = self.cfg0(probe_every=3)
-        st = PolicyState.initial(c)
+        st = depth_policy(c).initial_state()
         got = []
         for _ in range(3):
             st, d = decide(c, st, 2, [0.0], [0], ema_fails=[1.0], batch=2)
@@ -628,7 +630,7 @@ class TestProbe:
         c = self.cfg0(update_interval=2, probe_every=2)
         assert not probe_due(c, 0, 6, 5)
         assert probe_due(c, 0, 8, 5)
-        st = PolicyState(index=0, counted=5, last_switch=5)
+        st = GoodputState(index=0, counted=5, last_switch=5)
         idx = []
         for _ in range(3):  # counted 6, 7, 8
             st, d = decide(c, st, 1, [0.0], [0], ema_fails=[1.0], batch=1)
@@ -638,7 +640,7 @@ class TestProbe:
     def test_probe_waits_for_dwell(self):
         # probe_every 1, dwell 4, switched into 0 at counted 2: points 3, 4, 5 blocked; 6 probes
         c = self.cfg0(probe_every=1, min_dwell_rounds=4)
-        st = PolicyState(index=0, counted=2, last_switch=2)
+        st = GoodputState(index=0, counted=2, last_switch=2)
         idx = []
         for _ in range(4):
             st, _ = decide(c, st, 1, [0.0], [0], ema_fails=[1.0], batch=1)
@@ -649,26 +651,26 @@ class TestProbe:
         # live weight at depth 0 (shadow checks since the last point): the best score moves now,
         # not as a probe; p = 1: s0 = 1, s1 = 2/1.25 = 1.6, s3 = 4/1.5 = 2.67 -> depth 3
         c = self.cfg0(probe_every=2)
-        st, d = decide(c, PolicyState(index=0), 1, [6.0], [5], ema_fails=[0.0], batch=1)
+        st, d = decide(c, GoodputState(index=0), 1, [6.0], [5], ema_fails=[0.0], batch=1)
         assert st.index == 2 and d.accept_rate == 1.0 and d.switched and not d.probe
         assert (st.probe_gap, st.probed) == (1, False)
         # p = 0.1: s1 = 1.1/1.25 = 0.88, s3 = 1.111/1.5 = 0.74 < s0 = 1 -> stays, no probe
-        st, d = decide(c, PolicyState(index=0), 1, [0.1], [5], ema_fails=[0.9], batch=1)
+        st, d = decide(c, GoodputState(index=0), 1, [0.1], [5], ema_fails=[0.9], batch=1)
         assert st.index == 0 and not d.switched and d.accept_rate == pytest.approx(0.1)
         # without live weight only the probe moves (not due yet: 1 decision point of 2)
-        st, d = decide(c, PolicyState(index=0), 1, [6.0], [0], ema_fails=[0.0], batch=1)
+        st, d = decide(c, GoodputState(index=0), 1, [6.0], [0], ema_fails=[0.0], batch=1)
         assert st.index == 0 and d.accept_rate is None
 
     def test_a_signal_at_zero_restarts_the_probe_wait(self):
         c = self.cfg0(probe_every=2)   # interval 1, warm-up 0: every counted round is a point
         # 3 points since the switch, but the point at counted 2 had a rate: 1 point since it
-        st = PolicyState(index=0, counted=2, last_switch=0, last_signal=2)
+        st = GoodputState(index=0, counted=2, last_switch=0, last_signal=2)
         st, d = decide(c, st, 1, [0.0], [0], ema_fails=[1.0], batch=1)
         assert st.index == 0 and not d.probe
         st, d = decide(c, st, 1, [0.0], [0], ema_fails=[1.0], batch=1)   # 2 points: the probe
         assert st.index == 1 and d.probe and st.last_signal == 2
         # a point at depth 0 with a rate is a signal (p = 0.1: it stays at 0)
-        st, d = decide(c, PolicyState(index=0, counted=5, last_switch=0), 1, [0.1], [3],
+        st, d = decide(c, GoodputState(index=0, counted=5, last_switch=0), 1, [0.1], [3],
                        ema_fails=[0.9], batch=1)
         assert st.index == 0 and st.last_signal == 6 and not d.switched
 
@@ -691,9 +693,9 @@ class TestProbe:
         # > 1.05 * 0.96 = 1.008 -> stays at 1.
         # p = 0.1: s1 = 1.1/1.25 = 0.88 and 1.0 > 1.05 * 0.88 = 0.924 -> to 0
         c = self.cfg0()
-        st, _ = decide(c, PolicyState(index=1), 1, [0.2], [1], ema_fails=[0.8], batch=1)
+        st, _ = decide(c, GoodputState(index=1), 1, [0.2], [1], ema_fails=[0.8], batch=1)
         assert st.index == 1
-        st, d = decide(c, PolicyState(index=1), 1, [0.1], [1], ema_fails=[0.9], batch=1)
+        st, d = decide(c, GoodputState(index=1), 1, [0.1], [1], ema_fails=[0.9], batch=1)
         assert st.index == 0 and d.switched and not d.probe
 
 
@@ -754,7 +756,7 @@ class TestMixture:
         emas, fails, weights = [0.1, 0.9], [0.9, 0.1], [1, 1]
         for reducer, want, rate in (("mixture", 3, 0.5), ("weighted_mean", 1, 0.5)):
             c = AdaptiveConfig(**base, reducer=reducer)
-            _, d = decide(c, PolicyState.initial(c), 2, emas, weights, ema_fails=fails, batch=1)
+            _, d = decide(c, depth_policy(c).initial_state(), 2, emas, weights, ema_fails=fails, batch=1)
             assert c.candidate_steps[d.new_index] == want and d.accept_rate == pytest.approx(rate)
         mix = live_rates(emas, fails, weights)
         assert mix == [(pytest.approx(0.1), 1), (pytest.approx(0.9), 1)]

@@ -1,0 +1,223 @@
+"""What every depth policy is: the ``DepthPolicy`` protocol, the shared state, the decision record,
+and ``CountingPolicy``, the counting and decision-point skeleton the policies build on.
+
+A policy is pure: every rank calls ``decide`` with the same gathered values and the same state and
+gets the same answer; ``observe`` turns one rank's round into its next local estimate. The round
+coordinator (``adaptive_dist.coordinator``) holds the state and the estimate, runs the collective
+and applies nothing itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Optional, Protocol, Sequence
+
+from adaptive_dist.policy.reducers import live, reducer_named
+from adaptive_dist.policy.rules import (
+    INITIAL_EMA_FAIL,
+    ema_fail_update,
+    ema_update,
+    is_decision_point,
+)
+
+if TYPE_CHECKING:
+    from adaptive_dist.config import AdaptiveConfig, RoundCost
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """What every rank must hold identically under every policy: the tier, the counted rounds and
+    the last switch (a policy with more state extends it)."""
+
+    index: int
+    counted: int = 0
+    last_switch: int = -1  # counted round of the last switch; -1: none yet
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    """One rank's own statistics since the start: the EMA of its accept lengths, of the share of
+    its requests that rejected a draft token, and its weight (the requests it reported since the
+    last decision point). Rank-local; they travel in the round's vector."""
+
+    ema: float
+    ema_fail: float = INITIAL_EMA_FAIL
+    weight: int = 0
+
+
+class Observed(NamedTuple):
+    """What a round's report did to the estimate (for the statistics)."""
+
+    reset: bool = False    # the EMAs restarted from this round alone
+    shadow: bool = False   # shadow checks updated the EMAs (a depth-0 round)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one round's statistics (made at that round, applied before the next)."""
+
+    counted: bool
+    decision_point: bool
+    global_ema: Optional[float]
+    old_index: int
+    new_index: int
+    accept_rate: Optional[float] = None  # goodput: the cluster's acceptance rate (None: Σw = 0)
+    cost_row: Optional[int] = None       # goodput: bucket of the round_cost row used (flat: None)
+    probe: bool = False                  # goodput: the switch is a probe out of depth 0
+
+    @property
+    def switched(self) -> bool:
+        return self.new_index != self.old_index
+
+
+class DepthPolicy(Protocol):
+    """A rule for the draft depth: its own configuration section, its state, its decisions."""
+
+    name: ClassVar[str]
+    adaptive: ClassVar[bool]          # may change the depth
+    allows_depth_zero: ClassVar[bool]  # 0 (no speculation) may be a candidate
+    uses_round_cost: ClassVar[bool]   # reads ``round_cost`` (measured and agreed at start-up)
+    keys: ClassVar[tuple[str, ...]]   # the configuration keys only this policy reads
+    config: "AdaptiveConfig"
+
+    @classmethod
+    def check_section(cls, config: "AdaptiveConfig") -> None:
+        """Validate the keys of this policy's section (every effective configuration holds them,
+        whatever its policy); ``ConfigError`` naming the key, the value and what is allowed."""
+
+    def initial_state(self) -> PolicyState:
+        """The shared state before any round."""
+
+    def initial_ema(self) -> float:
+        """A rank's EMA before any round."""
+
+    def initial_estimate(self) -> RankEstimate:
+        """A rank's estimate before any round."""
+
+    def measures_acceptance(self, steps: int) -> bool:
+        """Whether a round run at ``steps`` updates the EMAs and weight from its accept lengths."""
+
+    @property
+    def resets(self) -> bool:
+        """Whether a surprise (or a first measurement) restarts a rank's EMAs."""
+
+    def round_update(self, ema: float, ema_fail: float, accepts: Sequence[int], steps: int,
+                     first: bool = False) -> tuple[float, float, bool]:
+        """(ema, ema_fail, reset) after a round that measures acceptance."""
+
+    def observe(self, estimate: RankEstimate, accepts: Sequence[int], steps: int,
+                shadow: Optional[tuple[int, int, int]] = None) -> tuple[RankEstimate, Observed]:
+        """The rank's estimate after one of its rounds (``accepts`` checked against ``steps``)."""
+
+    def decide(self, state: PolicyState, cluster_requests: int, emas: Sequence[float],
+               weights: Sequence[float], ema_fails: Optional[Sequence[float]] = None,
+               batch: int = 0, table: Optional["RoundCost"] = None
+               ) -> tuple[PolicyState, Decision]:
+        """One round's decision from cluster-wide values (identical on every rank)."""
+
+    @classmethod
+    def in_engine(cls, config: "AdaptiveConfig", catchup_rounds: int) -> "AdaptiveConfig":
+        """The effective configuration in an engine whose draft cache catches up every
+        ``catchup_rounds`` depth-0 rounds (``config`` itself when the policy does not care)."""
+
+    def outcome_fields(self, decision: Decision, local_ema_fail: float) -> dict[str, Any]:
+        """What this policy adds to a consensus-only output line (none: ``{}``)."""
+
+    def summary_lines(self, records: Sequence[dict]) -> list[str]:
+        """What this policy adds to a consensus-only summary, from every rank's output lines."""
+
+
+class CountingPolicy:
+    """The skeleton shared by every policy: a round counts when the cluster ran requests, counted
+    round ``c`` is a decision point by ``warmup_batches`` / ``update_interval``, the dwell holds a
+    switch back, the global EMA is the reducer over the ranks with weight; the EMAs update with
+    ``ema_alpha`` from every round. ``choose`` is the policy's own rule."""
+
+    name: ClassVar[str]
+    adaptive: ClassVar[bool] = True
+    allows_depth_zero: ClassVar[bool] = False
+    uses_round_cost: ClassVar[bool] = False
+    keys: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: "AdaptiveConfig") -> None:
+        self.config = config
+        self.reducer = reducer_named(config.reducer)
+
+    @classmethod
+    def check_section(cls, config: "AdaptiveConfig") -> None:
+        return None
+
+    # ---- the rank's estimate ---------------------------------------------------------------
+    def initial_state(self) -> PolicyState:
+        return PolicyState(index=self.config.initial_index)
+
+    def initial_ema(self) -> float:
+        """A rank's EMA before any round: ``initial_steps - 1``."""
+        return float(self.config.initial_steps - 1)
+
+    def initial_estimate(self) -> RankEstimate:
+        return RankEstimate(self.initial_ema())
+
+    def measures_acceptance(self, steps: int) -> bool:
+        return True
+
+    @property
+    def resets(self) -> bool:
+        """Whether a surprise (or a first measurement) restarts a rank's EMAs."""
+        return False
+
+    def round_update(self, ema: float, ema_fail: float, accepts: Sequence[int], steps: int,
+                     first: bool = False) -> tuple[float, float, bool]:
+        """(ema, ema_fail, reset) after a round that measures acceptance: both EMAs update with
+        ``ema_alpha``."""
+        alpha = self.config.ema_alpha
+        return (ema_update(ema, accepts, alpha), ema_fail_update(ema_fail, accepts, steps, alpha),
+                False)
+
+    def observe(self, estimate: RankEstimate, accepts: Sequence[int], steps: int,
+                shadow: Optional[tuple[int, int, int]] = None) -> tuple[RankEstimate, Observed]:
+        """Every round measures: the EMAs update, the weight grows by the requests (``shadow``
+        is not read)."""
+        ema, ema_fail, reset = self.round_update(estimate.ema, estimate.ema_fail, accepts, steps)
+        return (replace(estimate, ema=ema, ema_fail=ema_fail,
+                        weight=estimate.weight + len(accepts)), Observed(reset))
+
+    # ---- the decision ----------------------------------------------------------------------
+    def decide(self, state: PolicyState, cluster_requests: int, emas: Sequence[float],
+               weights: Sequence[float], ema_fails: Optional[Sequence[float]] = None,
+               batch: int = 0, table: Optional["RoundCost"] = None
+               ) -> tuple[PolicyState, Decision]:
+        """Count the round, find whether it is a decision point and whether the dwell allows a
+        switch, then ``choose``. An uncounted round (no requests anywhere) changes nothing."""
+        if cluster_requests <= 0:
+            return state, Decision(False, False, None, state.index, state.index)
+        cfg = self.config
+        counted = state.counted + 1
+        state = replace(state, counted=counted)
+        ranks = live(emas, None, weights)
+        global_ema = self.reducer.ema(ranks) if ranks else None
+        point = is_decision_point(counted, cfg.warmup_batches, cfg.update_interval)
+        dwell_ok = state.last_switch < 0 or counted - state.last_switch >= cfg.min_dwell_rounds
+        return self.choose(state, point, dwell_ok, global_ema, emas, weights, ema_fails, batch,
+                           table)
+
+    def choose(self, state: PolicyState, point: bool, dwell_ok: bool,
+               global_ema: Optional[float], emas: Sequence[float], weights: Sequence[float],
+               ema_fails: Optional[Sequence[float]], batch: int,
+               table: Optional["RoundCost"]) -> tuple[PolicyState, Decision]:
+        """The policy's rule at a counted round (``state`` already counts it)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def switch(state: PolicyState, new_index: int) -> PolicyState:
+        """``state`` after a switch to ``new_index`` at the counted round it holds."""
+        return replace(state, index=new_index, last_switch=state.counted)
+
+    @classmethod
+    def in_engine(cls, config: "AdaptiveConfig", catchup_rounds: int) -> "AdaptiveConfig":
+        return config
+
+    def outcome_fields(self, decision: Decision, local_ema_fail: float) -> dict[str, Any]:
+        return {}
+
+    def summary_lines(self, records: Sequence[dict]) -> list[str]:
+        return []

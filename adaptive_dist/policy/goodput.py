@@ -1,0 +1,424 @@
+"""The goodput policy: the depth with the most expected tokens per unit of round cost, with probes
+out of depth 0, the shadow checks of depth 0 and the reset on a surprise (docs/policy.md,
+"Goodput"). Its configuration section, its state and its rules, as pure functions of agreed inputs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Optional, Sequence
+
+from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, check, is_int, is_number
+from adaptive_dist.policy.base import CountingPolicy, Decision, Observed, PolicyState, RankEstimate
+from adaptive_dist.policy.reducers import Mixture, live
+from adaptive_dist.policy.rules import (
+    acceptance_rate,
+    decision_points_upto,
+    ema_fail_update,
+    ema_update,
+)
+
+MARGIN_LIMIT = 1000.0
+RESET_LIMIT = 1e6
+
+SURPRISE_RATE_CLIP = 0.01
+"""The rank's rate is held to ``[0.01, 0.99]`` in ``surprise``: the EMAs' start values (rate 0
+before the first round of a run that starts at depth 1) must not make one request's round an
+infinite surprise."""
+
+
+# ---- the rank's estimate ----------------------------------------------------------------------
+def shadow_update(ema: float, ema_fail: float, hits: int, checks: int,
+                  alpha: float, rounds: int = 1) -> tuple[float, float]:
+    """(ema, ema_fail) after shadow checks (goodput, depth 0): ``checks`` greedy guesses of the
+    head, ``hits`` of them right, taken as depth-1 observations covering ``rounds`` rounds (the
+    depth-0 rounds with requests they were gathered over): ``rounds`` updates, one after the
+    other, each ``(1-α)·ema + α·h`` and ``(1-α)·ema_fail + α·(1-h)`` with ``h = hits/checks``
+    (so after k of them the old value keeps a weight of ``(1-α)^k``); unchanged without checks."""
+    if checks <= 0:
+        return ema, ema_fail
+    if rounds < 1:
+        raise ValueError(f"shadow_update: rounds={rounds} must be >= 1")
+    share = hits / checks
+    for _ in range(rounds):
+        ema = (1.0 - alpha) * ema + alpha * share
+        ema_fail = (1.0 - alpha) * ema_fail + alpha * (1.0 - share)
+    return ema, ema_fail
+
+
+def surprise(accepts: Sequence[int], steps: int, ema: float, ema_fail: float) -> float:
+    """How much better a round's own acceptance rate explains its accept lengths than the rank's
+    EMAs do, in nats: with ``A = Σ accepts``, ``F = #{a < steps}`` (the requests that rejected a
+    draft token), the round's rate ``r = A / (A + F)`` and the rank's ``p = ema / (ema +
+    ema_fail)`` held to ``[0.01, 0.99]``, the log-likelihood ratio ``A·ln(r/p) + F·ln((1-r)/(1-p))``
+    of the geometric model (terms with A or F = 0 left out). 0 for an empty round or depth 0."""
+    if steps <= 0 or len(accepts) == 0:
+        return 0.0
+    accepted = sum(accepts)
+    failed = sum(1 for a in accepts if a < steps)
+    if accepted + failed == 0:
+        return 0.0
+    p = min(max(acceptance_rate(ema, ema_fail), SURPRISE_RATE_CLIP), 1.0 - SURPRISE_RATE_CLIP)
+    r = accepted / (accepted + failed)
+    nats = 0.0
+    if accepted:
+        nats += accepted * math.log(r / p)
+    if failed:
+        nats += failed * math.log((1.0 - r) / (1.0 - p))
+    return nats
+
+
+# ---- expected tokens, scores, the cost table ----------------------------------------------------
+def expected_accepted(p: float, steps: int) -> float:
+    """``E(S) = p + p² + … + p^S``: the terms ``t₁ = p``, ``t_k = t_{k-1}·p``, added in that
+    order (float64); ``E(0) = 0``."""
+    total = 0.0
+    term = 1.0
+    for _ in range(steps):
+        term *= p
+        total += term
+    return total
+
+
+def mixture_expected(rates: Sequence[tuple[float, float]], steps: int) -> float:
+    """The ``mixture`` reducer's expected accepted tokens at depth ``steps``: the weighted mean
+    over the ranks of each rank's own ``E(S)``, ``Σ w_i·E(p_i, S) / Σ w_i`` (rank order,
+    float64). In lockstep every rank runs the same depth and the cluster's tokens are the sum of
+    the ranks', so this is the cluster's expectation, where one pooled rate (``weighted_mean``)
+    would fit a single geometric law to ranks that follow different ones."""
+    num = 0.0
+    den = 0.0
+    for p, w in rates:
+        num += w * expected_accepted(p, steps)
+        den += w
+    return num / den
+
+
+def goodput_score(p: float, steps: int, cost: float) -> float:
+    """``(1 + E(S)) / cost``: expected tokens a request gains per unit of round cost."""
+    return (1.0 + expected_accepted(p, steps)) / cost
+
+
+def cost_row(table: RoundCost, batch: int) -> int:
+    """The row of ``table`` a round of padded batch ``batch`` uses: the smallest bucket
+    ``>= batch``, the largest bucket for larger batches; row 0 of a flat table."""
+    if table.buckets is None:
+        return 0
+    for i, b in enumerate(table.buckets):
+        if b >= batch:
+            return i
+    return len(table.buckets) - 1
+
+
+def goodput_scores(cfg: AdaptiveConfig, p: float, batch: int,
+                   table: Optional[RoundCost] = None,
+                   mix: Optional[Sequence[tuple[float, float]]] = None) -> list[float]:
+    """The score of every candidate (ascending depth) at rate ``p`` and padded batch ``batch``,
+    with ``table`` (default: ``cfg.round_cost``); with ``mix`` (the ``mixture`` reducer's
+    per-rank rates and weights) ``(1 + mixture_expected(mix, S)) / cost`` instead."""
+    table = table if table is not None else cfg.round_cost
+    assert table is not None, "goodput needs round_cost"
+    costs = dict(table.rows[cost_row(table, batch)])
+    if mix is not None:
+        return [(1.0 + mixture_expected(mix, s)) / costs[s] for s in cfg.candidate_steps]
+    return [goodput_score(p, s, costs[s]) for s in cfg.candidate_steps]
+
+
+def update_offsets(base: RoundCost, offsets: tuple[float, ...], batch: int, steps: int,
+                   seconds: float, alpha: float) -> tuple[float, ...]:
+    """The per-row offsets after a timed round at ``steps`` in the row of padded batch
+    ``batch``: that row's offset moves toward ``seconds - base cost``,
+    ``(1 - alpha)·offset + alpha·(seconds - base)``, and is kept ``>= -min(row) / 2`` (every
+    live cost stays at least half its row's cheapest base cost above zero)."""
+    i = cost_row(base, batch)
+    row = dict(base.rows[i])
+    moved = (1.0 - alpha) * offsets[i] + alpha * (seconds - row[steps])
+    moved = max(moved, -0.5 * min(row.values()))
+    return offsets[:i] + (moved,) + offsets[i + 1:]
+
+
+def shifted_costs(base: RoundCost, offsets: tuple[float, ...]) -> RoundCost:
+    """``base`` with ``offsets[i]`` added to every cost of row ``i`` (the live table)."""
+    rows = tuple(tuple((s, c + off) for s, c in row) for row, off in zip(base.rows, offsets))
+    return RoundCost(base.buckets, rows)
+
+
+# ---- the decision -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GoodputState(PolicyState):
+    """The shared state with goodput's own: the probe wait's multiplier, whether the last switch
+    was a probe, and the last decision point at depth 0 that had a rate."""
+
+    probe_gap: int = 1     # the next probe waits probe_gap * probe_every points
+    probed: bool = False   # the last switch was a probe out of depth 0
+    last_signal: int = -1  # counted round of the last decision point at depth 0 that had a
+                           # cluster rate (shadow checks); -1: none
+
+
+@dataclass(frozen=True)
+class GoodputEstimate(RankEstimate):
+    """The rank's estimate with what depth 0 needs: the depth-0 rounds with requests since the
+    EMAs last moved (a shadow report covers them) and whether no round has measured yet (the
+    EMAs hold start values, which a first measurement replaces when resets are on)."""
+
+    unobserved: int = 0
+    fresh: bool = True
+
+
+def goodput_pick(scores: Sequence[float], index: int, margin: float) -> int:
+    """The best candidate (highest score, ties to the smaller depth) if it differs from
+    ``index`` and ``score(best) > (1 + margin)·score(current)``; else ``index``."""
+    best = 0
+    for i in range(1, len(scores)):
+        if scores[i] > scores[best]:
+            best = i
+    if best != index and scores[best] > (1.0 + margin) * scores[index]:
+        return best
+    return index
+
+
+def probe_due(cfg: AdaptiveConfig, index: int, counted: int, since: int,
+              gap: int = 1) -> bool:
+    """At depth 0, whether ``gap × probe_every`` decision points have passed since counted
+    round ``since`` (the last switch or signal; -1: the start), counting the one at
+    ``counted``."""
+    if cfg.candidate_steps[index] != 0:
+        return False
+    w, n = cfg.warmup_batches, cfg.update_interval
+    points = decision_points_upto(counted, w, n) - decision_points_upto(since, w, n)
+    return points >= gap * cfg.probe_every
+
+
+def next_probe_gap(cfg: AdaptiveConfig, state: GoodputState, new_index: int,
+                   probe: bool) -> tuple[int, bool]:
+    """(probe_gap, probed) after a switch from ``state`` to ``new_index``: a probe keeps the
+    gap; a return to depth 0 straight after a probe (it found nothing) doubles it, up to
+    ``probe_backoff``; any other switch resets it to 1."""
+    if probe:
+        return state.probe_gap, True
+    if state.probed and cfg.candidate_steps[new_index] == 0:
+        return min(2 * state.probe_gap, cfg.probe_backoff), False
+    return 1, False
+
+
+def step_down(cfg: AdaptiveConfig, scores: Sequence[float], index: int, new: int) -> int:
+    """``zero_via_smallest``: a switch to depth 0 from above the smallest positive candidate
+    goes to that candidate instead when it scores above the current depth."""
+    cand = cfg.candidate_steps
+    if not cfg.zero_via_smallest or cand[new] != 0 or new == index:
+        return new
+    low = next((i for i, s in enumerate(cand) if s > 0), None)
+    if low is not None and cand[index] > cand[low] and scores[low] > scores[index]:
+        return low
+    return new
+
+
+def goodput_step(cfg: AdaptiveConfig, state: GoodputState, rate: Optional[float],
+                 batch: int, table: Optional[RoundCost] = None,
+                 mix: Optional[Sequence[tuple[float, float]]] = None) -> tuple[int, bool]:
+    """The goodput decision at a decision point the dwell allows: (new index, is a probe).
+    The best score with the margin, from the cluster's rate; at depth 0 without a rate (no rank
+    reported shadow checks since the last decision point) only the probe moves, due
+    `probe_gap × probe_every` decision points after the last switch or the last decision point
+    at depth 0 that had a rate, whichever is later."""
+    if cfg.candidate_steps[state.index] == 0 and rate is None:
+        since = max(state.last_switch, state.last_signal)
+        if probe_due(cfg, state.index, state.counted, since, state.probe_gap):
+            return state.index + 1, True
+        return state.index, False
+    if rate is None:
+        return state.index, False
+    scores = goodput_scores(cfg, rate, batch, table, mix)
+    new = goodput_pick(scores, state.index, cfg.switch_margin)
+    return step_down(cfg, scores, state.index, new), False
+
+
+def probe_floor(cfg: AdaptiveConfig, catchup_rounds: int) -> int:
+    """The least ``probe_every`` that lets an engine's first shadow report at depth 0 come before
+    a probe: its draft cache catches up every ``catchup_rounds`` depth-0 rounds and reports one
+    round after the catch-up (a round later again when rounds overlap), so the wait must span
+    ``ceil((catchup_rounds + 2) / update_interval)`` decision points; 1 (no floor) without a 0
+    candidate."""
+    if 0 not in cfg.candidate_steps:
+        return 1
+    return -(-(catchup_rounds + 2) // cfg.update_interval)
+
+
+class GoodputPolicy(CountingPolicy):
+    """``goodput``: at a decision point the dwell allows, the candidate with the most expected
+    tokens per unit of round cost (``(1 + E(S)) / cost(S, row)``) from the cluster's acceptance
+    rate, with ``switch_margin``, ``zero_via_smallest`` and, at depth 0 without a signal, probes
+    with backoff. Depth 0 measures nothing but the catch-up's shadow checks; a surprise (or a
+    rank's first measurement) restarts its EMAs."""
+
+    name = "goodput"
+    allows_depth_zero = True
+    uses_round_cost = True
+    keys = ("round_cost", "switch_margin", "probe_every", "probe_backoff", "zero_via_smallest",
+            "reset_nats", "cost_alpha")
+    OUTCOME_KEYS: ClassVar[tuple[str, ...]] = ("local_ema_fail", "accept_rate", "cost_row",
+                                               "probe")
+    """Keys this policy adds to each consensus-only output line."""
+
+    @classmethod
+    def check_section(cls, c: AdaptiveConfig) -> None:
+        check(c.reducer != Mixture.name or c.policy == cls.name, "reducer", c.reducer,
+              f"mixture (the mean of the ranks' expected tokens) applies to the goodput policy "
+              f"only (policy={c.policy!r})")
+        check(is_number(c.switch_margin) and 0 <= c.switch_margin < MARGIN_LIMIT,
+              "switch_margin", c.switch_margin, f"must be a finite number in [0, {MARGIN_LIMIT:g})")
+        for key in ("probe_every", "probe_backoff"):
+            v = getattr(c, key)
+            check(is_int(v) and v >= 1, key, v, "must be an integer >= 1")
+        check(isinstance(c.zero_via_smallest, bool), "zero_via_smallest", c.zero_via_smallest,
+              "must be true or false")
+        check(is_number(c.reset_nats) and 0 <= c.reset_nats < RESET_LIMIT, "reset_nats",
+              c.reset_nats, f"must be a finite number in [0, {RESET_LIMIT:g}) (0: off)")
+        check(is_number(c.cost_alpha) and 0 <= c.cost_alpha <= 1, "cost_alpha", c.cost_alpha,
+              "must be a number in [0, 1]")
+        if c.cost_alpha:
+            check(c.policy == cls.name, "cost_alpha", c.cost_alpha,
+                  f"applies to the goodput policy only (policy={c.policy!r})")
+        if c.round_cost is not None:
+            check(c.policy == cls.name, "round_cost", c.round_cost.to_json(),
+                  f"applies to the goodput policy only (policy={c.policy!r})")
+            _check_cost_steps(c.round_cost, c.candidate_steps)
+
+    # ---- the rank's estimate ---------------------------------------------------------------
+    def initial_state(self) -> GoodputState:
+        return GoodputState(index=self.config.initial_index)
+
+    def initial_ema(self) -> float:
+        """``initial_steps - 1``, at least 0 (so the rate of a run that starts at depth 0 is
+        defined)."""
+        return max(super().initial_ema(), 0.0)
+
+    def initial_estimate(self) -> GoodputEstimate:
+        return GoodputEstimate(self.initial_ema())
+
+    def measures_acceptance(self, steps: int) -> bool:
+        """A round at depth 0 has no draft, so no acceptance signal."""
+        return steps > 0
+
+    @property
+    def resets(self) -> bool:
+        return self.config.reset_nats > 0
+
+    def round_update(self, ema: float, ema_fail: float, accepts: Sequence[int], steps: int,
+                     first: bool = False) -> tuple[float, float, bool]:
+        """As every policy's, but with ``reset_nats > 0`` a round restarts both EMAs from itself
+        alone (α = 1: its mean accept length and its share of rejecting requests) when it is the
+        rank's ``first`` measurement (the start values are placeholders, not measurements) or
+        its ``surprise`` exceeds ``reset_nats``."""
+        cfg = self.config
+        alpha = cfg.ema_alpha
+        reset = self.resets and len(accepts) > 0 and (
+            first or surprise(accepts, steps, ema, ema_fail) > cfg.reset_nats)
+        if reset:
+            alpha = 1.0
+        return (ema_update(ema, accepts, alpha), ema_fail_update(ema_fail, accepts, steps, alpha),
+                reset)
+
+    def observe(self, estimate: GoodputEstimate, accepts: Sequence[int], steps: int,
+                shadow: Optional[tuple[int, int, int]] = None
+                ) -> tuple[GoodputEstimate, Observed]:
+        """Above depth 0 as every policy (with the resets). At depth 0 the round's requests
+        count it and nothing moves, unless it reports ``shadow`` = (hits, checks, rows): the
+        head's greedy guesses checked against committed tokens, taken as depth-1 observations
+        over the depth-0 rounds with requests since the EMAs last moved, one update per such
+        round (``shadow_update``; a first measurement: one update with α = 1 when resets are
+        on); the weight grows by ``rows``."""
+        if self.measures_acceptance(steps):
+            ema, ema_fail, reset = self.round_update(estimate.ema, estimate.ema_fail, accepts,
+                                                     steps, estimate.fresh)
+            moved = len(accepts) > 0
+            return (replace(estimate, ema=ema, ema_fail=ema_fail,
+                            weight=estimate.weight + len(accepts),
+                            unobserved=0 if moved else estimate.unobserved,
+                            fresh=estimate.fresh and not moved), Observed(reset))
+        unobserved = estimate.unobserved + bool(accepts)
+        if shadow is not None:
+            hits, checks, rows = shadow
+            if not (all(type(v) is int for v in shadow) and 0 <= hits <= checks and rows >= 0):
+                raise ValueError(f"shadow checks {shadow!r}: want integers 0 <= hits <= "
+                                 f"checks and rows >= 0")
+            if checks:
+                # the checks were gathered over the rounds since the EMAs last moved: as many
+                # updates as those rounds (the engine reports once per catch-up)
+                first = estimate.fresh and self.resets   # replaces the start values
+                alpha, rounds = ((1.0, 1) if first else
+                                 (self.config.ema_alpha, max(unobserved, 1)))
+                ema, ema_fail = shadow_update(estimate.ema, estimate.ema_fail, hits, checks,
+                                              alpha, rounds)
+                return (GoodputEstimate(ema, ema_fail, estimate.weight + rows, 0, False),
+                        Observed(first, True))
+        return replace(estimate, unobserved=unobserved), Observed()
+
+    # ---- the decision ----------------------------------------------------------------------
+    def choose(self, state: GoodputState, point: bool, dwell_ok: bool,
+               global_ema: Optional[float], emas: Sequence[float], weights: Sequence[float],
+               ema_fails: Optional[Sequence[float]], batch: int,
+               table: Optional[RoundCost]) -> tuple[GoodputState, Decision]:
+        """``ema_fails`` (one per rank), ``batch`` (the round's padded batch, which picks the
+        ``round_cost`` row) and ``table`` (the live cost table; default ``round_cost``)."""
+        cfg = self.config
+        if ema_fails is None or len(ema_fails) != len(emas):
+            raise ValueError("the goodput policy needs one ema_fail per rank")
+        table = table if table is not None else cfg.round_cost
+        if table is None:
+            raise ValueError("the goodput policy needs round_cost (measure it and call "
+                             "agree_round_cost, or set it in the config)")
+        ranks = live(emas, ema_fails, weights)
+        rate = self.reducer.rate(ranks) if ranks else None
+        row = table.buckets[cost_row(table, batch)] if table.buckets is not None else None
+        new_index, probe = state.index, False
+        if point and dwell_ok:
+            new_index, probe = goodput_step(cfg, state, rate, batch, table,
+                                            self.reducer.mix(ranks))
+        if point and rate is not None and cfg.candidate_steps[state.index] == 0:
+            state = replace(state, last_signal=state.counted)   # a signal at depth 0: no probe due
+        decision = Decision(True, point, global_ema, state.index, new_index, rate, row, probe)
+        if new_index != state.index:
+            gap, probed = next_probe_gap(cfg, state, new_index, probe)
+            state = replace(self.switch(state, new_index), probe_gap=gap, probed=probed)
+        return state, decision
+
+    def outcome_fields(self, decision: Decision, local_ema_fail: float) -> dict[str, Any]:
+        """The rank's ``local_ema_fail``, the cluster's ``accept_rate`` (null when no rank has
+        weight), the ``round_cost`` row used (``cost_row``, its bucket; null for a flat table)
+        and whether the switch is a ``probe`` out of depth 0."""
+        return {"local_ema_fail": local_ema_fail, "accept_rate": decision.accept_rate,
+                "cost_row": decision.cost_row, "probe": decision.probe}
+
+    def summary_lines(self, records: Sequence[dict]) -> list[str]:
+        """Every rank's last acceptance rate ``ema/(ema+ema_fail)`` and rank 0's probes."""
+        last: dict[int, dict] = {}
+        for r in records:
+            last[r["rank"]] = r
+        rates = ", ".join(f"rank {k}: {acceptance_rate(v['local_ema'], v['local_ema_fail']):.3f}"
+                          for k, v in sorted(last.items()))
+        probes = sum(1 for r in records if r["rank"] == 0 and r["probe"])
+        return [f"final local acceptance rate ema/(ema+ema_fail): {rates or 'none'}; "
+                f"probes out of depth 0: {probes}"]
+
+    # ---- in an engine ----------------------------------------------------------------------
+    @classmethod
+    def in_engine(cls, config: AdaptiveConfig, catchup_rounds: int) -> AdaptiveConfig:
+        """``config`` with ``probe_every`` raised to ``probe_floor`` where it is below."""
+        need = probe_floor(config, catchup_rounds)
+        return config if config.probe_every >= need else config.replace(probe_every=need)
+
+
+def _check_cost_steps(table: RoundCost, candidates: tuple[int, ...]) -> None:
+    """Every row of ``table`` lists exactly the candidate depths."""
+    for i, row in enumerate(table.rows):
+        where = "round_cost" if table.buckets is None else f"round_cost[{str(table.buckets[i])!r}]"
+        have = [s for s, _ in row]
+        missing = [s for s in candidates if s not in have]
+        extra = [s for s in have if s not in candidates]
+        if missing or extra:
+            what = (f"missing {[str(s) for s in missing]}" if missing
+                    else f"has {[str(s) for s in extra]}, which are not candidates")
+            raise ConfigError(f"{where}={dict((str(s), v) for s, v in row)!r}: {what}; "
+                              f"allowed: one cost for every candidate depth "
+                              f"{[str(s) for s in candidates]}")
