@@ -11,8 +11,9 @@ from typing import Any
 _LAZY = {
     "AdaptiveConfig": "adaptive_dist.config", "ConfigError": "adaptive_dist.config",
     "load_config": "adaptive_dist.config",
-    "AdaptiveController": "adaptive_dist.controller", "RoundOutcome": "adaptive_dist.controller",
-    "RoundPlan": "adaptive_dist.controller",
+    "RoundCoordinator": "adaptive_dist.coordinator", "RoundOutcome": "adaptive_dist.coordinator",
+    "RoundPlan": "adaptive_dist.coordinator", "RoundReport": "adaptive_dist.coordinator",
+    "DepthPolicy": "adaptive_dist.policy", "depth_policy": "adaptive_dist.policy",
     "ConfigMismatchError": "adaptive_dist.startup", "agree_config": "adaptive_dist.startup",
     "agree_settings": "adaptive_dist.startup", "agree_round_cost": "adaptive_dist.startup",
     "RoundCost": "adaptive_dist.config",

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from collectives import CollectiveTimeoutError, DistContext, DivergenceError, Group, LockstepGuard
 from adaptive_dist import __version__, consensus
 from adaptive_dist.config import AdaptiveConfig, ConfigError
-from adaptive_dist.controller import AdaptiveController, RoundOutcome
+from adaptive_dist.coordinator import RoundCoordinator, RoundOutcome, RoundReport
 from adaptive_dist.policy import DepthPolicy, depth_policy
 from adaptive_dist.outputs import OutputError, check_output_dir, check_output_file, write_lines
 from adaptive_dist.startup import agree_settings, all_ranks_or_none, exchange
@@ -34,7 +34,7 @@ class ReplayResult:
     rounds: int
     decision_digest: int
     consensus_us: list[float] = field(default_factory=list)
-    controller: Optional[AdaptiveController] = None
+    controller: Optional[RoundCoordinator] = None
 
 
 def outcome_record(outcome: RoundOutcome, rank: int, policy: DepthPolicy) -> dict:
@@ -75,7 +75,7 @@ def shadow_checks(full: list[int], steps: int) -> Optional[tuple[int, int, int]]
 def replay(trace: list[TraceRound], config: AdaptiveConfig, group: Group,
            guard: Optional[LockstepGuard] = None, progress=None) -> ReplayResult:
     """Replay ``trace`` on this rank in lockstep with the other members of ``group``."""
-    ctrl = AdaptiveController(config, group, guard=guard, clock=None)  # replays are untimed
+    ctrl = RoundCoordinator(config, group, guard=guard, clock=None)  # replays are untimed
     records: list[dict] = []
     times: list[float] = []
     r = 0
@@ -86,7 +86,7 @@ def replay(trace: list[TraceRound], config: AdaptiveConfig, group: Group,
         can_graph = item.can_graph if item is not None else True
         t0 = time.perf_counter()
         with guard.round(r) if guard is not None else nullcontext():
-            plan = ctrl.begin_round(len(full), tokens, can_graph, done=item is None)
+            plan = ctrl.begin_round(RoundReport(len(full), tokens, can_graph, done=item is None))
         times.append((time.perf_counter() - t0) * 1e6)
         out = ctrl.last_outcome
         if out is not None and out.decision.counted:

@@ -12,7 +12,7 @@ import torch
 
 import collectives as C
 from adaptive_dist.config import AdaptiveConfig, load_config
-from adaptive_dist.controller import AdaptiveController
+from adaptive_dist.coordinator import RoundCoordinator, RoundReport
 from adaptive_dist.replay import replay, run_consensus
 from adaptive_dist.startup import agree_config
 from adaptive_dist.trace import load_trace
@@ -99,7 +99,7 @@ def _divergence_setup(ctx: C.DistContext):
     world, dp = layout.group("world"), layout.group("dp")
     cfg = AdaptiveConfig(lockstep_check_every=2)
     guard = ctx.guard(world, check_every=cfg.lockstep_check_every)
-    return guard, AdaptiveController(cfg, dp, guard=guard), dp
+    return guard, RoundCoordinator(cfg, dp, guard=guard), dp
 
 
 def _misbehave(ctx: C.DistContext, guard, ctrl, dp, rank: int, mode: str, rounds: int,
@@ -115,13 +115,14 @@ def _misbehave(ctx: C.DistContext, guard, ctrl, dp, rank: int, mode: str, rounds
                 from dataclasses import replace
                 ctrl.state = replace(ctrl.state, index=0)
             if not (mode == "skip_consensus" and bad and r == bad_round):
-                plan = ctrl.begin_round(2, 8, True)
+                plan = ctrl.begin_round(RoundReport(2, 8, True))
             n = 8 if (mode == "reshape" and bad and r == bad_round) else 4
             x = torch.ones(n, device=ctx.device)
             if not (mode == "skip_op" and bad and r == bad_round):
                 C.ops.all_reduce(x, dp)
             if mode == "executed" and bad and r == bad_round:
-                ctrl.end_round([1, 2], executed=(7, plan.use_graph, plan.batch_bucket, "spec"))
+                ctrl.ran((7, plan.use_graph, plan.batch_bucket, "spec"))
+                ctrl.end_round([1, 2])
             else:
                 ctrl.end_round([1, 2])
 
@@ -206,9 +207,9 @@ def round_cost_job(rank: int, measured_per_rank: dict, cfg_dict: dict, rounds: i
         cfg = agree_config(lambda: AdaptiveConfig.from_dict({**cfg_dict, "policy": "goodput"}),
                            world)
         cfg = agree_round_cost(cfg, measured_per_rank[rank], world)
-        ctrl = AdaptiveController(cfg, world)
+        ctrl = RoundCoordinator(cfg, world)
         for _ in range(rounds):
-            plan = ctrl.begin_round(2)
+            plan = ctrl.begin_round(RoundReport(2))
             ctrl.end_round([min(1, plan.steps)] * 2)
         return {"ok": True, "round_cost": cfg.to_dict()["round_cost"], "digest": cfg.digest(),
                 "steps": ctrl.steps}

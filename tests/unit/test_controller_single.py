@@ -1,4 +1,4 @@
-"""AdaptiveController on a size-1 group: whole round sequences against hand-worked examples
+"""RoundCoordinator on a size-1 group: whole round sequences against hand-worked examples
 (docs/policy.md), the runtime-state pool contract and the graph/eager plan."""
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import pytest
 
 from collectives import Group
 from adaptive_dist.config import AdaptiveConfig, ConfigError
-from adaptive_dist.controller import AdaptiveController
+from adaptive_dist.coordinator import RoundCoordinator, RoundReport
 from workers.runtime_state import AdaptiveSpecWorker, RuntimeStatePool, SpecRuntimeState
 
 
-def make(policy="ema", **kw) -> AdaptiveController:
-    return AdaptiveController(AdaptiveConfig(policy=policy, **kw), Group.single())
+def make(policy="ema", **kw) -> RoundCoordinator:
+    return RoundCoordinator(AdaptiveConfig(policy=policy, **kw), Group.single())
 
 
 class FakeWorker:
@@ -68,10 +68,10 @@ EXAMPLE_CFG = dict(candidate_steps=[1, 3, 7], initial_steps=3, ema_alpha=0.5, wa
                    update_interval=1, up_hysteresis=0.0, down_hysteresis=-0.25)
 
 
-def run_example(ctl: AdaptiveController, rows=EXAMPLE):
+def run_example(ctl: RoundCoordinator, rows=EXAMPLE):
     plans, emas = [], []
     for n, accepts, *_ in rows:
-        plans.append(ctl.begin_round(n, num_tokens=n))
+        plans.append(ctl.begin_round(RoundReport(n, num_tokens=n)))
         ctl.end_round(accepts)
         emas.append(ctl.ema)
     return plans, emas
@@ -87,10 +87,10 @@ def test_ema_starts_at_initial_steps_minus_one(initial, expected):
 
 def test_idle_round_leaves_ema_unchanged():
     ctl = make(ema_alpha=0.5)
-    ctl.begin_round(1)
+    ctl.begin_round(RoundReport(1))
     ctl.end_round([3])          # 0.5*2 + 0.5*3 = 2.5
     assert ctl.ema == 2.5
-    ctl.begin_round(0)
+    ctl.begin_round(RoundReport(0))
     ctl.end_round([])
     assert ctl.ema == 2.5
 
@@ -113,7 +113,7 @@ def test_hand_worked_outcomes():
     ctl = make(**EXAMPLE_CFG)
     outcomes = []
     for n, accepts, *_ in EXAMPLE:
-        ctl.begin_round(n)
+        ctl.begin_round(RoundReport(n))
         outcomes.append(ctl.last_outcome)
         ctl.end_round(accepts)
     assert outcomes[0] is None  # no previous round to decide on
@@ -137,7 +137,7 @@ def test_weights_reset_at_decision_points():
     ctl = make(**EXAMPLE_CFG)
     weights_after_begin = []
     for n, accepts, *_ in EXAMPLE[:8]:
-        ctl.begin_round(n)
+        ctl.begin_round(RoundReport(n))
         weights_after_begin.append(ctl.weight)
         ctl.end_round(accepts)
     # r0: nothing yet; r1: c1 (1 req) no point; r2: c2 -> 2; r3: point -> 0; r4: point -> 0;
@@ -164,9 +164,9 @@ def test_round_own_statistics_in_its_decision():
     # warmup 0, interval 1, alpha 1: round 0's accepts [3] make EMA 3.0 > 2.5 and the decision
     # at round 0 (counted 1) already moves to 7, so round 1 runs 7.
     ctl = make(ema_alpha=1.0, warmup_batches=0, update_interval=1)
-    assert ctl.begin_round(1).steps == 3
+    assert ctl.begin_round(RoundReport(1)).steps == 3
     ctl.end_round([3])
-    p = ctl.begin_round(1)
+    p = ctl.begin_round(RoundReport(1))
     assert p.steps == 7 and p.switched
 
 
@@ -175,7 +175,7 @@ def test_warmup_zero_interval_three():
     ctl = make(ema_alpha=1.0, warmup_batches=0, update_interval=3)
     steps = []
     for _ in range(5):
-        steps.append(ctl.begin_round(1).steps)
+        steps.append(ctl.begin_round(RoundReport(1)).steps)
         ctl.end_round([min(3, ctl.steps)])
     # decisions at rounds 0,1 (counted 1,2) none; round 2 (counted 3) -> up, applied at round 3
     assert steps == [3, 3, 3, 7, 7]
@@ -186,7 +186,7 @@ def test_idle_rounds_do_not_count_toward_warmup():
     pattern = [(1, [3]), (0, []), (0, []), (1, [3]), (0, []), (1, [3]), (0, [])]
     steps = []
     for n, acc in pattern:
-        steps.append(ctl.begin_round(n).steps)
+        steps.append(ctl.begin_round(RoundReport(n)).steps)
         ctl.end_round(acc)
     # counted rounds: r0 c1, r3 c2, r5 c3 (first point) -> switch applied before r6
     assert steps == [3, 3, 3, 3, 3, 3, 7]
@@ -196,14 +196,14 @@ def test_idle_rounds_do_not_count_toward_warmup():
 def test_dwell_in_controller_and_weight_reset_at_blocked_point():
     # warmup 0, interval 1, alpha 1, dwell 2.
     ctl = make(ema_alpha=1.0, warmup_batches=0, update_interval=1, min_dwell_rounds=2)
-    p0 = ctl.begin_round(1); ctl.end_round([3])   # EMA 3
-    p1 = ctl.begin_round(1)                       # decision at c1: up to 7 (last switch c1)
+    p0 = ctl.begin_round(RoundReport(1)); ctl.end_round([3])   # EMA 3
+    p1 = ctl.begin_round(RoundReport(1))  # decision at c1: up to 7 (last switch c1)
     ctl.end_round([0])                            # EMA 0
-    p2 = ctl.begin_round(1)                       # c2: 1 counted round since switch -> blocked
+    p2 = ctl.begin_round(RoundReport(1))  # c2: 1 counted round since switch -> blocked
     blocked = ctl.last_outcome.decision
     w_after_blocked = ctl.weight
     ctl.end_round([0])
-    p3 = ctl.begin_round(1)                       # c3: 2 rounds since -> allowed, down to 1
+    p3 = ctl.begin_round(RoundReport(1))  # c3: 2 rounds since -> allowed, down to 1
     assert [p0.steps, p1.steps, p2.steps, p3.steps] == [3, 7, 7, 1]
     assert blocked.decision_point and not blocked.switched and blocked.global_ema == 0.0
     assert w_after_blocked == 0
@@ -212,7 +212,7 @@ def test_dwell_in_controller_and_weight_reset_at_blocked_point():
 # -------------------------------------------------------------------------- accept lengths
 def test_accept_outside_range_raises():
     ctl = make()
-    ctl.begin_round(2)
+    ctl.begin_round(RoundReport(2))
     with pytest.raises(ValueError):
         ctl.end_round([4])
     with pytest.raises(ValueError):
@@ -226,12 +226,12 @@ def test_accept_outside_range_raises():
 def test_accept_bound_follows_steps_in_force():
     ctl = make(**EXAMPLE_CFG)
     for n, accepts, *_ in EXAMPLE[:3]:
-        ctl.begin_round(n)
+        ctl.begin_round(RoundReport(n))
         ctl.end_round(accepts)
-    assert ctl.begin_round(2).steps == 7
+    assert ctl.begin_round(RoundReport(2)).steps == 7
     ctl.end_round([7, 7])  # allowed at steps 7
     ctl2 = make(**EXAMPLE_CFG)
-    ctl2.begin_round(1)
+    ctl2.begin_round(RoundReport(1))
     with pytest.raises(ValueError):
         ctl2.end_round([7])  # steps 3 in force
 
@@ -239,9 +239,9 @@ def test_accept_bound_follows_steps_in_force():
 def test_negative_begin_round_raises():
     ctl = make()
     with pytest.raises(ValueError):
-        ctl.begin_round(-1)
+        ctl.begin_round(RoundReport(-1))
     with pytest.raises(ValueError):
-        ctl.begin_round(1, num_tokens=-1)
+        ctl.begin_round(RoundReport(1, num_tokens=-1))
 
 
 def test_unknown_policy_raises():
@@ -265,7 +265,7 @@ def test_worker_build_once_per_candidate_apply_on_switch_only():
     applied_at = []
     for r, (n, accepts, *_ ) in enumerate(EXAMPLE):
         before = len(w.applied)
-        p = ctl.begin_round(n)
+        p = ctl.begin_round(RoundReport(n))
         if p.switched:
             pool.apply(p.steps)
         if len(w.applied) != before:
@@ -287,7 +287,7 @@ def test_worker_static_no_apply_during_rounds():
     pool = RuntimeStatePool(w, ctl.config.tiers)
     pool.apply(ctl.steps)
     for _ in range(4):
-        assert not ctl.begin_round(1).switched
+        assert not ctl.begin_round(RoundReport(1)).switched
         ctl.end_round([0])
     assert w.built == [4]  # a static run builds only the depth it keeps
     assert w.applied == [w.states[4]]
@@ -307,7 +307,7 @@ def test_worker_wrong_state_refused():
 # --------------------------------------------------------------------------- graph / eager
 def test_can_graph_false_means_eager():
     ctl = make()
-    p = ctl.begin_round(4, num_tokens=40, can_graph=False)
+    p = ctl.begin_round(RoundReport(4, num_tokens=40, can_graph=False))
     assert p.use_graph is False and p.batch_bucket is None
     assert p.extend_tokens == 40 and p.cluster_requests == 4 and p.batch_pad == 4
 
@@ -315,34 +315,34 @@ def test_can_graph_false_means_eager():
 @pytest.mark.parametrize("batch,bucket", [(1, 1), (3, 4), (5, 8), (8, 8), (17, 32), (64, 64)])
 def test_bucket_smallest_at_least_batch(batch, bucket):
     ctl = make()
-    p = ctl.begin_round(batch, num_tokens=batch)
+    p = ctl.begin_round(RoundReport(batch, num_tokens=batch))
     assert p.use_graph is True and p.batch_bucket == bucket
 
 
 def test_batch_above_largest_bucket_is_eager():
     ctl = make()
-    p = ctl.begin_round(65, num_tokens=65)
+    p = ctl.begin_round(RoundReport(65, num_tokens=65))
     assert p.use_graph is False and p.batch_bucket is None
     ctl.end_round([1] * 65)
-    p = ctl.begin_round(64)
+    p = ctl.begin_round(RoundReport(64))
     assert p.use_graph is True and p.batch_bucket == 64
 
 
 def test_custom_buckets():
     ctl = make(graph_buckets=[12, 4])
-    assert ctl.begin_round(5).batch_bucket == 12
+    assert ctl.begin_round(RoundReport(5)).batch_bucket == 12
     ctl.end_round([0] * 5)
-    assert ctl.begin_round(4).batch_bucket == 4
+    assert ctl.begin_round(RoundReport(4)).batch_bucket == 4
     ctl.end_round([0] * 4)
-    p = ctl.begin_round(13)
+    p = ctl.begin_round(RoundReport(13))
     assert p.use_graph is False and p.batch_bucket is None
 
 
 def test_done_flag():
     ctl = make()
-    assert ctl.begin_round(0, done=True).all_done is True
+    assert ctl.begin_round(RoundReport(0, done=True)).all_done is True
     ctl.end_round([])
-    assert ctl.begin_round(0, done=False).all_done is False
+    assert ctl.begin_round(RoundReport(0, done=False)).all_done is False
 
 
 # ====================================================================================== goodput
@@ -371,11 +371,11 @@ GP_ROWS = [  # (requests, full accepts, steps that ran, ema, ema_fail, weight af
 
 
 def test_goodput_hand_worked_sequence_down_to_zero_probe_and_up():
-    ctl = AdaptiveController(AdaptiveConfig(**GP_CFG), Group.single())
+    ctl = RoundCoordinator(AdaptiveConfig(**GP_CFG), Group.single())
     assert (ctl.ema, ctl.ema_fail) == (0.0, 1.0)
     got, outcomes = [], []
     for n, full, *_ in GP_ROWS:
-        plan = ctl.begin_round(n)
+        plan = ctl.begin_round(RoundReport(n))
         outcomes.append(ctl.last_outcome)
         ctl.end_round([min(a, plan.steps) for a in full])
         got.append((plan.steps, ctl.ema, ctl.ema_fail, ctl.weight))
@@ -388,18 +388,18 @@ def test_goodput_hand_worked_sequence_down_to_zero_probe_and_up():
     assert [x.cost_row for x in d] == [None] * 5  # a flat table
     assert outcomes[4].local_ema_fail == 1.0 and outcomes[5].local_ema_fail == 0.5
     assert ctl.stats.steps_timeline == [(0, 1), (1, 0), (4, 1), (5, 3)]
-    plan = ctl.begin_round(1)
+    plan = ctl.begin_round(RoundReport(1))
     assert plan.steps == 3 and not plan.switched
     assert ctl.last_outcome.decision.accept_rate == 0.875
 
 
 def test_goodput_ema_fail_idle_rounds_and_start():
-    ctl = AdaptiveController(AdaptiveConfig(**{**GP_CFG, "initial_steps": 3}), Group.single())
+    ctl = RoundCoordinator(AdaptiveConfig(**{**GP_CFG, "initial_steps": 3}), Group.single())
     assert (ctl.ema, ctl.ema_fail) == (2.0, 1.0)
-    ctl.begin_round(4)
+    ctl.begin_round(RoundReport(4))
     ctl.end_round([0, 3, 1, 3])  # steps 3: ema 1.0 + 0.875 = 1.875; share 2/4 -> 0.75
     assert (ctl.ema, ctl.ema_fail) == (1.875, 0.75)
-    ctl.begin_round(0)
+    ctl.begin_round(RoundReport(0))
     ctl.end_round([])            # idle: both unchanged
     assert (ctl.ema, ctl.ema_fail) == (1.875, 0.75)
 
@@ -416,7 +416,7 @@ def test_ema_fail_travels_with_ema_for_every_policy():
     assert values[consensus.COL["ema"]] == 2.5 and values[consensus.COL["ema_fail"]] == 0.375
     assert values[consensus.COL["weight"]] == 4.0
     ctl = make(ema_alpha=0.5)   # ema: the same update runs, the decision ignores it
-    ctl.begin_round(2)
+    ctl.begin_round(RoundReport(2))
     ctl.end_round([3, 1])       # share 1/2: 0.5*1.0 + 0.25 = 0.75
     assert ctl.ema_fail == 0.75
 
@@ -433,7 +433,7 @@ def test_goodput_bucket_row_from_the_plan():
     ctl = make("goodput", round_cost=cost, warmup_batches=0, update_interval=1)
     rows = []
     for n in (1, 3, 65, 2):
-        ctl.begin_round(n)
+        ctl.begin_round(RoundReport(n))
         if ctl.last_outcome is not None:
             rows.append((ctl.last_outcome.batch_pad, ctl.last_outcome.decision.cost_row))
         ctl.end_round([0] * n)
@@ -456,11 +456,11 @@ def test_goodput_goes_to_zero_on_low_acceptance_and_comes_back(reset_nats, climb
                          warmup_batches=2, update_interval=2, probe_every=3, probe_backoff=1,
                          round_cost={"0": 1.0, "1": 1.25, "3": 1.6, "7": 2.4},
                          reset_nats=reset_nats)
-    ctl = AdaptiveController(cfg, Group.single())
+    ctl = RoundCoordinator(cfg, Group.single())
     steps, probes = [], []
     for r in range(200):
         full = [0, 0, 0] if r < 100 else [9, 9, 9]
-        plan = ctl.begin_round(3)
+        plan = ctl.begin_round(RoundReport(3))
         steps.append(plan.steps)
         if ctl.last_outcome is not None and ctl.last_outcome.decision.probe:
             probes.append(r - 1)
@@ -489,11 +489,11 @@ def test_goodput_probe_backoff_doubles_the_wait_and_resets_after_a_climb():
     cfg = AdaptiveConfig(policy="goodput", candidate_steps=[0, 1, 3, 7], initial_steps=3,
                          warmup_batches=2, update_interval=2, probe_every=3, probe_backoff=4,
                          round_cost={"0": 1.0, "1": 1.25, "3": 1.6, "7": 2.4})
-    ctl = AdaptiveController(cfg, Group.single())
+    ctl = RoundCoordinator(cfg, Group.single())
     probes = []
     for r in range(400):
         full = [9, 9, 9] if 120 <= r < 200 else [0, 0, 0]
-        plan = ctl.begin_round(3)
+        plan = ctl.begin_round(RoundReport(3))
         if ctl.last_outcome is not None and ctl.last_outcome.decision.probe:
             probes.append(r - 1)
         ctl.end_round([min(a, plan.steps) for a in full])
@@ -520,16 +520,16 @@ def test_goodput_shadow_checks_at_depth_0_update_the_emas_and_leave_without_a_pr
     cfg = AdaptiveConfig(policy="goodput", candidate_steps=[0, 1, 3, 7], initial_steps=0,
                          warmup_batches=0, update_interval=2, ema_alpha=0.5, probe_every=50,
                          round_cost=cost, reset_nats=0.0)   # the alpha rules alone
-    ctl = AdaptiveController(cfg, Group.single())
+    ctl = RoundCoordinator(cfg, Group.single())
     assert (ctl.ema, ctl.ema_fail) == (0.0, 1.0)
-    ctl.begin_round(2)
+    ctl.begin_round(RoundReport(2))
     ctl.end_round([0, 0])                               # depth 0: no signal
     assert (ctl.ema, ctl.ema_fail, ctl.weight) == (0.0, 1.0, 0)
-    ctl.begin_round(2)                                  # counted 1
+    ctl.begin_round(RoundReport(2))                                  # counted 1
     ctl.end_round([0, 0], shadow=(7, 7, 2))             # all 7 guesses right: share 1, 2 rounds
     assert (ctl.ema, ctl.ema_fail, ctl.weight) == (0.75, 0.25, 2)   # 0 -> .5 -> .75; 1 -> .5 -> .25
     assert ctl.stats.shadow_rounds == 1
-    ctl.begin_round(2)                                  # decides round 1: counted 2, a point
+    ctl.begin_round(RoundReport(2))  # decides round 1: counted 2, a point
     # p = 0.75: scores 1, 1.75/1.25 = 1.4, 2.734/1.6 = 1.71, 3.600/2.4 = 1.50 -> depth 3
     d = ctl.last_outcome.decision
     assert d.decision_point and d.accept_rate == 0.75 and d.switched and not d.probe
@@ -540,7 +540,7 @@ def test_goodput_shadow_checks_at_depth_0_update_the_emas_and_leave_without_a_pr
     ctl.end_round([1, 0], shadow=(0, 7, 2))             # depth 3: the accepts count, not these
     assert (ctl.ema, ctl.ema_fail) == (0.5 * 0.75 + 0.25, 0.5 * 0.25 + 0.5)
     ema = make("ema", initial_steps=1)
-    ema.begin_round(1)
+    ema.begin_round(RoundReport(1))
     ema.end_round([1], shadow=(0, 7, 1))
     assert ema.stats.shadow_rounds == 0
 
@@ -552,18 +552,18 @@ def test_goodput_shadow_update_covers_the_depth_0_rounds_since_the_emas_moved():
     cfg = AdaptiveConfig(policy="goodput", candidate_steps=[0, 1], initial_steps=0,
                          warmup_batches=1000, ema_alpha=0.5, round_cost={"0": 1.0, "1": 1e9},
                          reset_nats=0.0)   # the alpha rules alone
-    ctl = AdaptiveController(cfg, Group.single())
-    ctl.begin_round(2)
+    ctl = RoundCoordinator(cfg, Group.single())
+    ctl.begin_round(RoundReport(2))
     ctl.end_round([0, 0])                               # 1 round unobserved
-    ctl.begin_round(0)
+    ctl.begin_round(RoundReport(0))
     ctl.end_round([])                                   # idle: not counted
-    ctl.begin_round(2)
+    ctl.begin_round(RoundReport(2))
     ctl.end_round([0, 0], shadow=(0, 0, 0))             # no checks: nothing moves; 2 rounds
     assert (ctl.ema, ctl.ema_fail, ctl.weight) == (0.0, 1.0, 0)
-    ctl.begin_round(2)
+    ctl.begin_round(RoundReport(2))
     ctl.end_round([0, 0], shadow=(4, 4, 1))             # 3 rounds of share 1
     assert (ctl.ema, ctl.ema_fail, ctl.weight) == (0.875, 0.125, 1)
-    ctl.begin_round(2)
+    ctl.begin_round(RoundReport(2))
     ctl.end_round([0, 0], shadow=(0, 4, 1))             # 1 round of share 0
     assert (ctl.ema, ctl.ema_fail, ctl.weight) == (0.4375, 0.5625, 2)
     assert ctl.stats.shadow_rounds == 2
@@ -596,10 +596,10 @@ def test_goodput_with_shadow_checks_follows_the_single_process_reference():
             item["shadow"] = None                        # between two catch-ups
         trace.append(item)
     expected = simulate([trace], cfg.to_dict(), "goodput")
-    ctl = AdaptiveController(cfg, Group.single())
+    ctl = RoundCoordinator(cfg, Group.single())
     got = []
     for r, item in enumerate(trace):
-        plan = ctl.begin_round(len(item["accept"]))
+        plan = ctl.begin_round(RoundReport(len(item["accept"])))
         if r:
             d = ctl.last_outcome.decision
             got[-1].update(switched=d.switched, probe=d.probe, accept_rate=d.accept_rate)
@@ -631,10 +631,10 @@ def test_goodput_descends_to_zero_through_the_smallest_positive_depth():
     dear = {"0": 1.0, "1": 5.0, "3": 1.5}
     for extra, want in (({}, [3, 1, 0, 0]), ({"zero_via_smallest": False}, [3, 0, 0, 0]),
                         ({"round_cost": dear}, [3, 0, 0, 0])):
-        ctl = AdaptiveController(AdaptiveConfig(**{**base, **extra}), Group.single())
+        ctl = RoundCoordinator(AdaptiveConfig(**{**base, **extra}), Group.single())
         steps, rates = [], []
         for _ in range(4):
-            plan = ctl.begin_round(2)
+            plan = ctl.begin_round(RoundReport(2))
             steps.append(plan.steps)
             if ctl.last_outcome is not None:
                 rates.append(ctl.last_outcome.decision.accept_rate)
@@ -662,14 +662,14 @@ def test_goodput_surprise_restarts_the_emas(requests, reset_nats, want):
     cfg = AdaptiveConfig(policy="goodput", candidate_steps=[1, 7], initial_steps=7, ema_alpha=0.25,
                          warmup_batches=0, update_interval=1, switch_margin=0.0,
                          round_cost={"1": 1.0, "7": 2.0}, reset_nats=reset_nats)
-    ctl = AdaptiveController(cfg, Group.single())
-    assert ctl.begin_round(requests).steps == 7
+    ctl = RoundCoordinator(cfg, Group.single())
+    assert ctl.begin_round(RoundReport(requests)).steps == 7
     ctl.end_round([6] * requests)
     assert (ctl.ema, ctl.ema_fail) == (6.0, 1.0)
-    assert ctl.begin_round(requests).steps == 7
+    assert ctl.begin_round(RoundReport(requests)).steps == 7
     ctl.end_round([0] * requests)
     ema, fail = ctl.ema, ctl.ema_fail
-    plan = ctl.begin_round(requests)
+    plan = ctl.begin_round(RoundReport(requests))
     steps, want_ema, want_fail, resets = want
     assert plan.steps == steps
     assert (ema, fail) == (pytest.approx(want_ema), pytest.approx(want_fail))
@@ -687,22 +687,22 @@ def test_goodput_first_measurement_replaces_the_start_values():
     of 3 hits in 4 checks: on -> ema 0.75, fail 0.25; off -> three updates with h 0.75:
     ema 0.75·(1 - 0.75³) = 0.43359375, fail 0.75³ + 0.25·(1 - 0.75³) = 0.56640625."""
     for reset_nats, want in ((8.0, (2.0, 0.5)), (0.0, (2.0, 0.875))):
-        ctl = AdaptiveController(AdaptiveConfig(
+        ctl = RoundCoordinator(AdaptiveConfig(
             policy="goodput", candidate_steps=[0, 1, 3], initial_steps=3, ema_alpha=0.25,
             round_cost={"0": 1.0, "1": 1.2, "3": 1.5}, reset_nats=reset_nats), Group.single())
-        ctl.begin_round(2)
+        ctl.begin_round(RoundReport(2))
         ctl.end_round([1, 3])
         assert (ctl.ema, ctl.ema_fail) == want and ctl.stats.resets == (reset_nats > 0)
-        ctl.begin_round(2)
+        ctl.begin_round(RoundReport(2))
         ctl.end_round([3, 3])       # no longer the first, no surprise: the alpha update
         assert ctl.ema == pytest.approx(0.75 * want[0] + 0.25 * 3)
     for reset_nats, want in ((8.0, (0.75, 0.25)), (0.0, (0.43359375, 0.56640625))):
-        ctl = AdaptiveController(AdaptiveConfig(
+        ctl = RoundCoordinator(AdaptiveConfig(
             policy="goodput", candidate_steps=[0, 1], initial_steps=0, ema_alpha=0.25,
             warmup_batches=1000, round_cost={"0": 1.0, "1": 1.2}, reset_nats=reset_nats),
             Group.single())
         for shadow in (None, None, (3, 4, 2)):
-            ctl.begin_round(2)
+            ctl.begin_round(RoundReport(2))
             ctl.end_round([0, 0], shadow=shadow)
         assert (ctl.ema, ctl.ema_fail) == (pytest.approx(want[0]), pytest.approx(want[1]))
         assert ctl.stats.resets == (reset_nats > 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from adaptive_dist.config import AdaptiveConfig, ConfigError
-from adaptive_dist.controller import AdaptiveController
+from adaptive_dist.coordinator import RoundCoordinator, RoundReport
 from adaptive_dist.startup import agree_round_cost, measured_as_json, probe_after_catchup
 from collectives import Group
 
@@ -20,7 +20,8 @@ def test_single_rank_sets_the_table():
     assert agreed.to_dict()["round_cost"] == {"1": {"1": 0.011, "3": 0.014, "7": 0.02},
                                               "8": {"1": 0.012, "3": 0.015, "7": 0.021}}
     assert agreed.digest() != cfg.digest()
-    AdaptiveController(agreed, Group.single()).begin_round(1)   # the controller accepts it
+    # the controller accepts it
+    RoundCoordinator(agreed, Group.single()).begin_round(RoundReport(1))
 
 
 def test_replaces_a_table_from_the_config():
@@ -80,30 +81,30 @@ class Clock:
         return self.times.pop(0)
 
 
-def _timed_controller(times, cost=None, **kw) -> AdaptiveController:
+def _timed_controller(times, cost=None, **kw) -> RoundCoordinator:
     cfg = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3), initial_steps=1,
                          round_cost=cost or {"0": 1.0, "1": 2.0, "3": 4.0}, **kw)
-    return AdaptiveController(cfg, Group.single(), clock=Clock(times))
+    return RoundCoordinator(cfg, Group.single(), clock=Clock(times))
 
 
 def test_only_steady_decode_rounds_are_timed() -> None:
     ctl = _timed_controller([0.0, 1.0, 1.5, 2.0, 2.2, 2.4, 2.5], cost_alpha=0.5,
                             warmup_batches=100)
-    ctl.begin_round(2, num_tokens=8, num_extend=2)   # prefills
+    ctl.begin_round(RoundReport(2, num_tokens=8, num_extend=2))   # prefills
     ctl.end_round([1, 1])
-    ctl.begin_round(2)            # the round before prefilled: not timed
+    ctl.begin_round(RoundReport(2))            # the round before prefilled: not timed
     ctl.end_round([1, 1])
-    ctl.begin_round(2)            # steady: depth 1 took 0.5 s, cost 2: offset 0.5 * (0.5 - 2)
+    ctl.begin_round(RoundReport(2))  # steady: depth 1 took 0.5 s, cost 2: offset 0.5 * (0.5 - 2)
     assert ctl.cost_offsets == (-0.5,)  # kept at -min / 2
     assert ctl.round_cost.to_json() == {"0": 0.5, "1": 1.5, "3": 3.5}
     ctl.end_round([0, 1])
-    ctl.begin_round(2, num_tokens=5, num_extend=1)   # this round prefills: not timed
+    ctl.begin_round(RoundReport(2, num_tokens=5, num_extend=1))   # this round prefills: not timed
     ctl.end_round([1, 0])
-    ctl.begin_round(2)            # the round before prefilled: not timed
+    ctl.begin_round(RoundReport(2))            # the round before prefilled: not timed
     ctl.end_round([1, 1])
-    ctl.begin_round(0)            # no requests now: not timed
+    ctl.begin_round(RoundReport(0))            # no requests now: not timed
     ctl.end_round([])
-    ctl.begin_round(2)            # the round before ran none: not timed
+    ctl.begin_round(RoundReport(2))            # the round before ran none: not timed
     assert ctl.round_cost.to_json() == {"0": 0.5, "1": 1.5, "3": 3.5}
     assert ctl.stats.timed_rounds == 1
     assert ctl.config.round_cost.to_json() == {"0": 1.0, "1": 2.0, "3": 4.0}  # the agreed table
@@ -117,10 +118,10 @@ def test_timed_costs_change_the_decision(alpha: float, final: int) -> None:
     ctl = _timed_controller([9.0 * i for i in range(40)], {"0": 1.0, "1": 3.0, "3": 40.0},
                             cost_alpha=alpha, ema_alpha=0.5,
                             warmup_batches=4, update_interval=1, probe_every=100)
-    ctl.begin_round(2, num_tokens=8, num_extend=2)
+    ctl.begin_round(RoundReport(2, num_tokens=8, num_extend=2))
     ctl.end_round([1, 1])
     for _ in range(12):
-        plan = ctl.begin_round(2)
+        plan = ctl.begin_round(RoundReport(2))
         ctl.end_round([1, 1] if plan.steps else [0, 0])
     assert ctl.steps == final
     assert (ctl.stats.timed_rounds > 0) == bool(alpha)
@@ -129,9 +130,9 @@ def test_timed_costs_change_the_decision(alpha: float, final: int) -> None:
 def test_an_untimed_controller_never_moves_the_table() -> None:
     cfg = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1), initial_steps=1,
                          round_cost={"0": 1.0, "1": 2.0}, cost_alpha=1.0)
-    ctl = AdaptiveController(cfg, Group.single(), clock=None)   # as consensus-only replay
+    ctl = RoundCoordinator(cfg, Group.single(), clock=None)   # as consensus-only replay
     for _ in range(5):
-        ctl.begin_round(1)
+        ctl.begin_round(RoundReport(1))
         ctl.end_round([1])
     assert ctl.stats.timed_rounds == 0 and ctl.round_cost == cfg.round_cost
 

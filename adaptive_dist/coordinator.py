@@ -1,0 +1,319 @@
+"""The round coordinator: the round's one collective, its pre-flight check, the agreed shapes and
+serving fields, and the depth a ``DepthPolicy`` (``adaptive_dist.policy``) decides.
+
+Round protocol (every rank of the group, idle ones too):
+
+    plan = coordinator.begin_round(RoundReport(num_requests, num_tokens, can_graph, ...))
+    ... apply plan.steps if plan.switched, run the round with plan.steps / plan.use_graph /
+        plan.batch_bucket / plan.batch_pad / plan.extend_tokens ...
+    coordinator.ran(executed)          # what this rank launched (local)
+    coordinator.end_round(accepts)     # its accept lengths (local)
+
+``begin_round`` gathers every rank's report and statistics (one all-gather), checks the shared
+columns, has the policy decide on the previous round's statistics (that decision belongs to the
+previous round: "made at round r, applied between r and r+1"), then agrees the graph path and
+padded shapes of the new round. The coordinator decides; whoever runs the model applies the
+depth (a worker swaps a pre-built runtime state) and reports what it ran.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional, Sequence
+
+from collectives import Group, LockstepGuard
+from adaptive_dist import consensus
+from adaptive_dist.config import AdaptiveConfig
+from adaptive_dist.policy import (
+    INITIAL_EMA_FAIL,
+    Decision,
+    depth_policy,
+    pick_bucket,
+    shifted_costs,
+    update_offsets,
+)
+
+
+Executed = tuple  # (steps, use_graph, batch_bucket or None, forward mode) a worker ran
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What one rank brings to a round's consensus: its view of the coming round."""
+
+    num_requests: int             # requests it runs this round
+    num_tokens: int = 0           # tokens of its extend (prefill) forward
+    can_graph: bool = True        # it could run the round through CUDA graphs
+    done: bool = False            # it has no work now and will get none
+    num_extend: int = 0           # requests of its extend forward
+    seq: int = 0                  # serving: the highest request-message sequence number received
+    leave: bool = False           # serving: it wants the cluster to stop after this round
+    extend_len: int = 0           # the longest prompt of its extend forward
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What every rank runs this round (identical on every rank)."""
+
+    round: int
+    steps: int
+    use_graph: bool
+    batch_bucket: Optional[int]   # padded batch when use_graph, else None
+    batch_pad: int                # rows of every forward of the round: the bucket, or the
+                                  # cluster-wide largest batch when eager
+    extend_tokens: int            # cluster-wide largest extend (prefill) forward, in tokens
+    extend_requests: int          # cluster-wide most requests in an extend forward
+    cluster_requests: int
+    switched: bool                # the steps changed before this round
+    all_done: bool                # every rank reported done
+    seq: int = 0                  # serving: messages up to here reached every rank
+    leave: bool = False           # serving: some rank asked the cluster to stop
+    extend_width: int = 0         # cluster-wide longest prompt in an extend forward
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """The decision made at the end of a round, known at the next ``begin_round``."""
+
+    round: int
+    steps: int
+    use_graph: bool
+    local_ema: float
+    decision: Decision
+    local_ema_fail: float = INITIAL_EMA_FAIL
+    batch_pad: int = 0            # the round's padded batch (picks the goodput round_cost row)
+
+
+@dataclass
+class ControllerStats:
+    rounds: int = 0
+    counted_rounds: int = 0
+    switches: int = 0
+    probes: int = 0         # goodput: switches that were probes out of depth 0 (in `switches`)
+    shadow_rounds: int = 0  # goodput: depth-0 rounds whose shadow checks updated the EMAs
+    resets: int = 0         # goodput: rounds whose surprise restarted this rank's EMAs
+    accept_histogram: Counter = field(default_factory=Counter)
+    steps_timeline: list = field(default_factory=list)   # (round, steps) at every change
+    rounds_at_steps: Counter = field(default_factory=Counter)
+    # rounds that ran requests, per (steps, padded batch): what a cost table prices
+    rounds_at_shape: Counter = field(default_factory=Counter)
+    timed_rounds: int = 0   # goodput, cost_alpha > 0: rounds whose time moved the cost table
+    # the latest timed rounds (round, steps, padded batch, slowest rank's seconds), for diagnosis
+    timed_samples: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def mean_accept(self) -> float:
+        n = sum(self.accept_histogram.values())
+        return sum(k * v for k, v in self.accept_histogram.items()) / n if n else 0.0
+
+
+class RoundCoordinator:
+    """One rank's side of every round; ``group`` is the group the consensus runs over.
+
+    It holds the depth policy (``self.policy``), the state every rank shares (``self.state``),
+    this rank's estimate (``self.local``: its EMAs and weight) and the statistics of the run.
+    A policy that reads ``round_cost`` (goodput) needs it in ``config``: an engine measures it and
+    agrees it with ``adaptive_dist.startup.agree_round_cost`` before building the coordinator."""
+
+    def __init__(self, config: AdaptiveConfig, group: Group, *,
+                 guard: Optional[LockstepGuard] = None, channel: str = "control",
+                 clock: Optional[Callable[[], float]] = time.perf_counter) -> None:
+        if config.needs_round_cost:
+            raise ValueError("the goodput policy needs round_cost: measure the cost of a round "
+                             "at each depth and call adaptive_dist.startup.agree_round_cost, or "
+                             "set round_cost in the config")
+        self.config = config
+        self.group = group
+        self.guard = guard
+        # goodput: the cost table decisions read; with cost_alpha > 0 timed rounds move it
+        self.round_cost = config.round_cost
+        self.cost_offsets = (0.0,) * len(config.round_cost.rows) if config.round_cost else ()
+        self._clock = clock     # None: rounds are not timed (consensus-only replay)
+        self._last_begin: Optional[float] = None
+        self.policy = depth_policy(config)
+        self.state = self.policy.initial_state()   # shared: identical on every rank
+        self.local = self.policy.initial_estimate()   # this rank's EMAs and weight
+        self.round = 0
+        self._config_hash = consensus.hash48(config.digest())
+        self._prev_n_req = 0
+        self._prev_plan: Optional[RoundPlan] = None
+        self._prev_plan_hash = 0
+        self._digest = 0
+        self.last_outcome: Optional[RoundOutcome] = None
+        self.stats = ControllerStats()
+        self._channel = consensus.ConsensusChannel(group, channel)
+        self.stats.steps_timeline.append((0, self.steps))
+
+    @property
+    def steps(self) -> int:
+        return self.config.candidate_steps[self.state.index]
+
+    @property
+    def ema(self) -> float:
+        """This rank's EMA of accepted draft tokens per request."""
+        return self.local.ema
+
+    @property
+    def ema_fail(self) -> float:
+        """This rank's EMA of the share of its requests that rejected a draft token."""
+        return self.local.ema_fail
+
+    @property
+    def weight(self) -> int:
+        """The requests this rank reported since the last decision point."""
+        return self.local.weight
+
+    def begin_round(self, report: RoundReport) -> RoundPlan:
+        """Agree this round's plan (one all-gather over the group) after deciding on the previous
+        round's statistics. Every member must call it every round, with its ``report``."""
+        r = report
+        if min(r.num_requests, r.num_tokens, r.num_extend, r.extend_len) < 0:
+            raise ValueError(f"begin_round: num_requests={r.num_requests}, "
+                             f"num_tokens={r.num_tokens}, num_extend={r.num_extend}, "
+                             f"extend_len={r.extend_len} must be >= 0")
+        now = self._clock() if self._clock is not None else None
+        period = -1.0 if now is None or self._last_begin is None else now - self._last_begin
+        self._last_begin = now
+        vec = consensus.RoundVector(
+            round=self.round, n_req=r.num_requests, num_tokens=r.num_tokens,
+            n_extend=r.num_extend, extend_len=r.extend_len, can_graph=r.can_graph, seq=r.seq,
+            leave=r.leave, done=r.done, prev_n_req=self._prev_n_req, ema=self.ema, ema_fail=self.ema_fail,
+            weight=self.weight,
+            steps=self.steps, counted=self.state.counted, last_switch=self.state.last_switch,
+            config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash, period=period,
+        )
+        matrix = self._channel.gather(vec)
+        try:
+            consensus.preflight(matrix, self.group)
+        except Exception:
+            if self.guard is not None:
+                self.guard.publish_log()  # let peers stuck elsewhere name the divergence
+            raise
+        cols = consensus.columns(matrix)
+        self._time_previous(cols)
+        self.last_outcome = self._decide_previous(cols)
+        switched = bool(self.last_outcome and self.last_outcome.decision.switched)
+        plan = self._plan(cols, switched)
+        self._prev_plan = plan
+        # until end_round reports what this rank actually ran, assume it followed the plan
+        self._prev_plan_hash = consensus.plan_hash(plan.steps, plan.use_graph, plan.batch_bucket,
+                                                   "spec")
+        self._digest = consensus.hash48(self._digest, plan.round, self._prev_plan_hash)
+        if self.guard is not None:
+            # NOTE: a decision is compared across the ranks before it takes effect: every
+            # decision point is also a lockstep check (one small control-group exchange every
+            # update_interval counted rounds), so a rank whose decision strays (a policy that
+            # reads only its own EMA, say) is an error before the forwards of the round diverge.
+            point = self.last_outcome is not None and self.last_outcome.decision.decision_point
+            if point:
+                self.guard.check(plan.round, self._digest)
+            else:
+                self.guard.maybe_check(plan.round, self._digest)
+        self.round += 1
+        self.stats.rounds += 1
+        self.stats.rounds_at_steps[plan.steps] += 1
+        if plan.cluster_requests:
+            self.stats.rounds_at_shape[(plan.steps, plan.batch_pad)] += 1
+        return plan
+
+    def ran(self, executed: Executed) -> None:
+        """What this rank's worker launched for the round begun last (its applied depth, graph
+        or eager, bucket, forward mode). Local; its hash travels in the next round's vector, so
+        the next pre-flight check catches a rank whose worker strayed from the agreed plan. An
+        engine that reads a round's results later (overlap) reports this at launch."""
+        self._prev_plan_hash = consensus.plan_hash(*executed)
+
+    def end_round(self, accepts: Sequence[int], plan: Optional[RoundPlan] = None,
+                  shadow: Optional[tuple[int, int, int]] = None) -> None:
+        """Record this rank's accept lengths (draft tokens accepted, bonus excluded). Local only.
+
+        ``plan``: the round these results belong to (default: the last one begun). An engine
+        that overlaps rounds reports round r after beginning round r+1; its decisions then read
+        statistics one round older, the same on every rank.
+
+        The depth policy turns them into this rank's estimate (``DepthPolicy.observe``): the
+        EMAs of the accepted tokens and of the share of requests that rejected a draft token
+        (``accept < steps``), and the weight. At a depth where the policy measures nothing
+        (goodput at depth 0) the requests still count the round, and only ``shadow`` =
+        (hits, checks, rows) moves them: the draft head's greedy guesses checked against
+        committed tokens (the worker's catch-up).
+        What the rank ran is ``ran``'s to report.
+        """
+        plan = plan if plan is not None else self._prev_plan
+        steps = plan.steps if plan is not None else self.steps
+        if accepts and (any(type(a) is not int for a in accepts)
+                        or min(accepts) < 0 or max(accepts) > steps):
+            for a in accepts:
+                if type(a) is not int or not 0 <= a <= steps:  # bool is not an int here
+                    raise ValueError(f"accept length {a!r} outside [0, {steps}] (steps in force)")
+        self.local, observed = self.policy.observe(self.local, accepts, steps, shadow)
+        self.stats.resets += observed.reset
+        self.stats.shadow_rounds += observed.shadow
+        self._prev_n_req = len(accepts)
+        self.stats.accept_histogram.update(accepts)
+
+    def _time_previous(self, cols) -> None:
+        """goodput with ``cost_alpha`` > 0: move the offset of the previous round's batch row
+        toward its time, the slowest rank's, less its depth's agreed cost; the live table is the
+        agreed one plus each row's offset (identical on every rank: every input is a gathered
+        column or the agreed plan). Only a steady decode round counts — it and this round run
+        requests and neither prefills — so idle time and prefills stay out."""
+        prev, alpha = self._prev_plan, self.config.cost_alpha
+        if not alpha or prev is None or self.round_cost is None:
+            return
+        if prev.cluster_requests <= 0 or prev.extend_tokens > 0:
+            return
+        if sum(cols["n_req"]) <= 0 or max(cols["num_tokens"]) > 0:
+            return
+        periods = cols["period"]
+        if min(periods) < 0:
+            return
+        base = self.config.round_cost
+        self.cost_offsets = update_offsets(base, self.cost_offsets, prev.batch_pad, prev.steps,
+                                           max(periods), alpha)
+        self.round_cost = shifted_costs(base, self.cost_offsets)
+        self.stats.timed_rounds += 1
+        self.stats.timed_samples.append((prev.round, prev.steps, prev.batch_pad, max(periods)))
+
+    def _decide_previous(self, cols) -> Optional[RoundOutcome]:
+        prev = self._prev_plan
+        if prev is None:
+            return None
+        cluster = int(sum(cols["prev_n_req"]))
+        local_ema, local_fail = self.ema, self.ema_fail
+        self.state, decision = self.policy.decide(
+            self.state, cluster, cols["ema"], cols["weight"], ema_fails=cols["ema_fail"],
+            batch=prev.batch_pad, table=self.round_cost,
+        )
+        if decision.decision_point:
+            self.local = replace(self.local, weight=0)
+        if decision.counted:
+            self.stats.counted_rounds += 1
+        if decision.switched:
+            self.stats.switches += 1
+            self.stats.probes += decision.probe
+            self.stats.steps_timeline.append((self.round, self.steps))
+        return RoundOutcome(prev.round, prev.steps, prev.use_graph, local_ema, decision,
+                            local_fail, prev.batch_pad)
+
+    def _plan(self, cols, switched: bool) -> RoundPlan:
+        n_req = [int(v) for v in cols["n_req"]]
+        eligible = all(cols["can_graph"])
+        bucket = pick_bucket(max(n_req), self.config.graph_buckets) if eligible else None
+        use_graph = bucket is not None
+        return RoundPlan(
+            round=self.round, steps=self.steps, use_graph=use_graph,
+            batch_bucket=bucket if use_graph else None,
+            batch_pad=bucket if use_graph else max(n_req),
+            extend_tokens=int(max(cols["num_tokens"])),
+            extend_requests=int(max(cols["n_extend"])),
+            cluster_requests=sum(n_req), switched=switched,
+            all_done=all(cols["done"]),
+            seq=int(min(cols["seq"])),
+            leave=any(cols["leave"]),
+            extend_width=int(max(cols["extend_len"])),
+        )
+
+    def decision_digest(self) -> int:
+        """A rolling digest of every plan so far (for comparing ranks at the end of a run)."""
+        return self._digest
