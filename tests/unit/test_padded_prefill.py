@@ -1,8 +1,8 @@
 """The padded prefill (requests bucket x longest-prompt bucket, the round's padded attention, a CUDA
 graph per shape on the graph path) must leave exactly what the ragged prefill leaves: the same
 first tokens, cache lengths and last tokens, the same target and draft KV and head feature (to
-rounding), hence the same outputs; its shapes follow the rule in `workers.eagle_worker`, and a
-prefill beyond `padded_prefill_tokens` runs ragged."""
+rounding), hence the same outputs; its shapes follow the rule in `workers.worker.prefill`, and
+a prefill beyond `padded_prefill_tokens` runs ragged."""
 from __future__ import annotations
 
 import pytest
