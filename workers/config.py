@@ -61,7 +61,7 @@ class EngineConfig:
     catchup_rounds: int = 32
     """With a draft head and a depth-0 tier: depth-0 rounds the head's cache may lag behind the
     target's before one head forward over them catches it up (the lag ring holds that many
-    tokens and target features per slot; see `workers.eagle_worker`)."""
+    tokens and target features per slot; see `workers.worker.draft_lag`)."""
     defer_prefill_width: int = 256
     """With a draft head and a depth-0 tier: a padded prefill run at depth 0 whose width (the
     longest prompt's bucket, a power of two >= 32) is at most this many tokens skips the head; the

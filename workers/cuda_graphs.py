@@ -4,7 +4,7 @@
 buffers that runs one forward and returns its outputs), warms it up and captures it on one side
 stream into one memory pool shared by every capture, and replays it. The worker decides what the
 bodies are (draft step, verify, draft-extend per depth and batch bucket, see
-`workers.eagle_worker`) and keeps the entries in the tier's runtime state, so a tier switch is a
+`workers.worker.phases`) and keeps the entries in the tier's runtime state, so a tier switch is a
 reference swap and `num_captures` never moves after start-up.
 
 Rules a body must follow to be capturable: fixed shapes (static buffers sliced by the bucket), no

@@ -15,7 +15,7 @@ ops with one launch and computes in float32 like the torch code it replaces:
 - ``greedy_accept(...)``: greedy acceptance of a round's drafts (``spec_decode.verify``), 1
   launch instead of ~22; ``one_hot(tokens, V)``: a greedy draft's distribution, 1 instead of 3;
 - ``lag_append(...)``: a depth-0 round's committed token and target feature into each row's lag
-  ring (``workers.eagle_worker``), 1 launch instead of 5;
+  ring (``workers.worker.draft_lag``), 1 launch instead of 5;
 - ``uniforms(seed, counter, salt, n)``: the counter-based uniforms of sampled rows
   (``workers.spec_decode``), bit-identical, 1 launch instead of about 60 (a sampled round draws
   them in every draft step and three times in verify);
