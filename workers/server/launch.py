@@ -59,11 +59,38 @@ def rank_role(args: argparse.Namespace) -> RankRole:
 
 
 def zmq_host() -> str:
-    """The address other processes reach this rank's sockets on (loopback on one host)."""
+    """The address other processes reach this rank's sockets on: loopback when the whole job
+    runs on one node; across nodes, the IPv4 address of `GLOO_SOCKET_IFNAME` (its first
+    interface) when set, else of the interface this host reaches MASTER_ADDR through (the
+    address rank 0's host reaches it back on; the hostname may resolve to loopback)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if local == int(os.environ.get("WORLD_SIZE", "1")):
         return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if ifname:
+        return _interface_address(ifname)
+    master = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 9))   # UDP: picks the route, sends nothing
+            return s.getsockname()[0]
+    except OSError:                  # no IPv4 route or name: what the hostname resolves to
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _interface_address(ifname: str) -> str:
+    """The IPv4 address of network interface `ifname` (Linux); `ValueError` naming it."""
+    import fcntl
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915,   # SIOCGIFADDR
+                                 struct.pack("256s", ifname.encode()[:15]))
+        return socket.inet_ntoa(packed[20:24])
+    except OSError as err:
+        raise ValueError(f"GLOO_SOCKET_IFNAME={ifname!r}: no IPv4 address on that interface "
+                         f"({err.strerror})") from None
 
 
 def gather_addresses(mine: Any, extra: Any, pg: Any) -> tuple[list[Any], list[Any]]:
@@ -202,7 +229,10 @@ def _serve(args: argparse.Namespace) -> int:
         outbox.send(RankExit(role.rank, result.reason, result.error))
         (log.error if result.error else log.info)("stopping: %s", result.reason)
         failed = result.error
-        return 1 if result.error else 0
+        # NOTE: a stop another rank asked for (its signal, its failure) exits non-zero: on a clean
+        # exit torchrun's agent of this node waits (300 s) in its exit barrier for every node's
+        # agent, and the agent of a node stopped by a signal never arrives
+        return 1 if result.error or result.by_peer else 0
     finally:
         closers.close()  # NOTE: the engine's CUDA graphs go before the process group
         if heartbeat is not None:

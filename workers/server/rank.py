@@ -47,6 +47,7 @@ class LoopExit:
 
     reason: str
     error: bool
+    by_peer: bool = False   # another rank asked to stop; this one was not told to
 
 
 class RankLoop:
@@ -83,7 +84,9 @@ class RankLoop:
             plan = self.adapter.step(self.inbox.received_seq, self.stop.reason is not None,
                                      self.inbox.has_unapplied)
             if plan.leave:
-                return LoopExit(self.stop.reason or "another rank asked to stop", self.stop.error)
+                if self.stop.reason is None:
+                    return LoopExit("another rank asked to stop", False, by_peer=True)
+                return LoopExit(self.stop.reason, self.stop.error)
             messages = self.inbox.take_upto(plan.seq)
             for msg in messages:
                 if isinstance(msg, Shutdown):
