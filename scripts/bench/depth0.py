@@ -111,52 +111,54 @@ def bodies(engine: Engine, bucket: int, context: int,
            width: int) -> dict[str, Callable[[], None]]:
     """The depth-0 round's forward at `bucket` rows (its graph, or the eager body), with a lag
     ring the catch-up forward, and the padded prefill of `bucket` rows of `width` slots; dummy
-    rows whose cache holds `context` positions."""
+    rows whose cache holds `context` positions. `setup` sets the dummy rows (every other body
+    assumes it ran)."""
     worker = engine.worker
     engine.pool.apply(0)
     bufs = worker.state.payload
-    reach = worker.slot_pages.shape[1]
+    slot_state, lag, prefill = worker.slots, worker.lag, worker.prefill_runner
+    reach = slot_state.reach
 
     def setup() -> None:
-        bufs.rows[:bucket].fill_(worker.dummy_slot)
-        worker.slot_len[worker.dummy_slot] = context
+        bufs.rows[:bucket].fill_(slot_state.dummy)
+        slot_state.set_dummy_length(context)
 
     def run(phase: str) -> Callable[[], None]:
         if worker.buckets:
             graph = (bufs.graphs[(phase, bucket, True)] if phase == "verify"
-                     else worker._catchup_graphs[bucket])
+                     else lag.catchup_graphs[bucket])
             return lambda: (setup(), graph.replay())
-        body = worker._body(bufs, phase, bucket, reach, True)
+        body = worker.phases.body(bufs, phase, bucket, reach, True)
         return lambda: (setup(), body())
 
     out = {"round": run("verify"), "setup": setup}
-    if worker.slot_lag is not None:
+    if lag.built:
         out["catchup"] = run("catchup")
-    shape = worker.prefill_shape(bucket, width)
+    shape = prefill.shape(bucket, width)
     if shape is not None:
         rows, slots = shape
-        _, slot_of, length = worker.prefill_inputs(rows, slots)
-        slot_of.fill_(worker.dummy_slot)   # full-length dummy prompts
+        _, slot_of, length = prefill.inputs(rows, slots)
+        slot_of.fill_(slot_state.dummy)   # full-length dummy prompts
         length.fill_(slots)
-        graph = worker._prefill_graphs.get((rows, slots, True))   # greedy requests
+        graph = prefill.graphs.get((rows, slots, True))   # greedy requests
         out["prefill"] = graph.replay if graph is not None else (
-            lambda: worker._prefill_padded(rows, slots, True))
-        if worker.pend_len is not None and slots in worker._defer_widths:
+            lambda: prefill.padded(rows, slots, True))
+        if lag.deferred_len is not None and slots in lag.defer_widths:
             # at depth 0 the head's part waits: the prefill without it, and the forward over
             # `bucket` waiting prompts of `slots` tokens that a later catch-up runs (real slots
             # whose pages are the dummy page; their waiting length set before each run)
-            graph = worker._deferred_graphs.get((rows, slots, True))
+            graph = prefill.graphs_without_head.get((rows, slots, True))
             out["prefill_deferred"] = graph.replay if graph is not None else (
-                lambda: worker._prefill_padded(rows, slots, True, True))
-            pending = worker._pending_graphs.get((bucket, slots))
+                lambda: prefill.padded(rows, slots, True, True))
+            pending = lag.deferred_graphs.get((bucket, slots))
             run_pending = pending.replay if pending is not None else (
-                lambda: worker._pending_phase(bucket, reach, slots))
+                lambda: lag.prompt_phase(bucket, reach, slots))
 
             def waiting() -> None:
-                worker.round_rows[:bucket] = torch.arange(bucket, device=worker.device)
-                worker.pend_len[:bucket] = slots
+                slot_state.round_rows[:bucket] = torch.arange(bucket, device=worker.device)
+                lag.deferred_len[:bucket] = slots
                 run_pending()
-                worker.round_rows[:bucket] = worker.dummy_slot
+                slot_state.round_rows[:bucket] = slot_state.dummy
             out["pending"] = waiting
     return out
 
@@ -205,7 +207,7 @@ def main() -> int:
                 for part, fn in parts.items():
                     samples.setdefault((name, bucket, part), []).append(
                         max(clock(fn, args.iters) - setup, 0.0))
-                engine.worker.slot_len[engine.worker.dummy_slot] = 0
+                engine.worker.slots.set_dummy_length(0)
                 if not args.no_engine:
                     costs = engine.measure_round_costs(repeats=1, context=args.context)
                     samples.setdefault((name, bucket, "engine"), []).append(costs[bucket][0])
@@ -232,7 +234,7 @@ def analyse(samples: dict[tuple[str, int, str], list[float]], engines: dict[str,
                      for part in ("round", "catchup", "prefill", "prefill_deferred", "pending",
                                   "engine")
                      if (name, bucket, part) in samples}
-            every = engine.worker.catchup_every
+            every = engine.worker.lag.catchup_every
             per_round = statistics.median(samples[(name, bucket, "round")]) + (
                 statistics.median(samples[(name, bucket, "catchup")]) / every
                 if (name, bucket, "catchup") in samples else 0.0)

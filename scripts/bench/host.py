@@ -43,8 +43,8 @@ PARTS = (("retire", "scheduler", "retire"), ("admit", "scheduler", "admit"),
          ("plan_begin", "planner", "begin_round"), ("plan_end", "planner", "end_round"),
          ("commit", "scheduler", "commit_round"), ("launch", "worker", "launch"),
          ("launch", "worker", "collect"),
-         ("bodies", "worker", "_draft_phase"), ("bodies", "worker", "_verify_phase"),
-         ("bodies", "worker", "_extend_phase"), ("bodies", "worker", "_catch_up"))
+         ("bodies", "phases", "draft_phase"), ("bodies", "phases", "verify_phase"),
+         ("bodies", "phases", "extend_phase"), ("bodies", "lag", "catch_up"))
 
 
 HELD = "0h"
@@ -135,7 +135,8 @@ def build(args: argparse.Namespace, steps: int | None) -> tuple[Any, list[list[i
 def instrument(engine: Any) -> collections.Counter:
     """Time the engine's parts into the returned counter (seconds, summed)."""
     acc: collections.Counter = collections.Counter()
-    owners = {"scheduler": engine.scheduler, "planner": engine.planner, "worker": engine.worker}
+    owners = {"scheduler": engine.scheduler, "planner": engine.planner, "worker": engine.worker,
+              "phases": engine.worker.phases, "lag": engine.worker.lag}
     for key, owner, name in PARTS:
         obj = owners[owner]
         if hasattr(obj, name):
@@ -153,7 +154,7 @@ def instrument(engine: Any) -> collections.Counter:
         for bufs in (s.payload for s in engine.pool.states.values()):
             for entry in bufs.graphs.values():
                 entry.replay = timed(acc, "bodies", entry.replay)
-        for graphs in (engine.worker._catchup_graphs, engine.worker._pending_graphs):
+        for graphs in (engine.worker.lag.catchup_graphs, engine.worker.lag.deferred_graphs):
             for entry in graphs.values():
                 entry.replay = timed(acc, "bodies", entry.replay)
     return acc

@@ -162,12 +162,12 @@ def time_phases(engine: Engine, args: argparse.Namespace, clock: Callable, name:
         graphs = [(phase, bufs.graphs.get((phase, bucket, False))) for phase in ("draft", "verify")]
         if any(g is None for _, g in graphs):
             continue
-        bufs.rows[:bucket].fill_(worker.dummy_slot)
-        worker.slot_len[worker.dummy_slot] = args.context
+        bufs.rows[:bucket].fill_(worker.slots.dummy)
+        worker.slots.set_dummy_length(args.context)
         for phase, graph in graphs:
             samples.setdefault(f"{name}/{phase} b{bucket}", []).append(
                 clock(graph.replay, args.iters) * 1e6)
-        worker.slot_len[worker.dummy_slot] = 0
+        worker.slots.set_dummy_length(0)
 
 
 def write(args: argparse.Namespace, samples: dict[str, list[float]], same: bool) -> None:

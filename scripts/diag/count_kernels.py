@@ -140,16 +140,22 @@ def count_depth(target: Any, head: Any, depth: int, batch: int, greedy: bool) ->
     engine.generate(prompts(batch), params)     # warm: fills slots, applies the runtime state
     worker = engine.worker
     bufs = worker.state.payload
-    reach = worker.slot_pages.shape[1]
-    lens = worker.slot_len.clone()
-    phases = worker._phases(bufs.steps)
+    if hasattr(worker, "phases"):   # the worker package: its phases and slot state
+        from workers.worker.phases import round_phases
+
+        phases, body_of = round_phases(bufs.steps), worker.phases.body
+        reach, cache_len = worker.slots.reach, worker.slots.cache_len
+    else:                           # another tree's one-piece EagleWorker
+        phases, body_of = worker._phases(bufs.steps), worker._body
+        reach, cache_len = worker.slot_pages.shape[1], worker.slot_len
+    lens = cache_len.clone()
     res: dict[str, Any] = {}
     with torch.inference_mode():
         bufs.rows[:batch] = torch.arange(batch)
         for phase in phases:
-            body = worker._body(bufs, phase, batch, reach, greedy)
-            worker.slot_len.copy_(lens)
-            worker.slot_len[:batch] = 40
+            body = body_of(bufs, phase, batch, reach, greedy)
+            cache_len.copy_(lens)
+            cache_len[:batch] = 40
             _Counting.on = True
             try:
                 ops = profile_call(body)

@@ -88,7 +88,8 @@ def main() -> int:
             worker = engine.worker
             for bucket in args.batches:
                 parts = bodies(engine, bucket, args.context, args.width)
-                shape = worker.prefill_shape(bucket, args.width)
+                prefill = worker.prefill_runner
+                shape = prefill.shape(bucket, args.width)
                 if shape is None:
                     continue
                 rows, slots = shape
@@ -96,18 +97,18 @@ def main() -> int:
                 entry: dict[str, Any] = {"prefill_shape": [rows, slots]}
                 if graphs:
                     for greedy in (True, False):
-                        graph = worker._prefill_graphs[(rows, slots, greedy)]
+                        graph = prefill.graphs[(rows, slots, greedy)]
                         key = "greedy" if greedy else "sampling"
                         entry[f"prefill_graph_{key}_us"] = clock(graph.replay, args.iters) * 1e6
                     entry["round_graph_us"] = clock(parts["round"], args.iters) * 1e6
                 entry["prefill_eager_sampling"] = kernels_of(
-                    lambda: worker._prefill_padded(rows, slots, False), args.device, 10, args.top)
+                    lambda: prefill.padded(rows, slots, False), args.device, 10, args.top)
                 entry["prefill_eager_greedy"] = kernels_of(
-                    lambda: worker._prefill_padded(rows, slots, True), args.device, 10, args.top)
+                    lambda: prefill.padded(rows, slots, True), args.device, 10, args.top)
                 entry["round_eager"] = kernels_of(
-                    worker._body(worker.state.payload, "verify", bucket,
-                                 worker.slot_pages.shape[1], True), args.device, 10, args.top)
-                worker.slot_len[worker.dummy_slot] = 0
+                    worker.phases.body(worker.state.payload, "verify", bucket,
+                                       worker.slots.reach, True), args.device, 10, args.top)
+                worker.slots.set_dummy_length(0)
                 results[f"{name} b{bucket}"] = entry
                 print(f"== {name} b{bucket} (prefill {rows} x {slots})"
                       + "".join(f"  {k} {v:.1f}" for k, v in entry.items() if k.endswith("_us")))
