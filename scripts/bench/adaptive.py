@@ -58,15 +58,16 @@ from typing import Any
 import torch
 
 import collectives as C
-from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, load_config
+from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost
 from adaptive_dist.controller import AdaptiveController
 from adaptive_dist.policy import cost_row
-from scripts.bench.common import (GcPauses, add_overlap_argument, overlap_of,
-                                  settle_heap, spread, sync)
-from scripts.bench.regimes import make_prompts
-from workers.config import EngineConfig, no_spec
-from workers.engine import Engine, build_engine
-from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_paths
+from scripts.bench.common import (GcPauses, add_overlap_argument, build, encode_prompts,
+                                  gpu_name, held_at_zero, in_flight, load_pair, make_prompts,
+                                  overlap_of, pyplot, run_continuous, save, settle_heap,
+                                  spread, static_spec, sync, tokenizer, write_json)
+from workers.config import EngineConfig
+from workers.engine import Engine
+from workers.loading import DEFAULT_MODEL
 from workers.model import ModelParallel
 from workers.sampling import SamplingParams
 
@@ -90,13 +91,10 @@ def spec_of(policy: str, knobs: dict[str, Any] | None = None,
             cost_alpha: float = 0.0) -> AdaptiveConfig:
     """The policy's config; `knobs` (the `--set` values) apply to every adaptive policy alike;
     `cost_alpha` (timed rounds move the cost table) to goodput."""
-    if policy == "static0":
-        return no_spec()
     if policy.startswith("static"):
-        return load_config(None, "static", initial_steps=int(policy[len("static"):]))
+        return static_spec(int(policy[len("static"):]))
     if policy == "depth0_head":   # depth 7 priced out of reach; no probe ever due
-        return AdaptiveConfig(policy="goodput", candidate_steps=(0, 7), initial_steps=0,
-                              round_cost={"0": 1.0, "7": 1e9}, probe_every=10 ** 6)
+        return held_at_zero(7)
     if policy.startswith("goodput"):
         spec = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=3,
                               cost_alpha=cost_alpha,
@@ -248,31 +246,6 @@ def budgets(n: int, new_tokens: int, spread: float, seed: int = 0) -> list[int]:
     return [max(1, round(new_tokens * (1 + spread * (2 * rng.random() - 1)))) for _ in range(n)]
 
 
-def in_flight(sched: Any) -> int:
-    """Requests the scheduler holds that have not finished: running or waiting."""
-    return len([r for r in sched.running if not r.finished]) + len(sched.waiting)
-
-
-def run_continuous(engine: Engine, prompts: list[list[int]], batch: int,
-                   params: SamplingParams | list[SamplingParams]) -> list[Any]:
-    """`prompts` (with `params`, one for all or one each) through the engine with at most `batch`
-    of them running: before every round the free places are refilled from the queue. Every rank
-    steps until the cluster agrees that no rank has work left (a rank with prompts still queued
-    says so), as `Engine.run` does."""
-    per = params if isinstance(params, list) else [params] * len(prompts)
-    queue, reqs = list(zip(prompts, per)), []
-    sched = engine.scheduler
-    while True:
-        while queue and in_flight(sched) < batch:
-            prompt, p = queue.pop(0)
-            reqs.append(engine.add(prompt, p, seed=len(reqs)))
-        engine.step(pending=bool(queue))
-        if engine.last_plan.all_done and not queue:
-            break
-    engine.drain()
-    return reqs
-
-
 def run_window(engine: Engine, prompts: list[list[int]], batch: int, rounds: int,
                budget: list[int], active: list[Any]) -> int:
     """`rounds` rounds of the cluster with this replica kept full: before every round the free
@@ -363,15 +336,12 @@ def main() -> int:
     layout = ctx.layout(dp=args.dp)
     world, par = layout.group("world"), ModelParallel.from_layout(layout)
     device = str(ctx.device) if args.device == "cuda" and ctx.device.type == "cuda" else args.device
-    target, head = load_pair(args.model, par, device, draft=args.draft_model)
-    if args.device == "cuda":
-        target, head = target.half(), head.half()
-        target.reset_buffers()
-        head.reset_buffers()
+    target, head = load_pair(args.model, device, draft=args.draft_model, par=par,
+                             half=args.device == "cuda")
     top = max(args.batches)
     texts = make_prompts(top * args.waves, seed=2)
-    tok = load_tokenizer_for(model_paths(args.model, args.draft_model), target.config.vocab_size)
-    enc = {k: [tok.encode(t) for t in v] for k, v in texts.items()}
+    tok = tokenizer(args.model, args.draft_model, target.config.vocab_size)
+    enc = encode_prompts(texts, tok.encode)
     context = (max(len(p) for ps in enc.values() for p in ps)
                + round(args.new_tokens * (1 + args.length_spread)) + 1)
     guard = ctx.guard(world, check_every=16) if ctx.distributed else None
@@ -381,13 +351,12 @@ def main() -> int:
         extra = {} if defer is None else {"defer_prefill_width": defer}
         if args.model_costs is not None and base.startswith("goodput"):
             own = {"round_cost": args.model_costs, **own}   # decided on the prices paid
-        cfg = EngineConfig(spec=spec_of(base, {**knobs, **own}, args.cost_alpha),
-                           max_batch_size=top,
-                           max_context_len=context, catchup_rounds=catchup or args.catchup_rounds,
-                           **extra,
-                           device=device, cuda_graphs=args.device == "cuda", dp=args.dp,
-                           attn_tp=layout.attn_tp, **overlap_of(args, args.device))
-        engines[policy] = build_engine(cfg, target, head, group=world, guard=guard)
+        engines[policy] = build(spec_of(base, {**knobs, **own}, args.cost_alpha), target, head,
+                                batch=top, context=context, device=device,
+                                graphs=args.device == "cuda", group=world, guard=guard,
+                                catchup_rounds=catchup or args.catchup_rounds, **extra,
+                                dp=args.dp, attn_tp=layout.attn_tp,
+                                **overlap_of(args, args.device))
         engines[policy].warmup()
     if args.model_costs is not None:
         for policy, engine in engines.items():
@@ -515,7 +484,7 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
     analysis = analyse(records)
     meta = {"world": ctx.world_size, "dp": args.dp, "device": args.device,
             "overlap": bool(overlap_of(args, args.device)),
-            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "gpu": gpu_name(args.device),
             "torch": torch.__version__, "new_tokens": args.new_tokens, "waves": args.waves,
             "length_spread": args.length_spread, "catchup_rounds": args.catchup_rounds,
             "phase_rounds": args.phase_rounds,
@@ -526,8 +495,7 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
             "repeats_done": len({r["repeat"] for r in records}),
             "workloads": {w: WORKLOADS[w] for w in args.workloads},
             "command": " ".join(sys.argv)}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "analysis": analysis,
-                                                  "runs": records}, indent=1))
+    write_json(out / "results.json", {"meta": meta, "analysis": analysis, "runs": records})
     if quiet:
         return
     for key, entry in analysis.items():
@@ -547,11 +515,7 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
 
 
 def plot(key: str, entry: dict, records: list[dict], path: Path, modelled: bool = False) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     workload, batch = key.split(" | b=")
     pols = entry["policies"]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.2))
@@ -579,9 +543,7 @@ def plot(key: str, entry: dict, records: list[dict], path: Path, modelled: bool 
     ax2.set_ylabel("depth in force")
     ax2.legend()
     ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":

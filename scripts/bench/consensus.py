@@ -21,6 +21,7 @@ import collectives as C
 from adaptive_dist import consensus
 from adaptive_dist.config import AdaptiveConfig
 from adaptive_dist.controller import AdaptiveController
+from scripts.bench.common import pyplot, save, write_json
 
 
 def timed(fn, n: int, sync: bool, bar=None) -> list[float]:
@@ -88,9 +89,7 @@ def main() -> None:
             "vector_fields": len(consensus.FIELDS),
             "gather_and_read": stats(raw), "begin_round_full": stats(full),
         }
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(res, f, indent=2)
+        write_json(os.path.join(args.out, "results.json"), res, indent=2)
         plot(raw, full, f"{backend}, {args.channel} channel",
              os.path.join(args.out, "consensus_cost.png"))
         print(json.dumps({k: res[k] for k in ("backend", "world_size", "gather_and_read",
@@ -99,10 +98,7 @@ def main() -> None:
 
 
 def plot(raw: list[float], full: list[float], backend: str, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     hi = sorted(full)[int(0.99 * len(full))]
     bins = [hi * i / 60 for i in range(61)]
@@ -112,8 +108,7 @@ def plot(raw: list[float], full: list[float], backend: str, path: str) -> None:
     ax.set_ylabel("rounds")
     ax.set_title(f"per-round consensus cost ({backend})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 if __name__ == "__main__":

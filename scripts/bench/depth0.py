@@ -26,28 +26,25 @@ interval N (`--catchup-rounds`):
 
 Every dummy row reads `--context` cached positions. `--shape bundled`: the bundled pair (a 6-layer
 target, a 1-layer head; half precision on a GPU); `--shape llama3-8b`: a Llama-3.1-8B-shaped
-target and an EAGLE-3-shaped head with random bf16 weights (`make_checkpoint`; costs only). Samples are interleaved over the engines and
-buckets, `--repeats` times; medians and min-max. Writes OUT/results.json and OUT/depth0.png.
+target and an EAGLE-3-shaped head with random bf16 weights (`scripts.gen.make_checkpoint`; costs
+only). Samples are interleaved over the engines and buckets, `--repeats` times; medians and
+min-max. Writes OUT/results.json and OUT/depth0.png.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from adaptive_dist.config import AdaptiveConfig
-from scripts.bench.common import settle_heap, spread
-from workers.config import EngineConfig, no_spec
-from workers.engine import Engine, build_engine
-from workers.loading import DEFAULT_MODEL, load_pair
-
-HEADLESS = "nohead"
+from scripts.bench.common import (HEADLESS, bodies, depth0_engines, gpu_name, load_pair,
+                                  pyplot, random_pair, save, settle_heap, spread, timer,
+                                  write_json)
+from workers.engine import Engine
+from workers.loading import DEFAULT_MODEL
 
 
 def parse_args() -> argparse.Namespace:
@@ -77,116 +74,18 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def head_spec() -> AdaptiveConfig:
-    """A speculating engine held at depth 0 (depth 1 priced out of reach, no probe due)."""
-    return AdaptiveConfig(policy="goodput", candidate_steps=(0, 1), initial_steps=0,
-                          round_cost={"0": 1.0, "1": 1e9}, probe_every=10 ** 6,
-                          graph_buckets=(1, 2, 4, 8, 16, 32, 64))
-
-
-def timer(device: str) -> Callable[[Callable[[], None], int], float]:
-    """`time(fn, iters)`: seconds per call of `fn` run `iters` times back to back (CUDA events
-    on a GPU: the device's time; the host's clock on a CPU)."""
-    if device != "cuda":
-        def host(fn: Callable[[], None], iters: int) -> float:
-            start = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            return (time.perf_counter() - start) / iters
-        return host
-
-    def events(fn: Callable[[], None], iters: int) -> float:
-        fn()  # the first replay after another graph may pay for loading it
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3 / iters
-    return events
-
-
-def bodies(engine: Engine, bucket: int, context: int,
-           width: int) -> dict[str, Callable[[], None]]:
-    """The depth-0 round's forward at `bucket` rows (its graph, or the eager body), with a lag
-    ring the catch-up forward, and the padded prefill of `bucket` rows of `width` slots; dummy
-    rows whose cache holds `context` positions. `setup` sets the dummy rows (every other body
-    assumes it ran)."""
-    worker = engine.worker
-    engine.pool.apply(0)
-    bufs = worker.state.payload
-    slot_state, lag, prefill = worker.slots, worker.lag, worker.prefill_runner
-    reach = slot_state.reach
-
-    def setup() -> None:
-        bufs.rows[:bucket].fill_(slot_state.dummy)
-        slot_state.set_dummy_length(context)
-
-    def run(phase: str) -> Callable[[], None]:
-        if worker.buckets:
-            graph = (bufs.graphs[(phase, bucket, True)] if phase == "verify"
-                     else lag.catchup_graphs[bucket])
-            return lambda: (setup(), graph.replay())
-        body = worker.phases.body(bufs, phase, bucket, reach, True)
-        return lambda: (setup(), body())
-
-    out = {"round": run("verify"), "setup": setup}
-    if lag.built:
-        out["catchup"] = run("catchup")
-    shape = prefill.shape(bucket, width)
-    if shape is not None:
-        rows, slots = shape
-        _, slot_of, length = prefill.inputs(rows, slots)
-        slot_of.fill_(slot_state.dummy)   # full-length dummy prompts
-        length.fill_(slots)
-        graph = prefill.graphs.get((rows, slots, True))   # greedy requests
-        out["prefill"] = graph.replay if graph is not None else (
-            lambda: prefill.padded(rows, slots, True))
-        if lag.deferred_len is not None and slots in lag.defer_widths:
-            # at depth 0 the head's part waits: the prefill without it, and the forward over
-            # `bucket` waiting prompts of `slots` tokens that a later catch-up runs (real slots
-            # whose pages are the dummy page; their waiting length set before each run)
-            graph = prefill.graphs_without_head.get((rows, slots, True))
-            out["prefill_deferred"] = graph.replay if graph is not None else (
-                lambda: prefill.padded(rows, slots, True, True))
-            pending = lag.deferred_graphs.get((bucket, slots))
-            run_pending = pending.replay if pending is not None else (
-                lambda: lag.prompt_phase(bucket, reach, slots))
-
-            def waiting() -> None:
-                slot_state.round_rows[:bucket] = torch.arange(bucket, device=worker.device)
-                lag.deferred_len[:bucket] = slots
-                run_pending()
-                slot_state.round_rows[:bucket] = slot_state.dummy
-            out["pending"] = waiting
-    return out
-
-
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(1 if args.device == "cpu" else 4)
     if args.shape == "bundled":
-        target, head = load_pair(args.model, device=args.device)
-        if args.device == "cuda":
-            target, head = target.half(), head.half()
-            target.reset_buffers()
-            head.reset_buffers()
+        target, head = load_pair(args.model, args.device, half=args.device == "cuda")
     else:
-        from scripts.gen.make_checkpoint import build
-        from workers.model import ModelParallel
-
-        target, head = build(args.shape, "eagle3", None, 0, ModelParallel.single(args.device),
-                             args.device)
+        target, head = random_pair(args.shape, "eagle3", args.device)
     top = max(args.batches)
     context = args.context + 64
-    common = dict(max_batch_size=top, max_context_len=context, device=args.device,
-                  cuda_graphs=args.device == "cuda", overlap=args.device == "cuda")
-    engines = {HEADLESS: build_engine(EngineConfig(spec=no_spec().replace(
-        graph_buckets=head_spec().graph_buckets), **common), target, None)}
-    for n in args.catchup:
-        engines[f"head@{n}"] = build_engine(
-            EngineConfig(spec=head_spec(), catchup_rounds=n, **common), target, head)
+    engines = depth0_engines(target, head, {f"head@{n}": n for n in args.catchup}, batch=top,
+                             context=context, device=args.device,
+                             graphs=args.device == "cuda", overlap=args.device == "cuda")
     for engine in engines.values():
         engine.warmup()
     settle_heap()
@@ -262,13 +161,12 @@ def write(args: argparse.Namespace, results: dict[str, Any],
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": args.device, "torch": torch.__version__, "shape": args.shape,
             "prefill_width": args.prefill_width,
-            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "gpu": gpu_name(args.device),
             "context": args.context, "iters": args.iters, "repeats": args.repeats,
             "catchup": args.catchup, "command": " ".join(sys.argv)}
     raw = [{"engine": k[0], "bucket": k[1], "part": k[2], "seconds": v}
            for k, v in samples.items()]
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results,
-                                                  "samples": raw}, indent=1))
+    write_json(out / "results.json", {"meta": meta, "results": results, "samples": raw})
     for key, row in results.items():
         print(f"== {key}")
         for name, e in row.items():
@@ -288,11 +186,7 @@ def write(args: argparse.Namespace, results: dict[str, Any],
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     keys = list(results)
     names = list(next(iter(results.values())))
     fields, titles = [], []
@@ -318,9 +212,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ min-max over the repeats).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,14 +26,13 @@ from typing import Any
 import torch
 
 import collectives as C
-from adaptive_dist.config import AdaptiveConfig, load_config
+from adaptive_dist.config import AdaptiveConfig
 from adaptive_dist.controller import AdaptiveController
-from scripts.bench.common import (add_overlap_argument, overlap_of, settle_heap,
-                                  spread, sync)
-from scripts.bench.regimes import make_prompts
-from workers.config import EngineConfig
-from workers.engine import Engine, build_engine
-from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_paths
+from scripts.bench.common import (add_overlap_argument, build, encode_prompts, gpu_name,
+                                  load_pair, make_prompts, overlap_of, pyplot, save,
+                                  settle_heap, spread, static_spec, sync, tokenizer, write_json)
+from workers.engine import Engine
+from workers.loading import DEFAULT_MODEL
 from workers.model import ModelParallel
 from workers.sampling import SamplingParams
 
@@ -43,7 +41,7 @@ POLICIES = ("static1", "static3", "static7", "ema", "ema_min")
 
 def spec_of(policy: str) -> AdaptiveConfig:
     if policy.startswith("static"):
-        return load_config(None, "static", initial_steps=int(policy[len("static"):]))
+        return static_spec(int(policy[len("static"):]))
     reducer = "min" if policy == "ema_min" else "weighted_mean"
     return AdaptiveConfig(reducer=reducer)
 
@@ -106,14 +104,11 @@ def main() -> int:
     world = layout.group("world")
     par = ModelParallel.from_layout(layout)
     device = str(ctx.device) if args.device == "cuda" else "cpu"
-    target, head = load_pair(args.model, par, device, draft=args.draft_model)
-    if args.device == "cuda":
-        target, head = target.half(), head.half()
-        target.reset_buffers()
-        head.reset_buffers()
+    target, head = load_pair(args.model, device, draft=args.draft_model, par=par,
+                             half=args.device == "cuda")
     texts = make_prompts(args.batch, seed=1)
-    tok = load_tokenizer_for(model_paths(args.model, args.draft_model), target.config.vocab_size)
-    enc = {k: [tok.encode(t) for t in v] for k, v in texts.items()}
+    tok = tokenizer(args.model, args.draft_model, target.config.vocab_size)
+    enc = encode_prompts(texts, tok.encode)
     mine = par.replica % 2
     regimes = [["high_entropy", "repetitive"][mine], ["repetitive", "high_entropy"][mine]]
     phases = [enc[r] for r in regimes]
@@ -121,11 +116,11 @@ def main() -> int:
     guard = ctx.guard(world, check_every=16) if ctx.distributed else None
     engines: dict[str, Engine] = {}
     for policy in args.policies:
-        spec = spec_of(policy)
-        cfg = EngineConfig(spec=spec, max_batch_size=args.batch, max_context_len=longest,
-                           device=device, cuda_graphs=args.device == "cuda" and not args.eager,
-                           dp=args.dp, attn_tp=attn_tp, **overlap_of(args, args.device))
-        engines[policy] = build_engine(cfg, target, head, group=world, guard=guard)
+        engines[policy] = build(spec_of(policy), target, head, batch=args.batch,
+                                context=longest, device=device,
+                                graphs=args.device == "cuda" and not args.eager, group=world,
+                                guard=guard, dp=args.dp, attn_tp=attn_tp,
+                                **overlap_of(args, args.device))
         engines[policy].warmup()
         run_once(engines[policy], [p[:2] for p in phases], 8, args.device)  # warm every shape
     settle_heap()
@@ -209,14 +204,13 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, attn_tp: int)
             "rounds_at_steps": mine[-1]["rounds_at_steps"]}
     meta = {"world": ctx.world_size, "dp": args.dp, "attn_tp": attn_tp, "device": args.device,
             "overlap": bool(overlap_of(args, args.device)),
-            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "gpu": gpu_name(args.device),
             "backend": ctx.backend, "torch": torch.__version__, "batch_per_replica": args.batch,
             "new_tokens": args.new_tokens, "repeats": args.repeats,
             "cuda_graphs": args.device == "cuda" and not args.eager,
             "phases": ["A: replica 0 high-entropy, replica 1 repetitive", "B: swapped"],
             "command": " ".join(sys.argv)}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary,
-                                                  "runs": records}, indent=1))
+    write_json(out / "results.json", {"meta": meta, "summary": summary, "runs": records})
     plot(summary, records, meta, out / "dp_bench.png")
     print(table(summary))
     print(f"wrote {out / 'results.json'} and {out / 'dp_bench.png'}")
@@ -237,11 +231,7 @@ def table(summary: dict) -> str:
 
 
 def plot(summary: dict, records: list[dict], meta: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.2))
     names = list(summary)
     med = [summary[n]["tokens_per_second"]["median"] for n in names]
@@ -265,9 +255,7 @@ def plot(summary: dict, records: list[dict], meta: dict, path: Path) -> None:
     ax2.set_title("depth timeline (first repeat; phase B starts halfway)")
     ax2.legend()
     ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import platform
 import sys
 import time
@@ -27,13 +26,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from adaptive_dist.config import load_config
-from scripts.bench.common import add_overlap_argument, overlap_of, settle_heap, sync
-from scripts.bench.regimes import KINDS, make_prompts
-from workers.config import EngineConfig, no_spec
+from scripts.bench.common import (KINDS, add_overlap_argument, build, encode_prompts,
+                                  load_pair, make_prompts, overlap_of, pyplot, save,
+                                  settle_heap, static_spec, sync, tokenizer, write_json)
 from workers.engine import Engine
-from workers.engine import build_engine as build
-from workers.loading import DEFAULT_MODEL, load_pair, load_tokenizer_for, model_paths
+from workers.loading import DEFAULT_MODEL
 from workers.sampling import SamplingParams
 
 MODES = ("nospec", 1, 3, 7)
@@ -41,14 +38,6 @@ BATCHES = (1, 16)
 
 
 # ---- engines -------------------------------------------------------------------------------------
-
-def build_engine(target, head, mode, backend: str, graphs: bool, device: str,
-                 max_context: int, max_batch: int, extra: dict) -> Engine:
-    spec = no_spec() if mode == "nospec" else load_config(None, "static", initial_steps=mode)
-    config = EngineConfig(spec=spec, max_batch_size=max_batch, max_context_len=max_context,
-                          attention_backend=backend, device=device, cuda_graphs=graphs, **extra)
-    return build(config, target, head)
-
 
 def measure(engine: Engine, prompts: list[list[int]], new_tokens: int, device: str) -> dict:
     params = SamplingParams(max_new_tokens=new_tokens)
@@ -103,10 +92,6 @@ def default_variants(device: str) -> list[str]:
     return ["torch/eager", "torch/graphs", "flashinfer/eager", "flashinfer/graphs"]
 
 
-def load_models(root: str, draft: str | None, device: str, dtype: torch.dtype):
-    return load_pair(root, device=device, draft=draft, dtype=dtype)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -121,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         variants = [v for v in variants if not v.startswith("flashinfer")]
         notes.append("flashinfer not importable: its variants were skipped")
     dtype = torch.float16 if args.device == "cuda" else torch.float32
-    target, head = load_models(args.model, args.draft_model, args.device, dtype)
-    tok = load_tokenizer_for(model_paths(args.model, args.draft_model), target.config.vocab_size)
+    target, head = load_pair(args.model, args.device, draft=args.draft_model, dtype=dtype)
+    tok = tokenizer(args.model, args.draft_model, target.config.vocab_size)
     texts = make_prompts(max(BATCHES), args.seed)
-    prompts = {k: [tok.encode(t) for t in v] for k, v in texts.items()}
+    prompts = encode_prompts(texts, tok.encode)
     longest = max(len(p) for ps in prompts.values() for p in ps)
     max_context = -(-(longest + new_tokens + 1) // 64) * 64
     out_dir = Path(args.out)
@@ -143,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"stopped at {variant} mode {mode}: --max-seconds {args.max_seconds}")
             break
         t_build = time.perf_counter()
-        engine = build_engine(target, head, mode, backend, graphs, args.device, max_context,
-                              max(BATCHES), overlap_of(args, args.device))
+        engine = build(static_spec(mode), target, head, batch=max(BATCHES), context=max_context,
+                       device=args.device, graphs=graphs, attention_backend=backend,
+                       **overlap_of(args, args.device))
         build_s = time.perf_counter() - t_build
         for batch in BATCHES:  # warm-up: lazy kernel loading, allocator, every batch shape
             measure(engine, prompts["code"][:batch], 8, args.device)
@@ -174,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             "batches": list(BATCHES), "modes": [str(m) for m in MODES],
             "threads": torch.get_num_threads(), "command": " ".join(sys.argv),
             "wall_s": time.perf_counter() - start, "notes": notes}
-    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    write_json(out_dir / "results.json", {"meta": meta, "results": results})
     plot(results, meta, out_dir / "engine_tps.png")
     print(summary_table(results))
     print(f"wrote {out_dir / 'results.json'} and {out_dir / 'engine_tps.png'}")
@@ -192,11 +178,7 @@ def summary_table(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], meta: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     variants = sorted({r["variant"] for r in results}, key=lambda v: (v.split("/")[0], v))
     modes = [m for m in meta["modes"] if any(r["mode"] == m for r in results)]
     fig, axes = plt.subplots(len(BATCHES), len(KINDS), figsize=(5 * len(KINDS), 3.6 * len(BATCHES)),
@@ -222,9 +204,7 @@ def plot(results: list[dict], meta: dict, path: Path) -> None:
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"engine throughput ({meta['device_name']}, {meta['dtype']}, "
                  f"{meta['new_tokens']} new tokens per request)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":

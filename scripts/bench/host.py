@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,9 +30,8 @@ from typing import Any, Callable
 import torch
 
 from adaptive_dist.config import load_config
-from scripts.bench.common import settle_heap
-from workers.config import EngineConfig, no_spec
-from workers.engine import build_engine
+from scripts.bench.common import (build, held_at_zero, load_pair, make_prompts, pyplot, save,
+                                  settle_heap, spread, static_spec, write_json)
 from workers.model import EagleConfig, LlamaConfig, LlamaForCausalLM
 from workers.model.eagle import EagleHead
 from workers.sampling import SamplingParams
@@ -58,14 +55,6 @@ def depth_arg(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: a depth (an integer) or {HELD}") from None
-
-
-def held_at_zero() -> Any:
-    """The goodput engine held at depth 0 (depth 1 priced out of reach, no probe due)."""
-    from adaptive_dist.config import AdaptiveConfig
-
-    return AdaptiveConfig(policy="goodput", candidate_steps=(0, 1), initial_steps=0,
-                          round_cost={"0": 1.0, "1": 1e9}, probe_every=10 ** 6)
 
 
 def parse_args() -> argparse.Namespace:
@@ -97,38 +86,33 @@ def timed(acc: collections.Counter, key: str, fn: Callable) -> Callable:
     return run
 
 
-def build(args: argparse.Namespace, steps: int | None) -> tuple[Any, list[list[int]]]:
-    """The engine of one configuration and its prompts (`steps`: a static depth; None: the
-    --policy run)."""
+def configuration(args: argparse.Namespace,
+                  steps: int | str | None) -> tuple[Any, list[list[int]]]:
+    """The engine of one configuration and its prompts (`steps`: a static depth, or `0h`; None:
+    the --policy run)."""
     if steps is None:
         spec = load_config(None, args.policy,
                            **({"initial_steps": 3} if args.policy == "static" else {}))
     elif steps == HELD:
-        spec = held_at_zero()
-    elif steps == 0:
-        spec = no_spec()
+        spec = held_at_zero(1)
     else:
-        spec = load_config(None, "static", initial_steps=steps)
+        spec = static_spec(steps)
     if args.device == "cuda":
         from workers import loading
 
-        target, head = loading.load_pair(loading.DEFAULT_MODEL, device="cuda")
-        from scripts.bench.regimes import make_prompts
-
+        target, head = load_pair(loading.DEFAULT_MODEL, "cuda")
         prompts = [loading.encode_prompt(t, target.config)
                    for t in make_prompts(args.batch, seed=0)["code"]]
         context = max(len(p) for p in prompts) + args.tokens + 1
-        cfg = EngineConfig(spec=spec, max_batch_size=args.batch, max_context_len=context,
-                           device="cuda", cuda_graphs=True, overlap=True)
-        return build_engine(cfg, target, head), prompts
+        return build(spec, target, head, batch=args.batch, context=context, device="cuda",
+                     graphs=True, overlap=True), prompts
     cfg = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                       num_attention_heads=1, num_key_value_heads=1, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     target = LlamaForCausalLM(cfg).eval()
     head = EagleHead(EagleConfig.for_target(cfg), target).eval()
-    engine = build_engine(EngineConfig(spec=spec, max_batch_size=args.batch,
-                                       max_context_len=args.tokens + 32, device="cpu",
-                                       cuda_graphs=False), target, head)
+    engine = build(spec, target, head, batch=args.batch, context=args.tokens + 32, device="cpu",
+                   graphs=False)
     return engine, [[3, 4, 5, 6] * 5 for _ in range(args.batch)]
 
 
@@ -185,7 +169,7 @@ def main() -> int:
     steps = args.steps or ([0, 1, 3, 7] if args.device == "cuda" else [None])
     built = {}
     for depth in steps:
-        engine, prompts = build(args, depth)
+        engine, prompts = configuration(args, depth)
         acc = instrument(engine)
         engine.generate(prompts, SamplingParams(max_new_tokens=args.tokens))  # warm
         built[depth] = (engine, acc, prompts)
@@ -201,28 +185,21 @@ def main() -> int:
     summaries = {}
     for depth, runs in samples.items():
         keys = list(runs[0])
-        summaries[depth] = {k: {"median": statistics.median(r[k] for r in runs),
-                                "min": min(r[k] for r in runs), "max": max(r[k] for r in runs)}
-                            for k in keys}
+        summaries[depth] = {k: spread([r[k] for r in runs]) for k in keys}
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"batch": args.batch, "policy": args.policy, "tokens": args.tokens,
             "device": args.device, "repeats": args.repeats, "torch": torch.__version__,
             "command": " ".join(sys.argv)}
     label = {d: (args.policy if d is None else "steps 0 + head" if d == HELD else f"steps {d}")
              for d in steps}
-    (out / "host.json").write_text(json.dumps(
-        {"meta": meta, "configs": {label[d]: {"us_per_round": summaries[d], "runs": samples[d]}
-                                   for d in steps}}, indent=1))
+    write_json(out / "host.json",
+               {"meta": meta, "configs": {label[d]: {"us_per_round": summaries[d],
+                                                     "runs": samples[d]} for d in steps}})
     for depth in steps:
         print(f"--- {label[depth]} (batch {args.batch}, {args.device})")
         for k, s in summaries[depth].items():
             print(f"{k:<14}{s['median']:>9.0f} us/round  ({s['min']:.0f}-{s['max']:.0f})")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     first = summaries[steps[0]]
     parts = [k for k in first if k not in ("host_total", "round_total", "bodies", "wait")]
     fig, ax = plt.subplots(figsize=(9, 3.8))
@@ -240,8 +217,7 @@ def main() -> int:
     ax.legend(fontsize=8)
     ax.tick_params(axis="x", rotation=20)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "host.png", dpi=110)
+    save(fig, out / "host.png")
     print(f"wrote {out / 'host.json'}")
     return 0
 

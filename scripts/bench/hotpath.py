@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
-from scripts.bench.common import add_overlap_argument, overlap_of, settle_heap, spread, sync
-from scripts.bench.regimes import KINDS, make_prompts
+from scripts.bench.common import (KINDS, add_overlap_argument, build, encode_prompts, gpu_name,
+                                  load_pair, make_prompts, overlap_of, pyplot, save,
+                                  settle_heap, spread, static_spec, sync, tokenizer, write_json)
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
@@ -68,19 +69,14 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def build(mode: str, target: Any, head: Any, device: str, max_batch: int, context: int,
-          extra: dict) -> Any:
-    from adaptive_dist.config import load_config
-    from workers.config import EngineConfig, no_spec
-    from workers.engine import build_engine
-
+def mode_engine(mode: str, target: Any, head: Any, device: str, max_batch: int, context: int,
+                extra: dict) -> Any:
+    """The engine of a `--modes` entry (a depth, `nospec`, either with `+serial`/`+overlap`)."""
     if mode.endswith(("+overlap", "+serial")):  # this mode with overlap forced on / off
         mode, how = mode.split("+")
         extra = {"overlap": True} if how == "overlap" else {}
-    spec = no_spec() if mode == "nospec" else load_config(None, "static", initial_steps=int(mode))
-    cfg = EngineConfig(spec=spec, max_batch_size=max_batch, max_context_len=context,
-                       device=device, cuda_graphs=device == "cuda", **extra)
-    return build_engine(cfg, target, head)
+    return build(static_spec(mode), target, head, batch=max_batch, context=context,
+                 device=device, graphs=device == "cuda", **extra)
 
 
 def timed(engine: Any, prompts: list[list[int]], new_tokens: int, device: str) -> dict:
@@ -243,10 +239,8 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1 if args.device == "cpu" else 4)
     model = args.model or loading.DEFAULT_MODEL
     if hasattr(loading, "load_tokenizer_for"):  # an older tree (the "before" run) has neither
-        target, head = loading.load_pair(model, device=args.device, draft=args.draft_model)
-        tok = loading.load_tokenizer_for(loading.model_paths(model, args.draft_model),
-                                         target.config.vocab_size)
-        encode = tok.encode
+        target, head = load_pair(model, args.device, draft=args.draft_model)
+        encode = tokenizer(model, args.draft_model, target.config.vocab_size).encode
     else:
         target, head = loading.load_pair(model, device=args.device)
         encode = lambda text: loading.encode_prompt(text, target.config)  # noqa: E731
@@ -256,12 +250,12 @@ def run(args: argparse.Namespace) -> dict:
         target.reset_buffers()
         head.reset_buffers()
     texts = make_prompts(max(args.batches), seed=0)
-    prompts = {k: [encode(t) for t in v] for k, v in texts.items()}
+    prompts = encode_prompts(texts, encode)
     budget = max([args.new_tokens] + [steady_budget(m, args.steady_rounds) for m in args.modes
                                       if args.steady_rounds])
     context = max(len(p) for ps in prompts.values() for p in ps) + budget + 1
     extra = overlap_of(args, args.device)
-    engines = {m: build(m, target, head, args.device, max(args.batches), context, extra)
+    engines = {m: mode_engine(m, target, head, args.device, max(args.batches), context, extra)
                for m in args.modes}
     for engine in engines.values():  # warm every batch shape
         for b in args.batches:
@@ -305,7 +299,7 @@ def run(args: argparse.Namespace) -> dict:
     for engine in engines.values():
         engine.close()
     meta = {"label": args.label, "device": args.device, "overlap": bool(extra),
-            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "gpu": gpu_name(args.device),
             "torch": torch.__version__, "new_tokens": args.new_tokens, "repeats": args.repeats,
             "dtype": args.dtype, "steady_rounds": args.steady_rounds,
             "command": " ".join(sys.argv)}
@@ -347,11 +341,7 @@ def table(before: dict | None, after: dict) -> str:
 
 
 def plot(before: dict | None, after: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     batches = sorted({r["batch"] for r in after["records"]})
     modes = list(dict.fromkeys(r["mode"] for r in after["records"]))
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
@@ -368,9 +358,7 @@ def plot(before: dict | None, after: dict, path: Path) -> None:
         ax.set_title(f"batch {b} (tokens/s, mean over the prompt regimes)")
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main() -> int:
@@ -379,13 +367,12 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         before, after = (json.loads(Path(p).read_text()) for p in args.merge)
-        (out / "before_after.json").write_text(json.dumps({"before": before, "after": after},
-                                                          indent=1))
+        write_json(out / "before_after.json", {"before": before, "after": after})
         plot(before, after, out / "before_after.png")
         print(table(before, after))
         return 0
     result = run(args)
-    (out / f"{args.label}.json").write_text(json.dumps(result, indent=1))
+    write_json(out / f"{args.label}.json", result)
     plot(None, result, out / "hotpath.png")
     print(table(None, result))
     return 0

@@ -27,9 +27,7 @@ import torch
 
 import collectives as C
 from adaptive_dist.config import AdaptiveConfig
-from workers.config import EngineConfig
-from scripts.gen.make_checkpoint import build
-from workers.engine import build_engine
+from scripts.bench.common import build, pyplot, random_pair, save, write_json
 from workers.model import ModelParallel
 
 TIERS = (0, 1, 3, 7)
@@ -49,11 +47,12 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def random_pair(par: ModelParallel, device: torch.device, seed: int,
+def shaped_pair(par: ModelParallel, device: torch.device, seed: int,
                 tiny: bool = False) -> tuple[Any, Any]:
-    """The Llama-3.1-8B-shaped target and its EAGLE-3 head (`make_checkpoint`'s shapes), random
-    bf16 weights made on `device`; `tiny`: its small shape."""
-    target, head = build("tiny" if tiny else "llama3-8b", "eagle3", None, seed, par, device)
+    """The Llama-3.1-8B-shaped target and its EAGLE-3 head (`scripts.gen.make_checkpoint`'s
+    shapes), random bf16 weights made on `device`; `tiny`: its small shape."""
+    target, head = random_pair("tiny" if tiny else "llama3-8b", "eagle3", device, par=par,
+                               seed=seed)
     target.reset_buffers()
     head.reset_buffers()
     return target.eval(), head.eval()
@@ -116,16 +115,15 @@ def main() -> int:
     world, par = layout.group("world"), ModelParallel.from_layout(layout)
     device = torch.device("cpu") if args.tiny else ctx.device
     t0 = time.perf_counter()
-    target, head = random_pair(par, device, seed=1234 + ctx.rank, tiny=args.tiny)
+    target, head = shaped_pair(par, device, seed=1234 + ctx.rank, tiny=args.tiny)
     spec = AdaptiveConfig(policy="goodput", candidate_steps=TIERS, initial_steps=1)
-    cfg = EngineConfig(spec=spec, max_batch_size=args.max_batch, max_context_len=args.context,
-                       device=str(device), cuda_graphs=device.type == "cuda", dp=layout.dp,
-                       attn_tp=layout.attn_tp)
     if ctx.rank == 0:
         print(f"[{args.layout}] weights ready in {time.perf_counter() - t0:.0f} s; building the "
               f"engine (graphs for depths {TIERS}, buckets up to {args.max_batch}) ...", flush=True)
     t1 = time.perf_counter()
-    engine = build_engine(cfg, target, head, group=world)
+    engine = build(spec, target, head, batch=args.max_batch, context=args.context,
+                   device=str(device), graphs=device.type == "cuda", group=world, dp=layout.dp,
+                   attn_tp=layout.attn_tp)
     build_s = time.perf_counter() - t1
     agreed = engine.config.spec.round_cost.to_json()
     if ctx.rank == 0:
@@ -162,7 +160,7 @@ def finish(result: dict, path: Path) -> None:
         for bucket, row in part.items():
             for steps, rec in row.items():
                 rec["gpu_busy"] = rec["gpu_kernel_ms"] / result["agreed_round_cost_ms"][bucket][steps]
-    path.write_text(json.dumps(result, indent=1))
+    write_json(path, result)
     print_table(result)
     plot(result, path.with_suffix(".png"))
 
@@ -179,11 +177,7 @@ def print_table(result: dict) -> None:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     table = result["agreed_round_cost_ms"]
     buckets = sorted(table, key=int)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -200,9 +194,7 @@ def plot(result: dict, path: Path) -> None:
         a.grid(alpha=0.3)
         a.legend()
     fig.suptitle("Llama-3.1-8B-shaped target + EAGLE-3-shaped head, random bf16 weights")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":

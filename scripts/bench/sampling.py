@@ -21,8 +21,6 @@ Writes `OUT/results.json` (medians, min and max per measure, and every sample) a
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,11 +29,10 @@ from typing import Any, Callable
 import torch
 
 import workers.spec_decode as spec_decode
-from adaptive_dist.config import load_config
-from scripts.bench.depth0 import timer
-from workers.config import EngineConfig
-from workers.engine import Engine, build_engine
-from workers.loading import DEFAULT_MODEL, load_pair
+from scripts.bench.common import (build, gpu_name, load_pair, pyplot, random_pair, save, spread,
+                                  static_spec, timer, write_json)
+from workers.engine import Engine
+from workers.loading import DEFAULT_MODEL
 from workers.sampling import SamplingParams
 
 FUSED = spec_decode.uniforms
@@ -78,16 +75,8 @@ def parse_args() -> argparse.Namespace:
 
 def build_pair(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Module]:
     if args.shape == "tiny":
-        from scripts.gen.make_checkpoint import build
-        from workers.model import ModelParallel
-
-        return build("tiny", "eagle", None, 0, ModelParallel.single(args.device), args.device)
-    target, head = load_pair(args.model, device=args.device)
-    if args.device == "cuda":
-        target, head = target.half(), head.half()
-        target.reset_buffers()
-        head.reset_buffers()
-    return target, head
+        return random_pair("tiny", "eagle", args.device)
+    return load_pair(args.model, args.device, half=args.device == "cuda")
 
 
 def prompts(n: int, vocab: int) -> list[list[int]]:
@@ -99,18 +88,16 @@ def main() -> int:
     torch.set_num_threads(1 if args.device == "cpu" else 4)
     target, head = build_pair(args)
     vocab = min(target.config.vocab_size, 250)
-    spec = load_config(None, "static", initial_steps=args.steps).replace(
-        graph_buckets=tuple(sorted(set(args.batches))))
+    spec = static_spec(args.steps).replace(graph_buckets=tuple(sorted(set(args.batches))))
     longest = max(len(p) for p in prompts(max(args.requests), vocab))
     context = max(args.context, longest + args.new_tokens) + 64
     engines: dict[str, Engine] = {}
     for name, fn in VARIANTS.items():
         spec_decode.uniforms = fn     # the graphs capture whichever is in force
         try:
-            engine = build_engine(EngineConfig(
-                spec=spec, max_batch_size=max(max(args.batches), max(args.requests)),
-                max_context_len=context, device=args.device, cuda_graphs=args.device == "cuda",
-                overlap=args.device == "cuda"), target, head)
+            engine = build(spec, target, head, batch=max(max(args.batches), max(args.requests)),
+                           context=context, device=args.device, graphs=args.device == "cuda",
+                           overlap=args.device == "cuda")
             engine.warmup()
         finally:
             spec_decode.uniforms = FUSED
@@ -172,18 +159,15 @@ def time_phases(engine: Engine, args: argparse.Namespace, clock: Callable, name:
 
 def write(args: argparse.Namespace, samples: dict[str, list[float]], same: bool) -> None:
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
-                               for k, v in samples.items()}
+    results: dict[str, Any] = {k: spread(v) for k, v in samples.items()}
     meta = {"device": args.device, "torch": torch.__version__, "shape": args.shape,
-            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "gpu": gpu_name(args.device),
             "steps": args.steps, "context": args.context, "iters": args.iters,
             "repeats": args.repeats, "new_tokens": args.new_tokens,
             "units": {"draft/verify": "microseconds per graph replay",
                       "generate": "tokens per second"},
             "same_tokens": same, "command": " ".join(sys.argv)}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results,
-                                                  "samples": samples}, indent=1))
+    write_json(out / "results.json", {"meta": meta, "results": results, "samples": samples})
     measures = sorted({k.split("/", 1)[1] for k in results})
     for measure in measures:
         base = results.get(f"torch_uniforms/{measure}")
@@ -197,11 +181,7 @@ def write(args: argparse.Namespace, samples: dict[str, list[float]], same: bool)
 
 
 def plot(results: dict[str, Any], measures: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     groups = [("phase graph replay (us)", [m for m in measures if not m.startswith("generate")]),
               ("sampled generation (tokens/s)", [m for m in measures if m.startswith("generate")])]
     groups = [g for g in groups if g[1]]
@@ -218,9 +198,7 @@ def plot(results: dict[str, Any], measures: list[str], path: Path) -> None:
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import httpx
 from tqdm import tqdm
 
-from scripts.bench.regimes import make_prompts
+from scripts.bench.common import make_prompts, pyplot, save, write_json
 from workers.server.metrics import find, parse
 
 
@@ -243,11 +243,7 @@ def server_figures(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     recs = [r for r in result["requests"] if r["error"] is None and r["ttft"] is not None]
     phases = list(dict.fromkeys(r["phase"] for r in result["requests"]))
     colors = dict(zip(phases, ("tab:blue", "tab:red", "tab:green", "tab:purple")))
@@ -279,9 +275,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"bench_serve: {s['requests']} requests, {s['tokens_per_s']:.0f} tokens/s, "
                  f"TTFT p50 {1000 * (s['ttft_s']['p50'] or 0):.0f} ms, "
                  f"ITL p50 {1000 * (s['itl_s']['p50'] or 0):.1f} ms")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -319,7 +313,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             server.stop()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
+    write_json(out / "results.json", result)
     plot(result, out / "bench_serve.png")
     print_summary(result)
     print(f"wrote {out / 'results.json'} and {out / 'bench_serve.png'}")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from collectives import free_port
+from scripts.bench.common import pyplot, save, write_json
 from workers.server.process import ServerProcess
 
 
@@ -100,8 +101,7 @@ def main() -> int:
             "errors": sum(o["errors"] for o in ov),
             "frontend_overhead_s": spread([p.get("frontend_overhead_s_mean") for p in probe]),
         }
-    (out / "summary.json").write_text(json.dumps({"args": vars(args), "summary": summary},
-                                                 indent=1))
+    write_json(out / "summary.json", {"args": vars(args), "summary": summary})
     plot(summary, out / "serve_matrix.png")
     print(table(summary))
     return 0
@@ -123,11 +123,7 @@ def table(summary: dict) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     modes = list(dict.fromkeys(s["mode"] for s in summary.values()))
     concs = sorted({s["concurrency"] for s in summary.values()})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
@@ -149,9 +145,7 @@ def plot(summary: dict, path: Path) -> None:
         ax.set_title(title + " (median, min-max)")
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from scripts.bench.common import write_json
 from workers.sampling import accept_rejection, target_probs
 from workers.spec_decode import draft_step, verify
 
@@ -138,8 +139,7 @@ def main() -> None:
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

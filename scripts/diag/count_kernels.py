@@ -43,6 +43,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first importe
 
 import torch  # noqa: E402
 
+from scripts.bench.common import build, load_pair, pyplot, save, static_spec  # noqa: E402
+
 VIEW_OPS = frozenset(f"aten::{n}" for n in (
     "view", "reshape", "_reshape_alias", "as_strided", "slice", "select", "expand", "expand_as",
     "t", "transpose", "permute", "unsqueeze", "squeeze", "detach", "alias", "_unsafe_view",
@@ -127,14 +129,10 @@ def prompts(n: int) -> list[list[int]]:
 
 
 def count_depth(target: Any, head: Any, depth: int, batch: int, greedy: bool) -> dict:
-    from adaptive_dist.config import load_config
-    from workers.config import EngineConfig, no_spec
-    from workers.engine import build_engine
     from workers.sampling import SamplingParams
 
-    spec = no_spec() if depth == 0 else load_config(None, "static", initial_steps=depth)
-    cfg = EngineConfig(spec=spec, max_batch_size=batch, max_context_len=128, device="cpu")
-    engine = build_engine(cfg, target, head if depth else None)
+    engine = build(static_spec(depth), target, head if depth else None, batch=batch, context=128,
+                   device="cpu")
     params = SamplingParams(max_new_tokens=3) if greedy else SamplingParams(
         max_new_tokens=3, temperature=0.8, top_p=0.9, seed=1)
     engine.generate(prompts(batch), params)     # warm: fills slots, applies the runtime state
@@ -171,7 +169,7 @@ def run(args: argparse.Namespace) -> dict:
     from workers import loading
 
     torch.set_num_threads(1)
-    target, head = loading.load_pair(loading.DEFAULT_MODEL, device="cpu")
+    target, head = load_pair(loading.DEFAULT_MODEL, "cpu")
     _Counting.install()
     out = {"meta": {"batch": args.batch, "greedy": not args.sampled,
                     "workers": str(Path(loading.__file__).resolve().parent.parent),
@@ -234,11 +232,7 @@ def main() -> int:
 
 def plot(result: dict, path: Path) -> None:
     """Kernels per phase, stacked, one bar per depth."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     depths = list(result["depths"])
     fig, ax = plt.subplots(figsize=(6, 3.6))
     bottom = [0] * len(depths)
@@ -251,9 +245,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(f"kernels per round, batch {result['meta']['batch']}, "
                  f"{'greedy' if result['meta']['greedy'] else 'sampled'}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

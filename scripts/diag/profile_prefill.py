@@ -13,7 +13,6 @@ profile lists operators' CPU time and there are no graphs. Writes `OUT/results.j
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -21,10 +20,9 @@ from typing import Any, Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from scripts.bench.depth0 import HEADLESS, bodies, head_spec, timer
-from workers.config import EngineConfig, no_spec
-from workers.engine import build_engine
-from workers.loading import DEFAULT_MODEL, load_pair
+from scripts.bench.common import (bodies, depth0_engines, gpu_name, load_pair, pyplot, save, timer,
+                                  write_json)
+from workers.loading import DEFAULT_MODEL
 
 
 def parse_args() -> argparse.Namespace:
@@ -68,17 +66,11 @@ def kernels_of(fn: Callable[[], None], device: str, calls: int, top: int) -> dic
 
 def main() -> int:
     args = parse_args()
-    target, head = load_pair(args.model, device=args.device)
-    if args.device == "cuda":
-        target, head = target.half(), head.half()
-        target.reset_buffers()
-        head.reset_buffers()
+    target, head = load_pair(args.model, args.device, half=args.device == "cuda")
     graphs = args.device == "cuda"
-    common = dict(max_batch_size=max(args.batches), max_context_len=args.context + 64,
-                  device=args.device, cuda_graphs=graphs, overlap=graphs)
-    engines = {HEADLESS: build_engine(EngineConfig(spec=no_spec().replace(
-        graph_buckets=head_spec().graph_buckets), **common), target, None),
-        "head": build_engine(EngineConfig(spec=head_spec(), **common), target, head)}
+    engines = depth0_engines(target, head, {"head": None}, batch=max(args.batches),
+                             context=args.context + 64, device=args.device, graphs=graphs,
+                             overlap=graphs)
     for engine in engines.values():
         engine.warmup()
     clock = timer(args.device)
@@ -120,22 +112,17 @@ def main() -> int:
     for engine in engines.values():
         engine.close()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"device": args.device, "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name() if graphs else None, "width": args.width,
+            "gpu": gpu_name(args.device), "width": args.width,
             "context": args.context, "iters": args.iters, "command": " ".join(sys.argv)}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    write_json(out / "results.json", {"meta": meta, "results": results})
     plot(results, out / "prefill.png")
     print(f"wrote {out / 'results.json'}")
     return 0
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     keys = list(results)
     parts = ("prefill_eager_greedy", "prefill_eager_sampling", "round_eager")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -151,9 +138,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":
