@@ -259,6 +259,10 @@ BAD_GENERATES = [
     ({"temperature": 10 ** 400}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": NAN}, "top_p"), ({"top_p": 2}, "top_p"),
     ({"rid": [1]}, "rid"), ({"sent_at": "x"}, "sent_at"),
+    ({"ignore_eos": 1}, "ignore_eos"), ({"stop_token_ids": [264]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": "10"}, "stop_token_ids"),
+    ({"stop_token_ids": [10 ** 30]}, "stop_token_ids"),
+    ({"stop_token_ids": list(range(8))}, "stop_token_ids"),       # with EOS: 9 > 8
 ]
 
 

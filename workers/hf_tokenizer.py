@@ -4,8 +4,8 @@ BOS: when `tokenizer_config.json` sets `add_bos_token`, that decides (BOS is the
 `bos_token_id`, else the id of `tokenizer_config.json`'s `bos_token`); otherwise the tokenizer's
 own post-processor decides (Llama-3's template adds `<|begin_of_text|>`, Qwen's adds nothing).
 EOS: `generation_config.json`, else `config.json`, else `tokenizer_config.json`'s `eos_token`.
-Decoding drops special tokens and ids the tokenizer does not know (a model's vocabulary may be
-padded beyond the tokenizer's).
+Decoding drops special tokens (unless asked to keep them) and ids the tokenizer does not know (a
+model's vocabulary may be padded beyond the tokenizer's).
 """
 from __future__ import annotations
 
@@ -62,14 +62,20 @@ class HFTokenizer:
                              f"neither config.json nor tokenizer_config.json names a BOS token")
         return HFTokenizer(tok, bos, eos, add_bos)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not add_special_tokens:
+            return list(self._tok.encode(text, add_special_tokens=False).ids)
         if self.add_bos is None:
             return list(self._tok.encode(text, add_special_tokens=True).ids)
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
         return [self.bos_token_id] + ids if self.add_bos else ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def encode_with_specials(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        # the library reads every added token's text as that token, in any text
+        return self.encode(text, add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def _special_id(tok: Any, config: dict, key: str) -> Optional[int]:

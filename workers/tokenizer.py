@@ -3,17 +3,30 @@ byte tokenizer of the bundled pair, and streaming decode. No torch here (the fro
 
     tok = load_tokenizer(target_dir)   # tokenizer.json there: `HFTokenizer`; else `ByteTokenizer`
     ids = tok.encode("prompt")         # with BOS where the tokenizer / config say so
+    ids = tok.encode("prompt", add_special_tokens=False)      # no BOS
+    ids = tok.encode_with_specials("<|bos|>text")   # special tokens' texts become their ids
     text = tok.decode(ids)             # special tokens dropped
+    text = tok.decode(ids, skip_special_tokens=False)         # ... or written as their texts
     stream = StreamDecoder(tok)        # text of a growing id list, one settled piece at a time
     piece = stream.push(new_ids); rest = stream.finish()
 
 The byte tokenizer: ids 0..255 are the bytes of the UTF-8 encoding; three specials follow:
 ``BOS_ID = 256``, ``EOS_ID = 257``, ``PAD_ID = 258``. Ids 259..263 are unused padding so that
 ``VOCAB_SIZE = 264`` is a multiple of 8 (aligned embedding and LM-head rows); a model never needs
-to emit them and ``decode`` drops them.
+to emit them and ``decode`` drops them. Every special id has a text (``SPECIAL_TOKENS``:
+``<|bos|>``, ``<|eos|>``, ``<|pad|>``, ``<|unused0|>``...): ``decode(..., skip_special_tokens=False)``
+writes it, and ``encode_with_specials`` (a rendered chat template) reads it back as the id.
+Prompt text goes through ``encode``, which reads every character as bytes, those texts too.
+
+The bundled pair's ``tokenizer.json`` (for clients: ``tokenizers`` / transformers' AutoTokenizer)
+encodes and decodes exactly as this tokenizer does (tests/unit/test_serve_chat_parts.py); its
+``tokenizer_config.json`` says ``"adaptive_dist_tokenizer": "bytes"``, so ``load_tokenizer``
+keeps this implementation for it (no `tokenizers` call per request, prompt text always bytes).
 """
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Optional, Protocol, Sequence
 
@@ -23,7 +36,16 @@ PAD_ID = 258
 NUM_BYTES = 256
 VOCAB_SIZE = 264
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+BYTE_MARKER = ("adaptive_dist_tokenizer", "bytes")
+"""The `tokenizer_config.json` entry that keeps the byte tokenizer for a directory whose
+`tokenizer.json` is the byte vocabulary (the bundled pair's, written for clients)."""
 REPLACEMENT = "\ufffd"
+SPECIAL_TOKENS: dict[int, str] = {BOS_ID: "<|bos|>", EOS_ID: "<|eos|>", PAD_ID: "<|pad|>",
+                                  **{i: f"<|unused{i - PAD_ID - 1}|>"
+                                     for i in range(PAD_ID + 1, VOCAB_SIZE)}}
+_SPECIAL_IDS = {text: i for i, text in SPECIAL_TOKENS.items()}
+_SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS.values()))
 
 
 def encode(text: str, add_bos: bool = False) -> list[int]:
@@ -32,10 +54,35 @@ def encode(text: str, add_bos: bool = False) -> list[int]:
     return [BOS_ID] + ids if add_bos else ids
 
 
-def decode(ids: Sequence[int]) -> str:
-    """Text of the byte ids in ``ids``; specials are dropped, bad UTF-8 is replaced."""
-    data = bytes(i for i in ids if 0 <= i < NUM_BYTES)
-    return data.decode("utf-8", errors="replace")
+def decode(ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """Text of the byte ids in ``ids``, bad UTF-8 replaced; specials are dropped, or written as
+    their ``SPECIAL_TOKENS`` text when not `skip_special_tokens` (each run of bytes between them
+    decoded on its own). Ids outside the vocabulary are dropped."""
+    if skip_special_tokens:
+        data = bytes(i for i in ids if 0 <= i < NUM_BYTES)
+        return data.decode("utf-8", errors="replace")
+    parts: list[str] = []
+    run = bytearray()
+    for i in ids:
+        if 0 <= i < NUM_BYTES:
+            run.append(i)
+        elif i in SPECIAL_TOKENS:
+            parts += [run.decode("utf-8", errors="replace"), SPECIAL_TOKENS[i]]
+            run = bytearray()
+    parts.append(run.decode("utf-8", errors="replace"))
+    return "".join(parts)
+
+
+def encode_with_specials(text: str) -> list[int]:
+    """Ids of ``text`` where every ``SPECIAL_TOKENS`` text is its id and the rest is bytes (how
+    a tokenizer reads a rendered chat template: the template writes ``bos_token`` as text)."""
+    ids: list[int] = []
+    start = 0
+    for match in _SPECIAL_RE.finditer(text):
+        ids += encode(text[start:match.start()])
+        ids.append(_SPECIAL_IDS[match.group()])
+        start = match.end()
+    return ids + encode(text[start:])
 
 
 def is_special(token_id: int) -> bool:
@@ -50,12 +97,20 @@ class Tokenizer(Protocol):
     eos_token_ids: tuple[int, ...]
     vocab_size: int      # ids the tokenizer can produce are below this
 
-    def encode(self, text: str) -> list[int]:
-        """Prompt ids of `text`, with BOS where the tokenizer says so."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Prompt ids of `text`, with BOS where the tokenizer says so (none without
+        `add_special_tokens`)."""
         ...
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids` (special tokens dropped; an incomplete character becomes U+FFFD)."""
+    def encode_with_specials(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Ids of `text` in which special tokens' texts (a chat template's `bos_token`, ...)
+        are those tokens; nothing is added (the text brings its own BOS) unless
+        `add_special_tokens`."""
+        ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (special tokens dropped unless not `skip_special_tokens`; an
+        incomplete character becomes U+FFFD)."""
         ...
 
 
@@ -68,11 +123,16 @@ class ByteTokenizer:
                  eos_token_ids: tuple[int, ...] = (EOS_ID,)) -> None:
         self.bos_token_id, self.eos_token_ids = bos_token_id, tuple(eos_token_ids)
 
-    def encode(self, text: str) -> list[int]:
-        return ([self.bos_token_id] if self.bos_token_id is not None else []) + encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        bos = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
+        return bos + encode(text)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return decode(ids)
+    def encode_with_specials(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        bos = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
+        return bos + encode_with_specials(text)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return decode(ids, skip_special_tokens)
 
 
 class StreamDecoder:
@@ -87,8 +147,9 @@ class StreamDecoder:
     replacement characters included; the pieces then join to `tokenizer.decode(all ids)`.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.ids: list[int] = []
         self._prefix = 0    # start of the window
         self._read = 0      # end of what has been emitted
@@ -96,8 +157,8 @@ class StreamDecoder:
     def push(self, ids: Sequence[int]) -> str:
         """Add `ids`; return the newly settled text ('' while a character is incomplete)."""
         self.ids.extend(ids)
-        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        text = self.tokenizer.decode(self.ids[self._prefix:])
+        before = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
         if len(text) <= len(before) or text.endswith(REPLACEMENT):
             return ""
         self._prefix, self._read = self._read, len(self.ids)
@@ -105,21 +166,40 @@ class StreamDecoder:
 
     def finish(self) -> str:
         """Everything not emitted yet (an incomplete character as U+FFFD)."""
-        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        text = self.tokenizer.decode(self.ids[self._prefix:])
+        before = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
         self._prefix = self._read = len(self.ids)
         return text[len(before):]
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if self.skip:
+            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """The tokenizer of the target directory `model_dir`: its `tokenizer.json` (through the
-    `tokenizers` library), else the byte tokenizer (the bundled pair). BOS and EOS ids from the
-    directory's `config.json` / `generation_config.json` / `tokenizer_config.json`."""
+    `tokenizers` library), else the byte tokenizer (the bundled pair, whose `tokenizer.json` is
+    for clients: `BYTE_MARKER`). BOS and EOS ids from the directory's `config.json` /
+    `generation_config.json` / `tokenizer_config.json`."""
     from workers.model_files import bos_token_id, eos_token_ids
 
     root = Path(model_dir)
-    if (root / TOKENIZER_FILE).is_file():
+    if (root / TOKENIZER_FILE).is_file() and not is_byte_vocabulary(root):
         from workers.hf_tokenizer import HFTokenizer
 
         return HFTokenizer.from_dir(root)
     return ByteTokenizer(bos_token_id(root), eos_token_ids(root))
+
+
+def is_byte_vocabulary(model_dir: str | Path) -> bool:
+    """Whether `model_dir`'s `tokenizer_config.json` marks its vocabulary as this module's bytes
+    (`BYTE_MARKER`)."""
+    path = Path(model_dir) / TOKENIZER_CONFIG_FILE
+    if not path.is_file():
+        return False
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get(BYTE_MARKER[0]) == BYTE_MARKER[1]

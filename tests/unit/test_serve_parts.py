@@ -176,7 +176,8 @@ def _body(**kw):
     (_body(top_p=1.5), "top_p", r"1.5 is out of range; allowed: a number in \(0, 1\]"),
     (_body(stop=3), "stop", "expected a string or a list of strings"),
     (_body(stream="yes"), "stream", "expected a boolean"),
-    (_body(n=2), "n", "not supported"),
+    (_body(n=0), "n", "0 must be >= 1"),
+    (_body(logprobs=1), "logprobs", "not supported by this server"),
     (_body(dp_rank=2), "dp_rank", r"must be in \[0, 2\)"),
     (_body(temprature=0), "temprature", "unknown field"),
 ])

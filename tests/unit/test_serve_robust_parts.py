@@ -93,4 +93,4 @@ def test_seed_ranges() -> None:
     assert seed_error(2 ** 63 - 1) is None and seed_error(-2 ** 63) is None
     assert "out of range" in seed_error(2 ** 63) and "out of range" in seed_error(True)
     assert seed_error(2 ** 63 - 3, 3) is None
-    assert "allowed with 3 prompts: at most 9223372036854775805" in seed_error(2 ** 63 - 2, 3)
+    assert "allowed with 3 choices: at most 9223372036854775805" in seed_error(2 ** 63 - 2, 3)

@@ -26,6 +26,10 @@ SEED_RANGE = "an integer in [-2**63, 2**63 - 1] (int64)"
 TEMPERATURE_RANGE = f"0 (greedy) or a number in [{MIN_TEMPERATURE:g}, 3.4e38]"
 TOP_P_RANGE = "a number in (0, 1]"
 SHOWN_CHARS = 40
+MAX_STOP_IDS = 8
+"""Stop token ids a request may have, the model's end-of-sequence ids included: the engine's
+output buffer holds that many per request (``workers.scheduler.MAX_STOP_IDS``; a test keeps the
+two equal)."""
 
 
 class LongInt(int):
@@ -99,12 +103,13 @@ def top_p_error(value: Any) -> Optional[str]:
 
 
 def seed_error(value: Any, count: int = 1) -> Optional[str]:
-    """Why `value` cannot seed `count` prompts (prompt i samples with `value + i`)."""
+    """Why `value` cannot seed `count` choices (choice i samples with `value + i`; prompt p of
+    a list with n choices each gives choices p * n ... p * n + n - 1)."""
     if not is_int(value) or not INT64_MIN <= value <= INT64_MAX:
         return f"{shown(value)} is out of range; allowed: {SEED_RANGE}"
     if value + count - 1 > INT64_MAX:
-        return (f"{shown(value)} + {count - 1} (prompt i samples with seed + i) exceeds "
-                f"2**63 - 1; allowed with {count} prompts: at most {INT64_MAX - count + 1}")
+        return (f"{shown(value)} + {count - 1} (choice i samples with seed + i) exceeds "
+                f"2**63 - 1; allowed with {count} choices: at most {INT64_MAX - count + 1}")
     return None
 
 
@@ -118,6 +123,16 @@ def token_error(ids: Sequence[Any], vocab_size: int) -> Optional[str]:
         if not 0 <= t < vocab_size:
             return f"token id {shown(t)} is outside the vocabulary [0, {vocab_size})"
     return None
+
+
+def stop_count_error(stop_ids: Sequence[Any], eos_ids: Sequence[int]) -> Optional[str]:
+    """Why `stop_ids` beside the model's `eos_ids` (none with ignore_eos) are too many."""
+    total = len(set(stop_ids) | set(eos_ids))
+    if total <= MAX_STOP_IDS:
+        return None
+    eos = f" with the model's end-of-sequence id(s) {list(eos_ids)}" if eos_ids else ""
+    return (f"{len(set(stop_ids))} stop token ids{eos} make {total}; at most {MAX_STOP_IDS} "
+            f"are allowed")
 
 
 def length_error(prompt_len: int, max_tokens: Any, context: int, where: str = "prompt"
@@ -137,10 +152,12 @@ def length_error(prompt_len: int, max_tokens: Any, context: int, where: str = "p
     return None
 
 
-def generate_refusal(msg: Any, context: int, vocab_size: int) -> Optional[Refusal]:
-    """Why the ``Generate`` `msg` cannot run on a replica of `context` tokens and `vocab_size`
-    ids (None: it can). Every field the round reads is checked, types too: the message may
-    come from anything that can reach the inbox, not only the frontend."""
+def generate_refusal(msg: Any, context: int, vocab_size: int,
+                     eos_token_ids: Sequence[int] = ()) -> Optional[Refusal]:
+    """Why the ``Generate`` `msg` cannot run on a replica of `context` tokens, `vocab_size`
+    ids and the end-of-sequence ids `eos_token_ids` (None: it can). Every field the round reads
+    is checked, types too: the message may come from anything that can reach the inbox, not
+    only the frontend."""
     if not isinstance(msg.rid, str):
         return Refusal("rid", f"rid: {shown(msg.rid)} is not a string")
     ids = msg.prompt_ids
@@ -157,6 +174,19 @@ def generate_refusal(msg: Any, context: int, vocab_size: int) -> Optional[Refusa
         problem = check(getattr(msg, param))
         if problem is not None:
             return Refusal(param, f"{param}: {problem}")
+    if not isinstance(msg.ignore_eos, bool):
+        return Refusal("ignore_eos", f"ignore_eos: {shown(msg.ignore_eos)} is not a boolean")
+    stops = msg.stop_token_ids
+    if not isinstance(stops, list):
+        return Refusal("stop_token_ids", f"stop_token_ids: {shown(stops)} is not a list of "
+                                         f"token ids")
+    for t in stops:
+        if not is_int(t) or not 0 <= t < vocab_size:
+            return Refusal("stop_token_ids", f"stop_token_ids: token id {shown(t)} is not in "
+                                             f"the vocabulary [0, {vocab_size})")
+    problem = stop_count_error(stops, () if msg.ignore_eos else tuple(eos_token_ids))
+    if problem is not None:
+        return Refusal("stop_token_ids", f"stop_token_ids: {problem}")
     return None
 
 

@@ -1,21 +1,27 @@
-"""The HTTP routes: /v1/completions, /v1/models, /health, /metrics.
+"""The HTTP routes: /v1/completions, /v1/chat/completions, /v1/models[/{id}], /tokenize,
+/detokenize, /health, /metrics.
 
-A completion request becomes one sub-request per prompt (``ClusterClient.submit``); their events
-arrive in one queue as (choice index, event). Non-streaming answers once every choice finished;
-streaming sends server-sent events at once, ending in ``data: [DONE]`` (or an error event). Stop strings are found on the
-decoded text (``TextStream``): the text is cut there and the request is aborted on its rank. A
-client that goes away (streaming or not) aborts its requests, which frees their KV and slots.
+A completion request becomes one sub-request per choice (``n`` per prompt;
+``ClusterClient.submit``); their events arrive in one queue as (choice index, event).
+Non-streaming answers once every choice finished; streaming sends server-sent events at once,
+ending in ``data: [DONE]`` (or an error event). Stop strings are found on the decoded text
+(``TextStream``): the text is cut there and the request is aborted on its rank. A client that
+goes away (streaming or not) aborts its requests, which frees their KV and slots. A chat request
+is a completion of one prompt: its messages rendered by the model's chat template (``chat``).
+With an API key (``--api-key``) every route but /health and /metrics wants
+``Authorization: Bearer KEY`` (401 otherwise).
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import random
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,18 +29,21 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from workers.server import openai_io
-from workers.server.admission import LongInt
+from workers.server.admission import LongInt, shown
+from workers.server.chat import ChatTemplate, TemplateRefusal, load_chat_template
 from workers.server.cluster import ClusterClient, Failure, Tokens, Unavailable
 from workers.server.metrics import FrontendMetrics, render
-from workers.server.openai_io import ApiError, CompletionParams, Limits
+from workers.server.openai_io import ApiError, ChatMessage, CompletionParams, Limits, bad
 from workers.server.text import Codec, TextStream, codec_for
 
 log = logging.getLogger("adaptive_dist.serve")
 
+OPEN_PATHS = ("/health", "/metrics")   # answered without the API key
+
 
 @dataclass
 class Choice:
-    """One prompt's completion as it is assembled."""
+    """One choice's completion as it is assembled."""
 
     text: TextStream
     prompt_tokens: int
@@ -47,16 +56,86 @@ class Choice:
         return self.finish_reason is not None
 
 
-def create_app(cluster: ClusterClient, metrics: FrontendMetrics) -> FastAPI:
-    """The FastAPI application over `cluster`."""
+class ApiKeyGuard:
+    """ASGI middleware: 401 (OpenAI's error shape) for a request without ``Authorization:
+    Bearer KEY``, except on `OPEN_PATHS`. Plain ASGI, so streaming and the disconnect watch of
+    the routes see the connection itself."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.key = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.key):
+                what = "no API key was given" if not given else "the API key is not valid"
+                err = ApiError(401, f"{what}: send the header 'Authorization: Bearer <key>' "
+                                    f"with the server's --api-key", code="invalid_api_key",
+                               kind="invalid_request_error")
+                await JSONResponse(err.body(), status_code=401,
+                                   headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(cluster: ClusterClient, metrics: FrontendMetrics,
+               api_key: Optional[str] = None) -> FastAPI:
+    """The FastAPI application over `cluster`; `api_key`: the key every request but /health
+    and /metrics must bring (None: none)."""
     app = FastAPI(title="adaptive_dist", docs_url=None, redoc_url=None)
+    if api_key:
+        app.add_middleware(ApiKeyGuard, key=api_key)
     served = cluster.config.model_name
-    codecs: dict[str, Codec] = {}
+    cache: dict[str, Any] = {}
 
     def codec() -> Codec:
-        if "codec" not in codecs:
-            codecs["codec"] = codec_for(cluster.model)
-        return codecs["codec"]
+        if "codec" not in cache:
+            cache["codec"] = codec_for(cluster.model)
+        return cache["codec"]
+
+    def chat_template() -> ChatTemplate:
+        """The model's template (or --chat-template's); 400 when there is none."""
+        if "template" not in cache:
+            try:
+                cache["template"] = load_chat_template(
+                    getattr(cluster.model, "tokenizer_dir", None),
+                    getattr(cluster.config, "chat_template", None))
+            except ValueError as err:
+                cache["template"] = err
+        template = cache["template"]
+        if isinstance(template, ValueError):
+            raise ApiError(500, str(template), code="chat_template_error")
+        if template is None:
+            raise ApiError(400, f"messages: the model {served!r} has no chat template (its "
+                                f"tokenizer_config.json has no chat_template); start the server "
+                                f"with --chat-template FILE, or use /v1/completions",
+                           param="messages", code="no_chat_template")
+        return template
+
+    def render_chat(messages: list[ChatMessage], add_generation_prompt: bool,
+                    add_special_tokens: bool = False) -> list[int]:
+        template = chat_template()
+        try:
+            text = template.render([m.for_template() for m in messages], add_generation_prompt)
+        except TemplateRefusal as err:
+            raise bad("messages", f"the chat template refused them: {str(err)[:300]}") from None
+        try:
+            return codec().encode_with_specials(text, add_special_tokens)
+        except Exception as err:   # e.g. a lone surrogate (JSON allows "\ud800"): no UTF-8
+            raise bad("messages", f"the text cannot be encoded ({type(err).__name__}: "
+                                  f"{str(err)[:120]})") from None
+
+    def limits() -> Limits:
+        model = cluster.model
+        return Limits(model.max_context_len, model.vocab_size, cluster.config.dp,
+                      cluster.capacity + cluster.config.max_queue,
+                      tuple(model.eos_token_ids))
+
+    def available(requests: int) -> None:
+        try:
+            cluster.check_available(requests)
+        except Unavailable as err:
+            raise ApiError(503, err.message, code=err.code) from None
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, err: ApiError) -> JSONResponse:
@@ -84,13 +163,21 @@ def create_app(cluster: ClusterClient, metrics: FrontendMetrics) -> FastAPI:
                              f"{len(cluster.ready)} of {cluster.world_size} ranks ready"},
                             status_code=503)
 
+    def card() -> dict[str, Any]:
+        model = cluster.model
+        return openai_io.model_card(served, model.max_context_len if model else None,
+                                    model.mode if model else None)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card: dict[str, Any] = {"id": served, "object": "model", "created": 0,
-                                "owned_by": "adaptive_dist"}
-        if cluster.model is not None:
-            card.update(max_model_len=cluster.model.max_context_len, mode=cluster.model.mode)
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != served:
+            raise ApiError(404, f"model: {shown(model_id)} does not exist; this server serves "
+                                f"{served!r}", param="model", code="model_not_found")
+        return JSONResponse(card())
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
@@ -100,22 +187,14 @@ def create_app(cluster: ClusterClient, metrics: FrontendMetrics) -> FastAPI:
             loads=cluster.loads(), stats=cluster.stats),
             media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def generate(request: Request, parse: Callable[[Any, Limits], CompletionParams]
+                       ) -> Response:
         start = time.perf_counter()
         try:
             body = await _json_body(request)
-            try:
-                cluster.check_available(0)
-            except Unavailable as err:
-                raise ApiError(503, err.message, code=err.code) from None
-            limits = Limits(cluster.model.max_context_len, cluster.model.vocab_size,
-                            cluster.config.dp, cluster.capacity + cluster.config.max_queue)
-            params = openai_io.parse_completion(body, served, limits, codec().encode)
-            try:
-                cluster.check_available(len(params.prompts))
-            except Unavailable as err:
-                raise ApiError(503, err.message, code=err.code) from None
+            available(0)
+            params = parse(body, limits())
+            available(params.choices)
         except ApiError as err:
             metrics.requests["rejected" if err.status < 500 else "unavailable"] += 1
             raise
@@ -124,6 +203,39 @@ def create_app(cluster: ClusterClient, metrics: FrontendMetrics) -> FastAPI:
         if params.stream:
             return job.stream()
         return await job.complete(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, lambda body, lim: openai_io.parse_completion(
+            body, served, lim, codec().encode))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, lambda body, lim: openai_io.parse_chat(
+            body, served, lim, render_chat))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        available(0)
+        req = openai_io.parse_tokenize(body, served)
+        if req.messages is not None:
+            ids = render_chat(req.messages, req.add_generation_prompt, req.add_special_tokens)
+        else:
+            try:
+                ids = codec().encode(req.text, req.add_special_tokens)
+            except Exception as err:
+                raise bad("prompt", f"the text cannot be encoded ({type(err).__name__}: "
+                                    f"{str(err)[:120]})") from None
+        return JSONResponse({"count": len(ids), "max_model_len": cluster.model.max_context_len,
+                             "tokens": ids, "token_strs": None})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        available(0)
+        ids = openai_io.parse_detokenize(body, served, cluster.model.vocab_size)
+        return JSONResponse({"prompt": codec().decode(ids, skip_special_tokens=False)})
 
     return app
 
@@ -150,22 +262,27 @@ def _parse_int(text: str) -> int:
 
 
 class _Job:
-    """One /v1/completions request: its sub-requests, their choices, its response."""
+    """One completions or chat request: its sub-requests, their choices, its response."""
 
     def __init__(self, cluster: ClusterClient, metrics: FrontendMetrics, codec: Codec,
                  params: CompletionParams, start: float) -> None:
         self.cluster, self.metrics, self.params, self.start = cluster, metrics, params, start
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.chat = params.chat
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = openai_io.now()
         self.events: asyncio.Queue = asyncio.Queue()
         self.first_token_at: Optional[float] = None
         seed = params.seed if params.seed is not None else random.randrange(2 ** 31)
         self.choices: list[Choice] = []
-        for i, ids in enumerate(params.prompts):
-            rid = f"{self.id}-{i}"
-            cluster.submit(rid, i, ids, params.max_tokens, params.temperature, params.top_p,
-                           seed + i, params.dp_rank, self.events)
-            self.choices.append(Choice(TextStream(codec, params.stop), len(ids), rid))
+        for k in range(params.choices):
+            ids = params.prompts[k // params.n]
+            rid = f"{self.id}-{k}"
+            cluster.submit(rid, k, ids, params.max_tokens, params.temperature, params.top_p,
+                           seed + k, params.dp_rank, self.events, params.stop_token_ids,
+                           params.ignore_eos)
+            self.choices.append(Choice(TextStream(codec, params.stop,
+                                                  params.include_stop_str_in_output,
+                                                  params.skip_special_tokens), len(ids), rid))
         metrics.prompt_tokens += sum(len(p) for p in params.prompts)
 
     # ---- events ---------------------------------------------------------------------------------
@@ -185,7 +302,8 @@ class _Job:
         if event.finish_reason == "abort":
             self.abort()
             raise ApiError(503, "the request was aborted by the server", code="aborted")
-        delta = choice.text.feed(event.token_ids, final=event.finish_reason is not None)
+        delta = choice.text.feed(event.token_ids, final=event.finish_reason is not None,
+                                 stop_token=event.finish_reason == "stop")
         if choice.text.stopped:
             choice.finish_reason = "stop"
             self.cluster.abort(choice.rid)
@@ -210,8 +328,16 @@ class _Job:
         self.metrics.latency.observe(time.perf_counter() - self.start)
 
     def _usage(self) -> dict[str, int]:
-        return openai_io.usage(sum(c.prompt_tokens for c in self.choices),
+        # a prompt's tokens count once, however many choices it has (as OpenAI counts them)
+        return openai_io.usage(sum(len(p) for p in self.params.prompts),
                                sum(len(c.text.token_ids) for c in self.choices))
+
+    def _body(self, choices: list[dict[str, Any]], usage: Optional[dict[str, int]],
+              chunk: bool) -> dict[str, Any]:
+        if self.chat:
+            return openai_io.chat_completion(self.id, self.params.model, self.created, choices,
+                                             usage, chunk)
+        return openai_io.completion(self.id, self.params.model, self.created, choices, usage)
 
     # ---- non-streaming -----------------------------------------------------------------------------
     async def complete(self, request: Request) -> Response:
@@ -223,11 +349,10 @@ class _Job:
             return Response(status_code=499)
         self._finish_metrics()
         ids = self.params.return_token_ids
-        choices = [openai_io.choice(i, c.text.text, c.finish_reason,
-                                    c.text.token_ids if ids else None)
+        make = openai_io.chat_choice if self.chat else openai_io.choice
+        choices = [make(i, c.text.text, c.finish_reason, c.text.token_ids if ids else None)
                    for i, c in enumerate(self.choices)]
-        return JSONResponse(openai_io.completion(self.id, self.params.model, self.created,
-                                                 choices, self._usage()))
+        return JSONResponse(self._body(choices, self._usage(), chunk=False))
 
     async def _until_disconnect(self, request: Request, work: Any) -> bool:
         """Run `work`; if the client disconnects first, abort and return False."""
@@ -258,14 +383,17 @@ class _Job:
     async def _events(self) -> AsyncIterator[str]:
         sent_final: set[int] = set()
         try:
+            if self.chat:      # every choice opens with the assistant's role
+                yield _sse(self._body([openai_io.chat_delta(i, {"role": "assistant",
+                                                                "content": ""}, None)
+                                       for i in range(len(self.choices))], None, chunk=True))
             while len(sent_final) < len(self.choices):
                 chunk = self._chunk(*await self._next(), sent_final)
                 if chunk is not None:
                     yield chunk
             self._finish_metrics()
             if self.params.include_usage:
-                yield _sse(openai_io.completion(self.id, self.params.model, self.created, [],
-                                                self._usage()))
+                yield _sse(self._body([], self._usage(), chunk=True))
             yield "data: [DONE]\n\n"
         except ApiError as err:
             self.metrics.requests["error"] += 1
@@ -286,9 +414,12 @@ class _Job:
         if self.params.return_token_ids:
             ids = choice.text.token_ids[choice.ids_sent:]
             choice.ids_sent = len(choice.text.token_ids)
-        return _sse(openai_io.completion(
-            self.id, self.params.model, self.created,
-            [openai_io.choice(index, delta, choice.finish_reason if final else None, ids)], None))
+        finish = choice.finish_reason if final else None
+        if self.chat:
+            part = openai_io.chat_delta(index, {"content": delta} if delta else {}, finish, ids)
+        else:
+            part = openai_io.choice(index, delta, finish, ids)
+        return _sse(self._body([part], None, chunk=True))
 
 
 async def _disconnected(request: Request) -> None:

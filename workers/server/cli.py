@@ -4,9 +4,18 @@ load when a command runs."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from workers.cli import add_engine_arguments
+
+API_KEY_ENV = "ADAPTIVE_DIST_API_KEY"    # as workers.server.frontend.API_KEY_ENV (no import here)
+
+
+ALIASES = (("--tensor-parallel-size", "--tp"), ("--data-parallel-size", "--dp"),
+           ("--max-num-seqs", "--max-batch-size"), ("--speculative-num-steps", "--steps"))
+"""Other servers' spellings of our flags, with the same meaning: (theirs, ours)."""
+_UNSET = object()
 
 
 def register_serve(subparsers: Any) -> None:
@@ -14,11 +23,61 @@ def register_serve(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "serve", allow_abbrev=False,
         help="serve the engine behind an OpenAI-compatible HTTP endpoint",
-        description="Serve completions over HTTP (OpenAI API). Under torchrun every rank runs "
-                    "an engine; rank 0 also starts the HTTP frontend, which routes requests to "
-                    "the DP groups over pyzmq.")
+        description="Serve completions and chat over HTTP (OpenAI API). Under torchrun every "
+                    "rank runs an engine; rank 0 also starts the HTTP frontend, which routes "
+                    "requests to the DP groups over pyzmq.")
+    p.__class__ = _serve_parser_class(type(p))
     add_serve_arguments(p)
     p.set_defaults(handler=_cmd_serve)
+
+
+def _serve_parser_class(base: type) -> type:
+    class ServeParser(base):  # type: ignore[misc, valid-type]
+        """Resolves the other spellings (`ALIASES`, a positional MODEL) as it parses, so every
+        caller of the parser sees our flags only."""
+
+        def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+            namespace = namespace if namespace is not None else argparse.Namespace()
+            flags = {o for _, o in ALIASES} | {"--model"}
+            ours = {a.dest: a for a in self._actions if set(a.option_strings) & flags}
+            for dest in ours:        # tells a flag given from one left at its default
+                if not hasattr(namespace, dest):
+                    setattr(namespace, dest, _UNSET)
+            ns, extras = super().parse_known_args(args, namespace)
+            try:
+                resolve_aliases(ns, {d: a.default for d, a in ours.items()})
+                if getattr(ns, "chat_template", None):   # refused now, not at the first chat
+                    from workers.server.chat import load_chat_template
+
+                    load_chat_template(None, ns.chat_template)
+                    ns.chat_template = str(Path(ns.chat_template).resolve())
+            except ValueError as err:
+                self.error(str(err))
+            return ns, extras
+
+    return ServeParser
+
+
+def resolve_aliases(ns: argparse.Namespace, defaults: dict[str, Any]) -> None:
+    """Fold the other spellings into ours; `ValueError` naming both when they disagree.
+    Our flags not given are `_UNSET` in `ns` (then their `defaults` apply)."""
+    pairs = [(theirs, ours, ours.lstrip("-").replace("-", "_"),
+              "alias_" + theirs.lstrip("-").replace("-", "_")) for theirs, ours in ALIASES]
+    pairs.append(("MODEL (positional)", "--model", "model", "model_path"))
+    for theirs, ours, dest, alias in pairs:
+        value, other = getattr(ns, dest, _UNSET), getattr(ns, alias, None)
+        if other is not None:
+            same = (Path(value).resolve() == Path(other).resolve() if dest == "model"
+                    and value is not _UNSET else value == other)
+            if value is not _UNSET and not same:
+                raise ValueError(f"{ours} {value} and {theirs} {other} disagree; give one")
+            if dest == "steps" and (ns.adaptive or ns.no_spec):
+                raise ValueError(f"{theirs}: not allowed with "
+                                 f"{'--adaptive' if ns.adaptive else '--no-spec'}")
+            value = other
+        setattr(ns, dest, defaults.get(dest) if value is _UNSET else value)
+        if hasattr(ns, alias):
+            delattr(ns, alias)
 
 
 def register_client(subparsers: Any) -> None:
@@ -32,8 +91,14 @@ def register_client(subparsers: Any) -> None:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine's flags (shared with `generate`) and the server's own."""
+    """The engine's flags (shared with `generate`), the server's own, and other servers'
+    spellings of ours (`ALIASES`, a positional MODEL)."""
     add_engine_arguments(p)
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="the same as --model MODEL")
+    for theirs, ours in ALIASES:
+        p.add_argument(theirs, dest="alias_" + theirs.lstrip("-").replace("-", "_"),
+                       type=int, default=None, metavar="N", help=f"the same as {ours}")
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--max-queue", type=int, default=256,
@@ -44,11 +109,22 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model id clients use (default: the model directory's name)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length to serve (default: the model's)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template for /v1/chat/completions (default: the model's "
+                        "tokenizer_config.json chat_template)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health and "
+                        f"/metrics (or set {API_KEY_ENV}, which keeps it off the command line)")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
     from workers.server.launch import cmd_serve
 
+    if args.api_key:        # the frontend reads it from its environment (`spawn_frontend`)
+        os.environ[API_KEY_ENV] = args.api_key
+    args.api_key = None
     return cmd_serve(args)
 
 

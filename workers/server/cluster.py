@@ -150,13 +150,15 @@ class ClusterClient:
 
     def submit(self, rid: str, index: int, prompt_ids: list[int], max_tokens: int,
                temperature: float, top_p: float, seed: int, dp_rank: Optional[int],
-               sink: asyncio.Queue) -> Tracker:
+               sink: asyncio.Queue, stop_token_ids: tuple[int, ...] = (),
+               ignore_eos: bool = False) -> Tracker:
         """Route and send one sub-request; its events arrive in `sink`."""
         group = self.router.choose(self.loads(), dp_rank)
         tracker = Tracker(rid, index, group, len(prompt_ids), max_tokens, sink)
         self.trackers[rid] = tracker
         self._broadcast(Generate(self._next_seq(), rid, group, list(prompt_ids), max_tokens,
-                                 temperature, top_p, seed, time.time()))
+                                 temperature, top_p, seed, time.time(), list(stop_token_ids),
+                                 ignore_eos))
         return tracker
 
     def abort(self, rid: str) -> None:

@@ -123,15 +123,16 @@ class EngineAdapter:
         round, and the replica stays in lockstep."""
         from workers.sampling import SamplingParams
 
-        refusal = generate_refusal(msg, self.context, self.vocab_size)
+        refusal = generate_refusal(msg, self.context, self.vocab_size, self.eos_token_ids)
         if refusal is not None:
             raise Refused(refusal.message, 400, refusal.param)
         if msg.rid in self.live:
             raise Refused(f"rid: request id {msg.rid!r} is already running", 400, "rid")
         try:
+            stops = (() if msg.ignore_eos else self.eos_token_ids) + tuple(msg.stop_token_ids)
             params = SamplingParams(temperature=float(msg.temperature), top_p=float(msg.top_p),
                                     max_new_tokens=msg.max_tokens,
-                                    stop_token_ids=self.eos_token_ids)
+                                    stop_token_ids=tuple(dict.fromkeys(stops)))
             req = self.engine.add(list(msg.prompt_ids), params, seed=msg.seed)
         except ValueError as err:           # the engine's own checks (e.g. its KV pool)
             raise Refused(f"the engine cannot run this request: {err}", 400) from None

@@ -19,6 +19,10 @@ from typing import Iterator, Optional, Sequence
 
 log = logging.getLogger("adaptive_dist.serve")
 
+API_KEY_ENV = "ADAPTIVE_DIST_API_KEY"
+"""The API key reaches the frontend in its environment (never on its command line, which every
+user of the machine can read); `serve --api-key` puts it there."""
+
 
 def _server_class():
     import uvicorn
@@ -45,7 +49,7 @@ async def serve(config) -> int:
 
     metrics = FrontendMetrics()
     cluster = ClusterClient(config, metrics)
-    app = create_app(cluster, metrics)
+    app = create_app(cluster, metrics, api_key=os.environ.get(API_KEY_ENV) or None)
     server = _server_class()(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning", lifespan="off",
         timeout_graceful_shutdown=2, access_log=False))

@@ -128,6 +128,25 @@ def stop_frontend(proc: subprocess.Popen, wait_s: float) -> Optional[int]:
     return proc.poll()
 
 
+def set_thread_count() -> Optional[int]:
+    """Unless the user set OMP_NUM_THREADS: torch's intra-op threads of this rank = the cores
+    this process may run on, less one (the frontend's, and the machine's own), shared by the
+    ranks of this host; at least 1. (torch's default, every core, spins its threads against the
+    frontend and the other ranks: several times slower on a small machine.) The count set, or
+    None when left to OMP_NUM_THREADS."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    threads = max(1, ((cores or 1) - 1) // local)
+    torch.set_num_threads(threads)
+    log.info("%d torch thread(s) per rank (%d core(s), %d rank(s) here; OMP_NUM_THREADS "
+             "overrides)", threads, cores or 1, local)
+    return threads
+
+
 def setup_logging(name: str) -> None:
     """One line per record, prefixed by the process's role (ranks share stderr)."""
     logging.basicConfig(level=logging.INFO, format=f"[{name}] %(message)s", stream=sys.stderr,
@@ -188,6 +207,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     role = rank_role(args)
     setup_logging(f"rank {role.rank}")
+    set_thread_count()
     if args.max_queue < 0:
         raise ValueError(f"--max-queue {args.max_queue}: must be >= 0")
     backend = "gloo" if (args.device or "cpu") == "cpu" else None
@@ -217,7 +237,8 @@ def _serve(args: argparse.Namespace) -> int:
                 model_name=args.served_model_name or Path(args.model).resolve().name,
                 max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                 routing=args.routing, parent_pid=os.getpid(),
-                dead_after_s=min(args.timeout, 10.0)))
+                dead_after_s=min(args.timeout, 10.0),
+                chat_template=getattr(args, "chat_template", None)))
             log.info("frontend at http://%s:%d (pid %d); loading the model", args.host,
                      args.port, frontend.pid)
         try:

@@ -38,6 +38,8 @@ class Generate:
     top_p: float
     seed: int
     sent_at: float = 0.0        # time.time() when the frontend sent it (wake-up measurement)
+    stop_token_ids: list[int] = field(default_factory=list)   # beside the model's EOS ids
+    ignore_eos: bool = False    # the model's EOS ids do not stop it (stop_token_ids still do)
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,7 @@ class FrontendConfig:
     parent_pid: int                   # rank 0: the frontend stops when it is gone
     dead_after_s: float = 5.0         # a rank silent this long is dead
     linger_s: float = 1.5             # after a failure, keep answering 503 this long, then exit
+    chat_template: Optional[str] = None   # --chat-template FILE (None: the model's own)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -24,15 +24,24 @@ class Codec:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if add_special_tokens:
+            return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
+    def encode_with_specials(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Ids of a rendered chat template: special tokens' texts in it are those tokens, and
+        nothing is added (the template writes its own BOS) unless `add_special_tokens`."""
+        return self.tokenizer.encode_with_specials(text, add_special_tokens)
 
-    def stream(self) -> StreamDecoder:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def stream(self, skip_special_tokens: bool = True) -> StreamDecoder:
         """A fresh streaming decoder (one per completion)."""
-        return StreamDecoder(self.tokenizer)
+        return StreamDecoder(self.tokenizer, skip_special_tokens)
 
 
 class ByteCodec(Codec):
@@ -58,23 +67,33 @@ class TextStream:
     depend on how its tokens were grouped into rounds and deltas: ``token_ids`` (what the
     response returns and counts as ``completion_tokens``) ends with the token after which the
     decoded text first contains a stop string, that token included; every later token is
-    dropped. The text is cut before the earliest stop string in that text."""
+    dropped. The text is cut before the earliest stop string in that text (after it with
+    `include_stop`). A completion the engine ended with a stop token (its EOS, or one of
+    `stop_token_ids`) keeps that token in ``token_ids`` but not its text, unless
+    `include_stop` (``feed(..., stop_token=True)``). `skip_special_tokens` False writes special
+    tokens as their text."""
 
-    def __init__(self, codec: Codec, stops: Sequence[str] = ()) -> None:
+    def __init__(self, codec: Codec, stops: Sequence[str] = (), include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         self.codec = codec
-        self.decoder = codec.stream()
+        self.decoder = codec.stream(skip_special_tokens)
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.decoded = ""           # settled text (emitted, or held for a stop string)
         self.text = ""              # emitted so far
-        self.stopped = False        # a stop string was found (the text is cut before it)
+        self.stopped = False        # a stop string was found (the text is cut there)
         self.token_ids: list[int] = []   # the completion's tokens (through the stop, if any)
 
-    def feed(self, token_ids: Sequence[int], final: bool) -> str:
-        """Add tokens; return the newly settled text (everything left when `final`)."""
+    def feed(self, token_ids: Sequence[int], final: bool, stop_token: bool = False) -> str:
+        """Add tokens; return the newly settled text (everything left when `final`).
+        `stop_token`: the last of `token_ids` is the stop token that ended the completion."""
         if self.stopped:
             return ""
-        cut = self._push(token_ids)
+        quiet = stop_token and final and bool(token_ids) and not self.include_stop
+        cut = self._push(token_ids[:-1] if quiet else token_ids)
+        if quiet and cut is None:
+            self.token_ids.append(token_ids[-1])     # counted, its text not returned
         if cut is None and final:
             cut = self._grow(self.decoder.finish())
         full = self.decoded
@@ -88,7 +107,8 @@ class TextStream:
         return delta
 
     def _push(self, token_ids: Sequence[int]) -> Optional[int]:
-        """Decode `token_ids` up to the first stop string; where it starts (None: none)."""
+        """Decode `token_ids` up to the first stop string; where the text ends then (None:
+        no stop string)."""
         if not self.stops:
             self.token_ids.extend(token_ids)
             self.decoded += self.decoder.push(token_ids)
@@ -101,11 +121,15 @@ class TextStream:
         return None
 
     def _grow(self, piece: str) -> Optional[int]:
-        """Append settled text; the start of the earliest stop string now in it (None: none)."""
+        """Append settled text; where the text ends at the earliest stop string now in it
+        (its start, or its end with `include_stop`; None: none)."""
         # the text before `piece` held no stop string, so a match ends inside `piece`
         start = max(0, len(self.decoded) - self.hold)
         self.decoded += piece
         if not piece or not self.stops:
             return None
-        hits = [i for i in (self.decoded.find(s, start) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, len(s)) for s in self.stops for i in (self.decoded.find(s, start),) if i >= 0]
+        if not hits:
+            return None
+        at, length = min(hits)
+        return at + length if self.include_stop else at
