@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from workers.sampling import target_probs
+from sampling_reference import target_probs
 from workers.spec_decode import draft_step, verify
 
 ALPHA = 1e-3

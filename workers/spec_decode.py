@@ -35,10 +35,11 @@ kernels, so on a GPU one Triton kernel (`kernels.uniforms`) does the same intege
 Distributions (`probs`)
 -----------------------
 Temperature, then top-p (sort descending; keep the prefix of tokens whose preceding mass is below
-top_p, at least the most likely one; renormalise), as `workers.sampling.target_probs`; the kept set
-is applied as a threshold on p (no scatter back). Greedy rows are the one-hot of the argmax (first
-maximum on ties). The sort over the vocabulary is the dominant cost of a round (see
-`scripts/bench_spec_decode.py`); `use_top_p=False` skips it when no row needs it.
+top_p, at least the most likely one; renormalise), as the tests' host reference
+(`tests/sampling_reference.py`, `target_probs`); the kept set is applied as a threshold on p (no
+scatter back). Greedy rows are the one-hot of the argmax (first maximum on ties). The sort over the
+vocabulary is the dominant cost of a round (see `scripts.bench.spec_decode`); `use_top_p=False`
+skips it when no row needs it.
 
 Sampling (`sample_from`)
 ------------------------
@@ -58,7 +59,7 @@ and from p_a (the bonus) when all `num_draft` drafts were kept. Then P(x kept) =
 P(final = y | rejected) * P(rejected) = max(p - q, 0)(y), which sum to p(y): the committed token
 at every position is distributed as the target's. Greedy rows: kept iff x_j equals the target's
 argmax, the final token is the target's argmax at position a (exact match, as
-`workers.sampling.accept_greedy`).
+`accept_greedy` of `tests/sampling_reference.py`).
 """
 from __future__ import annotations
 
@@ -167,7 +168,7 @@ def probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, 
           use_top_p: bool = True) -> torch.Tensor:
     """[N, V] float32 distributions: temperature then top-p; one-hot argmax where temperature <= 0.
 
-    Row by row equal (to float tolerance) to `workers.sampling.target_probs`; where tokens tie at
+    Row by row equal (to float tolerance) to the tests' `target_probs`; where tokens tie at
     the cut all of them are kept (the reference keeps an arbitrary subset). A top_p <= 0 keeps
     only the most likely token (so padded rows stay finite). `use_top_p=False` (a static,
     host-known promise that every row has top_p >= 1) skips the sort over the vocabulary.

@@ -1,5 +1,6 @@
 """Time the device-side sampling of one speculative round (`workers.spec_decode`) against the host
-loop it replaces (`workers.sampling`: per-request generators, `.item()` per decision).
+loop it replaced (per-request generators, `.item()` per decision; `_host_probs` and
+`_host_accept` below, the host references that `tests/sampling_reference.py` keeps for the tests).
 
     python -m scripts.bench.spec_decode [--device cuda] [--vocab 128256] [--json out.json]
 
@@ -9,8 +10,8 @@ replay per variant of the static flags:
 - `top_p_target_only`: the same target, the draft sampled without top-p (`use_top_p=False`);
 - `no_top_p`: top-p 1 everywhere (`use_top_p=False`: no sort at all);
 - `greedy`: every row greedy (`all_greedy=True`: argmax only);
-and the old path (`top_p` only): per request and step `target_probs` + `torch.multinomial` with its
-own generator, then `accept_rejection` per request. The draft logits are the target's plus noise.
+and the old path (`top_p` only): per request and step `_host_probs` + `torch.multinomial` with its
+own generator, then `_host_accept` per request. The draft logits are the target's plus noise.
 Model forwards are not included: this is the sampling/acceptance work alone.
 """
 from __future__ import annotations
@@ -22,7 +23,6 @@ import time
 import torch
 
 from scripts.bench.common import write_json
-from workers.sampling import accept_rejection, target_probs
 from workers.spec_decode import draft_step, verify
 
 
@@ -72,6 +72,35 @@ def _graph_ms(x: dict[str, torch.Tensor], s: int, draft_flags: dict[str, bool],
     return ms
 
 
+def _host_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """[..., V] float32 probabilities after temperature and top-p, on the host's terms (a sort and
+    a scatter per call; `temperature` > 0)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def _host_accept(draft: list[int], draft_probs: torch.Tensor, probs: torch.Tensor,
+                 gen: torch.Generator) -> int:
+    """Rejection sampling of one request's `draft` with a host read per decision: the accepted
+    draft tokens (the replacement or bonus token drawn as well)."""
+    uniforms = torch.rand(len(draft), generator=gen, device=gen.device)
+    for j, token in enumerate(draft):
+        if bool(uniforms[j] * draft_probs[j, token] < probs[j, token]):
+            continue
+        residual = (probs[j] - draft_probs[j]).clamp_min(0.0)
+        total = residual.sum()
+        residual = residual / total if total > 0 else probs[j]
+        torch.multinomial(residual[None], 1, generator=gen).item()
+        return j
+    torch.multinomial(probs[len(draft)][None], 1, generator=gen).item()
+    return len(draft)
+
+
 def _old_round(x: dict[str, torch.Tensor], s: int, gens: list[torch.Generator]) -> list[int]:
     b = x["seed"].shape[0]
     accepts = []
@@ -79,13 +108,12 @@ def _old_round(x: dict[str, torch.Tensor], s: int, gens: list[torch.Generator]) 
     qs = [[] for _ in range(b)]
     for k in range(s):                      # as EagleWorker._draft: per step, per request
         for i in range(b):
-            q = target_probs(x["draft_logits"][k, i][None], 0.8, 0.95)
+            q = _host_probs(x["draft_logits"][k, i][None], 0.8, 0.95)
             drafts[i].append(int(torch.multinomial(q, 1, generator=gens[i])))
             qs[i].append(q[0])
     for i in range(b):                      # as EagleWorker._verify
-        p = target_probs(x["target_logits"][i], 0.8, 0.95)
-        a, _ = accept_rejection(drafts[i], torch.stack(qs[i]), p, gens[i])
-        accepts.append(a)
+        p = _host_probs(x["target_logits"][i], 0.8, 0.95)
+        accepts.append(_host_accept(drafts[i], torch.stack(qs[i]), p, gens[i]))
     return accepts
 
 

@@ -16,13 +16,17 @@ import pytest
 import torch
 
 from engine_fixtures import engine_for, tiny_config, tiny_pair
-from sampling_reference import ALPHA, PROMPT, VOCAB, chi_square_pvalue, exact_joint
-from workers.sampling import (
-    SamplingParams,
+from sampling_reference import (
+    ALPHA,
+    PROMPT,
+    VOCAB,
     accept_greedy,
     accept_rejection,
+    chi_square_pvalue,
+    exact_joint,
     target_probs,
 )
+from workers.sampling import SamplingParams
 
 # ---- parameters and distributions ----------------------------------------------------------
 

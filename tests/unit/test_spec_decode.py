@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from sampling_reference import accept_greedy, target_probs
 from spec_decode_fixtures import (
     ALPHA,
     bigram_pair,
@@ -30,7 +31,6 @@ from spec_decode_fixtures import (
     run_rounds,
     transition,
 )
-from workers.sampling import accept_greedy, target_probs
 from workers.spec_decode import (
     CHUNK,
     SALT_RESIDUAL,
