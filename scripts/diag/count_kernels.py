@@ -134,8 +134,9 @@ def count_depth(target: Any, head: Any, depth: int, batch: int, greedy: bool) ->
     engine = build(static_spec(depth), target, head if depth else None, batch=batch, context=128,
                    device="cpu")
     params = SamplingParams(max_new_tokens=3) if greedy else SamplingParams(
-        max_new_tokens=3, temperature=0.8, top_p=0.9, seed=1)
-    engine.generate(prompts(batch), params)     # warm: fills slots, applies the runtime state
+        max_new_tokens=3, temperature=0.8, top_p=0.9)
+    # warm: fills slots, applies the runtime state (sampled requests seeded from 1)
+    engine.generate(prompts(batch), params, seed=0 if greedy else 1)
     worker = engine.worker
     bufs = worker.state.payload
     if hasattr(worker, "phases"):   # the worker package: its phases and slot state
