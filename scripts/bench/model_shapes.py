@@ -1,10 +1,13 @@
-"""Round cost at production shapes without a download: a Llama-3.1-8B-shaped target and an
-EAGLE-3-shaped head with random weights, generated on the GPU in bfloat16.
+"""Round cost at production shapes without a download: a Llama-3.1-8B-shaped target (or a
+Qwen3-30B-A3B-shaped MoE target, `--shape qwen3-30b-a3b`) and an EAGLE-3-shaped head with random
+weights, generated on the GPU in bfloat16.
 
+    python -m scripts.bench.model_shapes --layout tp1 --out OUT            # one GPU
+    python -m scripts.bench.model_shapes --layout tp1 --shape qwen3-30b-a3b --out OUT
     torchrun --nproc-per-node 2 -m scripts.bench.model_shapes --layout tp2 --out OUT
     torchrun --nproc-per-node 2 -m scripts.bench.model_shapes --layout dp2 --out OUT
 
-`tp2`: one replica, attention and MLP tensor-parallel over both GPUs; `dp2`: DP attention, two
+`tp1`: one GPU; `tp2`: one replica, attention and MLP tensor-parallel over both GPUs; `dp2`: DP attention, two
 replicas (attention data-parallel, MLP and vocabulary tensor-parallel over both GPUs). The engine
 is built as `--adaptive --policy goodput` builds it (CUDA graphs for every depth and batch bucket,
 candidates 0/1/3/7): at start-up every rank measures one round per depth and bucket (dummy rows,
@@ -12,7 +15,8 @@ graph replays, median of 5) and the ranks agree the table (element-wise maximum)
 reports that agreed table (milliseconds per round: what the policy weighs depths with at this
 size), then profiles 10 replays of every (depth, bucket) round, the ranks in step: GPU busy = GPU
 kernel time per round over the agreed round cost (NCCL kernels count as busy). The weights are random, so acceptance means nothing here: the
-numbers are costs, not tokens/s. Writes `OUT/<layout>.json` and `OUT/<layout>.png`.
+numbers are costs, not tokens/s. Writes `OUT/<layout>.json` and `OUT/<layout>.png` (with another
+`--shape`: `OUT/<layout>_<shape>.*`).
 """
 from __future__ import annotations
 
@@ -35,7 +39,10 @@ TIERS = (0, 1, 3, 7)
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
-    p.add_argument("--layout", choices=("tp2", "dp2"))
+    p.add_argument("--layout", choices=("tp1", "tp2", "dp2"))
+    p.add_argument("--shape", choices=("llama3-8b", "qwen3-30b-a3b"), default="llama3-8b")
+    p.add_argument("--moe-parallel", choices=("tp", "ep"), default="tp",
+                   help="a MoE shape's experts over the ranks (see --moe-parallel of generate)")
     p.add_argument("--reanalyse", nargs="+", metavar="JSON", help="recompute a finished run's "
                    "GPU busy shares (kernel time over the agreed cost) and plot")
     p.add_argument("--max-batch", type=int, default=64)
@@ -47,12 +54,13 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def shaped_pair(par: ModelParallel, device: torch.device, seed: int,
-                tiny: bool = False) -> tuple[Any, Any]:
-    """The Llama-3.1-8B-shaped target and its EAGLE-3 head (`scripts.gen.make_checkpoint`'s
-    shapes), random bf16 weights made on `device`; `tiny`: its small shape."""
-    target, head = random_pair("tiny" if tiny else "llama3-8b", "eagle3", device, par=par,
-                               seed=seed)
+def shaped_pair(par: ModelParallel, device: torch.device, seed: int, tiny: bool = False,
+                shape: str = "llama3-8b") -> tuple[Any, Any]:
+    """The `shape` target and its EAGLE-3 head (`scripts.gen.make_checkpoint`'s shapes), random
+    bf16 weights made on `device`; `tiny`: a small model of the same kind."""
+    if tiny:
+        shape = "tiny-moe" if shape == "qwen3-30b-a3b" else "tiny"
+    target, head = random_pair(shape, "eagle3", device, par=par, seed=seed)
     target.reset_buffers()
     head.reset_buffers()
     return target.eval(), head.eval()
@@ -109,13 +117,19 @@ def main() -> int:
             finish(json.loads(Path(name).read_text()), Path(name))
         return 0
     if args.layout is None:
-        raise SystemExit("bench_model_shapes: --layout tp2|dp2 is required (or --reanalyse)")
+        raise SystemExit("bench_model_shapes: --layout tp1|tp2|dp2 is required (or --reanalyse)")
     ctx = C.init_distributed(timeout_s=600, backend="gloo" if args.tiny else None)
+    want = 1 if args.layout == "tp1" else 2
+    if ctx.world_size != want:
+        raise SystemExit(f"bench_model_shapes: --layout {args.layout} runs on {want} rank(s); "
+                         f"this launch has {ctx.world_size}")
     layout = ctx.layout(dp=2 if args.layout == "dp2" else 1)
-    world, par = layout.group("world"), ModelParallel.from_layout(layout)
+    world = layout.group("world")
+    par = ModelParallel.from_layout(layout, moe=args.moe_parallel)
     device = torch.device("cpu") if args.tiny else ctx.device
     t0 = time.perf_counter()
-    target, head = shaped_pair(par, device, seed=1234 + ctx.rank, tiny=args.tiny)
+    target, head = shaped_pair(par, device, seed=1234 + ctx.rank, tiny=args.tiny,
+                               shape=args.shape)
     spec = AdaptiveConfig(policy="goodput", candidate_steps=TIERS, initial_steps=1)
     if ctx.rank == 0:
         print(f"[{args.layout}] weights ready in {time.perf_counter() - t0:.0f} s; building the "
@@ -130,15 +144,20 @@ def main() -> int:
         print(f"[{args.layout}] engine built in {build_s:.0f} s; profiling ...", flush=True)
     import torch.distributed as dist
 
-    rounds = profile_rounds(engine, args.replays, sorted(int(b) for b in agreed),
-                            lambda: dist.barrier(group=world.control_pg))
-    parts: list[Any] = [None] * world.size
-    dist.all_gather_object(parts, rounds, group=world.control_pg)
+    barrier = ((lambda: dist.barrier(group=world.control_pg)) if world.size > 1
+               else (lambda: None))
+    rounds = profile_rounds(engine, args.replays, sorted(int(b) for b in agreed), barrier)
+    parts: list[Any] = [rounds]
+    if world.size > 1:
+        parts = [None] * world.size
+        dist.all_gather_object(parts, rounds, group=world.control_pg)
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     engine.close()
     if ctx.rank == 0:
+        name = {"llama3-8b": "Llama-3.1-8B", "qwen3-30b-a3b": "Qwen3-30B-A3B"}[args.shape]
         result = {"layout": args.layout, "dp": layout.dp, "attn_tp": layout.attn_tp,
-                  "model": "Llama-3.1-8B-shaped target + EAGLE-3-shaped head, random bf16 weights",
+                  "shape": args.shape, "moe_parallel": args.moe_parallel,
+                  "model": f"{name}-shaped target + EAGLE-3-shaped head, random bf16 weights",
                   "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                   "torch": torch.__version__, "tiny": args.tiny,
                   "max_batch": args.max_batch, "context": args.context,
@@ -148,7 +167,8 @@ def main() -> int:
                   "rounds_per_rank": parts, "command": " ".join(sys.argv)}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        finish(result, out / f"{args.layout}.json")
+        stem = args.layout if args.shape == "llama3-8b" else f"{args.layout}_{args.shape}"
+        finish(result, out / f"{stem}.json")
     ctx.shutdown()
     return 0
 
@@ -160,6 +180,8 @@ def finish(result: dict, path: Path) -> None:
         for bucket, row in part.items():
             for steps, rec in row.items():
                 rec["gpu_busy"] = rec["gpu_kernel_ms"] / result["agreed_round_cost_ms"][bucket][steps]
+    result["depth7_over_depth0"] = {b: row["7"] / row["0"]
+                                    for b, row in result["agreed_round_cost_ms"].items()}
     write_json(path, result)
     print_table(result)
     plot(result, path.with_suffix(".png"))
@@ -168,12 +190,13 @@ def finish(result: dict, path: Path) -> None:
 def print_table(result: dict) -> None:
     print(f"== {result['layout']}: agreed cost (ms per round) and GPU busy (rank 0: kernel time "
           f"over the agreed cost) by bucket")
-    print(f"{'bucket':>7}" + "".join(f"{'d' + str(s) + ' ms':>10}{'busy':>6}" for s in TIERS))
+    print(f"{'bucket':>7}" + "".join(f"{'d' + str(s) + ' ms':>10}{'busy':>6}" for s in TIERS)
+          + f"{'d7/d0':>7}")
     r0 = result["rounds_per_rank"][0]
     for bucket, row in result["agreed_round_cost_ms"].items():
         cells = "".join(f"{row[str(s)]:>10.2f}{100 * r0[bucket][str(s)]['gpu_busy']:>5.0f}%"
                         for s in TIERS)
-        print(f"{bucket:>7}{cells}")
+        print(f"{bucket:>7}{cells}{row['7'] / row['0']:>7.2f}")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -193,7 +216,8 @@ def plot(result: dict, path: Path) -> None:
         a.set_title(f"{result['layout']}: {title}")
         a.grid(alpha=0.3)
         a.legend()
-    fig.suptitle("Llama-3.1-8B-shaped target + EAGLE-3-shaped head, random bf16 weights")
+    fig.suptitle(result.get("model", "Llama-3.1-8B-shaped target + EAGLE-3-shaped head, "
+                                     "random bf16 weights"))
     save(fig, path)
 
 

@@ -33,7 +33,7 @@ from workers.model import (
     LlamaForCausalLM,
     save_pretrained,
 )
-from workers.model.config import RopeScaling
+from workers.model.config import MoeSpec, RopeScaling
 
 SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -45,10 +45,23 @@ SHAPES = {
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      explicit_head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960,
                      eos_token_id=(151645, 151643), architecture="Qwen3ForCausalLM"),
+    # Qwen3-30B-A3B: 48 layers, d 2048, GQA 32/4 (head_dim 128), 128 experts of width 768, top 8
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          explicit_head_dim=128, rope_theta=1000000.0,
+                          max_position_embeddings=40960, eos_token_id=(151645, 151643),
+                          architecture="Qwen3MoeForCausalLM",
+                          moe=MoeSpec(num_experts=128, top_k=8, expert_size=768,
+                                      norm_topk_prob=True)),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2),
+    "tiny-moe": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                     architecture="Qwen3MoeForCausalLM",
+                     moe=MoeSpec(num_experts=8, top_k=2, expert_size=32, norm_topk_prob=True)),
 }
-DRAFT_VOCAB = {"llama3-8b": 32000, "qwen3-8b": 32000, "tiny": 256}
+DRAFT_VOCAB = {"llama3-8b": 32000, "qwen3-8b": 32000, "qwen3-30b-a3b": 32000, "tiny": 256,
+               "tiny-moe": 256}
 
 
 @torch.no_grad()
