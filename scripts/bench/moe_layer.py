@@ -91,7 +91,7 @@ def main() -> int:
               f"{hit:>3} experts hit, weight floor {floor_ms * 1000:6.1f} us, x{med / floor_ms:.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"gpu": gpu_name(), "torch": torch.__version__, "shape": "Qwen3-30B-A3B sparse MLP",
+    result = {"gpu": gpu_name("cuda"), "torch": torch.__version__, "shape": "Qwen3-30B-A3B sparse MLP",
               "bandwidth_bytes_per_s": args.bandwidth, "iters": args.iters,
               "repeats": args.repeats, "rows": rows, "command": " ".join(sys.argv)}
     write_json(out / "moe_layer.json", result)
