@@ -72,7 +72,8 @@ step serve_matrix timeout 420 python3 -m scripts.bench.serve_matrix --nproc 2 \
   --serve "--dp 2 --device cuda" --concurrency 4 32 --repeats "${BENCH_REPEATS:-3}" \
   --out "$OUTDIR/res/serve_matrix"
 step gpu_engine python3 -m pytest -q tests/gpu/test_engine.py tests/gpu/test_torch_backend.py \
-  tests/gpu/test_spec_decode_gpu.py tests/unit/test_kernels.py -p no:cacheprovider
+  tests/gpu/test_spec_decode_gpu.py tests/gpu/test_moe_gpu.py tests/unit/test_kernels.py \
+  tests/unit/test_moe.py -p no:cacheprovider
 # the hot path, before and after, in one call: BEFORE (a tree exported to .gpu/before, e.g.
 # `git archive <ref> collectives adaptive_dist workers/*.py workers/attention workers/model
 # workers/server | tar -x -C .gpu/before`) against this tree
@@ -125,6 +126,10 @@ step bench_adaptive_dp2 timeout "${ADAPTIVE_TIMEOUT:-400}" torchrun --nproc-per-
 # production shapes without a download: an 8B-shaped target + EAGLE-3-shaped head (random bf16)
 step model_shapes bash -c "for l in tp2 dp2; do timeout 280 torchrun --nproc-per-node 2 \
   -m scripts.bench.model_shapes --layout \$l --out $OUTDIR/res/model_shapes || exit 1; done"
+# one GPU: the 8B-shaped table and the Qwen3-30B-A3B-shaped MoE table; the fused MoE layer's floor
+step model_shapes_1gpu bash -c "for sh in llama3-8b qwen3-30b-a3b; do timeout 280 python3 \
+  -m scripts.bench.model_shapes --layout tp1 --shape \$sh --out $OUTDIR/res/model_shapes || exit 1; done"
+step moe_layer timeout 200 python3 -m scripts.bench.moe_layer --out "$OUTDIR/res/moe_layer"
 step bench_consensus bash -c "for ch in control device; do torchrun --nproc-per-node 2 \
   -m scripts.bench.consensus --rounds 3000 --channel \$ch --out $OUTDIR/res/consensus_\$ch || exit 1; done"
 if [ "$(find "$FLASHINFER_WORKSPACE_BASE" -type f | wc -l)" != "$CACHE_BEFORE" ]; then
