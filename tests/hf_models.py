@@ -499,3 +499,31 @@ def oracle_eagle3_tensors(cfg: LlamaConfig, target: nn.Module, perm: list[int],
 def draft_vocab(size: int, seed: int) -> list[int]:
     """`size` distinct target ids, sorted (an EAGLE-3 draft vocabulary)."""
     return sorted(random.Random(seed).sample(range(VOCAB), size))
+
+
+# ---- MoE targets ------------------------------------------------------------------------------
+
+def moe_pair(root: Path, vocab: int, hidden: int = 32, expert_width: int = 16,
+             max_pos: int = 256) -> Path:
+    """A transformers-built Qwen3-MoE target (4 layers, 8 experts, top 2 normalised, layer 2 dense;
+    weights redrawn larger than the default init so routing and logits spread) saved in
+    `root/target`, and a random EAGLE-3 head over it (`model_fixtures.random_head`, aux ids
+    0/1/2) in `root/eagle`, both float32."""
+    from model_fixtures import random_head, write_checkpoint
+    from workers.model import load_llama
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3 // 2,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=expert_width,
+        norm_topk_prob=True, mlp_only_layers=[2], max_position_embeddings=max_pos,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.25)
+    model.save_pretrained(root / "target")
+    target = load_llama(root / "target")
+    write_checkpoint(random_head("eagle3", target, aux_layer_ids=(0, 1, 2)), root / "eagle")
+    return root

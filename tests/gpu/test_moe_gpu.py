@@ -11,7 +11,6 @@ import torch
 
 from adaptive_dist.config import AdaptiveConfig
 from engine_fixtures import check_pages_back, engine_for, random_prompts
-from model_fixtures import random_head, write_checkpoint
 from workers.model import load_eagle, load_llama
 from workers.sampling import SamplingParams
 
@@ -22,22 +21,10 @@ VOCAB = 96
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> Path:
-    transformers = pytest.importorskip("transformers")
-    root = tmp_path_factory.mktemp("moe_gpu")
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[2],
-        max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.25)
-    model.save_pretrained(root / "target")
-    target = load_llama(root / "target")
-    write_checkpoint(random_head("eagle3", target, aux_layer_ids=(0, 1, 2)), root / "eagle")
-    return root
+    pytest.importorskip("transformers")
+    from hf_models import moe_pair
+    return moe_pair(tmp_path_factory.mktemp("moe_gpu"), VOCAB, hidden=64, expert_width=32,
+                    max_pos=512)
 
 
 def _params(n: int) -> list[SamplingParams]:

@@ -13,7 +13,6 @@ import torch
 
 import dp_jobs
 from engine_fixtures import engine_for, random_prompts
-from model_fixtures import random_head, write_checkpoint
 from multirank import run_ranks
 from workers.model import load_llama
 from workers.sampling import SamplingParams
@@ -28,21 +27,8 @@ NEW = [[3], [20, 9, 24, 14]]
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> Path:
     """8 experts (top 2, normalised) of width 16, every layer sparse but layer 2; float32."""
-    root = tmp_path_factory.mktemp("moe_pair")
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[2],
-        max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.25)
-    model.save_pretrained(root / "target")
-    target = load_llama(root / "target")
-    write_checkpoint(random_head("eagle3", target, aux_layer_ids=(0, 1, 2)), root / "eagle")
-    return root
+    from hf_models import moe_pair
+    return moe_pair(tmp_path_factory.mktemp("moe_pair"), VOCAB)
 
 
 def _reference(root: Path, prompts, new_tokens) -> list[list[list[int]]]:
