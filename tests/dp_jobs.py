@@ -15,7 +15,7 @@ import torch
 
 import collectives as C
 from adaptive_dist.config import AdaptiveConfig, load_config
-from adaptive_dist.controller import AdaptiveController
+from adaptive_dist.coordinator import RoundCoordinator
 from adaptive_dist.policy import Decision
 from workers.config import EngineConfig, no_spec
 from workers.engine import Engine, build_engine
@@ -68,7 +68,7 @@ def _logits(root: str, par: ModelParallel, batches: list[list[list[int]]]) -> di
 
 # ---- policies used to drive (or break) the engine --------------------------------------------
 
-class ForcedSwitches(AdaptiveController):
+class ForcedSwitches(RoundCoordinator):
     """Every counted round switches to a random other tier; the random stream is seeded the same
     on every rank, so the ranks stay agreed (a stress test of switching under DP)."""
 
@@ -88,7 +88,7 @@ class ForcedSwitches(AdaptiveController):
         return replace(out, decision=Decision(True, True, None, old, new))
 
 
-class LocalOnly(AdaptiveController):
+class LocalOnly(RoundCoordinator):
     """The hazard: each rank walks the ladder on its OWN EMA (the other ranks' weights are
     ignored, so the decision is the per-rank one the open proposals warn about)."""
 

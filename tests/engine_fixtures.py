@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from adaptive_dist.config import AdaptiveConfig, load_config
-from adaptive_dist.controller import RoundPlan
+from adaptive_dist.coordinator import RoundPlan, RoundReport
 from workers.config import EngineConfig, no_spec
 from workers.engine import Engine, build_engine
 from workers.model import EagleConfig, EagleHead, LlamaConfig, LlamaForCausalLM, save_pretrained
@@ -119,18 +119,26 @@ class ScriptPlanner:
 
     def __init__(self, script: list[int], use_graph: bool, bucket: int | None) -> None:
         self.script, self.use_graph, self.bucket, self.i = script, use_graph, bucket, 0
+        self.steps = script[0]
 
-    def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
-                    done: bool = False, num_extend: int = 0, **serving) -> RoundPlan:
+    @property
+    def round(self) -> int:
+        return self.i
+
+    def begin_round(self, report: RoundReport) -> RoundPlan:
         steps = self.script[min(self.i, len(self.script) - 1)]
         self.i += 1
-        graph = self.use_graph and can_graph
+        self.steps = steps
+        graph = self.use_graph and report.can_graph
         return RoundPlan(round=self.i, steps=steps, use_graph=graph,
                          batch_bucket=self.bucket if graph else None,
-                         batch_pad=self.bucket or num_requests,
-                         extend_tokens=num_tokens, extend_requests=num_extend,
-                         cluster_requests=num_requests, switched=True, all_done=done,
-                         extend_width=serving.get("extend_len", 0))
+                         batch_pad=self.bucket or report.num_requests,
+                         extend_tokens=report.num_tokens, extend_requests=report.num_extend,
+                         cluster_requests=report.num_requests, switched=True,
+                         all_done=report.done, extend_width=report.extend_len)
+
+    def ran(self, executed) -> None:
+        pass
 
     def end_round(self, accepts, executed=None, plan=None, shadow=None) -> None:
         assert all(a == 0 for a in accepts) or plan.steps > 0

@@ -2,14 +2,15 @@
 
 One engine step (every rank of the cluster, idle ones too):
 1. admit waiting requests that fit (a batch slot, their worst-case KV pages);
-2. `plan = controller.begin_round(...)`: the round's one collective; it agrees the depth (a switch
-   decided at the previous round is applied here by swapping the pre-built runtime state), the
-   graph path and every padded shape;
+2. `plan = planner.begin_round(RoundReport(...))`: the round's one collective; it agrees the depth
+   (a switch decided at the previous round is applied here by swapping the pre-built runtime
+   state), the graph path and every padded shape;
 3. if any rank admitted requests: one prefill forward of the agreed size on every rank;
 4. if any rank runs requests: one speculative round (or plain decode at depth 0) of the agreed
    batch on every rank — a rank without requests runs it on dummy rows;
 5. read the round's results (one host synchronisation), commit them to the requests,
-   `controller.end_round(accepts, executed, plan)` (local); retire finished requests (KV back).
+   `planner.end_round(accepts, plan)` (local; `planner.ran(...)` told it at launch what this rank
+   ran); retire finished requests (KV back).
 
 With `overlap` (`EngineConfig.overlap`, on by default on CUDA from the command line) step 5 of
 round r runs after round r+1 is launched: while the device computes round r+1, the host reads
@@ -18,7 +19,9 @@ every rank: a request that finished in round r runs round r+1 too (its results a
 admission reserves KV for that extra round), and the planner decides with statistics one round
 older. Every rank overlaps or none does (the setting is agreed at start-up).
 
-`build_engine` builds the stack from an `EngineConfig` and a loaded target and head.
+`build_engine` builds the stack from an `EngineConfig` and a loaded target and head: the worker
+and its tiers, the effective speculative settings (and, for goodput, the agreed cost table), the
+planner (a `RoundCoordinator`), then the engine.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
-from adaptive_dist.controller import AdaptiveController, RoundPlan
+from adaptive_dist.coordinator import RoundCoordinator, RoundPlan, RoundReport
 from adaptive_dist.startup import agree_round_cost, probe_after_catchup
 from collectives import Group, LockstepGuard
 from workers.attention import make_backend
@@ -45,18 +48,22 @@ from workers.worker import EagleWorker, RoundResult
 
 
 class RoundPlanner(Protocol):
-    """What the engine asks before and tells after every round (`AdaptiveController` is one)."""
+    """Everything the engine asks before and tells after every round (`RoundCoordinator` is one).
+    """
 
-    def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
-                    done: bool = False, num_extend: int = 0, seq: int = 0,
-                    leave: bool = False, extend_len: int = 0) -> RoundPlan:
+    round: int           # rounds begun so far (the guard names a hung round by it)
+    steps: int           # the depth in force
+
+    def begin_round(self, report: RoundReport) -> RoundPlan:
         """Agree this round's plan with the other ranks (every rank, every round, idle too)."""
 
-    def end_round(self, accepts: Sequence[int], executed: tuple | None = None,
-                  plan: RoundPlan | None = None,
+    def ran(self, executed: tuple) -> None:
+        """What this rank launched for the round begun last: (steps, graph, bucket, mode)."""
+
+    def end_round(self, accepts: Sequence[int], plan: RoundPlan | None = None,
                   shadow: tuple[int, int, int] | None = None) -> None:
-        """Report this rank's accept lengths of round `plan`, what it ran, and (depth 0 with a
-        head, after a catch-up) its shadow checks (hits, checks, rows) (local only)."""
+        """Report this rank's accept lengths of round `plan` and (depth 0 with a head, after a
+        catch-up) its shadow checks (hits, checks, rows) (local only)."""
 
 
 @dataclass
@@ -105,7 +112,7 @@ class EngineStats:
 @dataclass
 class _Launched:
     """A round the engine launched: its plan, the worker's handle (None: no forward ran) and
-    what this rank ran (reported to the planner with the results)."""
+    what this rank ran (reported to the planner at launch)."""
 
     plan: RoundPlan
     handle: Any
@@ -116,19 +123,19 @@ class Engine:
     """Continuous batching over one `EagleWorker`, each round planned with the cluster."""
 
     def __init__(self, config: EngineConfig, worker: EagleWorker, scheduler: Scheduler,
-                 planner: RoundPlanner | None, guard: LockstepGuard | None = None) -> None:
-        self.config, self.worker, self.scheduler, self.planner = config, worker, scheduler, planner
+                 planner: RoundPlanner, guard: LockstepGuard | None = None,
+                 pool: RuntimeStatePool | None = None) -> None:
+        self.config, self.worker, self.scheduler = config, worker, scheduler
         self.guard = guard
         self.stats = EngineStats()
+        self.planner = planner
         self.live: dict[int, Request] = {}   # queued or running; finished ones leave at retire
         self.last_plan: RoundPlan | None = None
         self._next_rid = 0
         self._all_done = False
         self._launched: _Launched | None = None   # overlap: the round in flight
-        # the engine applies the depth the controller decides: one pre-built state per tier
-        self.pool = RuntimeStatePool(worker, config.spec.tiers)
-        self.pool.apply(config.spec.initial_steps)
-        worker.capture_prefill()   # after the tiers (and their CUDA graphs)
+        # the engine applies the depth the planner decides: one pre-built state per tier
+        self.pool = pool if pool is not None else build_tiers(worker, config)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, seed: int = 0,
             rid: int | None = None) -> Request:
@@ -161,12 +168,8 @@ class Engine:
         `last_plan`."""
         if self.guard is None:
             return self._step(seq, leave, pending)
-        with self.guard.round(self.planner_round):  # a hung round becomes an error
+        with self.guard.round(self.planner.round):  # a hung round becomes an error
             return self._step(seq, leave, pending)
-
-    @property
-    def planner_round(self) -> int:
-        return getattr(self.planner, "round", self.stats.rounds)
 
     def _step(self, seq: int, leave: bool, pending: bool) -> list[Request]:
         start = time.perf_counter()
@@ -187,12 +190,12 @@ class Engine:
         if not batch and self.scheduler.waiting:
             self._refuse_stuck()
         start = time.perf_counter()
-        plan = self.planner.begin_round(
+        plan = self.planner.begin_round(RoundReport(
             num_requests=len(batch), num_tokens=sum(len(r.prompt_ids) for r in admitted),
             can_graph=self.worker.can_use_graph(batch),
             done=not (self.scheduler.has_work or pending),
             num_extend=len(admitted), seq=seq, leave=leave,
-            extend_len=max((len(r.prompt_ids) for r in admitted), default=0))
+            extend_len=max((len(r.prompt_ids) for r in admitted), default=0)))
         self.stats.plan_seconds += time.perf_counter() - start
         self.last_plan = plan
         self._all_done = plan.all_done
@@ -205,9 +208,8 @@ class Engine:
             self.worker.prefill(admitted, plan.extend_tokens, plan.extend_requests,
                                 plan.extend_width, plan.use_graph)
         launched = self._launch(plan, [r for r in batch if not r.finished])
-        ran = getattr(self.planner, "ran", None)
-        if ran is not None:  # what this rank launched, compared across ranks at the next round
-            ran(launched.executed)
+        # what this rank launched, compared across ranks at the next round
+        self.planner.ran(launched.executed)
         if not self.config.overlap:
             self._collect(launched)
             return done + self._retire()
@@ -280,8 +282,7 @@ class Engine:
                 checks = result.shadow[:, 1]
                 shadow = (int(result.shadow[:, 0].sum()), int(checks.sum()),
                           int((checks > 0).sum()))
-        self.planner.end_round(accepts, None if hasattr(self.planner, "ran") else
-                               launched.executed, plan, shadow=shadow)
+        self.planner.end_round(accepts, plan=plan, shadow=shadow)
 
     def _retire(self) -> list[Request]:
         """Retire finished requests (KV and slot back) and forget them."""
@@ -292,25 +293,15 @@ class Engine:
         return done
 
     def measure_round_costs(self, repeats: int = 5, context: int = 0) -> dict[int, dict[int, float]]:
-        """Seconds of one round at every tier and batch bucket (dummy rows, the graphs when the
-        engine has them, without them the configured buckets up to the largest batch): what the
-        goodput policy weighs depths with; chains of rounds run as this engine runs them, see
-        `EagleWorker.measure_round_costs`. `context`: the dummy rows' cache length. Collective:
-        every rank measures the same tiers and buckets in the same order; the initial tier is
-        applied again after."""
-        eager = tuple(b for b in self.config.spec.graph_buckets
-                      if b <= self.config.max_batch_size) or (1,)
-        table = self.worker.measure_round_costs(self.pool, eager, self.config.overlap, repeats,
-                                                context)
-        self.pool.apply(self.config.spec.initial_steps)
-        return table
+        """`measure_round_costs` over this engine's worker and tiers."""
+        return measure_round_costs(self.config, self.worker, self.pool, repeats, context)
 
     def warmup(self) -> None:
         """One dummy prefill and one dummy round on every rank (all rows padding): connects
         every process group and runs every kernel once, so the first request does not pay for
         it. Collective: every rank of the cluster calls it at start-up."""
         self.worker.prefill([], 1, 1)
-        if self.planner is not None and self.planner.steps == self.worker.steps:
+        if self.planner.steps == self.worker.steps:
             self.worker.spec_round([], 1, None)
 
     def _refuse_stuck(self) -> None:
@@ -351,12 +342,41 @@ class Engine:
         return reqs
 
 
+def build_tiers(worker: EagleWorker, config: EngineConfig) -> RuntimeStatePool:
+    """One pre-built runtime state per tier of `config.spec` (buffers and, with graphs, every
+    phase captured), the initial one applied, then the padded prefill's graphs. Collective (the
+    captures run the forwards)."""
+    pool = RuntimeStatePool(worker, config.spec.tiers)
+    pool.apply(config.spec.initial_steps)
+    worker.capture_prefill()   # after the tiers (and their CUDA graphs)
+    return pool
+
+
+def measure_round_costs(config: EngineConfig, worker: EagleWorker, pool: RuntimeStatePool,
+                        repeats: int = 5, context: int = 0) -> dict[int, dict[int, float]]:
+    """Seconds of one round at every tier and batch bucket (dummy rows, the graphs when the
+    engine has them, without them the configured buckets up to the largest batch): what the
+    goodput policy weighs depths with; chains of rounds run as this engine runs them, see
+    `EagleWorker.measure_round_costs`. `context`: the dummy rows' cache length. Collective:
+    every rank measures the same tiers and buckets in the same order; the initial tier is
+    applied again after."""
+    eager = tuple(b for b in config.spec.graph_buckets
+                  if b <= config.max_batch_size) or (1,)
+    table = worker.measure_round_costs(pool, eager, config.overlap, repeats, context)
+    pool.apply(config.spec.initial_steps)
+    return table
+
+
 def build_engine(config: EngineConfig, target: torch.nn.Module, head: torch.nn.Module | None,
                  group: Group | None = None, guard: LockstepGuard | None = None) -> Engine:
     """The engine stack for a loaded `target` (and `head`, unused when `config` does not
     speculate). `group` is the group the round's consensus runs over: every rank of the cluster
     (default: this process alone). `guard` (multi-rank runs) checks the ranks' collective logs and
-    plans every `lockstep_check_every` rounds and arms its watchdog around every round."""
+    plans every `lockstep_check_every` rounds and arms its watchdog around every round.
+
+    The speculative settings the engine runs are the effective ones: what an engine derives from
+    `config.spec` (`adaptive_dist.startup.probe_after_catchup`) and, for goodput, the cost table
+    measured on the built tiers and agreed; the planner's config hash holds them."""
     backend = make_backend(config.attention_backend, config.device)
     worker = EagleWorker(target, head if config.speculative else None, config, backend)
     allocator = PageAllocator(config.pool_pages, config.page_size)
@@ -364,20 +384,20 @@ def build_engine(config: EngineConfig, target: torch.nn.Module, head: torch.nn.M
                           lambda r: config.kv_tokens(len(r.prompt_ids), r.params.max_new_tokens),
                           device=config.device)
     group = group if group is not None else Group.single(config.device, name="world")
-    engine = Engine(config, worker, scheduler, None, guard)  # every tier built (and captured)
+    pool = build_tiers(worker, config)
+    spec = config.spec
     if config.speculative:
         # goodput at depth 0 learns acceptance from the catch-up's shadow checks: no probe
         # before the first of them can arrive
-        spec = probe_after_catchup(config.spec, config.catchup_rounds)
-        if spec != config.spec:
-            engine.config = config = config.replace(spec=spec)
-    if config.spec.needs_round_cost:
+        spec = probe_after_catchup(spec, config.catchup_rounds)
+    if spec.needs_round_cost:
         # goodput: measure this rank's round costs on the built tiers and agree the table (the
-        # element-wise maximum over the ranks) before the controller, whose hash includes it
-        spec = agree_round_cost(config.spec, engine.measure_round_costs(), group)
-        engine.config = config = config.replace(spec=spec)
-    engine.planner = AdaptiveController(config.spec, group, guard=guard)
-    return engine
+        # element-wise maximum over the ranks) before the planner, whose hash includes it
+        spec = agree_round_cost(spec, measure_round_costs(config, worker, pool), group)
+    if spec != config.spec:
+        config = config.replace(spec=spec)
+    planner = RoundCoordinator(config.spec, group, guard=guard)
+    return Engine(config, worker, scheduler, planner, guard, pool=pool)
 
 
 def freeze_heap() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from adaptive_dist.config import AdaptiveConfig
-from adaptive_dist.controller import RoundPlan
+from adaptive_dist.coordinator import RoundPlan, RoundReport
 from engine_fixtures import (LOSSLESS_STOP, check_pages_back, engine_for, lossless_params,
                              random_prompts, tiny_pair)
 from workers.runtime_state import RuntimeStatePool
@@ -82,22 +82,23 @@ class RandomTierPlanner:
         self.candidates, self.rng = candidates, random.Random(seed)
         self.steps = candidates[0]
         self.seen: Counter = Counter()
+        self.round = 0
 
-    def begin_round(self, num_requests: int, num_tokens: int = 0, can_graph: bool = True,
-                    done: bool = False, num_extend: int = 0, **serving) -> RoundPlan:
+    def begin_round(self, report: RoundReport) -> RoundPlan:
         others = [s for s in self.candidates if s != self.steps]
         self.steps = self.rng.choice(others)
         self.seen[self.steps] += 1
         return RoundPlan(round=0, steps=self.steps, use_graph=False, batch_bucket=None,
-                         batch_pad=num_requests, extend_tokens=num_tokens,
-                         extend_requests=num_extend, cluster_requests=num_requests,
-                         switched=True, all_done=done,
-                         extend_width=serving.get("extend_len", 0))
+                         batch_pad=report.num_requests, extend_tokens=report.num_tokens,
+                         extend_requests=report.num_extend, cluster_requests=report.num_requests,
+                         switched=True, all_done=report.done, extend_width=report.extend_len)
 
-    def end_round(self, accepts, executed=None, plan=None, shadow=None) -> None:
+    def ran(self, executed) -> None:
+        assert executed[0] == self.steps   # launched right after its plan
+
+    def end_round(self, accepts, plan=None, shadow=None) -> None:
         # with overlap the results of a round arrive after the next round was planned
         steps = plan.steps if plan is not None else self.steps
-        assert executed is None or executed[0] == steps
         assert all(0 <= a <= steps for a in accepts)
 
 
