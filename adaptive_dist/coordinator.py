@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Optional, Sequence
 
 from collectives import Group, LockstepGuard
 from adaptive_dist import consensus
@@ -86,15 +86,18 @@ class RoundOutcome:
 
 
 @dataclass
-class ControllerStats:
+class RoundStats:
+    """The run's record of the rounds and the depth: the one owner of the switch count and the
+    steps timeline (an engine's ``EngineStats`` reads them here and adds what only the engine
+    knows: the accept lengths it ran, its tokens and times)."""
+
     rounds: int = 0
     counted_rounds: int = 0
     switches: int = 0
     probes: int = 0         # goodput: switches that were probes out of depth 0 (in `switches`)
     shadow_rounds: int = 0  # goodput: depth-0 rounds whose shadow checks updated the EMAs
     resets: int = 0         # goodput: rounds whose surprise restarted this rank's EMAs
-    accept_histogram: Counter = field(default_factory=Counter)
-    steps_timeline: list = field(default_factory=list)   # (round, steps) at every change
+    steps_timeline: list = field(default_factory=list)   # (round, steps) at start and every switch
     rounds_at_steps: Counter = field(default_factory=Counter)
     # rounds that ran requests, per (steps, padded batch): what a cost table prices
     rounds_at_shape: Counter = field(default_factory=Counter)
@@ -102,9 +105,9 @@ class ControllerStats:
     # the latest timed rounds (round, steps, padded batch, slowest rank's seconds), for diagnosis
     timed_samples: deque = field(default_factory=lambda: deque(maxlen=4096))
 
-    def mean_accept(self) -> float:
-        n = sum(self.accept_histogram.values())
-        return sum(k * v for k, v in self.accept_histogram.items()) / n if n else 0.0
+    def to_dict(self) -> dict[str, Any]:
+        """Every field by name (the counters as they are)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class RoundCoordinator:
@@ -140,7 +143,7 @@ class RoundCoordinator:
         self._prev_plan_hash = 0
         self._digest = 0
         self.last_outcome: Optional[RoundOutcome] = None
-        self.stats = ControllerStats()
+        self.stats = RoundStats()
         self._channel = consensus.ConsensusChannel(group, channel)
         self.stats.steps_timeline.append((0, self.steps))
 
@@ -250,7 +253,6 @@ class RoundCoordinator:
         self.stats.resets += observed.reset
         self.stats.shadow_rounds += observed.shadow
         self._prev_n_req = len(accepts)
-        self.stats.accept_histogram.update(accepts)
 
     def _time_previous(self, cols) -> None:
         """goodput with ``cost_alpha`` > 0: move the offset of the previous round's batch row

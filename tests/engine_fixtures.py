@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from adaptive_dist.config import AdaptiveConfig, load_config
-from adaptive_dist.coordinator import RoundPlan, RoundReport
+from adaptive_dist.coordinator import RoundPlan, RoundReport, RoundStats
 from workers.config import EngineConfig, no_spec
 from workers.engine import Engine, build_engine
 from workers.model import EagleConfig, EagleHead, LlamaConfig, LlamaForCausalLM, save_pretrained
@@ -119,7 +119,7 @@ class ScriptPlanner:
 
     def __init__(self, script: list[int], use_graph: bool, bucket: int | None) -> None:
         self.script, self.use_graph, self.bucket, self.i = script, use_graph, bucket, 0
-        self.steps = script[0]
+        self.steps, self.stats = script[0], RoundStats()
 
     @property
     def round(self) -> int:

@@ -35,7 +35,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
-from adaptive_dist.coordinator import RoundCoordinator, RoundPlan, RoundReport
+from adaptive_dist.coordinator import RoundCoordinator, RoundPlan, RoundReport, RoundStats
 from adaptive_dist.startup import agree_round_cost, probe_after_catchup
 from collectives import Group, LockstepGuard
 from workers.attention import make_backend
@@ -53,6 +53,7 @@ class RoundPlanner(Protocol):
 
     round: int           # rounds begun so far (the guard names a hung round by it)
     steps: int           # the depth in force
+    stats: RoundStats    # the run's record of the depth: switches, steps timeline
 
     def begin_round(self, report: RoundReport) -> RoundPlan:
         """Agree this round's plan with the other ranks (every rank, every round, idle too)."""
@@ -68,17 +69,27 @@ class RoundPlanner(Protocol):
 
 @dataclass
 class EngineStats:
-    """Acceptance and throughput of one run on this rank."""
+    """Acceptance and throughput of one run on this rank. The depth's record (switches, the steps
+    timeline) is the planner's (`run`, its `RoundStats`), read here, not kept twice."""
 
+    run: RoundStats = field(default_factory=RoundStats)   # the planner's
     accept_histogram: Counter = field(default_factory=Counter)  # accept length -> request-rounds
     rounds: int = 0             # rounds in which this rank ran requests
     generated_tokens: int = 0
     elapsed_s: float = 0.0
-    switches: int = 0
     graph_rounds: int = 0       # rounds that ran through CUDA graphs
     round_seconds: float = 0.0  # wall time of every round (idle ones too)
     plan_seconds: float = 0.0   # of which: agreeing the plan (the round's one collective)
-    steps_timeline: list[tuple[int, int]] = field(default_factory=list)  # (round, steps) on change
+
+    @property
+    def switches(self) -> int:
+        """Depth switches so far (the planner's count)."""
+        return self.run.switches
+
+    @property
+    def steps_timeline(self) -> list[tuple[int, int]]:
+        """(round, steps) at the start and at every switch (the planner's)."""
+        return self.run.steps_timeline
 
     @property
     def mean_accept_length(self) -> float:
@@ -90,13 +101,6 @@ class EngineStats:
     def tokens_per_second(self) -> float:
         """Generated tokens (all requests) per second of engine time."""
         return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    def record_plan(self, steps: int, switched: bool) -> None:
-        """Note the steps a round runs at (and whether a switch preceded it)."""
-        if switched:
-            self.switches += 1
-        if not self.steps_timeline or self.steps_timeline[-1][1] != steps:
-            self.steps_timeline.append((self.rounds, steps))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary."""
@@ -127,7 +131,7 @@ class Engine:
                  pool: RuntimeStatePool | None = None) -> None:
         self.config, self.worker, self.scheduler = config, worker, scheduler
         self.guard = guard
-        self.stats = EngineStats()
+        self.stats = EngineStats(planner.stats)
         self.planner = planner
         self.live: dict[int, Request] = {}   # queued or running; finished ones leave at retire
         self.last_plan: RoundPlan | None = None
@@ -136,6 +140,16 @@ class Engine:
         self._launched: _Launched | None = None   # overlap: the round in flight
         # the engine applies the depth the planner decides: one pre-built state per tier
         self.pool = pool if pool is not None else build_tiers(worker, config)
+
+    @property
+    def planner(self) -> RoundPlanner:
+        """What plans every round with the cluster; the engine's statistics read its record."""
+        return self._planner
+
+    @planner.setter
+    def planner(self, planner: RoundPlanner) -> None:
+        self._planner = planner
+        self.stats.run = planner.stats
 
     def add(self, prompt_ids: list[int], params: SamplingParams, seed: int = 0,
             rid: int | None = None) -> Request:
@@ -270,7 +284,6 @@ class Engine:
                                          None if result.shadow is None else result.shadow[keep])
             self.scheduler.commit_round(reqs, result.first, result.accept, result.tokens)
             if reqs:
-                self.stats.record_plan(plan.steps, plan.switched)
                 self.stats.graph_rounds += plan.use_graph
                 if self.config.speculative:
                     counts = np.bincount(result.accept)

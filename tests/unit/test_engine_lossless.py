@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from adaptive_dist.config import AdaptiveConfig
-from adaptive_dist.coordinator import RoundPlan, RoundReport
+from adaptive_dist.coordinator import RoundPlan, RoundReport, RoundStats
 from engine_fixtures import (LOSSLESS_STOP, check_pages_back, engine_for, lossless_params,
                              random_prompts, tiny_pair)
 from workers.runtime_state import RuntimeStatePool
@@ -82,7 +82,7 @@ class RandomTierPlanner:
         self.candidates, self.rng = candidates, random.Random(seed)
         self.steps = candidates[0]
         self.seen: Counter = Counter()
-        self.round = 0
+        self.round, self.stats = 0, RoundStats()
 
     def begin_round(self, report: RoundReport) -> RoundPlan:
         others = [s for s in self.candidates if s != self.steps]
@@ -100,6 +100,8 @@ class RandomTierPlanner:
         # with overlap the results of a round arrive after the next round was planned
         steps = plan.steps if plan is not None else self.steps
         assert all(0 <= a <= steps for a in accepts)
+        if accepts:   # a round this rank ran: every plan is a switch
+            self.stats.switches += plan.switched
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
