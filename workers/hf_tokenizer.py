@@ -70,10 +70,6 @@ class HFTokenizer:
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
         return [self.bos_token_id] + ids if self.add_bos else ids
 
-    def encode_with_specials(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        # the library reads every added token's text as that token, in any text
-        return self.encode(text, add_special_tokens)
-
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -3,8 +3,7 @@ byte tokenizer of the bundled pair, and streaming decode. No torch here (the fro
 
     tok = load_tokenizer(target_dir)   # tokenizer.json there: `HFTokenizer`; else `ByteTokenizer`
     ids = tok.encode("prompt")         # with BOS where the tokenizer / config say so
-    ids = tok.encode("prompt", add_special_tokens=False)      # no BOS
-    ids = tok.encode_with_specials("<|bos|>text")   # special tokens' texts become their ids
+    ids = tok.encode("<|bos|>text", add_special_tokens=False)  # no BOS added; special texts: ids
     text = tok.decode(ids)             # special tokens dropped
     text = tok.decode(ids, skip_special_tokens=False)         # ... or written as their texts
     stream = StreamDecoder(tok)        # text of a growing id list, one settled piece at a time
@@ -14,14 +13,15 @@ The byte tokenizer: ids 0..255 are the bytes of the UTF-8 encoding; three specia
 ``BOS_ID = 256``, ``EOS_ID = 257``, ``PAD_ID = 258``. Ids 259..263 are unused padding so that
 ``VOCAB_SIZE = 264`` is a multiple of 8 (aligned embedding and LM-head rows); a model never needs
 to emit them and ``decode`` drops them. Every special id has a text (``SPECIAL_TOKENS``:
-``<|bos|>``, ``<|eos|>``, ``<|pad|>``, ``<|unused0|>``...): ``decode(..., skip_special_tokens=False)``
-writes it, and ``encode_with_specials`` (a rendered chat template) reads it back as the id.
-Prompt text goes through ``encode``, which reads every character as bytes, those texts too.
+``<|bos|>``, ``<|eos|>``, ``<|pad|>``, ``<|unused0|>``...): ``decode(...,
+skip_special_tokens=False)`` writes it, and ``ByteTokenizer.encode`` reads it back as the id, as
+the `tokenizers` library reads an added token's text in any text (a chat template writes
+``bos_token`` as text). The module's ``encode`` is bytes only.
 
 The bundled pair's ``tokenizer.json`` (for clients: ``tokenizers`` / transformers' AutoTokenizer)
 encodes and decodes exactly as this tokenizer does (tests/unit/test_serve_chat_parts.py); its
 ``tokenizer_config.json`` says ``"adaptive_dist_tokenizer": "bytes"``, so ``load_tokenizer``
-keeps this implementation for it (no `tokenizers` call per request, prompt text always bytes).
+keeps this implementation for it (no `tokenizers` call per request).
 """
 from __future__ import annotations
 
@@ -99,13 +99,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Prompt ids of `text`, with BOS where the tokenizer says so (none without
-        `add_special_tokens`)."""
-        ...
-
-    def encode_with_specials(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Ids of `text` in which special tokens' texts (a chat template's `bos_token`, ...)
-        are those tokens; nothing is added (the text brings its own BOS) unless
-        `add_special_tokens`."""
+        `add_special_tokens`: a rendered chat template brings its own). Special tokens' texts
+        in `text` are those tokens."""
         ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -124,10 +119,6 @@ class ByteTokenizer:
         self.bos_token_id, self.eos_token_ids = bos_token_id, tuple(eos_token_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        bos = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
-        return bos + encode(text)
-
-    def encode_with_specials(self, text: str, add_special_tokens: bool = False) -> list[int]:
         bos = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
         return bos + encode_with_specials(text)
 

@@ -94,6 +94,41 @@ def test_two_dp_groups_serve_the_reference_output(overlap: str) -> None:
     assert server.left_behind() == []
 
 
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_over_two_dp_groups_with_a_template_file(tmp_path) -> None:
+    """`--chat-template FILE` (and vLLM's spelling of --dp): n greedy choices of one chat
+    request, routed over both groups, are each the offline reference of the rendered prompt."""
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    server = start_server(["--data-parallel-size", "2", "--steps", "3", "--max-batch-size", "2",
+                           "--max-model-len", "256", "--timeout", str(TIMEOUT),
+                           "--chat-template", str(template)], nproc=2)
+    try:
+        messages = [{"role": "system", "content": "code"}, {"role": "user", "content": "x = ["}]
+        [ref] = offline_greedy(["<system>code\n<user>x = [\n<assistant>"], MAX_TOKENS)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        before = [find(metrics(server.url), "rounds_total", dp_rank=g) for g in (0, 1)]
+        out = client.chat.completions.create(model="tiny_pair", messages=messages, n=4,
+                                             temperature=0, max_tokens=MAX_TOKENS)
+        assert [c.message.content for c in out.choices] == [decode(ref)] * 4
+        assert out.usage.completion_tokens == 4 * len(ref)
+        streamed = [""] * 4
+        for chunk in client.chat.completions.create(model="tiny_pair", messages=messages, n=4,
+                                                    temperature=0, max_tokens=MAX_TOKENS,
+                                                    stream=True):
+            for c in chunk.choices:
+                streamed[c.index] += c.delta.content or ""
+        assert streamed == [decode(ref)] * 4
+        after = [find(metrics(server.url), "rounds_total", dp_rank=g) for g in (0, 1)]
+        assert all(a > b for a, b in zip(after, before)), (before, after)   # both groups ran
+    finally:
+        server.stop()
+    assert server.left_behind() == []
+
+
 @pytest.mark.parametrize("how", ["kill_rank_1", "hang_rank_1", "ctrl_c"])
 def test_rank_death_or_ctrl_c_fails_requests_and_leaves_nothing(how: str) -> None:
     server = start_server(["--dp", "2", "--steps", "3", "--max-model-len", str(LONG_CONTEXT),

@@ -31,9 +31,12 @@ ROOT = Path(__file__).resolve().parents[2]
 TARGET = ROOT / "workers" / "assets" / "tiny_pair" / "target"
 CODEC = ByteCodec(bos_token_id=256)
 LIMITS = Limits(max_context_len=64, vocab_size=264, dp=2, max_prompts=8, eos_token_ids=(257,))
-CORPUS = ["def f(x):\n    return 'héllo wörld' + x  # ✓ 中文 🙂 — ok", "", " ", "  leading",
+CORPUS = ["def f(x):\n    return 'héllo wörld' + x  # ✓ 中文 🙂 — ok", "", " ",
+          "  leading",
           "tab\tnew\nline\r\ncr", "\x00\x01\x7f\x80 controls", "ÿĀ Latin-1 edges \u00a0\u00ad",
-          "<|bos|", "|eos|>", "<| bos |>", "a" * 3000, "\U0010ffff\ufeff\u200b"]
+          "<|bos|", "|eos|>", "<| bos |>", "a" * 3000, "\U0010ffff\ufeff\u200b",
+          "<|bos|># user:\nhi\n# assistant:\n", "a<|eos|><|eos|>b<|pad|>", "<|unused4|>",
+          "x<|bos|>y<|unused0|><<|eos|>>", "<|unused5|><|bos|"]
 
 
 def _random_texts(n: int, seed: int) -> list[str]:
@@ -43,7 +46,7 @@ def _random_texts(n: int, seed: int) -> list[str]:
     return ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 80))) for _ in range(n)]
 
 
-# ---- the bundled pair's tokenizer.json ------------------------------------------------------------
+# ---- the bundled pair's tokenizer.json -----------------------------------------------------------
 
 def test_tokenizer_json_gives_the_engine_tokenizer_ids() -> None:
     from tokenizers import Tokenizer
@@ -56,7 +59,7 @@ def test_tokenizer_json_gives_the_engine_tokenizer_ids() -> None:
     for text in CORPUS + _random_texts(300, 0):
         assert hf.encode(text).ids == engine.encode(text), text            # BOS + bytes
         assert hf.encode(text, add_special_tokens=False).ids == engine.encode(
-            text, add_special_tokens=False) == list(text.encode())
+            text, add_special_tokens=False)
     rng = random.Random(1)
     for _ in range(1000):       # every id, invalid UTF-8 included, with and without specials
         ids = [rng.randrange(264) for _ in range(rng.randrange(1, 40))]
@@ -64,17 +67,13 @@ def test_tokenizer_json_gives_the_engine_tokenizer_ids() -> None:
             assert hf.decode(ids, skip_special_tokens=skip) == engine.decode(ids, skip), ids
 
 
-def test_special_tokens_texts_read_back_as_ids_in_rendered_prompts() -> None:
-    from tokenizers import Tokenizer
-
-    hf = Tokenizer.from_file(str(TARGET / "tokenizer.json"))
+def test_special_tokens_texts_are_their_ids() -> None:
     engine = load_tokenizer(TARGET)
-    for text in ["<|bos|># user:\nhi\n# assistant:\n", "a<|eos|><|eos|>b<|pad|>", "<|unused4|>",
-                 "<|bos|", "x<|bos|>y<|unused0|>"]:
-        assert hf.encode(text, add_special_tokens=False).ids == engine.encode_with_specials(text)
-        assert hf.encode(text).ids == engine.encode_with_specials(text, add_special_tokens=True)
-    # prompt text is bytes, special texts included (as the engine always read it)
-    assert engine.encode("<|eos|>")[1:] == list(b"<|eos|>")
+    assert engine.encode("a<|eos|>b<|bos|", add_special_tokens=False) == [97, 257, 98,
+                                                                           *b"<|bos|"]
+    assert engine.decode(engine.encode("x<|pad|>y"), skip_special_tokens=False) == \
+        "<|bos|>x<|pad|>y"
+    assert bytes_tok.encode("<|eos|>") == list(b"<|eos|>")      # the module's encode: bytes
 
 
 def test_auto_tokenizer_loads_the_bundled_pair() -> None:
@@ -90,7 +89,7 @@ def test_auto_tokenizer_loads_the_bundled_pair() -> None:
     assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == ours
     ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    assert list(ids) == CODEC.encode_with_specials(ours)
+    assert list(ids) == CODEC.encode(ours, add_special_tokens=False)
 
 
 # ---- chat templates ------------------------------------------------------------------------------
@@ -204,7 +203,7 @@ def test_where_templates_come_from(tmp_path: Path) -> None:
 def _render(messages, add_generation_prompt):
     text = load_chat_template(TARGET).render([m.for_template() for m in messages],
                                              add_generation_prompt)
-    return CODEC.encode_with_specials(text)
+    return CODEC.encode(text, add_special_tokens=False)
 
 
 def _chat(**kw):
@@ -338,7 +337,7 @@ def test_a_stop_token_is_counted_but_not_written() -> None:
     assert s.feed([97, 257, 98], final=True) == "ab"
 
 
-# ---- the ranks' checks ------------------------------------------------------------------------------
+# ---- the ranks' checks ---------------------------------------------------------------------------
 
 def _generate(**kw) -> Generate:
     fields = dict(seq=1, rid="r", dp_rank=0, prompt_ids=[256, 97], max_tokens=4,
@@ -361,7 +360,7 @@ def test_the_ranks_check_stop_token_ids_and_ignore_eos() -> None:
         assert refusal is not None and refusal.message.startswith(refusal.param + ": "), kw
 
 
-# ---- the server's flags -------------------------------------------------------------------------------
+# ---- the server's flags --------------------------------------------------------------------------
 
 def _parse(*argv: str):
     from adaptive_dist.cli import build_parser
@@ -392,10 +391,11 @@ def test_other_servers_spellings_of_the_flags(tmp_path: Path) -> None:
     (["--model", "/a", "/b"], "--model /a and MODEL (positional) /b disagree"),
     (["--chat-template", "/nonexistent.jinja"], "--chat-template '/nonexistent.jinja'"),
 ])
-def test_conflicting_spellings_are_refused_naming_both(argv, message) -> None:
-    res = subprocess.run([sys.executable, "-m", "adaptive_dist", "serve", *argv],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert res.returncode == 2 and message in res.stderr, res.stderr
+def test_conflicting_spellings_are_refused_naming_both(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        _parse(*argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err, err
 
 
 def test_a_rank_picks_its_thread_count_unless_omp_num_threads_is_set() -> None:

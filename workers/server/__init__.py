@@ -15,9 +15,11 @@ Processes and sockets (the README's "Serving" section has the whole picture):
 Modules: ``protocol`` (messages), ``inbox`` (rank-side sockets), ``engine_glue`` (the only code
 that touches the engine), ``rank`` (the rank loop), ``launch`` (the ``serve`` command on a rank),
 ``admission`` (the ranges of a request's values, checked by the frontend and again by every rank),
-``frontend`` / ``api`` / ``openai_io`` / ``text`` / ``router`` / ``metrics`` (the frontend
-process), ``client`` and ``cli`` (the ``client`` command and the entry points).
+``frontend`` / ``api`` / ``openai_io`` / ``chat`` / ``text`` / ``router`` / ``metrics`` (the
+frontend process; ``chat`` renders chat templates), ``client`` and ``cli`` (the ``client``
+command, the entry points and the flags' other spellings).
 
-docs/serving.md specifies the request fields' ranges, how stop strings count tokens, and when a
-rank refuses a request (every rank of the replica alike, in the same round).
+docs/serving.md specifies the endpoints, the request fields' ranges, how stop strings and stop
+tokens count, chat templates, and when a rank refuses a request (every rank of the replica
+alike, in the same round).
 """

@@ -120,7 +120,7 @@ def create_app(cluster: ClusterClient, metrics: FrontendMetrics,
         except TemplateRefusal as err:
             raise bad("messages", f"the chat template refused them: {str(err)[:300]}") from None
         try:
-            return codec().encode_with_specials(text, add_special_tokens)
+            return codec().encode(text, add_special_tokens)
         except Exception as err:   # e.g. a lone surrogate (JSON allows "\ud800"): no UTF-8
             raise bad("messages", f"the text cannot be encoded ({type(err).__name__}: "
                                   f"{str(err)[:120]})") from None
@@ -339,7 +339,7 @@ class _Job:
                                              usage, chunk)
         return openai_io.completion(self.id, self.params.model, self.created, choices, usage)
 
-    # ---- non-streaming -----------------------------------------------------------------------------
+    # ---- non-streaming ---------------------------------------------------------------------------
     async def complete(self, request: Request) -> Response:
         async def run() -> None:
             while not self.done:
@@ -373,7 +373,7 @@ class _Job:
             raise error
         return True
 
-    # ---- streaming --------------------------------------------------------------------------------
+    # ---- streaming -------------------------------------------------------------------------------
     def stream(self) -> Response:
         """Server-sent events; headers go out at once (a queued request may wait for a slot),
         so a failure after this point is an error event in the stream."""

@@ -14,7 +14,7 @@ refuses the messages: a 400 with that message) and ``strftime_now(format)``; the
 ``tools`` and ``documents`` (None), and the special tokens' texts of ``tokenizer_config.json``
 (``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``; "" when absent). The text then goes
 through the tokenizer with special tokens' texts read as those tokens and nothing added
-(``Codec.encode_with_specials``): the template writes the BOS itself.
+(``Codec.encode(text, add_special_tokens=False)``): the template writes the BOS itself.
 
 No torch or transformers here (the frontend imports it).
 """

@@ -44,6 +44,12 @@ def _serve_parser_class(base: type) -> type:
                 if not hasattr(namespace, dest):
                     setattr(namespace, dest, _UNSET)
             ns, extras = super().parse_known_args(args, namespace)
+            if extras and getattr(ns, "model_path", None) is not None and args is not None:
+                # refused anyway: a stray value after an unknown flag is no model path
+                # ("--served 1" is one unknown argument pair, as without a positional)
+                stray = set(extras) | {ns.model_path}
+                extras = [a for a in args if a in stray]
+                ns.model_path = None
             try:
                 resolve_aliases(ns, {d: a.default for d, a in ours.items()})
                 if getattr(ns, "chat_template", None):   # refused now, not at the first chat

@@ -19,7 +19,8 @@ from workers.tokenizer import ByteTokenizer, StreamDecoder, Tokenizer, load_toke
 
 
 class Codec:
-    """Prompt text -> ids (with BOS where the tokenizer says so) and ids -> text."""
+    """Prompt text -> ids (with BOS where the tokenizer says so; special tokens' texts are those
+    tokens) and ids -> text."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -28,11 +29,6 @@ class Codec:
         if add_special_tokens:
             return self.tokenizer.encode(text)
         return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def encode_with_specials(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Ids of a rendered chat template: special tokens' texts in it are those tokens, and
-        nothing is added (the template writes its own BOS) unless `add_special_tokens`."""
-        return self.tokenizer.encode_with_specials(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:
