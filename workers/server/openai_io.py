@@ -332,7 +332,7 @@ def _check_context(prompts: list[list[int]], max_tokens: int, context: int,
         raise ApiError(400, message, param=param, code="context_length_exceeded")
 
 
-# ---- chat -----------------------------------------------------------------------------------------
+# ---- chat ----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class ChatMessage:
