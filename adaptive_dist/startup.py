@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 __all__ = ["ConfigMismatchError", "agree_settings", "agree_config", "exchange",
-           "all_ranks_or_none", "probe_after_catchup", "agree_round_cost", "measured_as_json"]
+           "all_ranks_or_none", "probe_after_catchup", "derived_settings", "agree_round_cost",
+           "measured_as_json"]
 
 
 class ConfigMismatchError(ConfigError):
@@ -76,6 +77,15 @@ def probe_after_catchup(config: AdaptiveConfig, catchup_rounds: int) -> Adaptive
     if catchup_rounds < 1:
         raise ConfigError(f"probe_after_catchup: catchup_rounds={catchup_rounds!r}: must be >= 1")
     return policy_class(config.policy).in_engine(config, catchup_rounds)
+
+
+def derived_settings(given: AdaptiveConfig, effective: AdaptiveConfig) -> str:
+    """``key given -> effective`` for every key whose effective value differs from the one
+    given ('' when none): what a run derived (``probe_after_catchup``) says before it starts,
+    beside the effective configuration's digest, so no given value changes unseen."""
+    before, after = given.to_dict(), effective.to_dict()
+    return ", ".join(f"{key} {before[key]!r} -> {after[key]!r}" for key in sorted(after)
+                     if before[key] != after[key])
 
 
 # ---- the goodput policy's cost table ------------------------------------------------------------

@@ -35,8 +35,9 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
+from adaptive_dist.cli import say
 from adaptive_dist.coordinator import RoundCoordinator, RoundPlan, RoundReport, RoundStats
-from adaptive_dist.startup import agree_round_cost, probe_after_catchup
+from adaptive_dist.startup import agree_round_cost, derived_settings, probe_after_catchup
 from collectives import Group, LockstepGuard
 from workers.attention import make_backend
 from workers.config import EngineConfig
@@ -388,8 +389,9 @@ def build_engine(config: EngineConfig, target: torch.nn.Module, head: torch.nn.M
     plans every `lockstep_check_every` rounds and arms its watchdog around every round.
 
     The speculative settings the engine runs are the effective ones: what an engine derives from
-    `config.spec` (`adaptive_dist.startup.probe_after_catchup`) and, for goodput, the cost table
-    measured on the built tiers and agreed; the planner's config hash holds them."""
+    `config.spec` (`adaptive_dist.startup.probe_after_catchup`; said on the group's first rank
+    when it changes a value) and, for goodput, the cost table measured on the built tiers and
+    agreed; the planner's config hash holds them."""
     backend = make_backend(config.attention_backend, config.device)
     worker = EagleWorker(target, head if config.speculative else None, config, backend)
     allocator = PageAllocator(config.pool_pages, config.page_size)
@@ -403,10 +405,14 @@ def build_engine(config: EngineConfig, target: torch.nn.Module, head: torch.nn.M
         # goodput at depth 0 learns acceptance from the catch-up's shadow checks: no probe
         # before the first of them can arrive
         spec = probe_after_catchup(spec, config.catchup_rounds)
+    derived = derived_settings(config.spec, spec)
     if spec.needs_round_cost:
         # goodput: measure this rank's round costs on the built tiers and agree the table (the
         # element-wise maximum over the ranks) before the planner, whose hash includes it
         spec = agree_round_cost(spec, measure_round_costs(config, worker, pool), group)
+    if derived and group.is_first:
+        say(f"effective configuration (derived for catchup_rounds {config.catchup_rounds}): "
+            f"{derived}; digest {spec.digest()}")
     if spec != config.spec:
         config = config.replace(spec=spec)
     planner = RoundCoordinator(config.spec, group, guard=guard)
