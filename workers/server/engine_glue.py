@@ -7,7 +7,6 @@ pages), ``current_steps`` (the depth in force) and ``numeric_stats`` (what ``eng
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,21 +45,13 @@ def kv_pages(engine: Any) -> KVPages:
 
 def current_steps(engine: Any) -> int:
     """The speculative depth in force (0 without speculation)."""
-    planner = getattr(engine, "planner", None)
-    return int(getattr(planner, "steps", 0) or 0) if planner is not None else 0
+    return int(engine.planner.steps)
 
 
 def numeric_stats(stats: Any) -> tuple[dict[str, float], dict[str, int]]:
-    """(numeric fields, accept histogram) of a stats object (`EngineStats`, `ControllerStats`,
-    or anything with a `to_dict()` / dataclass fields)."""
-    if stats is None:
-        return {}, {}
-    if hasattr(stats, "to_dict"):
-        raw = stats.to_dict()
-    elif dataclasses.is_dataclass(stats):
-        raw = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-    else:
-        raw = dict(vars(stats))
+    """(numeric fields, accept histogram) of a stats object's `to_dict()` (`EngineStats`, the
+    planner's `RoundStats`)."""
+    raw = stats.to_dict()
     numbers = {k: float(v) for k, v in raw.items()
                if isinstance(v, (int, float)) and not isinstance(v, bool)}
     for key, value in raw.items():   # Counters keyed by int (e.g. rounds_at_steps) flatten
@@ -179,9 +170,8 @@ class EngineAdapter:
         """This DP group's queue, KV pool and engine counters."""
         sched, engine = self.engine.scheduler, self.engine
         pages = kv_pages(engine)
-        eng_numbers, eng_hist = numeric_stats(getattr(engine, "stats", None))
-        planner = getattr(engine, "planner", None)
-        plan_numbers, _ = numeric_stats(getattr(planner, "stats", None))
+        eng_numbers, eng_hist = numeric_stats(engine.stats)
+        plan_numbers, _ = numeric_stats(engine.planner.stats)
         return QueueStats(
             dp_rank=self.dp_rank, running_requests=len(sched.running),
             waiting_requests=len(sched.waiting),
