@@ -13,6 +13,7 @@ _LAZY = {
     "load_config": "adaptive_dist.config",
     "RoundCoordinator": "adaptive_dist.coordinator", "RoundOutcome": "adaptive_dist.coordinator",
     "RoundPlan": "adaptive_dist.coordinator", "RoundReport": "adaptive_dist.coordinator",
+    "RoundStats": "adaptive_dist.coordinator",
     "DepthPolicy": "adaptive_dist.policy", "depth_policy": "adaptive_dist.policy",
     "ConfigMismatchError": "adaptive_dist.startup", "agree_config": "adaptive_dist.startup",
     "agree_settings": "adaptive_dist.startup", "agree_round_cost": "adaptive_dist.startup",

@@ -34,7 +34,7 @@ class ReplayResult:
     rounds: int
     decision_digest: int
     consensus_us: list[float] = field(default_factory=list)
-    controller: Optional[RoundCoordinator] = None
+    coordinator: Optional[RoundCoordinator] = None
 
 
 def outcome_record(outcome: RoundOutcome, rank: int, policy: DepthPolicy) -> dict:
@@ -138,7 +138,7 @@ def summary(records: list[dict], result: ReplayResult, world: int, config: Adapt
     rank0 = [r for r in records if r["rank"] == 0]
     counted = len(rank0)
     switches = sum(1 for r in rank0 if r["switched"])
-    ctrl = result.controller
+    ctrl = result.coordinator
     lines = [
         f"consensus-only replay: {world} rank(s), policy {config.policy}, reducer {config.reducer}, "
         f"candidates {list(config.candidate_steps)}, initial steps {config.initial_steps}",

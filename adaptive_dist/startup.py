@@ -100,7 +100,7 @@ def agree_round_cost(config: AdaptiveConfig, measured: MeasuredCost,
     and depth, the maximum of the members' measurements (a round waits for the slowest rank).
 
     Call on every member of ``group`` with its own ``measured`` table, after the configuration
-    is agreed and before the first round — and before building the ``AdaptiveController``, whose
+    is agreed and before the first round — and before building the ``RoundCoordinator``, whose
     config hash includes the table. Each table needs the same buckets on every rank and a
     positive finite number of seconds for every candidate depth (0 included when it is a
     candidate); a bad or mismatched table is refused on every rank with the same
