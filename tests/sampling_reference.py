@@ -3,7 +3,8 @@ speculative acceptance the engine's device path (`workers.spec_decode`) is check
 Pearson's chi-square p-value and the target's exact joint distribution of its first three tokens
 after a prompt.
 
-- `target_probs`: the distribution a request samples from (temperature, then top-p).
+- `target_probs`: the distribution a request samples from (temperature, then top-k, then top-p).
+- `processed_logits`: the logits after min_tokens and the penalties, for one prefix.
 - `accept_greedy`: exact match of the draft against the target's argmax.
 - `accept_rejection`: speculative rejection sampling, lossless with respect to `target_probs`:
   draft token x (sampled from the draft's q) is kept with probability min(1, p(x)/q(x)); at the
@@ -18,16 +19,23 @@ from __future__ import annotations
 import torch
 
 from workers.model import DenseCausalAttention
+from workers.sampling import SamplingParams
 
 ALPHA = 1e-3
 
 
-def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """[..., V] probabilities (float32) after temperature and top-p; one-hot argmax when greedy."""
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float,
+                 top_k: int = 0) -> torch.Tensor:
+    """[..., V] probabilities (float32) after temperature, top-k (k >= 1: the k most likely
+    tokens, renormalised; 0: off) and then top-p of that; one-hot argmax when greedy."""
     logits = logits.float()
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     probs = torch.softmax(logits / temperature, dim=-1)
+    if 0 < top_k < probs.shape[-1]:
+        kth = probs.topk(top_k, dim=-1).values[..., -1:]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
     if top_p >= 1.0:
         return probs
     sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -89,13 +97,45 @@ VOCAB = 6
 PROMPT = [1, 4, 2, 5]
 
 
+def processed_logits(logits: torch.Tensor, prompt: list[int], output: list[int],
+                     params: SamplingParams) -> torch.Tensor:
+    """[V] float64: the logits of the token after `prompt + output` as `params` process them,
+    token by token: min_tokens (fewer than `min_tokens` tokens generated: the stop ids are
+    -inf), then the repetition penalty on every token of the prompt or the output (a positive
+    logit divided by it, any other multiplied), then `- frequency * count - presence` on every
+    token the output holds `count > 0` times."""
+    out = logits.double().clone()
+    if len(output) < params.min_tokens:
+        for t in params.stop_token_ids:
+            out[t] = float("-inf")
+    rep = params.repetition_penalty
+    for t in set(prompt) | set(output):
+        out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+    for t in set(output):
+        count = output.count(t)
+        out[t] = out[t] - params.frequency_penalty * count - params.presence_penalty
+    return out
+
+
 @torch.no_grad()
-def exact_joint(target, temperature: float, top_p: float) -> torch.Tensor:
-    """P(t0, t1, t2 | PROMPT) for every triple, flattened [V^3], from dense attention."""
+def dense_logits(target, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V] the target's logits at every position of `ids` (dense attention, no KV
+    cache)."""
+    t = torch.tensor(ids)
+    hidden = target(t, torch.arange(len(ids)), DenseCausalAttention([len(ids)]))
+    return target.compute_logits(hidden)
+
+
+@torch.no_grad()
+def exact_joint(target, temperature: float, top_p: float, top_k: int = 0,
+                params: SamplingParams | None = None) -> torch.Tensor:
+    """P(t0, t1, t2 | PROMPT) for every triple, flattened [V^3], from dense attention; with
+    `params`, the logits of each prefix processed (`processed_logits`: min_tokens, penalties)."""
     def dist(prefix: list[int]) -> torch.Tensor:
-        ids = torch.tensor(PROMPT + prefix)
-        hidden = target(ids, torch.arange(len(ids)), DenseCausalAttention([len(ids)]))
-        return target_probs(target.compute_logits(hidden[-1:]), temperature, top_p)[0].double()
+        logits = dense_logits(target, PROMPT + prefix)[-1]
+        if params is not None:
+            logits = processed_logits(logits, PROMPT, prefix, params)
+        return target_probs(logits[None], temperature, top_p, top_k)[0].double()
     joint = torch.zeros(VOCAB ** 3, dtype=torch.float64)
     p0 = dist([])
     for t0 in range(VOCAB):

@@ -63,6 +63,8 @@ argmax, the final token is the target's argmax at position a (exact match, as
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from workers import kernels
@@ -70,6 +72,7 @@ from workers import kernels
 __all__ = [
     "SALT_ACCEPT", "SALT_RESIDUAL", "SALT_BONUS", "SALT_SAMPLE", "draft_salt",
     "uniforms", "probs", "sample_from", "sample_tokens", "draft_step", "verify",
+    "Controls", "process_logits", "token_logprobs",
 ]
 
 MASK32 = 0xFFFFFFFF
@@ -165,13 +168,19 @@ def _rows(name: str, t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, *,
-          use_top_p: bool = True) -> torch.Tensor:
-    """[N, V] float32 distributions: temperature then top-p; one-hot argmax where temperature <= 0.
+          use_top_p: bool = True, top_k: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, V] float32 distributions: temperature, then top-k, then top-p; one-hot argmax where
+    temperature <= 0.
 
-    Row by row equal (to float tolerance) to the tests' `target_probs`; where tokens tie at
-    the cut all of them are kept (the reference keeps an arbitrary subset). A top_p <= 0 keeps
-    only the most likely token (so padded rows stay finite). `use_top_p=False` (a static,
-    host-known promise that every row has top_p >= 1) skips the sort over the vocabulary.
+    Row by row equal (to float tolerance) to the host reference `target_probs` of
+    `tests/sampling_reference.py`; where tokens tie at a cut all of them are kept (the reference
+    keeps an arbitrary subset at the top-p cut). A top_p <= 0 keeps only the most likely token (so
+    padded rows stay finite). `use_top_p=False` (a static, host-known promise that every row has
+    top_p >= 1 and no top-k) skips the sort over the vocabulary.
+
+    `top_k` [N] int (None: no row has one): a row with k >= 1 keeps its k most likely tokens
+    (and any tied with the k-th), renormalised, and then top-p applies to that distribution (as
+    vLLM composes them); k <= 0 is off, and such a row's result is bit-identical to `top_k=None`.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits: shape {list(logits.shape)}, expected [N, V]")
@@ -184,16 +193,34 @@ def probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, 
     p = torch.softmax(logits / safe_t[:, None], dim=-1)
     rank = torch.arange(vocab, device=logits.device)
     one_hot = (rank[None, :] == logits.argmax(-1, keepdim=True)).float()
-    if not use_top_p:
+    if not use_top_p and top_k is None:
         return torch.where(greedy[:, None], one_hot, p)
     sorted_p = p.sort(dim=-1, descending=True)[0]
-    mass_before = _cumsum(sorted_p) - sorted_p
-    n_keep = ((mass_before < top_p[:, None]) | (rank == 0)[None, :]).sum(-1, keepdim=True)
+    if top_k is None:
+        mass_before = _cumsum(sorted_p) - sorted_p
+        n_keep = ((mass_before < top_p[:, None]) | (rank == 0)[None, :]).sum(-1, keepdim=True)
+        restricted = top_p < 1
+    else:
+        k = _rows("top_k", top_k, n).to(torch.int64)
+        on = k > 0
+        # the k-th largest probability (the smallest one for rows without top-k): the top-k set
+        # is every token at or above it, a prefix of the sorted row (ties at the cut included)
+        kth = sorted_p.gather(1, (torch.where(on, k.clamp_max(vocab), vocab) - 1)[:, None])
+        in_top_k = sorted_p >= kth
+        top_sorted = torch.where(in_top_k, sorted_p, torch.zeros_like(sorted_p))
+        mass_before = _cumsum(top_sorted) - top_sorted
+        # top-p of the renormalised top-k distribution: preceding mass below top_p * its total
+        limit = torch.where(on, top_p * top_sorted.sum(-1), top_p)
+        n_top_p = ((mass_before < limit[:, None]) | (rank == 0)[None, :]).sum(-1, keepdim=True)
+        n_top_p = torch.where((top_p < 1)[:, None], n_top_p, torch.full_like(n_top_p, vocab))
+        n_keep = torch.minimum(n_top_p, in_top_k.sum(-1, keepdim=True))
+        restricted = (top_p < 1) | on
     cut = sorted_p.gather(1, n_keep - 1)              # the smallest kept probability
     kept = torch.where(p >= cut, p, torch.zeros_like(p))
     nucleus = kept / kept.sum(-1, keepdim=True)
-    # rows with top_p >= 1 keep the plain softmax (as the reference; no float-cumsum tail cut)
-    p = torch.where((top_p < 1)[:, None], nucleus, p)
+    # rows with top_p >= 1 and no top-k keep the plain softmax (as the reference; no
+    # float-cumsum tail cut)
+    p = torch.where(restricted[:, None], nucleus, p)
     return torch.where(greedy[:, None], one_hot, p)
 
 
@@ -247,14 +274,15 @@ def _below(t: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                   seed: torch.Tensor, counter: torch.Tensor, salt: int = SALT_SAMPLE, *,
-                  use_top_p: bool = True, all_greedy: bool = False) -> torch.Tensor:
-    """[N] int64: one token per row from probs(logits, ...) (the argmax on greedy rows).
+                  use_top_p: bool = True, all_greedy: bool = False,
+                  top_k: torch.Tensor | None = None) -> torch.Tensor:
+    """[N] int64: one token per row from probs(logits, ..., top_k) (the argmax on greedy rows).
 
     `all_greedy=True` (static: every row has temperature 0) returns the argmax alone.
     """
     if all_greedy:
         return logits.argmax(-1)
-    p = probs(logits, temperature, top_p, use_top_p=use_top_p)
+    p = probs(logits, temperature, top_p, use_top_p=use_top_p, top_k=top_k)
     u = uniforms(seed, counter, salt, 1)[:, 0]
     greedy = temperature <= 0
     return torch.where(greedy, logits.argmax(-1), sample_from(p, u))
@@ -284,6 +312,109 @@ def draft_step(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Ten
     return torch.where(greedy, logits.argmax(-1), sample_from(q, u)), q
 
 
+# ---- logits processing: min_tokens, penalties; logprobs ---------------------------------------
+
+@dataclass(frozen=True)
+class Controls:
+    """Per-row inputs of the logits processing of a round (`process_logits`) and its top-k; one
+    row per request, gathered from the slot state. Neutral values (top_k 0, stop_until 0,
+    presence 0, frequency 0, repetition 1) leave a row's logits bit-identical."""
+
+    top_k: torch.Tensor        # [B] int64: k >= 1, or 0 (off)
+    stop_ids: torch.Tensor     # [B, M] int64: the ids min_tokens masks (padded with repeats)
+    stop_until: torch.Tensor   # [B] int64: a token at an absolute position below it is no stop
+    presence: torch.Tensor     # [B] float32
+    frequency: torch.Tensor    # [B] float32
+    repetition: torch.Tensor   # [B] float32 (1: off)
+    counts: torch.Tensor       # [B, V] int32: each token's count among the generated tokens
+    seen: torch.Tensor         # [B, V] bool: the token occurs in the prompt
+
+    @staticmethod
+    def neutral(b: int, vocab: int, device: torch.device | str = "cpu") -> "Controls":
+        """Controls that change nothing (for `b` rows over `vocab` tokens)."""
+        def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dt, device=device)
+        return Controls(top_k=zeros(b), stop_ids=zeros(b, 1), stop_until=zeros(b),
+                        presence=zeros(b, dt=torch.float32), frequency=zeros(b, dt=torch.float32),
+                        repetition=torch.ones(b, dtype=torch.float32, device=device),
+                        counts=zeros(b, vocab, dt=torch.int32),
+                        seen=zeros(b, vocab, dt=torch.bool))
+
+
+def _penalised(logits: torch.Tensor, count: torch.Tensor, seen: torch.Tensor,
+               presence: torch.Tensor, frequency: torch.Tensor,
+               repetition: torch.Tensor) -> torch.Tensor:
+    """Penalties on logits, element-wise (broadcasting): the repetition penalty on tokens of the
+    prompt or generated so far (logits > 0 divided by it, others multiplied), then
+    `- frequency * count - presence * [count > 0]` (OpenAI's, over the generated tokens)."""
+    generated = count > 0
+    scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen | generated, scaled, logits)
+    return logits - frequency * count - presence * generated.to(logits.dtype)
+
+
+def process_logits(logits: torch.Tensor, counter: torch.Tensor, controls: Controls,
+                   draft: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, W, V] float32: the target's logits over a verify window (or W = 1: plain decoding)
+    after min_tokens and the penalties, position by position.
+
+    Window position j of row b draws the token at absolute position `counter[b] + j + 1`
+    (`counter` = n, the position of the last committed token; at a prefill, the last prompt
+    position). min_tokens: where that position is below `stop_until`, the stop ids' logits are
+    -inf. Penalties: position j conditions on the committed tokens (`controls.counts`) and on
+    the drafts d_1 .. d_j before it (`draft` [B, W-1], their ids as drawn), so the counts at
+    position j add those drafts: the whole window is penalised with the committed counts, then
+    each draft token's logit is recomputed at every position with its count in that position's
+    prefix (writes for the same token at the same position carry the same value). Rows with
+    neutral controls come back bit-identical. Pure tensor code, capturable.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits: shape {list(logits.shape)}, expected [B, W, V]")
+    b, w, vocab = logits.shape
+    dev = logits.device
+    logits = logits.float()
+    # min_tokens: the stop ids may not be drawn below stop_until
+    pos = counter.to(torch.int64)[:, None] + 1 + torch.arange(w, device=dev)[None, :]   # [B, W]
+    early = pos < controls.stop_until[:, None]
+    ids = controls.stop_ids[:, None, :].expand(b, w, controls.stop_ids.shape[1])
+    current = logits.gather(2, ids)
+    logits = logits.scatter(2, ids, torch.where(early[..., None],
+                                                torch.full_like(current, float("-inf")),
+                                                current))
+    presence = controls.presence.float()[:, None, None]
+    frequency = controls.frequency.float()[:, None, None]
+    repetition = controls.repetition.float()[:, None, None]
+    out = _penalised(logits, controls.counts[:, None, :].float(), controls.seen[:, None, :],
+                     presence, frequency, repetition)
+    if draft is None or draft.shape[1] == 0:
+        return out
+    s = draft.shape[1]
+    if s != w - 1:
+        raise ValueError(f"draft: shape {list(draft.shape)}, expected [{b}, {w - 1}]")
+    d = draft.to(torch.int64).clamp(0, vocab - 1)                                # [B, S]
+    same = (d[:, :, None] == d[:, None, :]).to(torch.int64)                      # [B, S, S]
+    # before[b, i, j]: how many of the drafts d_0 .. d_{j-1} equal draft d_i
+    before = torch.cat([torch.zeros_like(same[:, :, :1]), same.cumsum(-1)], -1)  # [B, S, W]
+    before = before.transpose(1, 2)                                              # [B, W, S]
+    idx = d[:, None, :].expand(b, w, s)
+    count = controls.counts.gather(1, d)[:, None, :].to(torch.int64) + before
+    seen = controls.seen.gather(1, d)[:, None, :].expand(b, w, s)
+    value = _penalised(logits.gather(2, idx), count.float(), seen, presence, frequency,
+                       repetition)
+    return out.scatter(2, idx, value)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The raw log-probabilities (log_softmax of `logits` [N, V], float32): of `tokens` [N] and
+    of each row's `k` most likely tokens -> (token_lp [N], top_lp [N, k], top_ids [N, k] int64),
+    top-k in descending order."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    token_lp = lp.gather(1, tokens.to(torch.int64).clamp(0, lp.shape[1] - 1)[:, None])[:, 0]
+    top_lp, top_ids = lp.topk(k, dim=-1)
+    return token_lp, top_lp, top_ids
+
+
 # ---- verify and accept -----------------------------------------------------------------------
 
 def _check_verify(draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
@@ -308,7 +439,8 @@ def _check_verify(draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Ten
 def verify(draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
            temperature: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
            counter: torch.Tensor, num_draft: torch.Tensor, fill: int = 0, *,
-           use_top_p: bool = True, all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           use_top_p: bool = True, all_greedy: bool = False,
+           top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept a round's drafts against the target: (accept_len [B] int64, tokens [B, S+1] int64).
 
     `draft` [B, S] was drawn from `q` [B, S, V]; `target_logits` [B, S+1, V] are the target's
@@ -317,7 +449,10 @@ def verify(draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
     replacement or bonus); the rest hold `fill`. Draft ids outside [0, V) are never accepted.
     Static, host-known shortcuts (each a separate CUDA graph if used): `use_top_p=False` when no
     row has top_p < 1 (no sort); `all_greedy=True` when every row is greedy (argmax only; q,
-    top_p, seed and counter are then not read).
+    top_p, seed and counter are then not read). `top_k` [B] (None: no row has one): the target's
+    distribution is `probs(..., top_k)`, so acceptance, residual and bonus keep its top-k.
+    Logits processing that depends on the window position (min_tokens, penalties) is applied to
+    `target_logits` beforehand (`process_logits`).
     """
     b, s, vocab = _check_verify(draft, q, target_logits, {
         "temperature": temperature, "top_p": top_p, "seed": seed, "counter": counter,
@@ -344,7 +479,9 @@ def verify(draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
     p = probs(target_logits.reshape(b * (s + 1), vocab),
               temperature[:, None].expand(b, s + 1).reshape(-1),
               top_p[:, None].expand(b, s + 1).reshape(-1),
-              use_top_p=use_top_p).view(b, s + 1, vocab)
+              use_top_p=use_top_p,
+              top_k=None if top_k is None else top_k[:, None].expand(b, s + 1).reshape(-1)
+              ).view(b, s + 1, vocab)
 
     # Which drafts are kept (vectorised over batch and steps), then the leading run of them.
     px = p[:, :s].gather(2, x[..., None])[..., 0]                           # [B, S]
