@@ -45,7 +45,7 @@ from workers.kv_cache import PageAllocator
 from workers.runtime_state import RuntimeStatePool
 from workers.sampling import SamplingParams
 from workers.scheduler import Request, Scheduler
-from workers.worker import EagleWorker, RoundResult
+from workers.worker import EagleWorker
 
 
 class RoundPlanner(Protocol):
@@ -280,10 +280,9 @@ class Engine:
                 keep = np.fromiter((not r.finished for r in reqs), dtype=bool, count=len(reqs))
                 if not keep.all():
                     reqs = [r for r, k in zip(reqs, keep) if k]
-                    result = RoundResult(result.first[keep], result.accept[keep],
-                                         result.tokens[keep],
-                                         None if result.shadow is None else result.shadow[keep])
-            self.scheduler.commit_round(reqs, result.first, result.accept, result.tokens)
+                    result = result.select(keep)
+            self.scheduler.commit_round(reqs, result.first, result.accept, result.tokens,
+                                        result.logprobs)
             if reqs:
                 self.stats.graph_rounds += plan.use_graph
                 if self.config.speculative:
@@ -397,7 +396,7 @@ def build_engine(config: EngineConfig, target: torch.nn.Module, head: torch.nn.M
     allocator = PageAllocator(config.pool_pages, config.page_size)
     scheduler = Scheduler(allocator, config.max_batch_size, config.max_context_len,
                           lambda r: config.kv_tokens(len(r.prompt_ids), r.params.max_new_tokens),
-                          device=config.device)
+                          device=config.device, prompt_logprobs=config.dp == 1)
     group = group if group is not None else Group.single(config.device, name="world")
     pool = build_tiers(worker, config)
     spec = config.spec

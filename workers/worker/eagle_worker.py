@@ -6,8 +6,8 @@ and the head's last output `g_n`.
 
 One round at depth `S` runs three device phases on the agreed padded batch — the whole draft
 loop, verify + accept, draft-extend + the slot update (`RoundPhases`, `workers.worker.phases`) —
-one CUDA graph each per depth and bucket (greedy-only and sampling variants), the same bodies
-eager; the host reads the round's rows once (`collect`). Depth 0 with a head runs the plain round
+one CUDA graph each per depth and bucket (greedy-only and sampling variants; the verify phase
+also with the logits processing of `docs/sampling.md`), the same bodies eager; the host reads the round's rows once (`collect`). Depth 0 with a head runs the plain round
 and lets the head's cache lag; the lag ring, the deferred prompts and the catch-up are
 `DraftLag`'s (`workers.worker.draft_lag`).
 
@@ -32,7 +32,7 @@ from workers.worker.models import RankModels
 from workers.worker.phases import RoundPhases, round_phases
 from workers.worker.prefill import PrefillRunner
 from workers.worker.round_cost import measure_tiers
-from workers.worker.slots import SHADOW_COLUMNS, SlotState, StepBuffers
+from workers.worker.slots import SHADOW_COLUMNS, SlotState, StepBuffers, logprob_width
 from workers.worker.staging import HostStage, LaunchedRound, RoundResult
 
 
@@ -54,7 +54,8 @@ class EagleWorker:
         self.device = torch.device(config.device)
         self.models = RankModels(target, head, config, backend, self.device)
         dtype = next(target.parameters()).dtype
-        self.slots = SlotState(config, target.feature_size, dtype, self.device)
+        vocab = target.config.vocab_size
+        self.slots = SlotState(config, target.feature_size, dtype, self.device, vocab)
         self.lag = DraftLag(config, self.slots, self.models)
         self.phases = RoundPhases(self.slots, self.models, self.lag)
         self.prefill_runner = PrefillRunner(config, self.slots, self.models, self.lag)
@@ -62,7 +63,8 @@ class EagleWorker:
         # staged while the device may still copy the previous one's
         top = self.slots.round_rows.shape[0]
         self._stages = [HostStage.make(top, 2 + config.max_steps + 1 + SHADOW_COLUMNS,
-                                       self.device) for _ in range(2)]
+                                       self.device, config.max_steps + 1, logprob_width(vocab))
+                        for _ in range(2)]
         self._launches = 0
         self.graphs = CudaGraphRunner(self.device) if config.graph_buckets else None
         self.buckets = config.graph_buckets
@@ -171,12 +173,17 @@ class EagleWorker:
         staged[len(reqs):bp] = self.slots.dummy
         bufs.rows[:bp].copy_(stage.rows[:bp], non_blocking=True)
         greedy = all(r.params.greedy for r in reqs)
+        # processed: some request's logits are processed (top-k, min_tokens, penalties,
+        # logprobs): the verify phase's variant with the processing; none: today's variant
+        processed = any(r.params.processed for r in reqs)
         reach = self._reach(reqs, graph_bucket)
         if bufs.steps > 0 and self.lag.behind:
             self.lag.catch_up(bufs, bp, reach, graph_bucket)   # drafting resumes: first the cache
         for phase in round_phases(bufs.steps):
             if graph_bucket is None:
-                self.phases.body(bufs, phase, bp, reach, greedy)()
+                self.phases.body(bufs, phase, bp, reach, greedy, processed)()
+            elif processed and phase == "verify":
+                bufs.processed_graphs[(graph_bucket, greedy)].replay()
             else:  # draft-extend samples nothing: one graph serves both
                 bufs.graphs[(phase, graph_bucket, greedy or phase == "extend")].replay()
         shadow = False
@@ -187,12 +194,20 @@ class EagleWorker:
         out = bufs.out[:len(reqs)]
         host = stage.out[:len(reqs) * width].view(len(reqs), width)
         host.copy_(out, non_blocking=True)
+        logprobs = None
+        if processed and any(r.params.logprobs is not None for r in reqs):
+            n, w, k1 = len(reqs), bufs.steps + 1, bufs.lp_values.shape[2]
+            values = stage.lp_values[:n * w * k1].view(n, w, k1)
+            ids = stage.lp_ids[:n * w * (k1 - 1)].view(n, w, k1 - 1)
+            values.copy_(bufs.lp_values[:n], non_blocking=True)
+            ids.copy_(bufs.lp_ids[:n], non_blocking=True)
+            logprobs = (values, ids)
         done = stage.done
         if done is not None:
             done.record(torch.cuda.current_stream(self.device))
         extra = bufs.extra_columns
         return LaunchedRound(reqs=reqs, host=host, done=done, steps=bufs.steps, extra=extra,
-                             shadow=shadow)
+                             shadow=shadow, logprobs=logprobs)
 
     def collect(self, launched: "LaunchedRound") -> "RoundResult":
         """Wait for a launched round and read its results (the round's one host synchronisation:
@@ -201,9 +216,12 @@ class EagleWorker:
             launched.done.synchronize()
         rows = launched.host.numpy()
         end = rows.shape[1] - launched.extra
+        logprobs = None if launched.logprobs is None else tuple(
+            t.numpy().copy() for t in launched.logprobs)
         return RoundResult(first=rows[:, 0].copy(), accept=rows[:, 1].copy(),
                            tokens=rows[:, 2:end].copy(),
-                           shadow=rows[:, end:].copy() if launched.shadow else None)
+                           shadow=rows[:, end:].copy() if launched.shadow else None,
+                           logprobs=logprobs)
 
     def _reach(self, reqs: Sequence[Request], bucket: int | None) -> int:
         """Pages of KV each row may read: the captured reach for graphs, else what this batch

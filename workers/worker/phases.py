@@ -27,7 +27,11 @@ lockstep. Everything whose shape depends on `S` lives in a `SpecRuntimeState` (o
 pre-built).
 
 Each phase is a body over a tier's `StepBuffers` and the slot state (what a CUDA graph holds; an
-eager round calls the same body). At depth 0 with a head the verify phase also appends each row's
+eager round calls the same body). The verify phase has a processed variant (its own graphs), run
+when a request of the round has `SamplingParams.processed` (top-k, min_tokens, penalties,
+logprobs): the target's logits go through `process_logits` per window position, acceptance keeps
+top-k, the committed tokens are counted in their slots and the raw logprobs of every candidate
+are staged; a round without such a request runs exactly the variant it ran before them. At depth 0 with a head the verify phase also appends each row's
 committed token and target feature to its lag ring (`workers.worker.draft_lag`).
 """
 from __future__ import annotations
@@ -37,7 +41,14 @@ from typing import Callable
 import torch
 
 from workers.cuda_graphs import CudaGraphRunner
-from workers.spec_decode import SALT_SAMPLE, draft_step, sample_tokens, verify
+from workers.spec_decode import (
+    SALT_SAMPLE,
+    draft_step,
+    process_logits,
+    sample_tokens,
+    token_logprobs,
+    verify,
+)
 from workers.worker.draft_lag import CATCHUP, DraftLag
 from workers.worker.models import RankModels
 from workers.worker.slots import SlotState, StepBuffers
@@ -57,24 +68,34 @@ class RoundPhases:
     def __init__(self, slots: SlotState, models: RankModels, lag: DraftLag) -> None:
         self.slots, self.models, self.lag = slots, models, lag
 
-    def body(self, bufs: StepBuffers, phase: str, bp: int, reach: int,
-             greedy: bool) -> Callable[[], None]:
+    def body(self, bufs: StepBuffers, phase: str, bp: int, reach: int, greedy: bool,
+             processed: bool = False) -> Callable[[], None]:
         """Phase `phase` (or the catch-up) of a round over `bp` rows whose KV reach is `reach`
-        pages; reads and writes only the tier's static buffers and the slot state."""
-        fn = {"draft": self.draft_phase, "verify": self.verify_phase,
-              "extend": self.extend_phase, CATCHUP: self.lag.catchup_phase}[phase]
+        pages; reads and writes only the tier's static buffers and the slot state. `processed`:
+        the verify phase's variant with the logits processing (other phases have none)."""
+        if phase == "verify":
+            return lambda: self.verify_phase(bufs, bp, reach, greedy, processed)
+        fn = {"draft": self.draft_phase, "extend": self.extend_phase,
+              CATCHUP: self.lag.catchup_phase}[phase]
         return lambda: fn(bufs, bp, reach, greedy)
 
     def capture(self, graphs: CudaGraphRunner, bufs: StepBuffers, bucket: int,
                 reach: int) -> None:
         """Capture every phase of the tier at `bucket` into `bufs.graphs`: the draft and verify
         phases once with device sampling (any request) and once greedy-only (argmax, cheaper);
-        draft-extend samples nothing: once."""
+        draft-extend samples nothing: once. The verify phase each way again with the logits
+        processing, into `bufs.processed_graphs`."""
         for phase in round_phases(bufs.steps):
             for greedy in ((False, True) if phase != "extend" else (True,)):
-                body = self.body(bufs, phase, bucket, reach, greedy)
-                name = f"{phase}/steps={bufs.steps}/bucket={bucket}/greedy={greedy}"
-                bufs.graphs[(phase, bucket, greedy)] = graphs.capture_body(name, body)
+                for processed in ((False, True) if phase == "verify" else (False,)):
+                    body = self.body(bufs, phase, bucket, reach, greedy, processed)
+                    name = f"{phase}/steps={bufs.steps}/bucket={bucket}/greedy={greedy}" + (
+                        "/processed" if processed else "")
+                    entry = graphs.capture_body(name, body)
+                    if processed:
+                        bufs.processed_graphs[(bucket, greedy)] = entry
+                    else:
+                        bufs.graphs[(phase, bucket, greedy)] = entry
 
     def draft_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
         """`steps` draft tokens per row (chain drafting) and their distributions (an all-greedy
@@ -97,8 +118,11 @@ class RoundPhases:
             bufs.drafts[:bp, k - 1] = token
             bufs.q[:bp, k - 1] = q
 
-    def verify_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
-        """The target over `[x_n, d_1..d_S]`, then acceptance on the device."""
+    def verify_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool,
+                     processed: bool = False) -> None:
+        """The target over `[x_n, d_1..d_S]`, then acceptance on the device (`processed`: on
+        the processed logits, then the committed tokens counted and the raw logprobs of every
+        candidate staged)."""
         slots, models = self.slots, self.models
         steps, width = bufs.steps, bufs.steps + 1
         rows = bufs.rows[:bp]
@@ -110,13 +134,26 @@ class RoundPhases:
                                   width)
         hidden = models.target(ids, (n[:, None] + offsets).reshape(-1), attn)
         logits = models.target.compute_logits(hidden).float().view(bp, width, -1)
+        raw, top_k = logits, None
+        if processed:
+            controls = slots.controls(rows)
+            logits = process_logits(raw, n, controls, bufs.drafts[:bp] if steps else None)
+            top_k = None if greedy else controls.top_k
         if steps == 0:
             tokens = sample_tokens(logits[:, 0], temp, top_p, seed, n, SALT_SAMPLE,
-                                   all_greedy=greedy)[:, None]
+                                   all_greedy=greedy, top_k=top_k)[:, None]
             accept = torch.zeros_like(n)
         else:
             accept, tokens = verify(bufs.drafts[:bp], bufs.q[:bp], logits, temp, top_p, seed, n,
-                                    real * steps, all_greedy=greedy)
+                                    real * steps, all_greedy=greedy, top_k=top_k)
+        if processed:
+            slots.count_committed(rows, tokens, accept, real)
+            k = bufs.lp_ids.shape[2]
+            token_lp, top_lp, top_ids = token_logprobs(raw.reshape(bp * width, -1),
+                                                       tokens.reshape(-1), k)
+            bufs.lp_values[:bp, :, 0] = token_lp.view(bp, width)
+            bufs.lp_values[:bp, :, 1:] = top_lp.view(bp, width, k)
+            bufs.lp_ids[:bp] = top_ids.view(bp, width, k)
         bufs.hidden[:bp * width] = hidden
         bufs.accept[:bp] = accept * real
         bufs.tokens[:bp] = tokens

@@ -10,6 +10,17 @@ body); anything larger runs ragged through `attention_backend`, padded to the ag
 The padded path exists because an eager prefill of a small model is all host work and launches:
 thousands of operator calls, several milliseconds, tens of decode rounds' worth. At depth 0 a
 padded prefill may leave the head's part to the next catch-up (`workers.worker.draft_lag`).
+
+Two sampling features touch the prefill (`docs/sampling.md`). A request whose logits the round
+processes (`SamplingParams.processed`: top-k, min_tokens, penalties, logprobs) does not keep the
+prefill's first token: after the prefill its slot steps back one position (`SlotState.rewind`),
+so its first round draws the first token with the processing; the prefill itself, and its graphs,
+are unchanged. A request that asks for `prompt_logprobs` runs its prefill eagerly (the padded body
+without its graph, or the ragged path as always) and, after it, the target's logits of every
+prompt position but the last (in chunks of `PROMPT_LOGPROB_ROWS` rows; collective like every
+`compute_logits`: every rank of the replica runs the same, and the scheduler refuses them when
+DP replicas would disagree); their logprobs are copied to the host without a synchronisation and
+read with the next round's results.
 """
 from __future__ import annotations
 
@@ -23,11 +34,14 @@ from workers.attention.base import upload
 from workers.config import EngineConfig
 from workers.cuda_graphs import CudaGraphRunner, GraphEntry
 from workers.kv_cache import pages_for
-from workers.scheduler import Request
-from workers.spec_decode import SALT_SAMPLE, sample_tokens
+from workers.scheduler import PendingPromptLogprobs, Request
+from workers.spec_decode import SALT_SAMPLE, sample_tokens, token_logprobs
 from workers.worker.draft_lag import DraftLag
 from workers.worker.models import RankModels
-from workers.worker.slots import SlotState
+from workers.worker.slots import SlotState, logprob_width
+
+PROMPT_LOGPROB_ROWS = 512
+"""Prompt positions per logits chunk of the prompt logprobs (bounds the [rows, V] logits)."""
 
 
 class PrefillRunner:
@@ -102,8 +116,10 @@ class PrefillRunner:
         """Prefill `reqs` at the agreed sizes (see `EagleWorker.prefill`); `depth`: the tier in
         force (at 0 a padded prefill may defer the head's part)."""
         shape = self.shape(pad_requests, width)
+        scoring = any(r.params.prompt_logprobs is not None for r in reqs)
         if shape is None:
-            self._ragged(reqs, pad_tokens, pad_requests)
+            hidden, starts = self._ragged(reqs, pad_tokens, pad_requests)
+            self._finish(reqs, hidden if scoring else None, starts)
             return
         lens = [len(r.prompt_ids) for r in reqs]
         if max(lens, default=0) > width or len(reqs) > pad_requests:
@@ -123,21 +139,68 @@ class PrefillRunner:
         greedy = all(r.params.greedy for r in reqs)
         defer = self.lag.defers(slots, depth)
         graphs = self.graphs_without_head if defer else self.graphs
-        entry = graphs.get((bp, slots, greedy)) if graph else None
+        entry = graphs.get((bp, slots, greedy)) if graph and not scoring else None
+        hidden = None
         if entry is not None:
             entry.replay()
         else:
-            self.padded(bp, slots, greedy, defer)
+            hidden = self._padded(bp, slots, greedy, defer)
         if defer:
             self.lag.mark_deferred(slots)
+        self._finish(reqs, hidden if scoring else None, [i * slots for i in range(len(reqs))])
+
+    def _finish(self, reqs: list[Request], hidden: torch.Tensor | None,
+                starts: list[int]) -> None:
+        """After a prefill's forwards: the prompt logprobs of the requests that ask for them
+        (from `hidden`, the prefill's features; request i's prompt at rows `starts[i]` ..), then
+        the processed requests' slots step back one position."""
+        if hidden is not None:
+            self._prompt_logprobs(reqs, hidden, starts)
+        self.slots.rewind(reqs)
+
+    def _prompt_logprobs(self, reqs: list[Request], hidden: torch.Tensor,
+                         starts: list[int]) -> None:
+        """Each asking request's prompt logprobs: the target's raw log-probability of prompt
+        token i given tokens 0 .. i-1 (i >= 1) and the most likely tokens there, from the
+        prefill's features at positions 0 .. P-2; copied to the host without waiting (read once
+        the next round's results are)."""
+        models, device = self.models, self.slots.device
+        asking = [(r, s) for r, s in zip(reqs, starts) if r.params.prompt_logprobs is not None]
+        rows = [s + i for r, s in asking for i in range(len(r.prompt_ids) - 1)]
+        targets = [t for r, _ in asking for t in r.prompt_ids[1:]]
+        k = logprob_width(models.target.config.vocab_size)
+        pin = device.type == "cuda"
+        host = (torch.empty(len(rows), dtype=torch.float32, pin_memory=pin),
+                torch.empty(len(rows), k, dtype=torch.float32, pin_memory=pin),
+                torch.empty(len(rows), k, dtype=torch.int64, pin_memory=pin))
+        if rows:
+            dev_rows, dev_targets = upload(device, rows, targets)
+            parts = []
+            for lo in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+                chunk = slice(lo, lo + PROMPT_LOGPROB_ROWS)
+                logits = models.target.compute_logits(hidden[dev_rows[chunk]]).float()
+                parts.append(token_logprobs(logits, dev_targets[chunk], k))
+            for dst, src in zip(host, zip(*parts)):
+                dst.copy_(torch.cat(src), non_blocking=True)
+        offset = 0
+        for r, _ in asking:
+            n = len(r.prompt_ids) - 1
+            r.pending_prompt_logprobs = PendingPromptLogprobs(*host, offset, n)
+            offset += n
 
     def padded(self, bp: int, width: int, greedy: bool = False, defer: bool = False) -> None:
+        """The padded prefill's body (what its graphs hold): `_padded`, its features dropped."""
+        self._padded(bp, width, greedy, defer)
+
+    def _padded(self, bp: int, width: int, greedy: bool = False,
+                defer: bool = False) -> torch.Tensor:
         """The padded prefill over `bp` rows of `width` token slots, from the static inputs:
         the target over each row's prompt at positions 0.., its first token drawn at the last
         prompt position (`greedy`: every request greedy, the argmax alone — like the round, one
         graph each way), the head over x_1 .. x_P (the first token last) with f_0 .. f_{P-1} at
         positions 1 .. (`defer`: those inputs kept in the rows' slots for the next catch-up
-        instead), and the rows' slots set. Dummy rows (length 0) write the dummy slot."""
+        instead), and the rows' slots set. Dummy rows (length 0) write the dummy slot. Returns
+        the target's features of every token slot ([bp * width, F])."""
         models, device = self.models, self.slots.device
         ids, rows, lens = self.inputs(bp, width)
         reach = min(pages_for(width, self.config.page_size), self.slots.reach)
@@ -161,10 +224,13 @@ class PrefillRunner:
                                 last=last)
                 self.slots.feature.index_copy_(0, rows, g)
         self._filled(rows, lens, first, defer)
+        return hidden
 
-    def _ragged(self, reqs: list[Request], pad_tokens: int, pad_requests: int) -> None:
+    def _ragged(self, reqs: list[Request], pad_tokens: int,
+                pad_requests: int) -> tuple[torch.Tensor, list[int]]:
         """The prefill through `attention_backend`: every prompt's tokens back to back, padded to
-        the agreed `pad_tokens` and `pad_requests`."""
+        the agreed `pad_tokens` and `pad_requests`. Returns the target's features of every token
+        and the row each request's prompt starts at."""
         models, device = self.models, self.slots.device
         lens = [len(r.prompt_ids) for r in reqs]
         total = sum(lens)
@@ -200,6 +266,7 @@ class PrefillRunner:
                             last=last)
             self.slots.feature.index_copy_(0, slots, g)
         self._filled(slots, dev["lens"], first)
+        return hidden, [end + 1 - n for end, n in zip(ends, lens)]
 
     def _filled(self, slots: torch.Tensor, lens: torch.Tensor, first: torch.Tensor,
                 deferred: bool = False) -> None:

@@ -3,7 +3,10 @@
 Per request the worker keeps, on the device, in the request's batch slot: its page table (given by
 the scheduler at admission, fixed while it runs), `n` (tokens in each cache), its last committed
 token `x_n` (not in the caches yet), the head's last output `g_n`, and its sampling settings
-(seed, temperature, top-p). Caches, for tokens `x_0 .. x_n`: the target holds the KV of positions
+(seed, temperature, top-p), and, for a request whose logits the round processes
+(`SamplingParams.processed`), its controls (top-k, min_tokens' stop ids and end, penalties) and
+its counts: `[slots, V]` generated-token counts and prompt-token flags for the penalties, updated
+on the device as tokens are committed (`docs/sampling.md`). Caches, for tokens `x_0 .. x_n`: the target holds the KV of positions
 `0 .. n-1`; the draft head holds positions `1 .. n` (KV index `j` is position `j+1`: the head's
 input at position `p` is `x_p` with the target feature `f_{p-1}`, see `workers.model.eagle`).
 
@@ -23,9 +26,17 @@ from workers.attention.base import upload
 from workers.config import EngineConfig
 from workers.cuda_graphs import GraphEntry
 from workers.kv_cache import DUMMY_PAGE
-from workers.scheduler import Request
+from workers.sampling import MAX_LOGPROBS
+from workers.scheduler import MAX_STOP_IDS, Request
+from workers.spec_decode import Controls
 
 SHADOW_COLUMNS = 2  # depth 0 with a head: the catch-up's (hits, checks) per row, after the tokens
+
+
+def logprob_width(vocab: int) -> int:
+    """The alternatives a round computes per token for logprobs: MAX_LOGPROBS (or the whole
+    vocabulary when it is smaller)."""
+    return min(MAX_LOGPROBS, vocab)
 
 
 class SlotState:
@@ -33,7 +44,7 @@ class SlotState:
     slot of each row of the round."""
 
     def __init__(self, config: EngineConfig, feature_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, vocab: int) -> None:
         slots, reach = config.max_batch_size + 1, config.pages_per_request
         self.device = device
         self.dummy = config.max_batch_size
@@ -48,6 +59,17 @@ class SlotState:
         self.seed = zeros(slots)
         self.temperature = zeros(slots, dt=torch.float32)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
+        # the controls of processed requests (neutral in every other slot, the dummy's too)
+        self.vocab = vocab
+        self.top_k = zeros(slots)
+        self.stop_ids = zeros(slots, MAX_STOP_IDS)   # padded with repeats of the first id
+        self.stop_until = zeros(slots)   # a token below this absolute position is no stop
+        self.presence = zeros(slots, dt=torch.float32)
+        self.frequency = zeros(slots, dt=torch.float32)
+        self.repetition = torch.ones(slots, dtype=torch.float32, device=device)
+        self.counts = zeros(slots, vocab, dt=torch.int32)   # generated tokens, per token id
+        self.seen = zeros(slots, vocab, dt=torch.bool)      # prompt tokens, per token id
+        self._processed: set[int] = set()   # host: slots whose controls are not neutral
         top = max([slots, *config.graph_buckets])
         # the slot of each row of the round, read by every tier's bodies (one round runs at a
         # time, and the catch-up of the draft cache runs within whichever tier is in force)
@@ -99,6 +121,80 @@ class SlotState:
                              [float(r.params.top_p) for r in reqs], dtype=torch.float32)
         self.temperature.index_copy_(0, slots, temp)
         self.top_p.index_copy_(0, slots, top_p)
+        self._admit_controls(reqs)
+
+    def _admit_controls(self, reqs: list[Request]) -> None:
+        """The controls of newly admitted processed requests, and neutral ones for any other
+        request whose slot held a processed one (nothing at all when neither is admitted: a
+        request that uses none of the features costs what it cost before them). A penalised
+        request's counts start at zero and its prompt's tokens are flagged."""
+        touched = [r for r in reqs if r.params.processed or r.slot in self._processed]
+        if not touched:
+            return
+        ints: list[list[int]] = [[], [], [], []]   # slot, top_k, stop_until, stop ids (flat)
+        floats: list[list[float]] = [[], [], []]   # presence, frequency, repetition
+        for r in touched:
+            params, on = r.params, r.params.processed
+            (self._processed.add if on else self._processed.discard)(r.slot)
+            stops = [t for t in params.stop_token_ids if 0 <= t < self.vocab] if on else []
+            masked = bool(stops) and params.min_tokens > 0
+            ints[0].append(r.slot)
+            ints[1].append(params.top_k if on and not params.greedy else 0)
+            ints[2].append(len(r.prompt_ids) + params.min_tokens if masked else 0)
+            ints[3].extend(stops + stops[:1] * (MAX_STOP_IDS - len(stops)) if stops
+                           else [0] * MAX_STOP_IDS)
+            floats[0].append(float(params.presence_penalty) if on else 0.0)
+            floats[1].append(float(params.frequency_penalty) if on else 0.0)
+            floats[2].append(float(params.repetition_penalty) if on else 1.0)
+        slots, top_k, until, stops = upload(self.device, *ints)
+        presence, frequency, repetition = upload(self.device, *floats, dtype=torch.float32)
+        self.top_k.index_copy_(0, slots, top_k)
+        self.stop_until.index_copy_(0, slots, until)
+        self.stop_ids.index_copy_(0, slots, stops.view(len(touched), MAX_STOP_IDS))
+        self.presence.index_copy_(0, slots, presence)
+        self.frequency.index_copy_(0, slots, frequency)
+        self.repetition.index_copy_(0, slots, repetition)
+        penalised = [r for r in touched if r.params.processed and r.params.penalised]
+        if penalised:
+            own, flat_slots, flat_ids = upload(
+                self.device, [r.slot for r in penalised],
+                [r.slot for r in penalised for _ in r.prompt_ids],
+                [t for r in penalised for t in r.prompt_ids])
+            self.counts.index_fill_(0, own, 0)
+            self.seen.index_fill_(0, own, False)
+            self.seen.index_put_((flat_slots, flat_ids.clamp(0, self.vocab - 1)),
+                                 torch.ones_like(flat_ids, dtype=torch.bool))
+
+    def rewind(self, reqs: list[Request]) -> None:
+        """After their prefill: processed requests step back one position (n = P - 1, the last
+        token the prompt's last), so their first round's verify draws the first token at window
+        position 0, with the processing (the prefill's draw, unprocessed, is dropped; the head's
+        entry it left at position P is overwritten before it is read). Nothing for others."""
+        back = [r for r in reqs if r.params.processed]
+        if not back:
+            return
+        slots, lens, last = upload(self.device, [r.slot for r in back],
+                                   [len(r.prompt_ids) - 1 for r in back],
+                                   [r.prompt_ids[-1] for r in back])
+        self.cache_len.index_copy_(0, slots, lens)
+        self.last_token.index_copy_(0, slots, last)
+
+    def controls(self, rows: torch.Tensor) -> Controls:
+        """Each row's controls and counts (a processed round's gathers)."""
+        return Controls(top_k=self.top_k[rows], stop_ids=self.stop_ids[rows],
+                        stop_until=self.stop_until[rows], presence=self.presence[rows],
+                        frequency=self.frequency[rows], repetition=self.repetition[rows],
+                        counts=self.counts[rows], seen=self.seen[rows])
+
+    def count_committed(self, rows: torch.Tensor, tokens: torch.Tensor, accept: torch.Tensor,
+                        real: torch.Tensor) -> None:
+        """Add a round's committed tokens (`tokens[b, :accept[b] + 1]` of real rows) to their
+        slots' counts (on the device, inside the round)."""
+        width = tokens.shape[1]
+        valid = (torch.arange(width, device=tokens.device)[None, :] <= accept[:, None]) \
+            & (real[:, None] > 0)
+        flat = rows[:, None] * self.vocab + tokens.clamp(0, self.vocab - 1)
+        self.counts.view(-1).index_add_(0, flat.reshape(-1), valid.reshape(-1).to(torch.int32))
 
     def set_dummy_length(self, tokens: int) -> None:
         """The dummy slot's cache length: how many positions the dummy rows' attention reads
@@ -109,7 +205,8 @@ class SlotState:
 @dataclass
 class StepBuffers:
     """One tier's static buffers (fixed addresses: what its CUDA graphs read and write) and its
-    graphs, keyed by (phase, bucket, all_greedy)."""
+    graphs, keyed by (phase, bucket, all_greedy), and the processed verify's by (bucket,
+    all_greedy)."""
 
     steps: int
     rows: torch.Tensor       # [Bmax] in: the slot of each row (dummy slot for padding; shared)
@@ -119,7 +216,11 @@ class StepBuffers:
     accept: torch.Tensor     # [Bmax] accepted drafts           (verify -> extend, host)
     tokens: torch.Tensor     # [Bmax, W] committed candidates   (verify -> extend, host)
     out: torch.Tensor        # [Bmax, 2 + W] staging of what the host reads once per round
+    lp_values: torch.Tensor  # [Bmax, W, 1 + K] processed rounds: each candidate's raw logprob,
+    lp_ids: torch.Tensor     # [Bmax, W, K]     then the K most likely tokens' (and their ids)
     graphs: dict[tuple[str, int, bool], GraphEntry] = field(default_factory=dict)
+    # the verify phase's processed variants (`SamplingParams.processed`), by (bucket, greedy)
+    processed_graphs: dict[tuple[int, bool], GraphEntry] = field(default_factory=dict)
 
     @staticmethod
     def allocate(steps: int, rows: torch.Tensor, top: int, vocab: int, feature_size: int,
@@ -131,11 +232,14 @@ class StepBuffers:
         def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dt, device=device)
 
+        k = logprob_width(vocab)
         return StepBuffers(steps=steps, rows=rows, drafts=zeros(top, steps),
                            q=zeros(top, steps, vocab, dt=torch.float32),
                            hidden=zeros(top * width, feature_size, dt=dtype),
                            accept=zeros(top), tokens=zeros(top, width),
-                           out=zeros(top, 2 + width + extra))
+                           out=zeros(top, 2 + width + extra),
+                           lp_values=zeros(top, width, 1 + k, dt=torch.float32),
+                           lp_ids=zeros(top, width, k))
 
     @property
     def extra_columns(self) -> int:
@@ -144,5 +248,6 @@ class StepBuffers:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.drafts, self.q, self.hidden, self.accept, self.tokens, self.out)  # not rows
+        tensors = (self.drafts, self.q, self.hidden, self.accept, self.tokens, self.out,
+                   self.lp_values, self.lp_ids)  # not rows
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -25,6 +25,16 @@ class RoundResult:
     accept: np.ndarray
     tokens: np.ndarray
     shadow: np.ndarray | None = None   # [n, 2] (hits, checks) of a depth-0 round's catch-up
+    # a round with logprobs: per row and candidate, its raw logprob then the K most likely
+    # tokens' ([n, W, 1 + K] float32), and those tokens ([n, W, K] int64)
+    logprobs: tuple[np.ndarray, np.ndarray] | None = None
+
+    def select(self, keep: np.ndarray) -> "RoundResult":
+        """The rows where `keep` is True."""
+        return RoundResult(self.first[keep], self.accept[keep], self.tokens[keep],
+                           None if self.shadow is None else self.shadow[keep],
+                           None if self.logprobs is None else
+                           (self.logprobs[0][keep], self.logprobs[1][keep]))
 
 
 @dataclass
@@ -38,14 +48,23 @@ class HostStage:
     out: torch.Tensor
     rows_np: np.ndarray          # `rows` as numpy (the same memory: filled without torch ops)
     done: Any = None
+    lp_values: torch.Tensor | None = None   # a round's logprobs (flat), copied only when asked
+    lp_ids: torch.Tensor | None = None
 
     @staticmethod
-    def make(top: int, width: int, device: torch.device) -> "HostStage":
+    def make(top: int, width: int, device: torch.device, window: int = 0,
+             alternatives: int = 0) -> "HostStage":
+        """The stage of rounds of up to `top` rows whose results are `width` wide, with room for
+        the logprobs of `window` candidates per row with `alternatives` each."""
         pin = device.type == "cuda"
         rows = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
         out = torch.zeros(top * width, dtype=torch.int64, pin_memory=pin)
+        lp_values = torch.zeros(top * window * (1 + alternatives), dtype=torch.float32,
+                                pin_memory=pin)
+        lp_ids = torch.zeros(top * window * alternatives, dtype=torch.int64, pin_memory=pin)
         return HostStage(rows=rows, out=out, rows_np=rows.numpy(),
-                         done=torch.cuda.Event() if device.type == "cuda" else None)
+                         done=torch.cuda.Event() if device.type == "cuda" else None,
+                         lp_values=lp_values, lp_ids=lp_ids)
 
 
 @dataclass
@@ -60,3 +79,4 @@ class LaunchedRound:
     steps: int
     extra: int = 0          # trailing columns of `host` that are not tokens (the shadow checks)
     shadow: bool = False    # a catch-up ran after the round: those columns are fresh
+    logprobs: tuple[torch.Tensor, torch.Tensor] | None = None   # host views, when copied
