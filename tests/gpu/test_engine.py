@@ -58,9 +58,10 @@ def _close_and_check_pages(engine: Engine) -> None:
 
 
 def _captures_per_bucket(steps: int) -> int:
-    """Graphs a tier captures per bucket: verify + accept (twice: device sampling, greedy-only);
-    when speculating also the whole draft loop (twice) and draft-extend + slot update."""
-    return 2 if steps == 0 else 5
+    """Graphs a tier captures per bucket: verify + accept (twice: device sampling, greedy-only),
+    and twice more for the processed verify (top-k, min_tokens, penalties, logprobs); when
+    speculating also the whole draft loop (twice) and draft-extend + slot update."""
+    return 4 if steps == 0 else 7
 
 
 @pytest.fixture(scope="module")
