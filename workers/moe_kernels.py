@@ -40,7 +40,8 @@ def _kernels() -> SimpleNamespace:
     @triton.jit
     def gate_up_kernel(x_ptr, rows_ptr, block_expert_ptr, w_ptr, out_ptr, pairs, top_k,
                        num_experts, d, f, stride_x, stride_we, stride_wn,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       IEEE: tl.constexpr):
         b = tl.program_id(0)
         e = tl.load(block_expert_ptr + b)
         if e < num_experts:
@@ -62,8 +63,12 @@ def _kernels() -> SimpleNamespace:
                 wg = tl.load(w_e + n[None, :] * stride_wn + kk[:, None], mask=wmask, other=0.0)
                 wu = tl.load(w_e + (n[None, :] + f) * stride_wn + kk[:, None], mask=wmask,
                              other=0.0)
-                acc_g += tl.dot(a, wg)
-                acc_u += tl.dot(a, wu)
+                if IEEE:   # float32: full precision, as torch's matmul (not TF32)
+                    acc_g += tl.dot(a, wg, input_precision="ieee")
+                    acc_u += tl.dot(a, wu, input_precision="ieee")
+                else:
+                    acc_g += tl.dot(a, wg)
+                    acc_u += tl.dot(a, wu)
             g = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
             up = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -73,7 +78,8 @@ def _kernels() -> SimpleNamespace:
     @triton.jit
     def down_kernel(h_ptr, rows_ptr, block_expert_ptr, w_ptr, weight_ptr, out_ptr, pairs,
                     num_experts, d, f, stride_we, stride_wn,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    IEEE: tl.constexpr):
         b = tl.program_id(0)
         e = tl.load(block_expert_ptr + b)
         if e < num_experts:
@@ -91,7 +97,10 @@ def _kernels() -> SimpleNamespace:
                             mask=live[:, None] & kmask[None, :], other=0.0)
                 w = tl.load(w_e + n[None, :] * stride_wn + kk[:, None],
                             mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc += tl.dot(a, w)
+                if IEEE:
+                    acc += tl.dot(a, w, input_precision="ieee")
+                else:
+                    acc += tl.dot(a, w)
             y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
             scale = tl.load(weight_ptr + pair, mask=live, other=0.0).to(tl.float32)
             tl.store(out_ptr + pair.to(tl.int64)[:, None] * d + n[None, :],
@@ -136,13 +145,16 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     x = x.contiguous()
     rows, block_expert = align(ids, experts)
     blocks = rows.numel() // BLOCK_M
+    ieee = x.dtype == torch.float32
     k = _kernels()
     hidden = torch.empty(rows.numel(), f, dtype=x.dtype, device=x.device)
     k.gate_up[(blocks, -(-f // BLOCK_N))](
         x, rows, block_expert, w13, hidden, pairs, top_k, experts, d, f, x.stride(0),
-        w13.stride(0), w13.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        w13.stride(0), w13.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        IEEE=ieee)
     out = torch.zeros(pairs, d, dtype=x.dtype, device=x.device)
     k.down[(blocks, -(-d // BLOCK_N))](
         hidden, rows, block_expert, w2, weights.reshape(-1).contiguous(), out, pairs, experts, d,
-        f, w2.stride(0), w2.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        f, w2.stride(0), w2.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        IEEE=ieee)
     return out.view(n_tok, top_k, d).sum(dim=1)

@@ -127,6 +127,8 @@ def main() -> int:
     world = layout.group("world")
     par = ModelParallel.from_layout(layout, moe=args.moe_parallel)
     device = torch.device("cpu") if args.tiny else ctx.device
+    if not args.tiny and device.type != "cuda" and torch.cuda.is_available():
+        device = torch.device("cuda", 0)    # one process without torchrun: the first GPU
     t0 = time.perf_counter()
     target, head = shaped_pair(par, device, seed=1234 + ctx.rank, tiny=args.tiny,
                                shape=args.shape)

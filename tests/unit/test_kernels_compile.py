@@ -44,9 +44,10 @@ CASES = {
     "one_hot": [("fp32", dict(BLOCK=1024))],
     "lag_append": [("fp16", dict(BLOCK_D=256))],
     "uniforms": [("fp32", dict(BLOCK=8))],
-    "gate_up": [("bf16", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
-                ("fp16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32))],
-    "down": [("bf16", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64))],
+    "gate_up": [("bf16", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, IEEE=False)),
+                ("fp32", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, IEEE=True))],
+    "down": [("bf16", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, IEEE=False)),
+             ("fp32", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, IEEE=True))],
 }
 out = {}
 found = {**vars(kernels._kernels()), **vars(moe_kernels._kernels())}

@@ -181,8 +181,9 @@ def test_the_fused_grouped_gemms_equal_the_sparse_path(saved, ep_slice: bool) ->
     router's ids include experts of other ranks, which contribute nothing here."""
     pytest.importorskip("triton")
     from workers import moe_kernels
-    block = load_llama(saved["qwen3_moe"][1] / "new").model.layers[0].ffn
-    x = torch.randn(13, 32)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"   # compiled there, interpreted here
+    block = load_llama(saved["qwen3_moe"][1] / "new", device=dev).model.layers[0].ffn
+    x = torch.randn(13, 32, device=dev)
     ids, weights = block.route(x)
     w13 = block.gate_up.stacked.view(8, 32, 32)
     if ep_slice:   # this rank holds experts 4..7: ids 0..3 are another rank's
