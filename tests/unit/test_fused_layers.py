@@ -98,6 +98,7 @@ def test_in_place_writes_reach_the_fused_weights_and_replaced_ones_still_count()
     torch.testing.assert_close(logits(model), ref_logits(model, ids, pos), atol=1e-10, rtol=1e-10)
 
 
+@torch.enable_grad()  # whatever an in-process CLI test left (start-up turns gradients off)
 def test_gradients_reach_every_projection() -> None:
     model = random_target(target_config("llama", layers=2)).double().train()
     ids, pos = batch()

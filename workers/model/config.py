@@ -730,8 +730,10 @@ class Eagle3Config(_DecoderDims):
         """The target layers whose entering residual stream ``fc`` fuses, in layer order (index
         ``L``: after the last layer, before the final norm)."""
         n = num_target_layers
-        layers = tuple(sorted((2, n // 2, n - 3) if self.aux_layer_ids is None
-                              else (k + 1 for k in self.aux_layer_ids)))
+        # listed ids in layer order (as SGLang and vLLM capture them); the default is in layer
+        # order already from 7 layers on (smaller test targets keep it as written)
+        layers = ((2, n // 2, n - 3) if self.aux_layer_ids is None
+                  else tuple(sorted(k + 1 for k in self.aux_layer_ids)))
         if not all(0 <= i <= n for i in layers):
             given = ("the default (2, L//2, L-3)" if self.aux_layer_ids is None
                      else f"eagle_config.eagle_aux_hidden_state_layer_ids "
