@@ -1,37 +1,19 @@
-"""Fused Triton kernels for the round's hot path: RMSNorm (with the residual add), rotary
-embedding, SiLU-and-multiply, and attention over a padded batch of paged KV.
+"""Fused Triton kernels for the round's hot path; each replaces a chain of torch ops with one
+launch and computes in float32 like the torch code it replaces (why: ``docs/ARCHITECTURE.md``,
+"Fused kernels").
 
-A speculative round of a small or medium model is a long chain of small kernels; on the GPU their
-number, not their arithmetic, sets the round's time. Each kernel here replaces a chain of torch
-ops with one launch and computes in float32 like the torch code it replaces:
-
-- ``rms_norm(x, w, eps)``: ``w * (x * rsqrt(mean(x^2) + eps))``, 1 launch instead of 6;
-- ``add_rms_norm(x, delta, w, eps)``: ``s = x + delta`` (rounded to the input dtype, as the torch
-  residual add is) and ``rms_norm(s)``, both returned, 1 launch instead of 7;
-- ``rope(x, cos, sin)``: rotate-half RoPE of ``x`` [T, H, D], 1 launch instead of 7;
-- ``silu_mul(g, u)``: ``silu(g) * u``, 1 launch instead of 2;
-- ``store_kv(k_cache, v_cache, slots, k, v)``: a layer's new K and V into the paged cache, 1
-  launch instead of 2 (``index_copy_`` each);
-- ``greedy_accept(...)``: greedy acceptance of a round's drafts (``spec_decode.verify``), 1
-  launch instead of ~22; ``one_hot(tokens, V)``: a greedy draft's distribution, 1 instead of 3;
-- ``lag_append(...)``: a depth-0 round's committed token and target feature into each row's lag
-  ring (``workers.worker.draft_lag``), 1 launch instead of 5;
-- ``uniforms(seed, counter, salt, n)``: the counter-based uniforms of sampled rows
-  (``workers.spec_decode``), bit-identical, 1 launch instead of about 60 (a sampled round draws
-  them in every draft step and three times in verify);
-- ``padded_attention(...)``: causal attention of a padded batch (``B`` rows of ``width`` token
-  slots) over its paged KV, online softmax in float32, grouped-query heads; 1 launch instead of
-  the gather / repeat / mask / SDPA chain of ``workers.attention.static_backend``. One program
-  per (token slot, query head) at the round's widths; at prefill widths (>= ``TILED_WIDTH``) one
-  per tile of slots x the query heads of a KV head (half precision and float32; float64 keeps
-  the per-slot kernel), which loads each block of K/V once for the tile and multiplies as matrices (``tl.dot``; half-precision products with float32
-  accumulation, as flash attention does) — a 64-row prefill had spent half its time re-reading
-  the same K/V once per slot and head.
+``rms_norm``, ``add_rms_norm`` (the residual add fused in), ``rope``, ``silu_mul``, ``store_kv``
+(a layer's K and V into the paged cache), ``greedy_accept`` and ``one_hot`` (greedy acceptance,
+``spec_decode.verify``), ``lag_append`` (the depth-0 lag ring, ``workers.worker.draft_lag``),
+``uniforms`` (the counter-based uniforms of sampled rows, bit-identical to the torch code) and
+``padded_attention`` (causal attention of a padded batch over its paged KV, online softmax,
+grouped-query heads; per (slot, head) at the round's widths, tiled with ``tl.dot`` at prefill
+widths >= ``TILED_WIDTH``; float64 keeps the per-slot kernel).
 
 ``enabled(x)`` says whether the model code uses them for tensor ``x``: on CUDA tensors when triton
-imports, unless ``ADAPTIVE_DIST_FUSED=0``. The kernels themselves run wherever triton runs — on a
-CPU under ``TRITON_INTERPRET=1`` (how the CPU tests check them against the torch code). Kernels are
-defined on first use, so the interpreter setting in force then decides how they run.
+imports, unless ``ADAPTIVE_DIST_FUSED=0``. The kernels run wherever triton runs, on a CPU under
+``TRITON_INTERPRET=1`` (how the CPU tests check them). They are defined on first use, so the
+interpreter setting in force then decides how they run.
 """
 from __future__ import annotations
 

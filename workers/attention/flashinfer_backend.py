@@ -1,32 +1,17 @@
-"""flashinfer attention backend (CUDA only): paged decode for one-token forwards, paged prefill
-(causal) for extend, verify and draft-extend.
+"""flashinfer attention backend (CUDA only) for the ragged forwards (prefills beyond
+``padded_prefill_tokens``); the padded forwards of the round run the static backend.
 
-Which kernel runs which forward:
-- `ForwardMode.DECODE` (draft steps, plain decoding; one new token per request):
-  `BatchDecodeWithPagedKVCacheWrapper`;
-- `EXTEND`, `VERIFY`, `DRAFT_EXTEND` (several new tokens per request, causal among them, after the
-  cached prefix): `BatchPrefillWithPagedKVCacheWrapper` with `causal=True`. flashinfer aligns a
-  request's queries with the end of its KV, so new token `i` sees KV `0 .. cached + i`: exactly
-  the contract of `workers.attention.base`;
-- `forward_last` (each request's last new token only): the same prefill wrapper planned with one
-  query per request, which that alignment puts at the end of the request's KV.
+- ``ForwardMode.DECODE`` (one new token per request): ``BatchDecodeWithPagedKVCacheWrapper``.
+- ``EXTEND``, ``VERIFY``, ``DRAFT_EXTEND``: ``BatchPrefillWithPagedKVCacheWrapper`` with
+  ``causal=True``; flashinfer aligns a request's queries with the end of its KV, which is the
+  contract of ``workers.attention.base``. ``forward_last``: the same wrapper, one query per request.
 
-Both wrappers read the KV cache in place (`NHD` layout: `[pages, page_size, kv_heads, head_dim]`,
-the layout of `workers.kv_cache.KVPool`) through the metadata's CSR page table; the new K/V are
-written with the same `KVPool.write` the other backends use. The engine uses this backend for the
-ragged forwards (prefill); the padded forwards of the speculative round run the static backend,
-which reads the same cache format.
-
-Storage format. flashinfer's kernels take float16/bfloat16 only, and its prefill kernels need a
-head dim of at least 64 (fa2 refuses smaller, fa3 takes 64/128/256). So the backend asks the
-worker (`kv_format`) for caches of `max(64, head_dim)` zero-padded channels in the model's dtype
-(float16 when the model runs in float32/float64). Zero channels change nothing: `q·k` is the same,
-the padded channels of the output are zero and dropped, and `sm_scale` is that of the real head
-dim. The prefill kernels are pinned to fa2 (fa3 on an H200 would JIT-compile a second family).
-
-flashinfer is imported when the backend is built, never at module import of `workers`: the CPU
-suite does not need it. The first use JIT-compiles the kernels (about 10 s decode, 80 s prefill on
-an H200) into `$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer`.
+Both read ``KVPool``'s cache in place (``NHD``, through the CSR page table). flashinfer takes
+float16/bfloat16 only and a head dim of at least 64, so the backend asks for caches of
+``max(64, head_dim)`` zero-padded channels (``kv_format``); zero channels change no score, and
+``sm_scale`` is the real head dim's. Prefill is pinned to fa2. flashinfer is imported when the
+backend is built; its first use JIT-compiles the kernels (about 10 s decode, 80 s prefill on
+an H200) into ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``.
 """
 from __future__ import annotations
 

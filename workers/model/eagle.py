@@ -1,36 +1,19 @@
 """The EAGLE (1/2) draft head: ``fc([embed(token); feature]) -> decoder layer(s) -> [norm] ->
-feature``, in our own layout (``EagleLlamaHead``) or the EAGLE project's (no norm before the first
-layer's attention, no final norm: the output goes to the target's LM head as it is; ``fc`` with
-or without a bias). Parameter names are the checkpoints' (``fc.weight``, ``layers.0.self_attn.
-q_proj.weight``, ...).
-
-API (same shape as the target's):
+feature``, in our layout (``EagleLlamaHead``) or the EAGLE project's (no norm before the first
+layer's attention, no final norm; ``fc`` with or without a bias). Parameter names are the
+checkpoints'.
 
     head = EagleHead(cfg, target)
     feat = head(input_ids [T], features [T, d], positions [T], attn)   # -> [T, d]
     feat = head(..., attn, last=rows)   # -> [R, d]: each request's last new token only
     logits = head.compute_logits(feat)                                  # target's LM head
 
-The embedding and the LM head are the target's own modules (shared, not copied, not in the head's
-state dict). The head's decoder layers have their own layer ids ``0..num_layers-1`` in the
-*draft* KV cache (one layer: layer id 0), so the backend passed as ``attn`` must be a backend over
-the draft cache, never the target's.
-
-Features live in the target's feature space: the post-final-norm hidden state (see
-``workers.model.llama``). Pairing, for a sequence ``x_0 .. x_n`` whose target features are
-``f_0 .. f_n`` (``f_p`` predicts ``x_{p+1}``):
-
-* the head's input at position ``p`` is the token ``x_p`` with the feature ``f_{p-1}`` (the feature
-  whose logits chose ``x_p``); its output ``g_p`` approximates ``f_p``, so
-  ``argmax compute_logits(g_p)`` drafts ``x_{p+1}``. Position 0 has no input (nothing precedes it).
-* after a prefill of ``x_0 .. x_{n-1}`` and the bonus token ``x_n``, draft-extend feeds tokens
-  ``x_1 .. x_n`` with features ``f_0 .. f_{n-1}`` at positions ``1 .. n``; its last output drafts
-  ``d_1``. Draft step ``k > 1`` feeds ``d_{k-1}`` at position ``n + k - 1`` with the head's own
-  previous output as the feature.
-
-Parallelism: ``fc`` is replicated (its output feeds the residual stream); the decoder layer is split
-over the target's ``ModelParallel`` exactly like the target's layers (attention over ``attn``, the
-MLP over every rank with the replicas' tokens gathered).
+The embedding and the LM head are the target's modules (shared, not in the head's state dict).
+The head's layers have layer ids ``0..num_layers-1`` in the *draft* KV cache, so ``attn`` must be
+a backend over the draft cache. The input at position ``p`` is token ``x_p`` with the target
+feature ``f_{p-1}``; its output approximates ``f_p`` (the pairing in full:
+``docs/ARCHITECTURE.md``, "Draft heads"). ``fc`` is replicated; the decoder layer is split like
+the target's.
 """
 from __future__ import annotations
 

@@ -4,32 +4,14 @@
     out = head(input_ids [T], features [T, 2d], positions [T], attn)   # -> [T, 2d]
     logits = head.compute_logits(out)       # -> [T, vocab_size]: target ids, -inf off the draft vocab
 
-What the target gives it: ``fc`` maps three target hidden states, concatenated (``3 * d``), to
-``d``. They are the residual stream entering target layers ``cfg.capture_layers(L)`` (by default
-2, ``L // 2`` and ``L - 3``: Hugging Face's ``hidden_states[2]``, ``[L // 2]``, ``[L - 3]``). The
-head attaches ``FeatureTap(layers, self.fc)`` to the target, so the target's ``forward`` returns
-``[final-norm hidden | fc(captured)]`` (``2 * d``), computed inside the forward.
-
-Features, both ``2 * d`` wide, so the engine can hold either in one buffer and hand either to the
-head: the target's ``[h | fc(captured)]`` and the head's own output ``[norm(x) | x]`` (``x``: the
-midlayer's output before the final norm). The head reads the second half — the fused target
-states at draft-extend and prefill, its own pre-norm state at later draft steps — and its
-``compute_logits`` the first half.
-
-The midlayer: ``input_layernorm`` normalises the token embedding, ``hidden_norm`` the incoming
-hidden state; attention runs over their concatenation (q/k/v take ``2 * d``); the residual is the
-hidden state; then the usual post-attention norm and SwiGLU MLP. The embedding is the target's
-unless the checkpoint holds its own ``embed_tokens.weight``.
-
-Vocabulary: the head's ``lm_head`` has ``draft_vocab_size`` rows; draft id ``i`` is target id
-``i + d2t[i]`` (``t2d`` marks, over the target vocabulary, the ids that have a draft id).
-``compute_logits`` scatters the draft logits into the target's vocabulary (``-inf`` elsewhere), so
-argmax gives target ids and softmax the draft distribution mapped into target ids: verification
-and rejection sampling stay against the target, unchanged.
-
-Parallelism: like the target's layers — attention over the ``attn`` group, the MLP over every
-rank with the replicas' tokens gathered, ``lm_head``'s draft vocabulary split over every rank;
-``fc`` is replicated. Pairing of tokens and features: as ``workers.model.eagle``.
+``fc`` maps the residual stream entering three target layers (``cfg.capture_layers(L)``, by
+default 2, ``L // 2``, ``L - 3``) to ``d``, inside the target's forward. Features are ``2 * d``
+wide: the target's ``[h | fc(captured)]``, the head's ``[norm(x) | x]``; the head reads the second
+half, ``compute_logits`` the first. The midlayer attends over ``[input_layernorm(embed);
+hidden_norm(hidden)]``. Draft id ``i`` is target id ``i + d2t[i]``; ``compute_logits`` scatters
+the draft logits into the target vocabulary, so verification runs against the target unchanged.
+The embedding is the target's unless the checkpoint holds its own. More:
+``docs/ARCHITECTURE.md``, "Draft heads" and "EAGLE-3 in the round".
 """
 from __future__ import annotations
 

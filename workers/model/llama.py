@@ -1,31 +1,17 @@
-"""The target model — Llama, or its Qwen2 / Qwen3 variant — split over the groups of a
+"""The target model (Llama, or its Qwen2 / Qwen3 / MoE variants) split over the groups of a
 ``ModelParallel`` (DP attention).
-
-API (one rank; every tensor below lives on that rank's device):
 
     model = LlamaForCausalLM(cfg, par)
     feats = model(input_ids [T], positions [T], attn)    # -> [T, model.feature_size]
     logits = model.compute_logits(feats)                 # -> [T, vocab_size], full vocabulary
 
-The batch is this replica's flattened ragged batch of T tokens, T padded to the size the round
-agreed across replicas (padding rows carry any id/position; their outputs are dropped by the
-caller). ``positions`` gives each token's position in its own sequence (RoPE); ``attn`` (a
-``workers.attention.LayerAttention``) knows which tokens belong to which sequence and owns the KV
-cache. Decoder layer ``i`` calls ``attn.forward(i, q, k, v)``.
-
-**The features** ``forward`` returns are what a draft head consumes. Plain: the output of the final
-RMSNorm (``model.norm``), ``hidden_size`` wide — exactly what ``compute_logits`` feeds the LM head
-(the EAGLE feature; ``workers.model.eagle``). With a ``FeatureTap`` attached (an EAGLE-3 head,
-``workers.model.eagle3``): ``[final-norm hidden | tap.project(residuals entering tap.layers)]``,
-``2 * hidden_size`` wide, computed inside the forward (so inside CUDA graphs too);
-``compute_logits`` reads the first half. ``feature_size`` says which.
-
-Per layer: Q/K/V are column-parallel over the ``attn`` group (this rank's heads) and O row-parallel
-with one all-reduce over ``attn``; the MLP gathers every replica's tokens, runs gate/up (column)
-and down (row) over this rank's slice of the intermediate size (the ``mlp`` group: every rank), and
-sums and scatters back (``ModelParallel.scatter_sum``). The embedding and the LM head split the
-vocabulary over every rank. Parameter names are those of Hugging Face ``LlamaForCausalLM``
-(``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``).
+The batch is this replica's flattened ragged batch, ``T`` padded to the size the round agreed
+(padding rows' outputs are dropped by the caller). ``attn`` (a ``workers.attention.LayerAttention``)
+owns the KV cache; layer ``i`` calls ``attn.forward(i, q, k, v)``. ``forward`` returns the
+final-norm hidden (``hidden_size`` wide), or with a ``FeatureTap`` attached (an EAGLE-3 head)
+``[final-norm hidden | tap.project(captured residuals)]``; ``feature_size`` says which. How each
+layer is split and which collectives it issues: ``docs/ARCHITECTURE.md``, "The cluster".
+Parameter names are Hugging Face ``LlamaForCausalLM``'s.
 """
 from __future__ import annotations
 

@@ -3,33 +3,15 @@
     block = MoeBlock(cfg, par)          # par.moe: "tp" or "ep"
     y = block(x)                        # x [T, d] this replica's rows -> [T, d]
 
-Like the dense MLP (``workers.model.llama.LlamaMLP``) it gathers every replica's tokens over the
-``dp`` group and hands each replica its rows summed over the world (``par.scatter_sum``). In
-between, every rank routes every gathered token (the router ``gate`` [E, d] is replicated and
-its inputs identical on every rank, so every rank routes alike): softmax over the expert logits
-in float32, the ``top_k`` most probable experts, their probabilities renormalised when
-``norm_topk_prob`` (Mixtral always), cast to the activations' dtype. Then this rank adds the
-outputs of the experts it holds, each weighted by its routing probability:
-
-* ``tp`` (default): every rank holds a ``1/world`` slice of every expert's width (gate/up split by
-  rows, down by columns); the partial sums add up over the world as the dense MLP's do.
-* ``ep``: every rank holds ``E / world`` whole experts (rank ``r``: experts ``r·E/world`` ...);
-  the contributions of the other experts come from their ranks in the same sum.
-
-**The collectives never depend on the routing.** Tokens reach their experts through the
-all-gather every MLP does anyway, and the results come back through the same reduce-scatter:
-every rank issues the same collectives with the round's agreed padded shapes whichever experts
-its tokens picked, so no capacity is needed and no token is ever dropped (lossless). What depends
-on the routing is local compute only: which rows each local expert multiplies.
-
-Three ways to compute the local experts, equal up to float rounding: ``sparse`` (each expert
-over the rows routed to it, ``index_add``: data-dependent shapes, eager only; the CPU path and the
-reference), ``fused`` (``workers.moe_kernels``: rows sorted by expert, two grouped Triton GEMMs,
-static shapes; CUDA with the fused kernels on, half precision or float32) and ``dense`` (each local expert over every row,
-weighted by zero where not routed: static shapes, CUDA otherwise: float64, or
-``ADAPTIVE_DIST_FUSED=0``). The
-experts' weights are views of two stacked buffers per block (``[E, 2F, d]`` gate and up rows,
-``[E, d, F]`` down), so the grouped GEMMs read them in place and nothing is held twice.
+Like the dense MLP it gathers every replica's tokens over ``dp`` and hands each replica its rows
+summed over the world (``par.scatter_sum``). Every rank routes every gathered token alike
+(float32 softmax, top ``top_k``, renormalised when ``norm_topk_prob``) and adds the outputs of the
+experts it holds: ``tp`` a ``1/world`` slice of every expert, ``ep`` ``E / world`` whole experts.
+The collectives never depend on the routing (no capacity, no dropped token); why:
+``docs/ARCHITECTURE.md``, "MoE". Local experts run ``sparse`` (``index_add``, eager; the CPU path
+and the reference), ``fused`` (``workers.moe_kernels``: grouped Triton GEMMs, static shapes) or
+``dense`` (every expert over every row, zero-weighted; CUDA otherwise), equal up to rounding. The
+experts' weights are views of two stacked buffers per block (``[E, 2F, d]``, ``[E, d, F]``).
 """
 from __future__ import annotations
 
