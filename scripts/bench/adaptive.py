@@ -31,7 +31,18 @@ tokens/s. `NAME@N` runs a policy's engine with the draft cache caught up every N
 `NAME/nodefer` (also `NAME@N/nodefer`) the engine with the head run in every prefill
 (`--defer-prefill-width 0`: the head's part of a prefill at depth 0 not left to the catch-up);
 `NAME+KEY=VALUE` (after the rest, repeatable) an adaptive setting for that policy alone, e.g.
-`goodput+reset_nats=0` beside `goodput`. `--model-costs TABLE` prices every run's rounds by a
+`goodput+reset_nats=0` beside `goodput`. Workloads shaped like a server's: `transition_long`
+(the transition, every phase `--long-phase-rounds` rounds, default 300), `code_warm`,
+`high_entropy_warm`, `repetitive_warm` (the steady regime measured after a warm-up phase of the
+same regime: the policy's state and the requests in flight carried over, the warm-up phase left
+out of every figure), and `mixed` (one stream of 4 segments of `--mixed-rounds` rounds, the batch
+kept full: each request's regime drawn from shares of code / high-entropy / repetitive that drift
+linearly over the run (`MIXED_DRIFT`), its output budget from a log-normal, `--mixed-median` 200,
+`--mixed-sigma` 0.8, held to `--mixed-cap` 1200, so the batch's acceptance moves as requests come
+and go). `goals.md` and the results' `goals` hold issue 26's goal rows (`GOALS`) per adaptive
+policy. `--model-costs FILE` reads a cost table file (`docs/data/cost_tables/*.json`, its
+`agreed_round_cost_ms`; the file's name recorded as `meta.model_costs_file`);
+`--model-costs TABLE` prices every run's rounds by a
 cost table (e.g. a GPU's start-up table, `meta.round_cost` of a GPU run) instead of timing them:
 the goodput engines decide on the same table: the decisions of a CPU run, compared in the
 device's units (prefills priced as the decode round they share, host work left out).
@@ -49,6 +60,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import statistics
 import sys
 import time
@@ -83,8 +95,81 @@ WORKLOADS = {
     "transition": [("code", "code"), ("high_entropy", "high_entropy"),
                    ("repetitive", "repetitive"), ("high_entropy", "high_entropy")],
     "heterogeneous": [("high_entropy", "repetitive"), ("repetitive", "high_entropy")],
+    # what a server sees (issue 26): the transition with long phases, each steady regime after a
+    # warm-up phase of its own, and a stream mixing the regimes in drifting proportions
+    "transition_long": [("code", "code"), ("high_entropy", "high_entropy"),
+                        ("repetitive", "repetitive"), ("high_entropy", "high_entropy")],
+    "code_warm": [("code", "code")] * 2, "high_entropy_warm": [("high_entropy",) * 2] * 2,
+    "repetitive_warm": [("repetitive", "repetitive")] * 2,
+    "mixed": [("mixed", "mixed")] * 4,
 }
 """Phases: (regime of even replicas, regime of odd replicas)."""
+WARM = {"code_warm": 1, "high_entropy_warm": 1, "repetitive_warm": 1}
+"""Leading phases run (the policy's state and the requests in flight carried over) but not
+measured: a steady regime judged after a warm-up phase of the same regime."""
+LONG = ("transition_long",)
+"""Workloads whose phases are `--long-phase-rounds` windows."""
+MIXED_DRIFT = ((0.5, 0.3, 0.2), (0.3, 0.5, 0.2), (0.2, 0.3, 0.5), (0.45, 0.1, 0.45),
+               (0.5, 0.3, 0.2))
+"""The mixed stream's shares of (code, high_entropy, repetitive) at the start of each of its
+segments (and at the end of the last): a request's regime is drawn from the shares interpolated
+linearly at its place in the segment."""
+GOALS = {"transition": (1.10, 0.97), "transition_long": (1.10, 0.97), "mixed": (1.05, None),
+         "code_warm": (0.98, None), "high_entropy_warm": (0.98, None),
+         "repetitive_warm": (0.98, None)}
+"""Issue 26's goals (production-priced): (least tokens/s over the best static depth, least
+tokens/s of every phase over the per-phase oracle, or None)."""
+
+
+def lognormal_budgets(n: int, median: float, sigma: float, cap: int,
+                      seed: int = 0) -> list[int]:
+    """`n` output budgets from a log-normal of this median and sigma (ln units), held to
+    [1, cap]; seeded, the same for every policy."""
+    import random
+
+    rng = random.Random(seed)
+    return [min(cap, max(1, round(rng.lognormvariate(math.log(median), sigma))))
+            for _ in range(n)]
+
+
+def mixed_stream(enc: dict[str, list[list[int]]], n: int, segment: int, segments: int,
+                 seed: int = 0) -> tuple[list[list[int]], list[str]]:
+    """Segment `segment` (of `segments`) of the mixed stream: `n` prompts whose regimes are
+    drawn from `MIXED_DRIFT`'s shares interpolated over the segment, each regime's prompts taken
+    in turn (cycled); -> (prompts, their regimes). Seeded by (seed, segment)."""
+    import random
+
+    rng = random.Random(seed * 1000 + segment)
+    kinds = ("code", "high_entropy", "repetitive")
+    start = MIXED_DRIFT[segment % (len(MIXED_DRIFT) - 1)]
+    end = MIXED_DRIFT[segment % (len(MIXED_DRIFT) - 1) + 1]
+    taken = {k: (segment * n) % len(enc[k]) for k in kinds}
+    prompts, regimes = [], []
+    for j in range(n):
+        f = j / max(n - 1, 1)
+        kind = rng.choices(kinds, [a * (1 - f) + b * f for a, b in zip(start, end)])[0]
+        prompts.append(enc[kind][taken[kind] % len(enc[kind])])
+        taken[kind] += 1
+        regimes.append(kind)
+    return prompts, regimes
+
+
+def load_model_costs(value: str) -> tuple[RoundCost, str | None]:
+    """`--model-costs`: a JSON table, or a file holding one: a start-up cost table file
+    (`docs/data/cost_tables/*.json`: its `agreed_round_cost_ms`, in ms, read as seconds), a
+    results file's `meta.round_cost`-style table, or a bare table -> (table in seconds, the
+    file's name or None)."""
+    path = Path(value)
+    if value.lstrip()[:1] not in ("{", "") and path.is_file():
+        data, name = json.loads(path.read_text()), str(path)
+    else:
+        data, name = json.loads(value), None
+    if isinstance(data, dict) and "agreed_round_cost_ms" in data:
+        data = {b: {s: c / 1e3 for s, c in row.items()}
+                for b, row in data["agreed_round_cost_ms"].items()}
+    elif isinstance(data, dict) and "agreed_round_cost" in data:
+        data = data["agreed_round_cost"]
+    return RoundCost.parse(data), name
 
 
 def spec_of(policy: str, knobs: dict[str, Any] | None = None,
@@ -198,8 +283,22 @@ def parse_args() -> argparse.Namespace:
                         "the config's default: the start-up table only)")
     p.add_argument("--set", dest="knobs", action="append", default=[], metavar="KEY=VALUE",
                    help="a config key for every adaptive policy alike (e.g. update_interval=2)")
-    p.add_argument("--model-costs", default=None, metavar="JSON",
-                   help="price every run's rounds by this round_cost table (as --set "
+    p.add_argument("--long-phase-rounds", type=int, default=300, metavar="N",
+                   help="transition_long: every phase is N rounds (as --phase-rounds)")
+    p.add_argument("--mixed-rounds", type=int, default=None, metavar="N",
+                   help="mixed: each of its 4 segments (the regimes' shares drift over each) is "
+                        "N rounds with the batch kept full (default: --phase-rounds, else 100)")
+    p.add_argument("--mixed-median", type=float, default=200.0,
+                   help="mixed: the median of the log-normal output budgets (tokens)")
+    p.add_argument("--mixed-sigma", type=float, default=0.8,
+                   help="mixed: the log-normal's sigma (ln units; 0.8: ~2%% of budgets above "
+                        "5x the median)")
+    p.add_argument("--mixed-cap", type=int, default=1200,
+                   help="mixed: the largest budget (tokens)")
+    p.add_argument("--model-costs", default=None, metavar="FILE|JSON",
+                   help="a cost table file (docs/data/cost_tables/*.json: its "
+                        "agreed_round_cost_ms, read as seconds) or a JSON table. "
+                        "Price every run's rounds by this round_cost table (as --set "
                         "round_cost=..., e.g. a GPU's start-up table) instead of timing them: "
                         "a phase's seconds become the sum over its rounds of the cost of the "
                         "round's depth in its padded batch's row (wall time kept as "
@@ -208,11 +307,18 @@ def parse_args() -> argparse.Namespace:
                         "comparing decisions off the device the table was measured on")
     p.add_argument("--out", default="runs/bench_adaptive")
     args = p.parse_args()
+    args.model_costs_file = None
     if args.model_costs is not None:
         try:
-            args.model_costs = RoundCost.parse(json.loads(args.model_costs))
-        except (json.JSONDecodeError, ConfigError) as err:
+            args.model_costs, args.model_costs_file = load_model_costs(args.model_costs)
+        except (json.JSONDecodeError, ConfigError, OSError) as err:
             p.error(f"--model-costs: {err}")
+    for flag in ("long_phase_rounds", "mixed_rounds", "mixed_cap"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')} {value}: must be >= 1")
+    if not (args.mixed_median >= 1 and args.mixed_sigma >= 0):
+        p.error("--mixed-median must be >= 1 and --mixed-sigma >= 0")
     if not 0 <= args.cost_alpha <= 1:
         p.error(f"--cost-alpha {args.cost_alpha}: must be in [0, 1]")
     if args.warmup_runs < 0:
@@ -280,14 +386,16 @@ def modelled_seconds(rounds: dict[tuple[int, int], int], table: RoundCost) -> fl
 
 def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
                device: str, batch: int | None = None, spread: float = 0.0,
-               model: RoundCost | None = None, window: int | None = None) -> dict[str, Any]:
+               model: RoundCost | None = None, window: int | None = None,
+               lengths_of: list[list[int]] | None = None) -> dict[str, Any]:
     """Every phase on this replica; per phase: seconds and tokens; and the policy's trace.
     `batch`: run each phase's prompts arriving continuously, at most `batch` at once (None: the
     phase is one closed batch); `spread`: the requests' budgets vary (`budgets`); `model`: a
     phase's seconds are its rounds priced by this table (`modelled_seconds`), its wall time kept
     as `wall_seconds`; `window` (with `batch`): every phase is that many rounds with the replica
     kept full (`run_window`), requests in flight at its end running on into the next, the last
-    phase's aborted."""
+    phase's aborted; `lengths_of`: every phase's budgets (one per prompt) instead of
+    `budgets`."""
     out: dict[str, Any] = {"phases": [], "phase_rounds": []}
     round0 = engine.planner.round
     pauses = GcPauses()
@@ -297,7 +405,8 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
         sync(device)
         start = time.perf_counter()
         with pauses:
-            lengths = budgets(len(prompts), new_tokens, spread, seed=len(out["phases"]))
+            lengths = (lengths_of[len(out["phases"])] if lengths_of is not None else
+                       budgets(len(prompts), new_tokens, spread, seed=len(out["phases"])))
             if window is not None:
                 tokens = run_window(engine, prompts, batch, window, lengths, active)
             else:
@@ -342,8 +451,10 @@ def main() -> int:
     texts = make_prompts(top * args.waves, seed=2)
     tok = tokenizer(args.model, args.draft_model, target.config.vocab_size)
     enc = encode_prompts(texts, tok.encode)
-    context = (max(len(p) for ps in enc.values() for p in ps)
-               + round(args.new_tokens * (1 + args.length_spread)) + 1)
+    longest = round(args.new_tokens * (1 + args.length_spread))
+    if "mixed" in args.workloads:
+        longest = max(longest, args.mixed_cap)
+    context = max(len(p) for ps in enc.values() for p in ps) + longest + 1
     guard = ctx.guard(world, check_every=16) if ctx.distributed else None
     engines = {}
     for policy in args.policies:
@@ -383,11 +494,11 @@ def main() -> int:
             spec = engine.config.spec  # goodput: with its agreed round_cost
             engine.planner = AdaptiveController(spec, world, guard=guard)
             engine.pool.apply(spec.initial_steps)
-            regime = [phase[par.replica % 2] for phase in WORKLOADS[workload]]
-            phases = [enc[r][:batch * args.waves] for r in regime]
+            phases, lengths_of, window = workload_phases(args, workload, batch, enc,
+                                                         par.replica)
             res = run_phases(engine, phases, args.new_tokens, args.device,
-                             batch if args.waves > 1 or args.phase_rounds else None,
-                             args.length_spread, args.model_costs, args.phase_rounds)
+                             batch if args.waves > 1 or window else None,
+                             args.length_spread, args.model_costs, window, lengths_of)
             parts: list[Any] = [res]
             if world.size > 1:
                 import torch.distributed as dist
@@ -395,7 +506,8 @@ def main() -> int:
                 parts = [None] * world.size
                 dist.all_gather_object(parts, res, group=world.control_pg)
             if ctx.rank == 0 and rep >= 0:
-                records.append(summarise(workload, batch, policy, rep, parts, layout.attn_tp))
+                records.append(summarise(workload, batch, policy, rep, parts, layout.attn_tp,
+                                         warm=WARM.get(workload, 0)))
                 # the results so far, every run (a cut-short run keeps what it measured)
                 write(args, records, ctx, quiet=True, round_costs=round_costs)
             if bar is not None:
@@ -414,18 +526,40 @@ def main() -> int:
     return 0
 
 
+def workload_phases(args: argparse.Namespace, workload: str, batch: int,
+                    enc: dict[str, list[list[int]]], replica: int
+                    ) -> tuple[list[list[list[int]]], list[list[int]] | None, int | None]:
+    """The workload's phases on this replica -> (their prompts, their budgets or None for
+    `budgets`' draws, the window in rounds or None)."""
+    if workload == "mixed":
+        window = args.mixed_rounds or args.phase_rounds or 100
+        segments = len(WORKLOADS["mixed"])
+        # enough prompts that a segment's stream never cycles: a request a round per place
+        n = batch * window
+        phases = [mixed_stream(enc, n, s, segments, seed=replica)[0] for s in range(segments)]
+        lengths = [lognormal_budgets(n, args.mixed_median, args.mixed_sigma, args.mixed_cap,
+                                     seed=100 + s) for s in range(segments)]
+        return phases, lengths, window
+    window = args.long_phase_rounds if workload in LONG else args.phase_rounds
+    regime = [phase[replica % 2] for phase in WORKLOADS[workload]]
+    return [enc[r][:batch * args.waves] for r in regime], None, window
+
+
 def summarise(workload: str, batch: int, policy: str, rep: int, parts: list[dict],
-              attn_tp: int) -> dict[str, Any]:
+              attn_tp: int, warm: int = 0) -> dict[str, Any]:
+    """One run's record; `warm`: leading phases run but left out of every figure but the
+    timeline (`warmup_phases` keeps them)."""
     leaders, lead = parts[::attn_tp], parts[0]
-    phases = []
+    phases, warmup = [], []
     for i, ph in enumerate(lead["phases"]):
         tokens = sum(p["phases"][i]["tokens"] for p in leaders)
-        phases.append({"tokens": tokens, "seconds": ph["seconds"],
-                       "tokens_per_second": tokens / ph["seconds"]})
+        (warmup if i < warm else phases).append({"tokens": tokens, "seconds": ph["seconds"],
+                                                 "tokens_per_second": tokens / ph["seconds"]})
     total_s = sum(p["seconds"] for p in phases)
     changes = max(len(phases) - 1, 1)
     return {"workload": workload, "batch": batch, "policy": policy, "repeat": rep,
             "tokens_per_second": sum(p["tokens"] for p in phases) / total_s, "phases": phases,
+            "warmup_phases": warmup,
             "switches": lead["switches"], "switches_per_phase_change": lead["switches"] / changes,
             "probes": lead["probes"],
             "resets": sum(p.get("resets", 0) for p in parts),   # goodput: every rank's
@@ -492,10 +626,19 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
             "warmup_runs": args.warmup_runs, "round_cost": round_costs, "repeats": args.repeats,
             # not None: every phase's "seconds" is this table's price of its rounds
             "model_costs": args.model_costs.to_json() if args.model_costs is not None else None,
+            "model_costs_file": args.model_costs_file,
+            "long_phase_rounds": args.long_phase_rounds,
+            "mixed": {"rounds": args.mixed_rounds or args.phase_rounds or 100,
+                      "median": args.mixed_median, "sigma": args.mixed_sigma,
+                      "cap": args.mixed_cap, "drift": MIXED_DRIFT},
+            "warm_phases": {w: WARM[w] for w in args.workloads if w in WARM},
             "repeats_done": len({r["repeat"] for r in records}),
             "workloads": {w: WORKLOADS[w] for w in args.workloads},
             "command": " ".join(sys.argv)}
-    write_json(out / "results.json", {"meta": meta, "analysis": analysis, "runs": records})
+    goals = goal_rows(analysis)
+    write_json(out / "results.json", {"meta": meta, "analysis": analysis, "goals": goals,
+                                      "runs": records})
+    (out / "goals.md").write_text(goals_markdown(goals, meta["command"]))
     if quiet:
         return
     for key, entry in analysis.items():
@@ -512,6 +655,54 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
                   f"x{vs.get('worst_phase_vs_oracle', float('nan')):.2f}  switches/phase change "
                   f"{v['switches_per_phase_change']['median']:.1f}")
     print(f"wrote {out / 'results.json'}")
+
+
+def goal_rows(analysis: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per (workload with a goal, batch, adaptive policy): its ratios and whether `GOALS` holds."""
+    rows = []
+    for key, entry in analysis.items():
+        workload, batch = key.split(" | b=")
+        if workload not in GOALS or "vs" not in entry:
+            continue
+        least, least_phase = GOALS[workload]
+        for policy, vs in entry["vs"].items():
+            if split_policy(policy)[0] in STATIC:
+                continue
+            met = vs["vs_best_static"] >= least and (
+                least_phase is None or vs["worst_phase_vs_oracle"] >= least_phase)
+            best = max((p for p in entry["policies"] if p in STATIC),
+                       key=lambda p: entry["policies"][p]["tokens_per_second"]["median"])
+            rows.append({"workload": workload, "batch": int(batch), "policy": policy,
+                         "tokens_per_second": entry["policies"][policy]["tokens_per_second"][
+                             "median"],
+                         "best_static": entry["best_static"], "best_static_policy": best,
+                         "oracle": entry["oracle_tokens_per_second"],
+                         "vs_best_static": vs["vs_best_static"], "vs_oracle": vs["vs_oracle"],
+                         "worst_phase_vs_oracle": vs["worst_phase_vs_oracle"],
+                         "phase_vs_oracle": [a / o for a, o in zip(
+                             entry["policies"][policy]["phase_tokens_per_second"],
+                             entry["oracle_phase"])],
+                         "goal": {"vs_best_static": least, "worst_phase_vs_oracle": least_phase},
+                         "met": met})
+    return rows
+
+
+def goals_markdown(rows: list[dict[str, Any]], command: str) -> str:
+    """The goal rows as a markdown table (tokens/s of the run's pricing), with the command."""
+    lines = [f"Command: `{command}`", "",
+             "| workload | batch | policy | tok/s | best static (depth) | x best static | "
+             "worst phase x oracle | goal | met |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        g = r["goal"]
+        goal = f">= {g['vs_best_static']:.2f}x static" + (
+            f", >= {g['worst_phase_vs_oracle']:.2f}x oracle per phase"
+            if g["worst_phase_vs_oracle"] is not None else "")
+        lines.append(f"| {r['workload']} | {r['batch']} | {r['policy']} | "
+                     f"{r['tokens_per_second']:.0f} | {r['best_static']:.0f} "
+                     f"({r['best_static_policy'][len('static'):]}) | {r['vs_best_static']:.3f} | "
+                     f"{r['worst_phase_vs_oracle']:.3f} | {goal} | "
+                     f"{'yes' if r['met'] else 'no'} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(key: str, entry: dict, records: list[dict], path: Path, modelled: bool = False) -> None:

@@ -216,3 +216,84 @@ def test_host_probe_writes_the_speed_timeline(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "scripts.diag.host_probe", "--window", "0"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--window 0.0: must be > 0" in bad.stderr
+
+
+def test_model_costs_read_a_cost_table_file_in_seconds(tmp_path):
+    """`--model-costs FILE`: a start-up cost table file's `agreed_round_cost_ms`, as seconds, and
+    the file's name; a bare JSON table as before."""
+    import json
+
+    bench = _bench_adaptive()
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"gpu": "x", "agreed_round_cost_ms": {
+        "1": {"0": 5.0, "7": 7.0}, "64": {"0": 6.0, "7": 18.0}}}))
+    table, name = bench.load_model_costs(str(path))
+    assert name == str(path) and table.buckets == (1, 64)
+    assert dict(table.rows[1]) == {0: 0.006, 7: 0.018}
+    table, name = bench.load_model_costs('{"0": 1.0, "3": 2.0}')
+    assert name is None and dict(table.rows[0]) == {0: 1.0, 3: 2.0}
+    shipped = ROOT / "docs/data/cost_tables/h200_tp1_llama3-8b.json"
+    table, _ = bench.load_model_costs(str(shipped))
+    assert table.steps == (0, 1, 3, 7) and 64 in table.buckets
+
+
+def test_mixed_stream_drifts_and_its_budgets_are_lognormal():
+    """The mixed workload: regimes drawn from shares that drift over the segments (seeded, the
+    same for every policy); budgets log-normal around the median, held to the cap."""
+    import statistics
+
+    bench = _bench_adaptive()
+    enc = {k: [[i, j] for j in range(5)] for i, k in enumerate(("code", "high_entropy",
+                                                               "repetitive"))}
+    a, ra = bench.mixed_stream(enc, 4000, 0, 4)
+    assert (a, ra) == bench.mixed_stream(enc, 4000, 0, 4) and len(a) == 4000
+    assert all(p[0] == ("code", "high_entropy", "repetitive").index(r) for p, r in zip(a, ra))
+    _, rc = bench.mixed_stream(enc, 4000, 2, 4)
+    # segment 0 starts code-heavy, segment 2 ends repetitive-heavy
+    assert ra[:1000].count("code") > 400 and rc[-1000:].count("repetitive") > 400
+    b = bench.lognormal_budgets(3000, 200, 0.8, 1200, seed=1)
+    assert b == bench.lognormal_budgets(3000, 200, 0.8, 1200, seed=1)
+    assert 180 <= statistics.median(b) <= 220 and max(b) == 1200 and min(b) >= 1
+    assert sum(x > 1000 for x in b) > 10
+
+
+def test_warm_workloads_leave_their_warmup_phase_out_and_goals_are_judged():
+    """A warm steady workload's first phase is run but not counted; the goal rows say met or
+    not by `GOALS`."""
+    bench = _bench_adaptive()
+    part = {"phases": [{"tokens": 100, "seconds": 1.0}, {"tokens": 300, "seconds": 1.0}],
+            "switches": 1, "probes": 0, "rounds_at_steps": {"3": 10}, "timeline": [[0, 3]],
+            "phase_rounds": [5, 10]}
+    rec = bench.summarise("code_warm", 4, "goodput", 0, [part], 1, warm=1)
+    assert rec["tokens_per_second"] == 300 and len(rec["phases"]) == 1
+    assert rec["warmup_phases"][0]["tokens"] == 100
+    static = bench.summarise("code_warm", 4, "static3", 0, [
+        {**part, "phases": [part["phases"][0], {"tokens": 290, "seconds": 1.0}]}], 1, warm=1)
+    rows = bench.goal_rows(bench.analyse([rec, static]))
+    assert [(r["policy"], r["met"]) for r in rows] == [("goodput", True)]
+    assert abs(rows[0]["vs_best_static"] - 300 / 290) < 1e-12
+    assert "| code_warm | 4 | goodput |" in bench.goals_markdown(rows, "cmd")
+
+
+def test_server_shaped_workloads_run_end_to_end(tmp_path):
+    """The new workloads through the benchmark on the tiny pair, priced by the shipped table
+    file: its name recorded, the goal rows written."""
+    import json
+    import subprocess
+
+    out = tmp_path / "pp"
+    subprocess.run([sys.executable, "-m", "scripts.bench.adaptive", "--device", "cpu",
+                    "--batches", "2", "--repeats", "1", "--warmup-runs", "0", "--workloads",
+                    "mixed", "code_warm", "transition_long", "--phase-rounds", "4",
+                    "--long-phase-rounds", "5", "--mixed-rounds", "4", "--mixed-median", "8",
+                    "--mixed-cap", "20", "--policies", "static0", "static3", "goodput",
+                    "--model-costs", "docs/data/cost_tables/h200_tp1_llama3-8b.json",
+                    "--out", str(out)], check=True, capture_output=True, timeout=600, cwd=ROOT)
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["model_costs_file"].endswith("h200_tp1_llama3-8b.json")
+    runs = {(r["workload"], r["policy"]): r for r in data["runs"]}
+    assert runs[("transition_long", "goodput")]["phase_rounds"] == [5, 10, 15, 20]
+    assert runs[("mixed", "goodput")]["phase_rounds"] == [4, 8, 12, 16]
+    assert len(runs[("code_warm", "static3")]["phases"]) == 1
+    assert {r["workload"] for r in data["goals"]} == {"mixed", "code_warm", "transition_long"}
+    assert (out / "goals.md").is_file() and (out / "mixed_b2.png").stat().st_size > 0
