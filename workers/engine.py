@@ -35,7 +35,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
-from adaptive_dist.cli import say
+from adaptive_dist.failures import say
 from adaptive_dist.coordinator import RoundCoordinator, RoundPlan, RoundReport, RoundStats
 from adaptive_dist.startup import agree_round_cost, derived_settings, probe_after_catchup
 from collectives import Group, LockstepGuard

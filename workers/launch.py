@@ -27,8 +27,8 @@ def run_distributed(args: argparse.Namespace,
                     job: Callable[[Any, argparse.Namespace, contextlib.ExitStack], Optional[str]]
                     ) -> int:
     """Run `job(ctx, args, closers)` on this rank; print rank 0's text; one error path (the
-    consensus command's: `adaptive_dist.cli.fail_distributed`)."""
-    from adaptive_dist.cli import fail_distributed
+    consensus command's: `adaptive_dist.failures.fail_distributed`)."""
+    from adaptive_dist.failures import fail_distributed
     from collectives import init_distributed
 
     backend = "gloo" if _device(args) == "cpu" else None

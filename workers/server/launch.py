@@ -177,7 +177,7 @@ class _Signals:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Handler of `serve` (every rank). The process ends here, without the interpreter's
     teardown (seconds with torch loaded): everything it holds was closed above."""
-    from adaptive_dist.cli import EXIT_INTERNAL, describe_failure, say
+    from adaptive_dist.failures import EXIT_INTERNAL, describe_failure, say
 
     try:
         code = _serve(args)
