@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 from adaptive_dist.cli import seconds
 from workers.loading import DEFAULT_MODEL
+from workers.settings import ATTENTION_BACKENDS, MLP_SCATTERS
 
 
 # ---- arguments --------------------------------------------------------------------------------
@@ -64,7 +65,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="plain tensor parallelism over N ranks (the same as --dp 1 --attn-tp N)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda for --attention-backend flashinfer, else cpu")
-    p.add_argument("--attention-backend", choices=("torch", "flashinfer"), default="torch",
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="torch",
                    help="attention of the ragged prefill forwards, those beyond "
                         "--padded-prefill-tokens (flashinfer needs a CUDA GPU)")
     p.add_argument("--padded-prefill-tokens", type=int, default=4096, metavar="N",
@@ -83,8 +84,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="launch round r+1 before reading round r, so the host's bookkeeping runs "
                         "while the GPU computes (auto: on with CUDA)")
-    p.add_argument("--mlp-scatter", choices=("reduce_scatter", "all_reduce"),
-                   default="reduce_scatter",
+    p.add_argument("--mlp-scatter", choices=MLP_SCATTERS, default="reduce_scatter",
                    help="how MLP outputs return to the DP replicas (the same values)")
     p.add_argument("--moe-parallel", choices=("tp", "ep"), default="tp",
                    help="a MoE target's experts: every rank a slice of every expert's width (tp), "

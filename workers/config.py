@@ -14,11 +14,33 @@ from adaptive_dist.config import AdaptiveConfig, load_config
 from adaptive_dist.policy import pick_bucket
 from workers.kv_cache import pages_for
 from workers.model.config import MOE_PARALLEL
-from workers.model.parallel import SCATTERS
+from workers.settings import ATTENTION_BACKENDS, MLP_SCATTERS
 
-ATTENTION_BACKENDS = ("torch", "flashinfer")
 MAX_STEPS_LIMIT = 32
 """The deepest draft a run may ask for (a verify forward of `steps + 1` tokens per request)."""
+
+MINIMUMS = {"max_batch_size": 1, "max_context_len": 1, "page_size": 1, "dp": 1, "attn_tp": 1,
+            "catchup_rounds": 1, "padded_prefill_tokens": 0, "defer_prefill_width": 0}
+"""The smallest value of every integer size of `EngineConfig` (and of the flags that set them)."""
+
+
+def check_size(key: str, value: Any, flag: str | None = None) -> None:
+    """`ValueError` unless `value` is an integer of at least `MINIMUMS[key]`: named by the flag
+    (`--max-batch-size 0: must be >= 1`) when `flag` is given, else by the setting."""
+    minimum = MINIMUMS[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        if flag is not None:
+            raise ValueError(f"{flag} {value}: must be >= {minimum}")
+        raise ValueError(f"{key}={value!r}: must be an integer >= {minimum}")
+
+
+def check_depth(max_steps: int, where: str | None = None) -> None:
+    """`ValueError` when a draft depth of `max_steps` is beyond `MAX_STEPS_LIMIT` (`where`: the
+    flag or key that asked for it, named first)."""
+    if max_steps > MAX_STEPS_LIMIT:
+        named = f"{where}: " if where else ""
+        raise ValueError(f"{named}draft depth {max_steps} is beyond the maximum of "
+                         f"{MAX_STEPS_LIMIT} steps")
 
 
 def no_spec() -> AdaptiveConfig:
@@ -74,29 +96,19 @@ class EngineConfig:
     the device computes the next one); see `workers.engine`."""
 
     def __post_init__(self) -> None:
-        for key in ("max_batch_size", "max_context_len", "page_size", "dp", "attn_tp",
-                    "catchup_rounds"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{key}={value!r}: must be an integer >= 1")
-        value = self.padded_prefill_tokens
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"padded_prefill_tokens={value!r}: must be an integer >= 0")
-        value = self.defer_prefill_width
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"defer_prefill_width={value!r}: must be an integer >= 0")
+        for key in MINIMUMS:
+            check_size(key, getattr(self, key))
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages}: must be >= 2 (one is the dummy page)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}; allowed: "
                              f"{', '.join(ATTENTION_BACKENDS)}")
-        if self.mlp_scatter not in SCATTERS:
-            raise ValueError(f"mlp_scatter={self.mlp_scatter!r}; allowed: {', '.join(SCATTERS)}")
+        if self.mlp_scatter not in MLP_SCATTERS:
+            raise ValueError(f"mlp_scatter={self.mlp_scatter!r}; allowed: "
+                             f"{', '.join(MLP_SCATTERS)}")
         if self.moe_parallel not in MOE_PARALLEL:
             raise ValueError(f"moe_parallel={self.moe_parallel!r}; allowed: {', '.join(MOE_PARALLEL)}")
-        if self.max_steps > MAX_STEPS_LIMIT:
-            raise ValueError(f"draft depth {self.max_steps} is beyond the maximum of "
-                             f"{MAX_STEPS_LIMIT} steps")
+        check_depth(self.max_steps)
         if self.max_steps + 2 > self.max_context_len:
             raise ValueError(f"draft depth {self.max_steps} does not fit a context of "
                              f"{self.max_context_len} tokens")

@@ -13,9 +13,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from workers.model_files import bos_token_id, eos_token_ids, read_json
-
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+from workers.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 
 def _token_text(value: Any) -> Optional[str]:

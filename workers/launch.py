@@ -119,7 +119,7 @@ def _spec(args: argparse.Namespace) -> Any:
         if args.config is not None:
             raise ValueError("--config applies to --adaptive only, not to --no-spec")
         return no_spec()
-    from workers.config import MAX_STEPS_LIMIT
+    from workers.config import check_depth
 
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps {args.steps}: must be >= 1 (use --no-spec for no speculation)")
@@ -127,10 +127,8 @@ def _spec(args: argparse.Namespace) -> Any:
         raise ValueError(f"--policy {args.policy} applies to --adaptive only")
     policy = (args.policy or "ema") if args.adaptive else "static"
     spec = load_config(args.config, policy, initial_steps=args.steps)
-    if spec.max_steps > MAX_STEPS_LIMIT:
-        where = f"--steps {args.steps}" if args.steps is not None else "candidate_steps"
-        raise ValueError(f"{where}: draft depth {spec.max_steps} is beyond the maximum of "
-                         f"{MAX_STEPS_LIMIT} steps")
+    check_depth(spec.max_steps, f"--steps {args.steps}" if args.steps is not None
+                else "candidate_steps")
     return spec
 
 
@@ -139,6 +137,7 @@ def _prepare(ctx: Any, args: argparse.Namespace) -> tuple[Any, tuple[int, int], 
     must agree). Raises `ValueError` naming the flag."""
     import torch
 
+    from workers.config import check_size
     from workers.loading import model_paths, pair_digest
 
     device = _device(args)
@@ -147,14 +146,9 @@ def _prepare(ctx: Any, args: argparse.Namespace) -> tuple[Any, tuple[int, int], 
                          "use --device cpu")
     if args.attention_backend == "flashinfer" and device != "cuda":
         raise ValueError("--attention-backend flashinfer needs --device cuda")
-    if args.max_batch_size < 1:
-        raise ValueError(f"--max-batch-size {args.max_batch_size}: must be >= 1")
-    if args.padded_prefill_tokens < 0:
-        raise ValueError(f"--padded-prefill-tokens {args.padded_prefill_tokens}: must be >= 0")
-    if args.catchup_rounds < 1:
-        raise ValueError(f"--catchup-rounds {args.catchup_rounds}: must be >= 1")
-    if args.defer_prefill_width < 0:
-        raise ValueError(f"--defer-prefill-width {args.defer_prefill_width}: must be >= 0")
+    for key in ("max_batch_size", "padded_prefill_tokens", "catchup_rounds",
+                "defer_prefill_width"):
+        check_size(key, getattr(args, key), "--" + key.replace("_", "-"))
     degrees = resolve_degrees(args, ctx.world_size)
     spec = _spec(args)
     paths = model_paths(args.model, args.draft_model)  # a missing head: refused after the target

@@ -14,11 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "tiny_pair"
+from workers.model_files import BUNDLED as DEFAULT_MODEL  # the bundled tiny pair (its one name)
 
 if TYPE_CHECKING:
     from workers.model_files import ModelPaths
     from workers.tokenizer import Tokenizer
+
+__all__ = ["DEFAULT_MODEL", "Prompt", "read_prompts", "assign_replicas", "encode_prompt",
+           "model_digest", "pair_digest", "model_paths", "load_pair", "load_tokenizer_for"]
 
 
 @dataclass(frozen=True)
@@ -128,12 +131,13 @@ def load_tokenizer_for(paths: "ModelPaths", vocab_size: Optional[int] = None) ->
     """The target's tokenizer (`workers.tokenizer.load_tokenizer`), checked against the model's
     vocabulary when `vocab_size` is given: `ValueError` naming the file when it produces ids the
     model does not have."""
+    from workers.model_files import CONFIG_FILE
     from workers.tokenizer import TOKENIZER_FILE, load_tokenizer
 
     tok = load_tokenizer(paths.target)
     if vocab_size is not None:
         where = paths.target / (TOKENIZER_FILE if (paths.target / TOKENIZER_FILE).is_file()
-                                else "config.json")
+                                else CONFIG_FILE)
         if tok.vocab_size > vocab_size:
             raise ValueError(f"{str(where)!r}: the tokenizer has {tok.vocab_size} tokens, the "
                              f"model's vocab_size is {vocab_size}")

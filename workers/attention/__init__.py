@@ -15,8 +15,7 @@ from workers.attention.base import (
     build_metadata,
 )
 from workers.attention.static_backend import StaticBackend
-
-BACKENDS = ("torch", "flashinfer")
+from workers.settings import ATTENTION_BACKENDS as BACKENDS
 
 
 def make_backend(name: str, device: "object") -> AttentionBackend:

@@ -27,8 +27,7 @@ import torch
 
 from collectives import Group, ParallelLayout, ops
 from workers.model.config import MOE_PARALLEL
-
-SCATTERS = ("reduce_scatter", "all_reduce")
+from workers.settings import MLP_SCATTERS as SCATTERS
 
 
 @dataclass(frozen=True, eq=False)
