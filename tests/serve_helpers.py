@@ -122,12 +122,13 @@ def drive_ranks_job(rank: int, serve_argv: list[str], script: list[dict],
     from collectives import free_port, init_distributed
     from workers.server.engine_glue import Refused
     from workers.server.inbox import Inbox, Outbox
+    from workers.server.cli import serve_settings
     from workers.server.launch import _build_loop, gather_addresses, rank_role
     from workers.server.protocol import RankAddress
     from workers.server.rank import StopFlag
 
-    args = build_parser().parse_args(["serve", *serve_argv])
-    role = rank_role(args)
+    settings = serve_settings(build_parser().parse_args(["serve", *serve_argv]))
+    role = rank_role(settings.launch.shape)
     ctx = init_distributed(timeout_s=timeout_s, backend="gloo", record=True)
     zctx = zmq.Context()
     inbox = Inbox(zctx)
@@ -141,7 +142,7 @@ def drive_ranks_job(rank: int, serve_argv: list[str], script: list[dict],
     closers = contextlib.ExitStack()
     refusals: list[tuple[str, int]] = []
     try:
-        loop = _build_loop(ctx, first, args, role, inbox, outbox, StopFlag(), None, closers)
+        loop = _build_loop(ctx, first, settings, role, inbox, outbox, StopFlag(), None, closers)
         add = loop.adapter.add
 
         def recording_add(msg):          # the real add; notes which requests it refused, when

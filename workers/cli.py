@@ -18,11 +18,22 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from adaptive_dist.cli import seconds
 from workers.loading import DEFAULT_MODEL
-from workers.settings import ATTENTION_BACKENDS, MLP_SCATTERS
+from workers.settings import (
+    ATTENTION_BACKENDS,
+    MLP_SCATTERS,
+    ClusterShape,
+    GenerateSettings,
+    LaunchSettings,
+    SamplingFlags,
+    SpecChoice,
+)
+
+if TYPE_CHECKING:
+    from workers.launch import Cluster
 
 
 # ---- arguments --------------------------------------------------------------------------------
@@ -108,77 +119,106 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print one JSON object (outputs and statistics) as the last line")
 
 
+# ---- settings ---------------------------------------------------------------------------------
+
+def launch_settings(args: argparse.Namespace) -> LaunchSettings:
+    """The engine's flags (`add_engine_arguments`), typed: the one place that reads them."""
+    return LaunchSettings(
+        model=args.model, draft_model=args.draft_model,
+        shape=ClusterShape(dp=args.dp, attn_tp=args.attn_tp, tp=args.tp),
+        spec=SpecChoice(steps=args.steps, adaptive=args.adaptive, no_spec=args.no_spec,
+                        policy=args.policy, config=args.config),
+        device=args.device, attention_backend=args.attention_backend,
+        padded_prefill_tokens=args.padded_prefill_tokens, catchup_rounds=args.catchup_rounds,
+        defer_prefill_width=args.defer_prefill_width, max_batch_size=args.max_batch_size,
+        eager=args.eager, overlap=args.overlap, mlp_scatter=args.mlp_scatter,
+        moe_parallel=args.moe_parallel, timeout=args.timeout)
+
+
+def generate_settings(args: argparse.Namespace) -> GenerateSettings:
+    """`generate`'s flags (`add_arguments`), typed."""
+    return GenerateSettings(
+        launch=launch_settings(args), prompt=args.prompt, prompts=args.prompts,
+        sampling=SamplingFlags(temperature=args.temperature, top_p=args.top_p,
+                               max_new_tokens=args.max_new_tokens),
+        seed=args.seed, json=args.json)
+
+
 # ---- run --------------------------------------------------------------------------------------
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Handler of `generate`: every failure is one line per rank and a documented exit code."""
     from workers.launch import run_distributed
 
-    return run_distributed(args, _generate)
+    settings = generate_settings(args)
+    return run_distributed(settings.launch, settings, _generate)
 
 
-def _generate(ctx: Any, args: argparse.Namespace, closers: Any) -> Optional[str]:
+def _generate(ctx: Any, settings: GenerateSettings, closers: Any) -> Optional[str]:
     """The whole job on one rank; returns what rank 0 prints (None elsewhere)."""
     from workers.launch import start_engine
-    from workers.loading import Prompt, assign_replicas, load_tokenizer_for, model_paths, read_prompts
-    from workers.sampling import SamplingParams
+    from workers.loading import Prompt, assign_replicas, load_tokenizer_for, read_prompts
 
-    prompts = [Prompt(args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
-    if args.prompt == "":
+    launch, sampling = settings.launch, settings.sampling
+    prompts = ([Prompt(settings.prompt)] if settings.prompt is not None
+               else read_prompts(settings.prompts))
+    if settings.prompt == "":
         raise ValueError("--prompt: the prompt is empty; give at least one character")
-    tok = load_tokenizer_for(model_paths(args.model, args.draft_model))  # the sizes need it
+    paths = launch.model_paths()
+    tok = load_tokenizer_for(paths)  # the sizes need it (checked against the model once loaded)
     encoded = [tok.encode(p.text) for p in prompts]
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                            max_new_tokens=args.max_new_tokens)
+    sampling.params()  # refused before the model loads
     digest = hashlib.sha256(json.dumps([[p.text, p.dp_rank] for p in prompts]).encode())
-    cluster = start_engine(ctx, args, closers,
-                           extra={"--temperature": args.temperature, "--top-p": args.top_p,
-                                  "--max-new-tokens": args.max_new_tokens, "--seed": args.seed,
-                                  "--json": args.json,
+    cluster = start_engine(ctx, launch, closers,
+                           extra={"--temperature": sampling.temperature,
+                                  "--top-p": sampling.top_p,
+                                  "--max-new-tokens": sampling.max_new_tokens,
+                                  "--seed": settings.seed, "--json": settings.json,
                                   "--prompt/--prompts (contents)": digest.hexdigest()[:16]},
-                           size_for=lambda cfg, dp: _sizes(args, cfg, prompts, encoded, dp))
+                           size_for=lambda cfg, dp: _sizes(launch, sampling, cfg, prompts,
+                                                           encoded, dp),
+                           paths=paths, tokenizer=tok)
     engine, par = cluster.engine, cluster.par
-    params = SamplingParams(temperature=params.temperature, top_p=params.top_p,
-                            max_new_tokens=params.max_new_tokens,
-                            stop_token_ids=cluster.tokenizer.eos_token_ids)
+    params = sampling.params(stop_token_ids=cluster.tokenizer.eos_token_ids)
     replicas = assign_replicas(prompts, cluster.config.dp)
     mine = [i for i, r in enumerate(replicas) if r == par.replica]
     reqs = engine.generate([encoded[i] for i in mine], params,
-                           seeds=[args.seed + i for i in mine])
+                           seeds=[settings.seed + i for i in mine])
     report = cluster.gather_report(mine, reqs)
     if report is None:
         return None
-    out = summary(args, prompts, report, cluster)
-    if args.json:
+    out = summary(prompts, report, cluster)
+    if settings.json:
         return json.dumps(out)
     texts = [f"=== prompt {i} ===\n{p.text}{item['text']}\n" for i, (p, item)
              in enumerate(zip(prompts, out["outputs"]))]
     return "\n".join(texts) + "\n" + stats_table(out)
 
 
-def _sizes(args: argparse.Namespace, model_cfg: Any, prompts: list, encoded: list[list[int]],
-           dp: int) -> dict[str, int]:
+def _sizes(launch: LaunchSettings, sampling: SamplingFlags, model_cfg: Any, prompts: list,
+           encoded: list[list[int]], dp: int) -> dict[str, int]:
     """Engine sizes for this run, the same on every rank: a batch no larger than the busiest
     replica needs, a context (and KV reach) just long enough for the longest request."""
     from workers.loading import assign_replicas
 
+    new = sampling.max_new_tokens
     replicas = assign_replicas(prompts, dp)
     busiest = max(replicas.count(r) for r in range(dp))
     context = model_cfg.max_position_embeddings
     for i, ids in enumerate(encoded):  # before anything is allocated
         n = len(ids)
-        if n >= context or n + args.max_new_tokens > context:
+        if n >= context or n + new > context:
             raise ValueError(f"prompt {i}: {n} prompt tokens + --max-new-tokens "
-                             f"{args.max_new_tokens} = {n + args.max_new_tokens} exceeds the "
+                             f"{new} = {n + new} exceeds the "
                              f"model's context of {context} tokens")
-    longest = max(len(ids) for ids in encoded) + args.max_new_tokens
-    return {"max_batch_size": max(1, min(args.max_batch_size, busiest)),
+    longest = max(len(ids) for ids in encoded) + new
+    return {"max_batch_size": max(1, min(launch.max_batch_size, busiest)),
             "max_context_len": longest}
 
 
 # ---- report -----------------------------------------------------------------------------------
 
-def summary(args: argparse.Namespace, prompts: list, report: dict, cluster: Any) -> dict[str, Any]:
+def summary(prompts: list, report: dict, cluster: "Cluster") -> dict[str, Any]:
     """The JSON object of `--json` (also the source of the text table)."""
     tokenizer = cluster.tokenizer
     hist: dict[int, int] = {}

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from workers.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL", "Prompt", "read_prompts", "assign_replicas", "encode_prompt",
-           "model_digest", "pair_digest", "model_paths", "load_pair", "load_tokenizer_for"]
+           "model_digest", "pair_digest", "model_paths", "load_pair", "load_models",
+           "load_tokenizer_for", "check_tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -113,36 +114,50 @@ def load_pair(root: Optional[str | Path], par: Any = None, device: str = "cpu",
     """Load the target (and its draft head) that `root` (`--model`) and `draft`
     (`--draft-model`) name, this rank's shards of them (`par`: a `ModelParallel`, default one
     process; `dtype`: default float32); errors name the missing or broken file."""
+    return load_models(model_paths(root, draft), par, device, with_head, dtype, model_flag=root)
+
+
+def load_models(paths: "ModelPaths", par: Any = None, device: str = "cpu", with_head: bool = True,
+                dtype: Any = None, model_flag: Optional[str | Path] = None
+                ) -> tuple[Any, Optional[Any]]:
+    """`load_pair` of directories already resolved (`model_flag`: the `--model` value, named
+    when the pair has no draft head)."""
     import torch
 
     from workers.model import load_eagle, load_llama
 
-    paths = model_paths(root, draft)
     target = load_llama(paths.target, par=par, device=device, dtype=dtype or torch.float32)
     if not with_head:
         return target, None
     if paths.draft is None:
-        raise ValueError(f"--model {str(root)!r} has no draft head (no eagle/ beside target/); "
-                         f"give --draft-model DRAFT_DIR, or run --no-spec")
+        raise ValueError(f"--model {str(model_flag)!r} has no draft head (no eagle/ beside "
+                         f"target/); give --draft-model DRAFT_DIR, or run --no-spec")
     return target, load_eagle(paths.draft, target)
 
 
 def load_tokenizer_for(paths: "ModelPaths", vocab_size: Optional[int] = None) -> "Tokenizer":
     """The target's tokenizer (`workers.tokenizer.load_tokenizer`), checked against the model's
-    vocabulary when `vocab_size` is given: `ValueError` naming the file when it produces ids the
-    model does not have."""
-    from workers.model_files import CONFIG_FILE
-    from workers.tokenizer import TOKENIZER_FILE, load_tokenizer
+    vocabulary when `vocab_size` is given (`check_tokenizer`)."""
+    from workers.tokenizer import load_tokenizer
 
     tok = load_tokenizer(paths.target)
     if vocab_size is not None:
-        where = paths.target / (TOKENIZER_FILE if (paths.target / TOKENIZER_FILE).is_file()
-                                else CONFIG_FILE)
-        if tok.vocab_size > vocab_size:
-            raise ValueError(f"{str(where)!r}: the tokenizer has {tok.vocab_size} tokens, the "
-                             f"model's vocab_size is {vocab_size}")
-        special = [i for i in (tok.bos_token_id, *tok.eos_token_ids) if i is not None]
-        if any(i >= vocab_size for i in special):
-            raise ValueError(f"{str(where)!r}: BOS/EOS ids {special} reach beyond the model's "
-                             f"vocab_size {vocab_size}")
+        check_tokenizer(tok, paths, vocab_size)
     return tok
+
+
+def check_tokenizer(tok: "Tokenizer", paths: "ModelPaths", vocab_size: int) -> None:
+    """`ValueError` naming the file when the target's tokenizer `tok` produces ids the model
+    (`vocab_size`) does not have."""
+    from workers.model_files import CONFIG_FILE
+    from workers.tokenizer import TOKENIZER_FILE
+
+    where = paths.target / (TOKENIZER_FILE if (paths.target / TOKENIZER_FILE).is_file()
+                            else CONFIG_FILE)
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"{str(where)!r}: the tokenizer has {tok.vocab_size} tokens, the "
+                         f"model's vocab_size is {vocab_size}")
+    special = [i for i in (tok.bos_token_id, *tok.eos_token_ids) if i is not None]
+    if any(i >= vocab_size for i in special):
+        raise ValueError(f"{str(where)!r}: BOS/EOS ids {special} reach beyond the model's "
+                         f"vocab_size {vocab_size}")

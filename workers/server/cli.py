@@ -7,7 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from workers.cli import add_engine_arguments
+from workers.cli import add_engine_arguments, launch_settings
+from workers.settings import ServeSettings
 
 API_KEY_ENV = "ADAPTIVE_DIST_API_KEY"    # as workers.server.frontend.API_KEY_ENV (no import here)
 
@@ -131,7 +132,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.api_key:        # the frontend reads it from its environment (`spawn_frontend`)
         os.environ[API_KEY_ENV] = args.api_key
     args.api_key = None
-    return cmd_serve(args)
+    return cmd_serve(serve_settings(args))
+
+
+def serve_settings(args: argparse.Namespace) -> ServeSettings:
+    """`serve`'s flags (`add_serve_arguments`, the other spellings folded in), typed: the one
+    place that reads them."""
+    return ServeSettings(
+        launch=launch_settings(args), host=args.host, port=args.port, max_queue=args.max_queue,
+        routing=args.routing, served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len, chat_template=getattr(args, "chat_template", None))
 
 
 def _cmd_client(args: argparse.Namespace) -> int:

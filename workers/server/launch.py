@@ -12,7 +12,6 @@ waits for the frontend to answer its clients and exit.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -22,7 +21,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from collectives import DistContext, ParallelLayout
+    from workers.settings import ClusterShape, ServeSettings
 
 log = logging.getLogger("adaptive_dist.serve")
 
@@ -47,14 +50,12 @@ class RankRole:
         return self.rank % self.attn_tp == 0
 
 
-def rank_role(args: argparse.Namespace) -> RankRole:
+def rank_role(shape: "ClusterShape") -> RankRole:
     """This rank's role from the torchrun environment and `--dp` / `--attn-tp` / `--tp`;
     `ValueError` naming the numbers when they do not fit the job."""
-    from workers.launch import resolve_degrees
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    dp, attn_tp = resolve_degrees(args, world)
+    dp, attn_tp = shape.resolve(world)
     return RankRole(rank, world, dp, attn_tp)
 
 
@@ -174,13 +175,13 @@ class _Signals:
             signal.set_wakeup_fd(self._old_fd)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(settings: "ServeSettings") -> int:
     """Handler of `serve` (every rank). The process ends here, without the interpreter's
     teardown (seconds with torch loaded): everything it holds was closed above."""
     from adaptive_dist.failures import EXIT_INTERNAL, describe_failure, say
 
     try:
-        code = _serve(args)
+        code = _serve(settings)
     except BaseException as exc:  # one line and the documented exit code, as every command
         described = describe_failure(exc) if isinstance(exc, Exception) else None
         if described is None:
@@ -197,7 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(settings: "ServeSettings") -> int:
     import zmq
 
     from collectives import free_port, init_distributed
@@ -205,13 +206,13 @@ def _serve(args: argparse.Namespace) -> int:
     from workers.server.protocol import FrontendConfig, RankAddress, RankExit
     from workers.server.rank import StopFlag
 
-    role = rank_role(args)
+    launch = settings.launch
+    role = rank_role(launch.shape)
     setup_logging(f"rank {role.rank}")
     set_thread_count()
-    if args.max_queue < 0:
-        raise ValueError(f"--max-queue {args.max_queue}: must be >= 0")
-    backend = "gloo" if (args.device or "cpu") == "cpu" else None
-    ctx = init_distributed(timeout_s=args.timeout, backend=backend, record=True)
+    settings.check()
+    backend = "gloo" if (launch.device or "cpu") == "cpu" else None
+    ctx = init_distributed(timeout_s=launch.timeout, backend=backend, record=True)
     zctx = zmq.Context()
     inbox = Inbox(zctx, zmq_host())
     stop = StopFlag()
@@ -233,16 +234,18 @@ def _serve(args: argparse.Namespace) -> int:
         heartbeat.start()
         if role.rank == 0:
             frontend = spawn_frontend(FrontendConfig(
-                host=args.host, port=args.port, pull_address=pull, ranks=ranks, dp=role.dp,
-                model_name=args.served_model_name or Path(args.model).resolve().name,
-                max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                routing=args.routing, parent_pid=os.getpid(),
-                dead_after_s=min(args.timeout, 10.0),
-                chat_template=getattr(args, "chat_template", None)))
-            log.info("frontend at http://%s:%d (pid %d); loading the model", args.host,
-                     args.port, frontend.pid)
+                host=settings.host, port=settings.port, pull_address=pull, ranks=ranks,
+                dp=role.dp,
+                model_name=settings.served_model_name or Path(launch.model).resolve().name,
+                max_batch_size=launch.max_batch_size, max_queue=settings.max_queue,
+                routing=settings.routing, parent_pid=os.getpid(),
+                dead_after_s=min(launch.timeout, 10.0),
+                chat_template=settings.chat_template))
+            log.info("frontend at http://%s:%d (pid %d); loading the model", settings.host,
+                     settings.port, frontend.pid)
         try:
-            loop = _build_loop(ctx, first, args, role, inbox, outbox, stop, frontend, closers)
+            loop = _build_loop(ctx, first, settings, role, inbox, outbox, stop, frontend,
+                               closers)
             result = loop.run()
         except Exception as err:   # the frontend answers every client with this message
             outbox.send(RankExit(role.rank, f"{type(err).__name__}: {err}", True))
@@ -270,9 +273,9 @@ def _serve(args: argparse.Namespace) -> int:
             ctx.shutdown()   # after a failure a peer may be gone: just exit
 
 
-def _build_loop(ctx: Any, first: Any, args: argparse.Namespace, role: RankRole, inbox: Any,
-                outbox: Any, stop: Any, frontend: Optional[subprocess.Popen],
-                closers: contextlib.ExitStack) -> Any:
+def _build_loop(ctx: "DistContext", first: "ParallelLayout", settings: "ServeSettings",
+                role: RankRole, inbox: Any, outbox: Any, stop: Any,
+                frontend: Optional[subprocess.Popen], closers: contextlib.ExitStack) -> Any:
     """Load the model, build the engine (every rank agrees every setting), announce readiness;
     the loop to run."""
     from workers.launch import start_engine
@@ -280,10 +283,12 @@ def _build_loop(ctx: Any, first: Any, args: argparse.Namespace, role: RankRole, 
     from workers.server.protocol import ModelInfo, Ready
     from workers.server.rank import RankLoop
 
+    launch = settings.launch
     cluster = start_engine(
-        ctx, args, closers, extra={"--max-model-len": args.max_model_len,
-                                   "--max-batch-size": args.max_batch_size},
-        size_for=lambda cfg, dp: serving_sizes(cfg, args.max_batch_size, args.max_model_len),
+        ctx, launch, closers, extra={"--max-model-len": settings.max_model_len,
+                                     "--max-batch-size": launch.max_batch_size},
+        size_for=lambda cfg, dp: serving_sizes(cfg, launch.max_batch_size,
+                                               settings.max_model_len),
         first_layout=first)
     mcfg, engine, tok = cluster.target.config, cluster.engine, cluster.tokenizer
     eos = tuple(tok.eos_token_ids)
@@ -300,7 +305,7 @@ def _build_loop(ctx: Any, first: Any, args: argparse.Namespace, role: RankRole, 
     if role.is_leader:
         loop.announce()
     log.info("serving: %s, DP replica %d of %d (attention over %d ranks), batch %d, context %d",
-             mode, role.dp_rank, role.dp, role.attn_tp, args.max_batch_size,
+             mode, role.dp_rank, role.dp, role.attn_tp, launch.max_batch_size,
              cluster.config.max_context_len)
     return loop
 
