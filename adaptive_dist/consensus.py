@@ -1,5 +1,9 @@
-"""The per-round consensus collective: one fixed-size vector per rank, all-gathered over the DP
-group, so every rank holds the same matrix and reduces it in the same order.
+"""The per-round consensus collective: one fixed-size vector per rank, reduced over the group
+(``scheme="reduce"``, the default: one all-reduce of sums and maxima, ``log2 N`` exchange steps)
+or all-gathered (``scheme="gather"``, the former scheme: every rank holds the [N, FIELDS] matrix).
+Both give every rank the same ``ClusterRound``, bit for bit: the sums of floats are exact
+(fixed-point integers, ``ReducedLayout``), the same value ``reducers.exact_sum`` gives from the
+gathered matrix.
 
 The vector carries the rank's statistics (from the round that just ended: its request count, its
 EMA of accepted draft tokens, its EMA of the share of requests that rejected a draft token, its
@@ -11,17 +15,24 @@ rank must share (steps in force, counted rounds, last switch, config hash, hash 
 round's plan).
 The shared-state columns are the pre-flight lockstep check: a mismatch raises ``DivergenceError``
 on every rank, naming ranks and fields, before any device collective of the round is issued.
+The reduction carries each must-agree field's maximum and the maximum of its negation (equal iff
+every rank agrees); only when a check fails does every rank gather the vectors, to name the
+ranks that differ (the slow path).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import math
+import struct
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from collectives import DivergenceError, Group, ops
+from adaptive_dist.policy.reducers import Pooled
+from adaptive_dist.policy.rules import acceptance_rate
 
 MAGIC = 0x5ADC  # vector format version (0x5ADB: before extend_len; 0x5ADA: before period;
                 #   0x5AD9: before ema_fail)
@@ -157,3 +168,212 @@ def columns(matrix: list[list[float]]) -> dict[str, Sequence[float]]:
 def plan_hash(steps: int, use_graph: bool, bucket: int | None, mode: str) -> int:
     """Hash of what a rank runs in a round: depth, graph or eager, padded bucket, forward mode."""
     return hash48(int(steps), bool(use_graph), bucket, mode)
+
+
+# ============================================================================ the reduced round
+SCHEMES = ("reduce", "gather")
+REDUCED_MAGIC = 0x5ADD   # the reduced vector's format (the gathered one is MAGIC)
+
+LIMB_BITS = 40           # a signed digit per int64 limb: sums of up to 2^23 ranks cannot overflow
+FRACTION_BITS = 1074     # every finite float64 is an integer multiple of 2^-1074
+LIMBS = 29               # 29 * 40 = 1160 bits: |term| < 2^86 is exact
+_MASK = (1 << LIMB_BITS) - 1
+_SHIFTS = tuple(LIMB_BITS * k for k in range(LIMBS))
+_SCALE = 1 << FRACTION_BITS
+_LOW = -(1 << 63) + 1    # the MAX of a rank that has nothing to say (no weight)
+_F64, _I64 = struct.Struct("<d"), struct.Struct("<q")
+
+
+def float_key(x: float) -> int:
+    """An int64 with the order of float64 ``x`` (the maximum of keys is the key of the
+    maximum); ``key_float`` inverts it (-0.0 maps to +0.0)."""
+    b = _I64.unpack(_F64.pack(x))[0]
+    return b if b >= 0 else -(b & 0x7FFFFFFFFFFFFFFF)
+
+
+def key_float(k: int) -> float:
+    return _F64.unpack(_I64.pack(k))[0] if k >= 0 else -_F64.unpack(_I64.pack(-k))[0]
+
+
+def put_fixed(t: float, out: list, base: int) -> bool:
+    """Write float64 ``t`` as the integer ``t·2^1074`` in signed base-2^40 digits into
+    ``out[base:base+LIMBS]`` (zeros beforehand); False when it does not fit (non-finite, or
+    |t| ≥ 2^86), and the round's sums then come from the gathered vectors."""
+    if t == 0.0:
+        return True
+    if not math.isfinite(t):
+        return False
+    m, e = math.frexp(t)
+    mant = int(m * 9007199254740992.0)   # |m|·2^53: an integer below 2^53, exact
+    pos = e - 53 + FRACTION_BITS
+    sign = -1 if mant < 0 else 1
+    mant = abs(mant)
+    if pos < 0:                          # a subnormal's trailing zeros
+        mant >>= -pos
+        pos = 0
+    v, k = mant << (pos % LIMB_BITS), base + pos // LIMB_BITS
+    end = base + LIMBS
+    while v:
+        if k >= end:
+            return False
+        out[k] = sign * (v & _MASK)
+        v >>= LIMB_BITS
+        k += 1
+    return True
+
+
+def get_fixed(limbs: Sequence[int]) -> float:
+    """The float64 nearest (half to even) the exact sum that summed ``limbs`` hold (+0.0 for
+    zero): Python's int division rounds correctly, as ``math.fsum`` does, so this is
+    ``reducers.exact_sum`` of the ranks' terms."""
+    return sum(v << s for v, s in zip(limbs, _SHIFTS)) / _SCALE + 0.0
+
+
+@dataclass(frozen=True)
+class ClusterRound:
+    """Everything a round's decision and plan read of the cluster, identical on every rank."""
+
+    round: int
+    n_req_sum: int
+    n_req_max: int
+    tokens_max: int
+    extend_max: int
+    extend_len_max: int
+    all_graph: bool
+    all_done: bool
+    seq_min: int
+    any_leave: bool
+    prev_n_req_sum: int
+    untimed: bool          # some rank's period is < 0
+    period_max: float
+    pooled: Optional[Pooled]   # the ranks with weight > 0 (None: none)
+
+    @staticmethod
+    def from_matrix(matrix: list[list[float]],
+                    pooled: Callable[..., Optional[Pooled]]) -> "ClusterRound":
+        """From the gathered vectors; ``pooled(emas, weights, ema_fails)`` is the policy's."""
+        c = columns(matrix)
+        n_req = [int(v) for v in c["n_req"]]
+        return ClusterRound(
+            round=int(c["round"][0]), n_req_sum=sum(n_req), n_req_max=max(n_req),
+            tokens_max=int(max(c["num_tokens"])), extend_max=int(max(c["n_extend"])),
+            extend_len_max=int(max(c["extend_len"])), all_graph=all(c["can_graph"]),
+            all_done=all(c["done"]), seq_min=int(min(c["seq"])), any_leave=any(c["leave"]),
+            prev_n_req_sum=int(sum(c["prev_n_req"])), untimed=min(c["period"]) < 0,
+            period_max=max(c["period"]) + 0.0,
+            pooled=pooled(c["ema"], c["weight"], c["ema_fail"]))
+
+
+_SUM_INTS = ("n_req", "prev_n_req", "weight", "live")
+_MAX_INTS = ("n_req", "num_tokens", "n_extend", "extend_len", "no_graph", "not_done",
+             "neg_seq", "leave", "untimed", "period", "inexact",
+             "ema_max", "neg_ema_min", "rate_max", "neg_rate_min")
+
+
+class ReducedLayout:
+    """The reduced round vector of one configuration (the same on every rank): a SUM part —
+    requests, the previous round's requests, weights, live ranks (integers) and, per exact sum
+    the reducer reads, ``LIMBS`` fixed-point digits — and a MAX part — the largest batch,
+    prefill, prompt; "some rank cannot graph / is not done" (1 − flag), the smallest inbox
+    sequence (as −seq), the stop wish, untimed, the longest period; the extreme EMAs and rates
+    of ranks with weight (float keys; a minimum as the maximum of the negation); every
+    must-agree field and its negation."""
+
+    def __init__(self, needs: Sequence[str], mix_steps: Sequence[int] = (),
+                 expected: Optional[Callable[[float, int], float]] = None) -> None:
+        self.sums = tuple(n for n in ("ema_sum", "fail_sum", "rate_sum") if n in needs)
+        self.mix_steps = tuple(mix_steps) if expected is not None else ()
+        self.expected = expected
+        n_exact = len(self.sums) + len([s for s in self.mix_steps if s])
+        self.n_sum = len(_SUM_INTS) + LIMBS * n_exact
+        self.n_max = len(_MAX_INTS) + 2 * len(MUST_AGREE)
+        self.size = self.n_sum + self.n_max
+
+    def encode(self, vec: RoundVector) -> list[int]:
+        """This rank's contribution."""
+        out = [0] * self.size
+        w, e, f = vec.weight, vec.ema, vec.ema_fail
+        out[0], out[1], out[2], out[3] = vec.n_req, vec.prev_n_req, w, int(w > 0)
+        ok = True
+        base = len(_SUM_INTS)
+        if w > 0:
+            p = acceptance_rate(e, f)
+            terms = {"ema_sum": w * e, "fail_sum": w * f, "rate_sum": w * p}
+            for name in self.sums:
+                ok &= put_fixed(terms[name], out, base)
+                base += LIMBS
+            for s in self.mix_steps:
+                if s:
+                    ok &= put_fixed(w * self.expected(p, s), out, base)
+                    base += LIMBS
+            extremes = (float_key(e), float_key(-e), float_key(p), float_key(-p))
+        else:
+            extremes = (_LOW,) * 4
+        period = vec.period
+        out[self.n_sum:self.n_sum + len(_MAX_INTS)] = (
+            vec.n_req, vec.num_tokens, vec.n_extend, vec.extend_len, int(not vec.can_graph),
+            int(not vec.done), -vec.seq, int(vec.leave), int(period < 0),
+            float_key(period) if math.isfinite(period) else _LOW, int(not ok)) + extremes
+        i = self.n_sum + len(_MAX_INTS)
+        for name in MUST_AGREE:
+            v = REDUCED_MAGIC if name == "magic" else int(getattr(vec, name))
+            out[i], out[i + 1] = v, -v
+            i += 2
+        return out
+
+    def agreed(self, red: Sequence[int]) -> bool:
+        """Whether every must-agree field had one value (its maximum is minus the maximum of
+        its negation) and every sum was exact."""
+        i = self.n_sum + len(_MAX_INTS)
+        if red[i - 5]:   # inexact
+            return False
+        return all(red[j] == -red[j + 1] for j in range(i, self.size, 2))
+
+    def decode(self, red: Sequence[int]) -> ClusterRound:
+        """The cluster's round from the reduced vector (``agreed`` first)."""
+        m = red[self.n_sum:self.n_sum + len(_MAX_INTS)]
+        live = red[3]
+        pooled = None
+        if live:
+            vals, base = {}, len(_SUM_INTS)
+            for name in self.sums:
+                vals[name] = get_fixed(red[base:base + LIMBS])
+                base += LIMBS
+            mix = []
+            for s in self.mix_steps:
+                if s:
+                    mix.append((s, get_fixed(red[base:base + LIMBS])))
+                    base += LIMBS
+                else:
+                    mix.append((s, 0.0))
+            pooled = Pooled(live=live, weight=float(red[2]), **vals,
+                            ema_max=key_float(m[11]), ema_min=-key_float(m[12]) + 0.0,
+                            rate_max=key_float(m[13]), rate_min=-key_float(m[14]) + 0.0,
+                            mix=tuple(mix))
+        return ClusterRound(
+            round=red[self.n_sum + len(_MAX_INTS) + 2], n_req_sum=red[0], n_req_max=m[0],
+            tokens_max=m[1], extend_max=m[2], extend_len_max=m[3], all_graph=not m[4],
+            all_done=not m[5], seq_min=-m[6], any_leave=bool(m[7]), prev_n_req_sum=red[1],
+            untimed=bool(m[8]), period_max=key_float(m[9]) + 0.0, pooled=pooled)
+
+
+ALGORITHMS = ("doubling", "gloo")
+
+
+class ReduceChannel:
+    """The reduced round's one collective over ``group``'s gloo control group (host memory,
+    apart from the model's collectives), buffers pre-allocated: ``ops.all_reduce_sum_max``
+    (``algorithm``: recursive doubling, or gloo's ring all-reduce twice)."""
+
+    def __init__(self, group: Group, layout: ReducedLayout, algorithm: str = "doubling") -> None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"consensus algorithm={algorithm!r}; allowed: "
+                             f"{', '.join(ALGORITHMS)}")
+        self.group, self.layout, self.algorithm = group, layout, algorithm
+        self.buf = torch.zeros(layout.size, dtype=torch.int64)
+        self._np = self.buf.numpy()
+
+    def reduce(self, vec: RoundVector) -> list[int]:
+        self._np[:] = self.layout.encode(vec)
+        ops.all_reduce_sum_max(self.buf, self.group, self.layout.n_sum, self.algorithm)
+        return self.buf.tolist()

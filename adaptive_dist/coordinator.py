@@ -9,8 +9,9 @@ Round protocol (every rank of the group, idle ones too):
     coordinator.ran(executed)          # what this rank launched (local)
     coordinator.end_round(accepts)     # its accept lengths (local)
 
-``begin_round`` gathers every rank's report and statistics (one all-gather), checks the shared
-columns, has the policy decide on the previous round's statistics (that decision belongs to the
+``begin_round`` reduces every rank's report and statistics (one all-reduce of sums and maxima,
+``consensus.ReducedLayout``; ``scheme="gather"``: the former all-gather of the vectors), checks
+the shared columns, has the policy decide on the previous round's statistics (that decision belongs to the
 previous round: "made at round r, applied between r and r+1"), then agrees the graph path and
 padded shapes of the new round. The coordinator decides; whoever runs the model applies the
 depth (a worker swaps a pre-built runtime state) and reports what it ran.
@@ -120,7 +121,8 @@ class RoundCoordinator:
 
     def __init__(self, config: AdaptiveConfig, group: Group, *,
                  guard: Optional[LockstepGuard] = None, channel: str = "control",
-                 clock: Optional[Callable[[], float]] = time.perf_counter) -> None:
+                 clock: Optional[Callable[[], float]] = time.perf_counter,
+                 scheme: str = "reduce", algorithm: str = "doubling") -> None:
         if config.needs_round_cost:
             raise ValueError("the goodput policy needs round_cost: measure the cost of a round "
                              "at each depth and call adaptive_dist.startup.agree_round_cost, or "
@@ -144,7 +146,22 @@ class RoundCoordinator:
         self._digest = 0
         self.last_outcome: Optional[RoundOutcome] = None
         self.stats = RoundStats()
+        if scheme not in consensus.SCHEMES:
+            raise ValueError(f"consensus scheme={scheme!r}; allowed: "
+                             f"{', '.join(consensus.SCHEMES)}")
+        self.scheme = scheme
+        # the gather channel: the whole round (scheme "gather"), or the reduce scheme's slow
+        # path (a failed check: name the ranks that differ)
         self._channel = consensus.ConsensusChannel(group, channel)
+        self._reduced = None
+        if scheme == "reduce":
+            if channel != "control":
+                raise ValueError("consensus scheme 'reduce' runs on the control channel")
+            mixes = self.policy.reducer.mixes
+            layout = consensus.ReducedLayout(
+                self.policy.reducer.needs, config.candidate_steps if mixes else (),
+                self.policy.expected if mixes else None)
+            self._reduced = consensus.ReduceChannel(group, layout, algorithm)
         self.stats.steps_timeline.append((0, self.steps))
 
     @property
@@ -185,18 +202,11 @@ class RoundCoordinator:
             steps=self.steps, counted=self.state.counted, last_switch=self.state.last_switch,
             config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash, period=period,
         )
-        matrix = self._channel.gather(vec)
-        try:
-            consensus.preflight(matrix, self.group)
-        except Exception:
-            if self.guard is not None:
-                self.guard.publish_log()  # let peers stuck elsewhere name the divergence
-            raise
-        cols = consensus.columns(matrix)
-        self._time_previous(cols)
-        self.last_outcome = self._decide_previous(cols)
+        cluster = self._agree(vec)
+        self._time_previous(cluster)
+        self.last_outcome = self._decide_previous(cluster)
         switched = bool(self.last_outcome and self.last_outcome.decision.switched)
-        plan = self._plan(cols, switched)
+        plan = self._plan(cluster, switched)
         self._prev_plan = plan
         # until end_round reports what this rank actually ran, assume it followed the plan
         self._prev_plan_hash = consensus.plan_hash(plan.steps, plan.use_graph, plan.batch_bucket,
@@ -218,6 +228,24 @@ class RoundCoordinator:
         if plan.cluster_requests:
             self.stats.rounds_at_shape[(plan.steps, plan.batch_pad)] += 1
         return plan
+
+    def _agree(self, vec: consensus.RoundVector) -> consensus.ClusterRound:
+        """The round's one collective and its pre-flight check: the reduction, and only when a
+        check fails (or a sum could not be exact) the gather, on every rank alike (every rank
+        holds the same reduced values), which names the ranks that differ."""
+        if self._reduced is not None:
+            red = self._reduced.reduce(vec)
+            layout = self._reduced.layout
+            if layout.agreed(red):
+                return layout.decode(red)
+        matrix = self._channel.gather(vec)
+        try:
+            consensus.preflight(matrix, self.group)
+        except Exception:
+            if self.guard is not None:
+                self.guard.publish_log()  # let peers stuck elsewhere name the divergence
+            raise
+        return consensus.ClusterRound.from_matrix(matrix, self.policy.pooled)
 
     def ran(self, executed: Executed) -> None:
         """What this rank's worker launched for the round begun last (its applied depth, graph
@@ -254,39 +282,36 @@ class RoundCoordinator:
         self.stats.shadow_rounds += observed.shadow
         self._prev_n_req = len(accepts)
 
-    def _time_previous(self, cols) -> None:
+    def _time_previous(self, cluster: consensus.ClusterRound) -> None:
         """goodput with ``cost_alpha`` > 0: move the offset of the previous round's batch row
         toward its time, the slowest rank's, less its depth's agreed cost; the live table is the
-        agreed one plus each row's offset (identical on every rank: every input is a gathered
-        column or the agreed plan). Only a steady decode round counts — it and this round run
+        agreed one plus each row's offset (identical on every rank: every input is an agreed
+        cluster value or the agreed plan). Only a steady decode round counts — it and this round run
         requests and neither prefills — so idle time and prefills stay out."""
         prev, alpha = self._prev_plan, self.config.cost_alpha
         if not alpha or prev is None or self.round_cost is None:
             return
         if prev.cluster_requests <= 0 or prev.extend_tokens > 0:
             return
-        if sum(cols["n_req"]) <= 0 or max(cols["num_tokens"]) > 0:
+        if cluster.n_req_sum <= 0 or cluster.tokens_max > 0:
             return
-        periods = cols["period"]
-        if min(periods) < 0:
+        if cluster.untimed:
             return
-        base = self.config.round_cost
+        base, slowest = self.config.round_cost, cluster.period_max
         self.cost_offsets = update_offsets(base, self.cost_offsets, prev.batch_pad, prev.steps,
-                                           max(periods), alpha)
+                                           slowest, alpha)
         self.round_cost = shifted_costs(base, self.cost_offsets)
         self.stats.timed_rounds += 1
-        self.stats.timed_samples.append((prev.round, prev.steps, prev.batch_pad, max(periods)))
+        self.stats.timed_samples.append((prev.round, prev.steps, prev.batch_pad, slowest))
 
-    def _decide_previous(self, cols) -> Optional[RoundOutcome]:
+    def _decide_previous(self, cluster: consensus.ClusterRound) -> Optional[RoundOutcome]:
         prev = self._prev_plan
         if prev is None:
             return None
-        cluster = int(sum(cols["prev_n_req"]))
         local_ema, local_fail = self.ema, self.ema_fail
-        self.state, decision = self.policy.decide(
-            self.state, cluster, cols["ema"], cols["weight"], ema_fails=cols["ema_fail"],
-            batch=prev.batch_pad, table=self.round_cost,
-        )
+        self.state, decision = self.policy.decide_pooled(
+            self.state, cluster.prev_n_req_sum, cluster.pooled, batch=prev.batch_pad,
+            table=self.round_cost)
         if decision.decision_point:
             self.local = replace(self.local, weight=0)
         if decision.counted:
@@ -298,22 +323,16 @@ class RoundCoordinator:
         return RoundOutcome(prev.round, prev.steps, prev.use_graph, local_ema, decision,
                             local_fail, prev.batch_pad)
 
-    def _plan(self, cols, switched: bool) -> RoundPlan:
-        n_req = [int(v) for v in cols["n_req"]]
-        eligible = all(cols["can_graph"])
-        bucket = pick_bucket(max(n_req), self.config.graph_buckets) if eligible else None
+    def _plan(self, c: consensus.ClusterRound, switched: bool) -> RoundPlan:
+        bucket = pick_bucket(c.n_req_max, self.config.graph_buckets) if c.all_graph else None
         use_graph = bucket is not None
         return RoundPlan(
             round=self.round, steps=self.steps, use_graph=use_graph,
             batch_bucket=bucket if use_graph else None,
-            batch_pad=bucket if use_graph else max(n_req),
-            extend_tokens=int(max(cols["num_tokens"])),
-            extend_requests=int(max(cols["n_extend"])),
-            cluster_requests=sum(n_req), switched=switched,
-            all_done=all(cols["done"]),
-            seq=int(min(cols["seq"])),
-            leave=any(cols["leave"]),
-            extend_width=int(max(cols["extend_len"])),
+            batch_pad=bucket if use_graph else c.n_req_max,
+            extend_tokens=c.tokens_max, extend_requests=c.extend_max,
+            cluster_requests=c.n_req_sum, switched=switched, all_done=c.all_done,
+            seq=c.seq_min, leave=c.any_leave, extend_width=c.extend_len_max,
         )
 
     def decision_digest(self) -> int:

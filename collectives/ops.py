@@ -112,3 +112,65 @@ def broadcast(tensor: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     _run("broadcast", group, tensor,
          lambda: dist.broadcast(tensor, src=group.ranks[src], group=group.device_pg))
     return tensor
+
+
+def all_reduce_sum_max(tensor: torch.Tensor, group: Group, n_sum: int,
+                       algorithm: str = "doubling") -> torch.Tensor:
+    """One reduction of a host int64 vector over ``group``'s gloo control group, in place:
+    elements ``[:n_sum]`` summed, ``[n_sum:]`` their maximum (a minimum travels as the maximum
+    of its negation). Integer arithmetic, so every member ends with the same values whatever
+    order the partial results meet in. No-op at size 1.
+
+    ``algorithm="doubling"``: recursive doubling over point-to-point sends on the control group,
+    each message the whole vector — ``log2 N`` exchange steps for ``N`` a power of two (else the
+    ``N - 2^k`` extra members first hand their vector to a partner and get the result back: two
+    more steps), against gloo's ring all-reduce, ``2(N - 1)`` sequential hops even for a tiny
+    vector. ``"gloo"``: gloo's own all-reduce, twice (SUM, then MAX; for comparison)."""
+    if group.size == 1:
+        return tensor
+    _check_group(group, "all_reduce_sum_max")
+    if tensor.dtype != torch.int64 or tensor.device.type != "cpu" or tensor.dim() != 1:
+        raise ValueError("all_reduce_sum_max: a 1-D int64 host tensor")
+    if algorithm not in ("doubling", "gloo"):
+        raise ValueError(f"all_reduce_sum_max: algorithm={algorithm!r}; allowed: doubling, gloo")
+    pg = group.control_pg
+    head, tail = tensor[:n_sum], tensor[n_sum:]
+
+    def gloo() -> None:
+        dist.all_reduce(head, op=dist.ReduceOp.SUM, group=pg)
+        dist.all_reduce(tail, op=dist.ReduceOp.MAX, group=pg)
+
+    def doubling() -> None:
+        size, me, ranks = group.size, group.rank, group.ranks
+        pow2 = 1 << (size.bit_length() - 1)
+        extra = size - pow2
+        other = torch.empty_like(tensor)
+
+        def swap(peer: int) -> None:   # send mine, receive theirs, combine
+            sent = dist.isend(tensor, ranks[peer], group=pg)
+            got = dist.irecv(other, ranks[peer], group=pg)
+            sent.wait()
+            got.wait()
+            head.add_(other[:n_sum])
+            torch.maximum(tail, other[n_sum:], out=tail)
+
+        if me < 2 * extra and me % 2 == 0:   # an extra member: its partner reduces for it
+            dist.send(tensor, ranks[me + 1], group=pg)
+            dist.recv(tensor, ranks[me + 1], group=pg)
+            return
+        if me < 2 * extra:
+            dist.recv(other, ranks[me - 1], group=pg)
+            head.add_(other[:n_sum])
+            torch.maximum(tail, other[n_sum:], out=tail)
+        v = me // 2 if me < 2 * extra else me - extra   # index among the 2^k active members
+        mask = 1
+        while mask < pow2:
+            peer = v ^ mask
+            swap(2 * peer + 1 if peer < extra else peer + extra)
+            mask <<= 1
+        if me < 2 * extra:
+            dist.send(tensor, ranks[me - 1], group=pg)
+
+    _run(f"all_reduce.sum_max.{algorithm}.control", group, tensor,
+         gloo if algorithm == "gloo" else doubling)
+    return tensor

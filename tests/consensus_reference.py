@@ -2,6 +2,8 @@
 
 Written separately from ``adaptive_dist.policy`` on purpose: it simulates every rank's EMA and the
 cluster-wide decision from all ranks' traces in one loop, straight from the rules in docs/policy.md.
+Every cluster-wide sum of floats is the exactly rounded sum of its terms (``_exact``, math.fsum:
+the order the ranks' terms meet in does not matter).
 """
 from __future__ import annotations
 
@@ -80,11 +82,7 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
         if not live:
             g = None
         elif cfg["reducer"] in ("weighted_mean", "mixture"):
-            num = den = 0.0
-            for e, w in live:
-                num += w * e
-                den += w
-            g = num / den
+            g = _exact(w * e for e, w in live) / _exact(w for _, w in live)
         elif cfg["reducer"] == "min":
             g = min(e for e, _ in live)
         else:
@@ -112,14 +110,11 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
                     live = [k for k in range(world) if weight[k] > 0]
                     rates = [1.0 if ema[k] + fail[k] == 0 else ema[k] / (ema[k] + fail[k])
                              for k in live]
-                    total_w = 0.0
-                    for k in live:
-                        total_w += weight[k]
+                    total_w = _exact(weight[k] for k in live)
                     scores = []
                     for s in cand:
-                        mixed = 0.0
-                        for k, rk in zip(live, rates):
-                            mixed += weight[k] * _reference_expected(rk, s)
+                        mixed = _exact(weight[k] * _reference_expected(rk, s)
+                                       for k, rk in zip(live, rates))
                         scores.append((1.0 + mixed / total_w) / costs[str(s)])
                 else:
                     scores = [(1.0 + _reference_expected(rate, s)) / costs[str(s)]
@@ -155,6 +150,11 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
     return out
 
 
+def _exact(terms) -> float:
+    """The exact sum of the float terms, rounded once (+0.0 for zero)."""
+    return math.fsum(terms) + 0.0
+
+
 def _reference_nats(accepted: int, rejected: int, ema: float, fail: float) -> float:
     """The round's log-likelihood ratio (docs/policy.md, goodput's reset): its own rate
     against the rank's EMAs' rate held to [0.01, 0.99]."""
@@ -178,18 +178,12 @@ def _reference_rate(ema: list[float], fail: list[float], weight: list[int],
     if not live:
         return None
     if reducer == "weighted_mean":
-        a = f = 0.0
-        for k in live:
-            a += weight[k] * ema[k]
-            f += weight[k] * fail[k]
+        a = _exact(weight[k] * ema[k] for k in live)
+        f = _exact(weight[k] * fail[k] for k in live)
         return 1.0 if a + f == 0 else a / (a + f)
     rates = [1.0 if ema[k] + fail[k] == 0 else ema[k] / (ema[k] + fail[k]) for k in live]
     if reducer == "mixture":
-        num = den = 0.0
-        for k, r in zip(live, rates):
-            num += weight[k] * r
-            den += weight[k]
-        return num / den
+        return _exact(weight[k] * r for k, r in zip(live, rates)) / _exact(weight[k] for k in live)
     return min(rates) if reducer == "min" else max(rates)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Optional, Protocol, Sequence
 
-from adaptive_dist.policy.reducers import live, reducer_named
+from adaptive_dist.policy.reducers import Pooled, reducer_named
 from adaptive_dist.policy.rules import (
     INITIAL_EMA_FAIL,
     ema_fail_update,
@@ -114,6 +114,12 @@ class DepthPolicy(Protocol):
                ) -> tuple[PolicyState, Decision]:
         """One round's decision from cluster-wide values (identical on every rank)."""
 
+    def decide_pooled(self, state: PolicyState, cluster_requests: int,
+                      pooled: Optional["Pooled"], batch: int = 0,
+                      table: Optional["RoundCost"] = None) -> tuple[PolicyState, Decision]:
+        """``decide`` from the cluster's pooled statistics (``reducers.Pooled``; None: no rank
+        has weight), as a round's reduction gives them."""
+
     @classmethod
     def in_engine(cls, config: "AdaptiveConfig", catchup_rounds: int) -> "AdaptiveConfig":
         """The effective configuration in an engine whose draft cache catches up every
@@ -182,27 +188,46 @@ class CountingPolicy:
                         weight=estimate.weight + len(accepts)), Observed(reset))
 
     # ---- the decision ----------------------------------------------------------------------
+    def pooled(self, emas: Sequence[float], weights: Sequence[float],
+               ema_fails: Optional[Sequence[float]] = None) -> Optional[Pooled]:
+        """What this policy's reducer reads of per-rank values (None: no rank has weight)."""
+        mixes = self.reducer.mixes
+        return Pooled.of(emas, ema_fails, weights, self.config.candidate_steps if mixes else (),
+                         self.expected if mixes else None)
+
+    @staticmethod
+    def expected(p: float, steps: int) -> float:
+        """``E(p, S)`` of a mixing reducer (goodput's ``expected_accepted``)."""
+        raise NotImplementedError
+
     def decide(self, state: PolicyState, cluster_requests: int, emas: Sequence[float],
                weights: Sequence[float], ema_fails: Optional[Sequence[float]] = None,
                batch: int = 0, table: Optional["RoundCost"] = None
                ) -> tuple[PolicyState, Decision]:
+        """``decide_pooled`` on the per-rank values (``pooled``)."""
+        if cluster_requests <= 0:
+            return state, Decision(False, False, None, state.index, state.index)
+        return self.decide_pooled(state, cluster_requests, self.pooled(emas, weights, ema_fails),
+                                  batch, table)
+
+    def decide_pooled(self, state: PolicyState, cluster_requests: int, pooled: Optional[Pooled],
+                      batch: int = 0, table: Optional["RoundCost"] = None
+                      ) -> tuple[PolicyState, Decision]:
         """Count the round, find whether it is a decision point and whether the dwell allows a
-        switch, then ``choose``. An uncounted round (no requests anywhere) changes nothing."""
+        switch, then ``choose``. An uncounted round (no requests anywhere) changes nothing.
+        ``pooled``: the cluster's statistics (None: no rank has weight)."""
         if cluster_requests <= 0:
             return state, Decision(False, False, None, state.index, state.index)
         cfg = self.config
         counted = state.counted + 1
         state = replace(state, counted=counted)
-        ranks = live(emas, None, weights)
-        global_ema = self.reducer.ema(ranks) if ranks else None
+        global_ema = self.reducer.ema(pooled) if pooled is not None else None
         point = is_decision_point(counted, cfg.warmup_batches, cfg.update_interval)
         dwell_ok = state.last_switch < 0 or counted - state.last_switch >= cfg.min_dwell_rounds
-        return self.choose(state, point, dwell_ok, global_ema, emas, weights, ema_fails, batch,
-                           table)
+        return self.choose(state, point, dwell_ok, global_ema, pooled, batch, table)
 
     def choose(self, state: PolicyState, point: bool, dwell_ok: bool,
-               global_ema: Optional[float], emas: Sequence[float], weights: Sequence[float],
-               ema_fails: Optional[Sequence[float]], batch: int,
+               global_ema: Optional[float], pooled: Optional[Pooled], batch: int,
                table: Optional["RoundCost"]) -> tuple[PolicyState, Decision]:
         """The policy's rule at a counted round (``state`` already counts it)."""
         raise NotImplementedError

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Optional, Sequence
 
 from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, check, is_int, is_number
 from adaptive_dist.policy.base import CountingPolicy, Decision, Observed, PolicyState, RankEstimate
-from adaptive_dist.policy.reducers import Mixture, live
+from adaptive_dist.policy.reducers import Mixture, Pooled, exact_sum
 from adaptive_dist.policy.rules import (
     acceptance_rate,
     decision_points_upto,
@@ -82,16 +82,12 @@ def expected_accepted(p: float, steps: int) -> float:
 
 def mixture_expected(rates: Sequence[tuple[float, float]], steps: int) -> float:
     """The ``mixture`` reducer's expected accepted tokens at depth ``steps``: the weighted mean
-    over the ranks of each rank's own ``E(S)``, ``Σ w_i·E(p_i, S) / Σ w_i`` (rank order,
-    float64). In lockstep every rank runs the same depth and the cluster's tokens are the sum of
-    the ranks', so this is the cluster's expectation, where one pooled rate (``weighted_mean``)
-    would fit a single geometric law to ranks that follow different ones."""
-    num = 0.0
-    den = 0.0
-    for p, w in rates:
-        num += w * expected_accepted(p, steps)
-        den += w
-    return num / den
+    over the ranks of each rank's own ``E(S)``, ``Σ w_i·E(p_i, S) / Σ w_i`` (each sum exactly
+    rounded, ``exact_sum``). In lockstep every rank runs the same depth and the cluster's tokens
+    are the sum of the ranks', so this is the cluster's expectation, where one pooled rate
+    (``weighted_mean``) would fit a single geometric law to ranks that follow different ones."""
+    return (exact_sum(w * expected_accepted(p, steps) for p, w in rates)
+            / exact_sum(w for _, w in rates))
 
 
 def goodput_score(p: float, steps: int, cost: float) -> float:
@@ -112,13 +108,17 @@ def cost_row(table: RoundCost, batch: int) -> int:
 
 def goodput_scores(cfg: AdaptiveConfig, p: float, batch: int,
                    table: Optional[RoundCost] = None,
-                   mix: Optional[Sequence[tuple[float, float]]] = None) -> list[float]:
+                   mix: Optional[Sequence[tuple[float, float]] | dict[int, float]] = None
+                   ) -> list[float]:
     """The score of every candidate (ascending depth) at rate ``p`` and padded batch ``batch``,
     with ``table`` (default: ``cfg.round_cost``); with ``mix`` (the ``mixture`` reducer's
-    per-rank rates and weights) ``(1 + mixture_expected(mix, S)) / cost`` instead."""
+    ``{S: E_mix(S)}``, or the per-rank rates and weights it comes from)
+    ``(1 + E_mix(S)) / cost`` instead."""
     table = table if table is not None else cfg.round_cost
     assert table is not None, "goodput needs round_cost"
     costs = dict(table.rows[cost_row(table, batch)])
+    if isinstance(mix, dict):
+        return [(1.0 + mix[s]) / costs[s] for s in cfg.candidate_steps]
     if mix is not None:
         return [(1.0 + mixture_expected(mix, s)) / costs[s] for s in cfg.candidate_steps]
     return [goodput_score(p, s, costs[s]) for s in cfg.candidate_steps]
@@ -215,7 +215,8 @@ def step_down(cfg: AdaptiveConfig, scores: Sequence[float], index: int, new: int
 
 def goodput_step(cfg: AdaptiveConfig, state: GoodputState, rate: Optional[float],
                  batch: int, table: Optional[RoundCost] = None,
-                 mix: Optional[Sequence[tuple[float, float]]] = None) -> tuple[int, bool]:
+                 mix: Optional[Sequence[tuple[float, float]] | dict[int, float]] = None
+                 ) -> tuple[int, bool]:
     """The goodput decision at a decision point the dwell allows: (new index, is a probe).
     The best score with the margin, from the cluster's rate; at depth 0 without a rate (no rank
     reported shadow checks since the last decision point) only the probe moves, due
@@ -355,26 +356,32 @@ class GoodputPolicy(CountingPolicy):
         return replace(estimate, unobserved=unobserved), Observed()
 
     # ---- the decision ----------------------------------------------------------------------
-    def choose(self, state: GoodputState, point: bool, dwell_ok: bool,
-               global_ema: Optional[float], emas: Sequence[float], weights: Sequence[float],
-               ema_fails: Optional[Sequence[float]], batch: int,
-               table: Optional[RoundCost]) -> tuple[GoodputState, Decision]:
+    expected = staticmethod(expected_accepted)
+
+    def decide(self, state: GoodputState, cluster_requests: int, emas: Sequence[float],
+               weights: Sequence[float], ema_fails: Optional[Sequence[float]] = None,
+               batch: int = 0, table: Optional[RoundCost] = None
+               ) -> tuple[GoodputState, Decision]:
         """``ema_fails`` (one per rank), ``batch`` (the round's padded batch, which picks the
         ``round_cost`` row) and ``table`` (the live cost table; default ``round_cost``)."""
-        cfg = self.config
-        if ema_fails is None or len(ema_fails) != len(emas):
+        if cluster_requests > 0 and (ema_fails is None or len(ema_fails) != len(emas)):
             raise ValueError("the goodput policy needs one ema_fail per rank")
+        return super().decide(state, cluster_requests, emas, weights, ema_fails, batch, table)
+
+    def choose(self, state: GoodputState, point: bool, dwell_ok: bool,
+               global_ema: Optional[float], pooled: Optional[Pooled], batch: int,
+               table: Optional[RoundCost]) -> tuple[GoodputState, Decision]:
+        cfg = self.config
         table = table if table is not None else cfg.round_cost
         if table is None:
             raise ValueError("the goodput policy needs round_cost (measure it and call "
                              "agree_round_cost, or set it in the config)")
-        ranks = live(emas, ema_fails, weights)
-        rate = self.reducer.rate(ranks) if ranks else None
+        rate = self.reducer.rate(pooled) if pooled is not None else None
         row = table.buckets[cost_row(table, batch)] if table.buckets is not None else None
         new_index, probe = state.index, False
         if point and dwell_ok:
             new_index, probe = goodput_step(cfg, state, rate, batch, table,
-                                            self.reducer.mix(ranks))
+                                            self.reducer.mix(pooled) if pooled else None)
         if point and rate is not None and cfg.candidate_steps[state.index] == 0:
             state = replace(state, last_signal=state.counted)   # a signal at depth 0: no probe due
         decision = Decision(True, point, global_ema, state.index, new_index, rate, row, probe)

@@ -1,7 +1,7 @@
 """The static policy and the EMA ladder (SGLang-compatible thresholds; docs/policy.md)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional
 
 from adaptive_dist.config import check, is_number
 from adaptive_dist.policy.base import CountingPolicy, Decision, PolicyState
@@ -9,6 +9,7 @@ from adaptive_dist.policy.rules import ladder_walk
 
 if TYPE_CHECKING:
     from adaptive_dist.config import AdaptiveConfig, RoundCost
+    from adaptive_dist.policy.reducers import Pooled
 
 HYSTERESIS_LIMIT = 1000.0
 
@@ -23,8 +24,7 @@ class StaticPolicy(CountingPolicy):
     allows_depth_zero = True
 
     def choose(self, state: PolicyState, point: bool, dwell_ok: bool,
-               global_ema: Optional[float], emas: Sequence[float], weights: Sequence[float],
-               ema_fails: Optional[Sequence[float]], batch: int,
+               global_ema: Optional[float], pooled: Optional["Pooled"], batch: int,
                table: Optional["RoundCost"]) -> tuple[PolicyState, Decision]:
         return state, Decision(True, point, global_ema, state.index, state.index)
 
@@ -46,8 +46,7 @@ class EmaLadderPolicy(CountingPolicy):
                   f"must be a finite number in ({-HYSTERESIS_LIMIT:g}, {HYSTERESIS_LIMIT:g})")
 
     def choose(self, state: PolicyState, point: bool, dwell_ok: bool,
-               global_ema: Optional[float], emas: Sequence[float], weights: Sequence[float],
-               ema_fails: Optional[Sequence[float]], batch: int,
+               global_ema: Optional[float], pooled: Optional["Pooled"], batch: int,
                table: Optional["RoundCost"]) -> tuple[PolicyState, Decision]:
         cfg = self.config
         new_index = state.index
