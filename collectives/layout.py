@@ -1,13 +1,15 @@
 """The parallel layout of a DP-attention cluster: one validated object that owns the named groups.
 
-Semantics (the DP-attention layout): the MLP is tensor-parallel over all ``tp`` ranks; attention
-is data-parallel over ``dp`` replicas, each replica tensor-parallel over ``attn_tp = tp / dp``
-ranks. ``tp`` equals the world size. Rank ``r`` belongs to attention replica ``r // attn_tp``
-at attention-TP index ``r % attn_tp``.
+Semantics (the DP-attention layout): the MLP (and the vocabulary) is tensor-parallel over all
+``mlp_tp`` ranks; attention is data-parallel over ``dp`` replicas, each replica tensor-parallel
+over ``attn_tp = mlp_tp / dp`` ranks. ``mlp_tp`` equals the world size (the degree is
+``ParallelLayout.tp``, as ``check_degrees`` names it). Rank ``r`` belongs to attention replica
+``r // attn_tp`` at attention-TP index ``r % attn_tp``.
 
 Groups, fetched by name:
 - ``world``: every rank.
-- ``tp``: every rank (the MLP's group); same members as ``world``.
+- ``mlp_tp``: every rank (the MLP's and the vocabulary's group); same members as ``world``
+  (``tp``, its former name, still finds it).
 - ``attn_tp``: the ``attn_tp`` ranks of this rank's attention replica (contiguous).
 - ``dp``: the ``dp`` ranks that hold the same attention shard of different replicas
   (stride ``attn_tp``); the consensus runs here.
@@ -23,7 +25,10 @@ import torch.distributed as dist
 from collectives.group import Group
 from collectives.recorder import CollectiveRecorder
 
-GROUP_NAMES = ("world", "tp", "dp", "attn_tp")
+GROUP_NAMES = ("world", "mlp_tp", "dp", "attn_tp")
+"""The named groups, in the order every rank creates them."""
+ALIASES = {"tp": "mlp_tp"}
+"""Former names of groups (the lookups accept them)."""
 
 
 def check_degrees(world_size: int, dp: int, tp: int) -> None:
@@ -46,7 +51,8 @@ def check_degrees(world_size: int, dp: int, tp: int) -> None:
 def member_ranks(name: str, rank: int, world_size: int, dp: int, tp: int) -> tuple[int, ...]:
     """The global ranks of the group ``name`` that contains global ``rank``, in group order."""
     attn_tp = tp // dp
-    if name in ("world", "tp"):
+    name = ALIASES.get(name, name)
+    if name in ("world", "mlp_tp"):
         return tuple(range(world_size))
     if name == "attn_tp":
         start = (rank // attn_tp) * attn_tp
@@ -84,8 +90,14 @@ class ParallelLayout:
     def attn_tp(self) -> int:
         return self.tp // self.dp
 
+    @property
+    def mlp_tp(self) -> int:
+        """Ranks the MLP and the vocabulary split over: the world (the degree ``tp``)."""
+        return self.tp
+
     def group(self, name: str) -> Group:
-        """The named group this rank belongs to (``world``, ``tp``, ``dp`` or ``attn_tp``)."""
+        """The named group this rank belongs to (``world``, ``mlp_tp``, ``dp`` or ``attn_tp``)."""
+        name = ALIASES.get(name, name)
         if name not in self.groups:
             raise KeyError(f"unknown group {name!r}; known groups: {', '.join(GROUP_NAMES)}")
         return self.groups[name]

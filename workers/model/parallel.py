@@ -58,8 +58,9 @@ class ModelParallel:
     @staticmethod
     def from_layout(layout: ParallelLayout, scatter: str = "reduce_scatter",
                     moe: str = "tp") -> "ModelParallel":
-        """Attention over ``attn_tp``, MLP/vocabulary over ``tp`` (the world), tokens over ``dp``."""
-        return ModelParallel(attn=layout.group("attn_tp"), mlp=layout.group("tp"),
+        """Attention over ``attn_tp``, MLP/vocabulary over ``mlp_tp`` (the world), tokens over
+        ``dp``."""
+        return ModelParallel(attn=layout.group("attn_tp"), mlp=layout.group("mlp_tp"),
                              dp=layout.group("dp"), scatter=scatter, moe=moe)
 
     @property
