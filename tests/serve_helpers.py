@@ -264,6 +264,16 @@ BAD_GENERATES = [
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": "10"}, "stop_token_ids"),
     ({"stop_token_ids": [10 ** 30]}, "stop_token_ids"),
     ({"stop_token_ids": list(range(8))}, "stop_token_ids"),       # with EOS: 9 > 8
+    ({"top_k": -2}, "top_k"), ({"top_k": 2 ** 63}, "top_k"), ({"top_k": 1.5}, "top_k"),
+    ({"min_tokens": 9}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),   # max_tokens 8
+    ({"presence_penalty": NAN}, "presence_penalty"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"frequency_penalty": "x"}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": INF}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-30}, "repetition_penalty"),
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": "5"}, "prompt_logprobs"),
 ]
 
 

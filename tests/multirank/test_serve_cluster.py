@@ -122,6 +122,16 @@ def test_chat_over_two_dp_groups_with_a_template_file(tmp_path) -> None:
             for c in chunk.choices:
                 streamed[c.index] += c.delta.content or ""
         assert streamed == [decode(ref)] * 4
+        # logprobs on both groups alike; echo with logprobs needs one replica: a 400 naming it
+        lps = [c.logprobs.content for c in client.chat.completions.create(
+            model="tiny_pair", messages=messages, n=2, temperature=0, max_tokens=MAX_TOKENS,
+            logprobs=True, top_logprobs=2).choices]
+        assert [e.token for e in lps[0]] == [e.token for e in lps[1]] and len(lps[0]) == len(ref)
+        assert all(abs(a.logprob - b.logprob) < 2e-3 for a, b in zip(*lps))
+        with pytest.raises(openai.BadRequestError, match="echo") as info:
+            client.completions.create(model="tiny_pair", prompt="x", echo=True, logprobs=1,
+                                      max_tokens=2)
+        assert info.value.body["param"] == "echo"
         after = [find(metrics(server.url), "rounds_total", dp_rank=g) for g in (0, 1)]
         assert all(a > b for a, b in zip(after, before)), (before, after)   # both groups ran
     finally:
@@ -197,15 +207,27 @@ def test_a_replica_refuses_what_it_cannot_run_on_every_rank_in_the_same_round(la
     argv = REFUSAL_SERVE + (["--dp", "2"] if layout == "dp_2" else ["--dp", "1", "--attn-tp", "2"])
     bad_dp, good_dps = (1, (0, 1)) if layout == "dp_2" else (0, (0,))
     ids = encode_prompt(PROMPTS[0], _offline_pair()[1])
-    results = run_ranks(drive_ranks_job, 2, argv, refusal_script(ids, bad_dp, good_dps),
+    # prompt logprobs (echo with logprobs): refused naming echo with several replicas, run
+    # with one (its eager prefill on both attention ranks)
+    echo = {**refusal_script(ids, bad_dp, good_dps)[0], "rid": "echo", "dp_rank": bad_dp,
+            "prompt_logprobs": 1, "logprobs": 1}
+    results = run_ranks(drive_ranks_job, 2, argv, refusal_script(ids, bad_dp, good_dps) + [echo],
                         timeout=300)
     first = results[0].value
     assert first["driver_error"] is None, first["driver_error"]
-    check_outcomes(first["outcomes"], offline_greedy([PROMPTS[0]], 8)[0])
+    outcomes = dict(first["outcomes"])
+    reference = offline_greedy([PROMPTS[0]], 8)[0]
+    if layout == "dp_2":
+        kind, status, param, message = outcomes.pop("echo")
+        assert (kind, status, param) == ("refused", 400, "echo") and "--dp" in message, message
+    else:
+        assert outcomes.pop("echo") == ("done", reference,
+                                        "length" if len(reference) == 8 else "stop")
+    check_outcomes(outcomes, reference)
     for r in results:
         assert r.value["exit"] == ("the frontend asked to stop (the test is done)", False)
     refusals = [r.value["refusals"] for r in results]
     if layout == "dp_2":                                 # only replica 1's rank saw them
-        assert refusals[0] == [] and len(refusals[1]) == len(BAD_GENERATES)
+        assert refusals[0] == [] and len(refusals[1]) == len(BAD_GENERATES) + 1
     else:                                                # the same requests, the same rounds
         assert refusals[0] == refusals[1] and len(refusals[0]) == len(BAD_GENERATES)

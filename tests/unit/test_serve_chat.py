@@ -271,8 +271,8 @@ def test_bad_chat_requests_fail_alone(server, client, reference) -> None:
                                                         "image_url": {"url": "x"}}]}]},
             "messages"),
            ({"messages": [{"role": "user", "content": "x" * CONTEXT}]}, "messages"),
-           ({"max_tokens": CONTEXT}, "max_tokens"), ({"top_k": 5}, "top_k"),
-           ({"logprobs": True}, "logprobs"), ({"tools": []}, "tools"),
+           ({"max_tokens": CONTEXT}, "max_tokens"), ({"top_k": -5}, "top_k"),
+           ({"logprobs": 3}, "logprobs"), ({"tools": []}, "tools"),
            ({"n": 0}, "n"), ({"stop_token_ids": [264]}, "stop_token_ids")]
     with httpx.Client(timeout=60) as http, http.stream("POST", url, json=good) as in_flight:
         assert in_flight.status_code == 200
@@ -288,4 +288,4 @@ def test_bad_chat_requests_fail_alone(server, client, reference) -> None:
     assert text == decode(reference[0])
     with pytest.raises(openai.BadRequestError, match="top_k"):
         client.chat.completions.create(model=MODEL, messages=CONVERSATIONS[0],
-                                       extra_body={"top_k": 3})
+                                       extra_body={"top_k": -3})

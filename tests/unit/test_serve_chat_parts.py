@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import math
 import random
 import re
 import subprocess
@@ -249,12 +250,18 @@ def test_chat_request_prompt_and_defaults() -> None:
     (_chat(max_completion_tokens=60), "max_completion_tokens",
      "max_completion_tokens: prompt .* exceeds the context length"),
     (_chat(max_completion_tokens=0), "max_completion_tokens", "must be >= 1"),
-    (_chat(top_k=50), "top_k", r"50 is not supported by this server \(allowed: null or -1"),
-    (_chat(min_tokens=1), "min_tokens", "not supported"),
-    (_chat(logprobs=True), "logprobs", "not supported"),
-    (_chat(top_logprobs=2), "top_logprobs", "not supported"),
-    (_chat(repetition_penalty=1.1), "repetition_penalty", "not supported"),
-    (_chat(frequency_penalty=0.5), "frequency_penalty", "not supported"),
+    (_chat(top_k=-2), "top_k", r"-2 is out of range; allowed: -1 or 0 \(no top-k\)"),
+    (_chat(top_k=2 ** 63), "top_k", "out of range"),
+    (_chat(top_k=1.5), "top_k", "expected an integer"),
+    (_chat(max_tokens=4, min_tokens=5), "min_tokens", r"5 is out of range; .*\(here 4\)"),
+    (_chat(min_tokens=-1), "min_tokens", "out of range"),
+    (_chat(logprobs=1), "logprobs", "expected a boolean"),
+    (_chat(top_logprobs=2), "top_logprobs", "2 needs logprobs: true"),
+    (_chat(logprobs=True, top_logprobs=21), "top_logprobs", r"allowed: null or an integer in \[0, 20\]"),
+    (_chat(repetition_penalty=0), "repetition_penalty", r"0 is out of range; allowed: a number in \[0.01, 100\]"),
+    (_chat(repetition_penalty=1e300), "repetition_penalty", "out of range"),
+    (_chat(frequency_penalty=2.5), "frequency_penalty", r"allowed: a number in \[-2, 2\]"),
+    (_chat(presence_penalty=math.nan), "presence_penalty", "not a finite number"),
     (_chat(logit_bias={"1": 2}), "logit_bias", "not supported"),
     (_chat(tools=[]), "tools", "unknown field"),
     (_chat(echo=False), "echo", "unknown field"),             # a completions field
@@ -284,8 +291,9 @@ def test_completion_fields_of_the_benchmarks() -> None:
     assert (p.choices, p.n, p.ignore_eos, p.stop_token_ids) == (4, 2, True, (10,))
     assert parse_completion({**body, "ignore_eos": True, "stop_token_ids": list(range(8))},
                             "m", LIMITS, CODEC.encode).stop_token_ids == tuple(range(8))
-    for bad, param in (({"best_of": 3}, "best_of"), ({"echo": True}, "echo"),
-                       ({"suffix": "x"}, "suffix"), ({"logprobs": 0}, "logprobs"),
+    for bad, param in (({"best_of": 3}, "best_of"), ({"echo": 1}, "echo"),
+                       ({"suffix": "x"}, "suffix"), ({"logprobs": 6}, "logprobs"),
+                       ({"echo": True, "logprobs": 0}, "echo"),   # LIMITS: dp 2
                        ({"n": 5}, "n"), ({"messages": []}, "messages")):
         with pytest.raises(ApiError) as info:
             parse_completion({**body, **bad}, "m", LIMITS, CODEC.encode)

@@ -177,7 +177,8 @@ def _body(**kw):
     (_body(stop=3), "stop", "expected a string or a list of strings"),
     (_body(stream="yes"), "stream", "expected a boolean"),
     (_body(n=0), "n", "0 must be >= 1"),
-    (_body(logprobs=1), "logprobs", "not supported by this server"),
+    (_body(logprobs=6), "logprobs", r"6 is out of range; allowed: null or an integer in \[0, 5\]"),
+    (_body(logprobs=True), "logprobs", "expected an integer, got boolean"),
     (_body(dp_rank=2), "dp_rank", r"must be in \[0, 2\)"),
     (_body(temprature=0), "temprature", "unknown field"),
 ])

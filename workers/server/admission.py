@@ -26,6 +26,15 @@ SEED_RANGE = "an integer in [-2**63, 2**63 - 1] (int64)"
 TEMPERATURE_RANGE = f"0 (greedy) or a number in [{MIN_TEMPERATURE:g}, 3.4e38]"
 TOP_P_RANGE = "a number in (0, 1]"
 SHOWN_CHARS = 40
+TOP_K_RANGE = "-1 or 0 (no top-k), or an integer k >= 1 (at most 2**63 - 1)"
+PENALTY_RANGE = "a number in [-2, 2]"
+MIN_REPETITION, MAX_REPETITION = 0.01, 100.0
+REPETITION_RANGE = f"a number in [{MIN_REPETITION:g}, {MAX_REPETITION:g}] (1: none)"
+"""The ranks divide (or multiply) float32 logits by it: far outside this range the logits
+overflow to infinity and the draws turn to NaN; nothing useful lies out there."""
+MAX_LOGPROBS = 20
+"""The most alternatives per token a rank computes (``workers.sampling.MAX_LOGPROBS``; a test
+keeps the two equal). The completions API allows 5 of them (OpenAI's limit), chat 20."""
 MAX_STOP_IDS = 8
 """Stop token ids a request may have, the model's end-of-sequence ids included: the engine's
 output buffer holds that many per request (``workers.scheduler.MAX_STOP_IDS``; a test keeps the
@@ -113,6 +122,40 @@ def seed_error(value: Any, count: int = 1) -> Optional[str]:
     return None
 
 
+def top_k_error(value: Any) -> Optional[str]:
+    """Why `value` is no top_k (None: it is one; k >= the vocabulary keeps every token)."""
+    if not is_int(value) or not -1 <= value <= INT64_MAX:
+        return f"{shown(value)} is out of range; allowed: {TOP_K_RANGE}"
+    return None
+
+
+def min_tokens_error(value: Any, max_tokens: Any) -> Optional[str]:
+    """Why `value` is no min_tokens for `max_tokens` (None: it is one)."""
+    if not is_int(value) or not 0 <= value <= (max_tokens if is_int(max_tokens) else 0):
+        return (f"{shown(value)} is out of range; allowed: an integer in [0, max_tokens] "
+                f"(here {shown(max_tokens)})")
+    return None
+
+
+def penalty_error(value: Any) -> Optional[str]:
+    """Why `value` is no presence / frequency penalty (None: it is one)."""
+    return number_error(value, PENALTY_RANGE, lambda x: -2.0 <= x <= 2.0)
+
+
+def repetition_error(value: Any) -> Optional[str]:
+    """Why `value` is no repetition penalty (None: it is one)."""
+    return number_error(value, REPETITION_RANGE,
+                        lambda x: MIN_REPETITION <= x <= MAX_REPETITION)
+
+
+def logprobs_error(value: Any, most: int = MAX_LOGPROBS) -> Optional[str]:
+    """Why `value` is no count of logprob alternatives, at most `most` (None: it is one, or
+    None: none asked)."""
+    if value is not None and (not is_int(value) or not 0 <= value <= most):
+        return f"{shown(value)} is out of range; allowed: null or an integer in [0, {most}]"
+    return None
+
+
 def token_error(ids: Sequence[Any], vocab_size: int) -> Optional[str]:
     """Why `ids` are no prompt of token ids (None: they are)."""
     if not ids:
@@ -187,6 +230,15 @@ def generate_refusal(msg: Any, context: int, vocab_size: int,
     problem = stop_count_error(stops, () if msg.ignore_eos else tuple(eos_token_ids))
     if problem is not None:
         return Refusal("stop_token_ids", f"stop_token_ids: {problem}")
+    for param, check in (("top_k", top_k_error),
+                         ("min_tokens", lambda v: min_tokens_error(v, msg.max_tokens)),
+                         ("presence_penalty", penalty_error),
+                         ("frequency_penalty", penalty_error),
+                         ("repetition_penalty", repetition_error),
+                         ("logprobs", logprobs_error), ("prompt_logprobs", logprobs_error)):
+        problem = check(getattr(msg, param))
+        if problem is not None:
+            return Refusal(param, f"{param}: {problem}")
     return None
 
 

@@ -20,7 +20,7 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
@@ -34,7 +34,7 @@ from workers.server.chat import ChatTemplate, TemplateRefusal, load_chat_templat
 from workers.server.cluster import ClusterClient, Failure, Tokens, Unavailable
 from workers.server.metrics import FrontendMetrics, render
 from workers.server.openai_io import ApiError, ChatMessage, CompletionParams, Limits, bad
-from workers.server.text import Codec, TextStream, codec_for
+from workers.server.text import Codec, Offsets, TextStream, codec_for
 
 log = logging.getLogger("adaptive_dist.serve")
 
@@ -50,6 +50,15 @@ class Choice:
     rid: str
     finish_reason: Optional[str] = None
     ids_sent: int = 0           # token ids already streamed (return_token_ids)
+    prompt_ids: list[int] = field(default_factory=list)
+    echo: str = ""              # the prompt's text, which precedes the completion (echo)
+    echo_sent: bool = False
+    logprobs: list = field(default_factory=list)      # wire entries of the generated tokens
+    prompt_logprobs: Optional[list] = None            # wire entries of the prompt (echo)
+    lp_sent: int = 0            # generated tokens whose logprobs were streamed
+    offsets: Optional[Offsets] = None                 # completions' text_offset
+    first_at: Optional[float] = None                  # its first tokens arrived
+    last_at: Optional[float] = None                   # its latest tokens arrived
 
     @property
     def done(self) -> bool:
@@ -184,7 +193,7 @@ def create_app(cluster: ClusterClient, metrics: FrontendMetrics,
         return PlainTextResponse(render(
             metrics, healthy=cluster.healthy, ranks=cluster.world_size,
             ranks_ready=len(cluster.ready), in_flight=len(cluster.trackers),
-            loads=cluster.loads(), stats=cluster.stats),
+            loads=cluster.loads(), stats=cluster.stats, model_name=served),
             media_type="text/plain; version=0.0.4")
 
     async def generate(request: Request, parse: Callable[[Any, Limits], CompletionParams]
@@ -273,16 +282,27 @@ class _Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.first_token_at: Optional[float] = None
         seed = params.seed if params.seed is not None else random.randrange(2 ** 31)
+        self.codec = codec
         self.choices: list[Choice] = []
+        skip = params.skip_special_tokens
         for k in range(params.choices):
             ids = params.prompts[k // params.n]
             rid = f"{self.id}-{k}"
-            cluster.submit(rid, k, ids, params.max_tokens, params.temperature, params.top_p,
-                           seed + k, params.dp_rank, self.events, params.stop_token_ids,
-                           params.ignore_eos)
-            self.choices.append(Choice(TextStream(codec, params.stop,
-                                                  params.include_stop_str_in_output,
-                                                  params.skip_special_tokens), len(ids), rid))
+            if params.needs_engine:
+                cluster.submit(rid, k, ids, params.engine_max_tokens, params.temperature,
+                               params.top_p, seed + k, params.dp_rank, self.events,
+                               params.stop_token_ids, params.ignore_eos, **params.sampling())
+            else:      # echo with max_tokens 0 and no logprobs: the prompt is the answer
+                self.events.put_nowait((k, Tokens([], "length")))
+            c = Choice(TextStream(codec, params.stop, params.include_stop_str_in_output, skip,
+                                  params.min_tokens), len(ids), rid, prompt_ids=list(ids))
+            if params.echo:
+                c.echo = codec.decode(ids, skip)
+            if params.logprobs is not None and not self.chat:
+                c.offsets = Offsets(codec, skip)
+                if params.echo:
+                    c.offsets.push(ids)
+            self.choices.append(c)
         metrics.prompt_tokens += sum(len(p) for p in params.prompts)
 
     # ---- events ---------------------------------------------------------------------------------
@@ -294,14 +314,33 @@ class _Job:
             self.abort()
             raise ApiError(event.status, event.message, param=event.param, code=event.code)
         assert isinstance(event, Tokens)
+        now = time.perf_counter()
         if self.first_token_at is None and event.token_ids:
-            self.first_token_at = time.perf_counter()
+            self.first_token_at = now
             self.metrics.ttft.observe(self.first_token_at - self.start)
         if choice.done:
             return index, ""
         if event.finish_reason == "abort":
             self.abort()
             raise ApiError(503, "the request was aborted by the server", code="aborted")
+        if event.prompt_logprobs is not None:
+            choice.prompt_logprobs = event.prompt_logprobs
+        if self.params.max_tokens == 0:
+            # echo alone: the ranks made one token for the prompt's logprobs; it is dropped
+            if choice.prompt_logprobs is not None or event.finish_reason is not None \
+                    or self.params.prompt_logprobs is None:
+                choice.finish_reason = "length"
+                if event.finish_reason is None:
+                    self.cluster.abort(choice.rid)
+            return index, ""
+        if event.token_ids:
+            if choice.first_at is not None:
+                self.metrics.itl.observe(now - choice.last_at)
+            else:
+                choice.first_at = now
+            choice.last_at = now
+        if event.logprobs is not None:
+            choice.logprobs.extend(event.logprobs)
         delta = choice.text.feed(event.token_ids, final=event.finish_reason is not None,
                                  stop_token=event.finish_reason == "stop")
         if choice.text.stopped:
@@ -325,7 +364,37 @@ class _Job:
     def _finish_metrics(self) -> None:
         self.metrics.requests["success"] += 1
         self.metrics.completion_tokens += sum(len(c.text.token_ids) for c in self.choices)
-        self.metrics.latency.observe(time.perf_counter() - self.start)
+        elapsed = time.perf_counter() - self.start
+        self.metrics.latency.observe(elapsed)
+        self.metrics.e2e.observe(elapsed)
+        for c in self.choices:
+            n = len(c.text.token_ids)
+            if n > 1 and c.first_at is not None:
+                self.metrics.tpot.observe((c.last_at - c.first_at) / (n - 1))
+
+    def _logprobs(self, c: Choice, start: int, end: int, with_prompt: bool
+                  ) -> Optional[dict[str, Any]]:
+        """The `logprobs` object of generated tokens `start .. end` of choice `c` (and, with
+        `with_prompt`, of its echoed prompt first); None without logprobs."""
+        if self.params.logprobs is None:
+            return None
+        piece = self.codec.token_bytes
+        entries = c.logprobs[start:end]
+        if self.chat:
+            return openai_io.chat_logprobs(entries, piece)
+        ids = c.text.token_ids[start:end]
+        at = len(c.prompt_ids) if self.params.echo else 0
+        have = len(c.offsets.offsets) - at          # generated tokens with an offset so far
+        if have < end:
+            c.offsets.push(c.text.token_ids[have:end])
+        token_offsets = c.offsets.offsets[at + start:at + end]
+        if with_prompt:
+            prompt = list(c.prompt_logprobs or [None] * len(c.prompt_ids))
+            prompt = prompt[:len(c.prompt_ids)] + [None] * (len(c.prompt_ids) - len(prompt))
+            return openai_io.completion_logprobs(
+                c.prompt_ids + ids, prompt + entries, c.offsets.offsets[:at] + token_offsets,
+                piece)
+        return openai_io.completion_logprobs(ids, entries, token_offsets, piece)
 
     def _usage(self) -> dict[str, int]:
         # a prompt's tokens count once, however many choices it has (as OpenAI counts them)
@@ -350,7 +419,9 @@ class _Job:
         self._finish_metrics()
         ids = self.params.return_token_ids
         make = openai_io.chat_choice if self.chat else openai_io.choice
-        choices = [make(i, c.text.text, c.finish_reason, c.text.token_ids if ids else None)
+        choices = [make(i, c.echo + c.text.text, c.finish_reason,
+                        c.text.token_ids if ids else None,
+                        self._logprobs(c, 0, len(c.text.token_ids), self.params.echo))
                    for i, c in enumerate(self.choices)]
         return JSONResponse(self._body(choices, self._usage(), chunk=False))
 
@@ -406,19 +477,28 @@ class _Job:
     def _chunk(self, index: int, delta: str, sent_final: set[int]) -> Optional[str]:
         choice = self.choices[index]
         final = choice.done and index not in sent_final
-        if not delta and not final:
+        echo = self.params.echo and not choice.echo_sent
+        if not delta and not final and not echo:
             return None
+        if echo:     # the prompt (and its logprobs) open the choice's first chunk
+            choice.echo_sent = True
+            delta = choice.echo + delta
         if final:
             sent_final.add(index)
         ids = None
         if self.params.return_token_ids:
             ids = choice.text.token_ids[choice.ids_sent:]
             choice.ids_sent = len(choice.text.token_ids)
+        # the logprobs of the tokens counted since the last chunk (those of `ids`)
+        end = len(choice.text.token_ids)
+        logprobs = self._logprobs(choice, choice.lp_sent, end, echo)
+        choice.lp_sent = end
         finish = choice.finish_reason if final else None
         if self.chat:
-            part = openai_io.chat_delta(index, {"content": delta} if delta else {}, finish, ids)
+            part = openai_io.chat_delta(index, {"content": delta} if delta else {}, finish, ids,
+                                        logprobs)
         else:
-            part = openai_io.choice(index, delta, finish, ids)
+            part = openai_io.choice(index, delta, finish, ids, logprobs)
         return _sse(self._body([part], None, chunk=True))
 
 

@@ -35,6 +35,8 @@ STARTUP_GRACE_S = 30.0   # extra silence allowed before a rank's first message
 class Tokens:
     token_ids: list[int]
     finish_reason: Optional[str]
+    logprobs: Optional[list] = None          # TokenDelta.logprobs
+    prompt_logprobs: Optional[list] = None   # TokenDelta.prompt_logprobs
 
 
 @dataclass(frozen=True)
@@ -151,14 +153,15 @@ class ClusterClient:
     def submit(self, rid: str, index: int, prompt_ids: list[int], max_tokens: int,
                temperature: float, top_p: float, seed: int, dp_rank: Optional[int],
                sink: asyncio.Queue, stop_token_ids: tuple[int, ...] = (),
-               ignore_eos: bool = False) -> Tracker:
-        """Route and send one sub-request; its events arrive in `sink`."""
+               ignore_eos: bool = False, **sampling: Any) -> Tracker:
+        """Route and send one sub-request; its events arrive in `sink`. `sampling`: the
+        ``Generate`` sampling fields (top_k, min_tokens, penalties, logprobs, ...)."""
         group = self.router.choose(self.loads(), dp_rank)
         tracker = Tracker(rid, index, group, len(prompt_ids), max_tokens, sink)
         self.trackers[rid] = tracker
         self._broadcast(Generate(self._next_seq(), rid, group, list(prompt_ids), max_tokens,
                                  temperature, top_p, seed, time.time(), list(stop_token_ids),
-                                 ignore_eos))
+                                 ignore_eos, **sampling))
         return tracker
 
     def abort(self, rid: str) -> None:
@@ -226,10 +229,13 @@ class ClusterClient:
         if delta.first_token_s is not None:
             self.metrics.wake.observe(delta.wake_s or 0.0)
             self.metrics.rank_first_token.observe(delta.first_token_s)
+        if delta.queue_s is not None:
+            self.metrics.queue_time.observe(delta.queue_s)
         t.generated += len(delta.token_ids)
         if delta.finish_reason is not None:
             del self.trackers[delta.rid]
-        t.sink.put_nowait((t.index, Tokens(list(delta.token_ids), delta.finish_reason)))
+        t.sink.put_nowait((t.index, Tokens(list(delta.token_ids), delta.finish_reason,
+                                           delta.logprobs, delta.prompt_logprobs)))
 
     # ---- liveness ---------------------------------------------------------------------------------
     async def watchdog(self, every_s: float = 0.25) -> None:

@@ -1,9 +1,12 @@
 """The only module of the server that touches the engine.
 
 It uses the engine's API (``Engine.add/step/abort``, ``engine.scheduler``, ``engine.last_plan``,
-``Request``) plus three read-only looks, each in one small function: ``kv_pages`` (free KV
-pages), ``current_steps`` (the depth in force) and ``numeric_stats`` (what ``engine.stats`` /
-``engine.planner.stats`` expose).
+``Request`` with its ``logprobs`` / ``prompt_logprobs``) plus three read-only looks, each in one
+small function: ``kv_pages`` (free KV pages), ``current_steps`` (the depth in force) and
+``numeric_stats`` (what ``engine.stats`` / ``engine.planner.stats`` expose); and ``SpecCounts``,
+a planner in front of the engine's own (``Engine.planner`` is settable) that counts, from every
+round's accept lengths and depth the engine reports to its planner, the drafts, draft tokens and
+accepted tokens per draft position.
 """
 from __future__ import annotations
 
@@ -75,6 +78,47 @@ def serving_sizes(model_config: Any, max_batch_size: int, max_model_len: int | N
     return {"max_batch_size": max_batch_size, "max_context_len": length}
 
 
+class SpecCounts:
+    """The engine's planner with counters in front of it: every round the engine reports the
+    accept length of each of its requests and the round's plan (``end_round(accepts, plan)``);
+    a round at depth ``plan.steps`` > 0 is one draft of ``steps`` tokens per request, of which
+    the first ``accept`` were accepted (positions 0 .. accept - 1). Everything else goes to the
+    engine's planner unchanged."""
+
+    def __init__(self, planner: Any) -> None:
+        self.__dict__["_inner"] = planner
+        self.__dict__["drafts"] = 0
+        self.__dict__["draft_tokens"] = 0
+        self.__dict__["accepted"] = 0
+        self.__dict__["per_pos"] = []
+
+    def end_round(self, accepts: Any, plan: Any = None, shadow: Any = None) -> None:
+        steps = int(getattr(plan, "steps", 0) or 0) if plan is not None else 0
+        if steps > 0 and len(accepts):
+            per_pos = self.per_pos
+            if len(per_pos) < steps:
+                per_pos.extend([0] * (steps - len(per_pos)))
+            for a in accepts:
+                a = min(int(a), steps)
+                self.__dict__["accepted"] += a
+                for i in range(a):
+                    per_pos[i] += 1
+            self.__dict__["drafts"] += len(accepts)
+            self.__dict__["draft_tokens"] += steps * len(accepts)
+        self._inner.end_round(accepts, plan=plan, shadow=shadow)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._inner, name, value)
+
+
+def token_logprob(lp: Any) -> list:
+    """A ``TokenLogprob`` on the wire: [token_id, logprob, [[id, logprob], ...]]."""
+    return [int(lp.token_id), float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]]
+
+
 @dataclass
 class _Live:
     """A request this rank runs, and how much of it the frontend already has."""
@@ -83,6 +127,8 @@ class _Live:
     sent_at: float
     applied_at: float
     reported: int = 0
+    admitted_at: float | None = None    # the start of the round that admitted it
+    prompt_sent: bool = False
 
 
 class EngineAdapter:
@@ -97,6 +143,8 @@ class EngineAdapter:
         self.live: dict[str, _Live] = {}
         self.rounds = 0
         self.round_seconds = 0.0
+        self.spec = SpecCounts(engine.planner)
+        engine.planner = self.spec
 
     @property
     def has_work(self) -> bool:
@@ -121,9 +169,20 @@ class EngineAdapter:
             raise Refused(f"rid: request id {msg.rid!r} is already running", 400, "rid")
         try:
             stops = (() if msg.ignore_eos else self.eos_token_ids) + tuple(msg.stop_token_ids)
+            if msg.prompt_logprobs is not None \
+                    and not getattr(self.engine.scheduler, "prompt_logprobs", True):
+                raise Refused("echo: prompt logprobs (echo with logprobs) need one DP replica; "
+                              "this server runs several (--dp > 1)", 400, "echo")
+            # k at or past the vocabulary keeps every token: the same as no top-k
+            top_k = 0 if msg.top_k >= self.vocab_size else msg.top_k
             params = SamplingParams(temperature=float(msg.temperature), top_p=float(msg.top_p),
                                     max_new_tokens=msg.max_tokens,
-                                    stop_token_ids=tuple(dict.fromkeys(stops)))
+                                    stop_token_ids=tuple(dict.fromkeys(stops)),
+                                    top_k=top_k, min_tokens=msg.min_tokens,
+                                    presence_penalty=float(msg.presence_penalty),
+                                    frequency_penalty=float(msg.frequency_penalty),
+                                    repetition_penalty=float(msg.repetition_penalty),
+                                    logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs)
             req = self.engine.add(list(msg.prompt_ids), params, seed=msg.seed)
         except ValueError as err:           # the engine's own checks (e.g. its KV pool)
             raise Refused(f"the engine cannot run this request: {err}", 400) from None
@@ -141,10 +200,13 @@ class EngineAdapter:
     def step(self, seq: int, leave: bool, pending: bool) -> Any:
         """One engine round on every rank of the cluster (the round's consensus agrees the
         messages to apply and whether to stop); returns the agreed plan."""
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         self.engine.step(seq=seq, leave=leave, pending=pending)
         self.round_seconds += time.perf_counter() - start
         self.rounds += 1
+        for live in self.live.values():    # admitted at this round's start
+            if live.admitted_at is None and live.req.slot is not None:
+                live.admitted_at = wall
         return self.engine.last_plan
 
     def collect(self) -> list[TokenDelta]:
@@ -156,11 +218,20 @@ class EngineAdapter:
             if n == live.reported and not req.finished:
                 continue
             first = live.reported == 0 and n > 0
+            logprobs = prompt = None
+            if req.logprobs is not None:
+                logprobs = [token_logprob(lp) for lp in req.logprobs[live.reported:n]]
+            if req.prompt_logprobs is not None and not live.prompt_sent:
+                prompt = [None if lp is None else token_logprob(lp) for lp in req.prompt_logprobs]
+                live.prompt_sent = True
+            queued = (live.admitted_at if live.admitted_at is not None else now) - live.applied_at
             deltas.append(TokenDelta(
                 rid=rid, token_ids=list(req.output_ids[live.reported:n]),
                 finish_reason=req.finish_reason,
                 wake_s=live.applied_at - live.sent_at if first and live.sent_at else None,
-                first_token_s=now - live.sent_at if first and live.sent_at else None))
+                first_token_s=now - live.sent_at if first and live.sent_at else None,
+                queue_s=max(0.0, queued) if first else None,
+                logprobs=logprobs, prompt_logprobs=prompt))
             live.reported = n
             if req.finished:
                 del self.live[rid]
@@ -180,4 +251,6 @@ class EngineAdapter:
             kv_free_pages=pages.free, kv_usable_pages=pages.usable,
             steps=current_steps(engine), rounds=self.rounds,
             round_seconds_total=self.round_seconds, engine=eng_numbers, planner=plan_numbers,
-            accept_histogram=eng_hist)
+            accept_histogram=eng_hist, spec_drafts=self.spec.drafts,
+            spec_draft_tokens=self.spec.draft_tokens, spec_accepted_tokens=self.spec.accepted,
+            spec_accepted_per_pos=list(self.spec.per_pos))

@@ -2,10 +2,14 @@
 
 Frontend-side: requests by outcome, prompt / completion tokens, in-flight requests and the
 routing load per DP group, latency summaries (idle wake-up and first token as measured by the
-ranks, time to first token and end-to-end latency at the frontend, the frontend's own work before
-a request is sent). Per DP group, from its leader's latest ``QueueStats``: running / waiting
-requests and tokens, free KV pages, the depth in force, switches, rounds and their time, the
-accept-length histogram, and every numeric field of ``engine.stats`` / ``engine.planner.stats``.
+ranks, the frontend's own work before a request is sent) and histograms with buckets, named as
+vLLM names the same measurements (time to first token, inter-token latency, time per output
+token, end-to-end latency, queue time). Per DP group, from its leader's latest ``QueueStats``:
+running / waiting requests and tokens, free KV pages and the KV usage ratio, the depth in force,
+switches, rounds and their time, the accept-length histogram, vLLM's speculative-decoding
+counters (drafts, draft tokens, accepted tokens, accepted tokens per draft position), and every
+numeric field of ``engine.stats`` / ``engine.planner.stats``. Every series has a ``model_name``
+label (the served name). docs/serving.md maps the names to vLLM's.
 """
 from __future__ import annotations
 
@@ -30,6 +34,34 @@ class Summary:
         self.max = max(self.max, value)
 
 
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0, 60.0, 120.0, 300.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0,
+                 10.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0,
+                   600.0, 1800.0)
+
+
+@dataclass
+class Histogram(Summary):
+    """A summary with cumulative bucket counts (Prometheus `le` buckets, `+Inf` is `count`)."""
+
+    buckets: tuple[float, ...] = TTFT_BUCKETS
+    counts: list[int] = field(default_factory=list)
+
+    def observe(self, value: float) -> None:
+        super().observe(value)
+        if not self.counts:
+            self.counts = [0] * len(self.buckets)
+        for i, edge in enumerate(self.buckets):
+            if value <= edge:
+                self.counts[i] += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        counts = self.counts or [0] * len(self.buckets)
+        return [(_num(edge), c) for edge, c in zip(self.buckets, counts)] + [("+Inf", self.count)]
+
+
 @dataclass
 class FrontendMetrics:
     requests: Counter = field(default_factory=Counter)         # outcome -> count
@@ -37,15 +69,21 @@ class FrontendMetrics:
     completion_tokens: int = 0
     wake: Summary = field(default_factory=Summary)             # frontend send -> rank applied
     rank_first_token: Summary = field(default_factory=Summary)  # frontend send -> first token
-    ttft: Summary = field(default_factory=Summary)             # HTTP request -> first token
+    ttft: Histogram = field(default_factory=Histogram)         # HTTP request -> first token
     latency: Summary = field(default_factory=Summary)          # HTTP request -> last token
     frontend_pre: Summary = field(default_factory=Summary)     # HTTP request -> Generate sent
+    # vLLM's request histograms (e2e: the same observations as `latency`, with buckets)
+    e2e: Histogram = field(default_factory=lambda: Histogram(buckets=REQUEST_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(buckets=TOKEN_BUCKETS))
+    tpot: Histogram = field(default_factory=lambda: Histogram(buckets=TOKEN_BUCKETS))
+    queue_time: Histogram = field(default_factory=lambda: Histogram(buckets=REQUEST_BUCKETS))
 
 
 class _Writer:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.lines: list[str] = []
         self._declared: set[str] = set()
+        self.base = {"model_name": model_name}
 
     def metric(self, name: str, kind: str, help_text: str,
                samples: Iterable[tuple[dict[str, Any], float]], suffix: str = "") -> None:
@@ -54,7 +92,13 @@ class _Writer:
             self.lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
             self._declared.add(full)
         for labels, value in samples:
-            self.lines.append(f"{full}{suffix}{_labels(labels)} {_num(value)}")
+            self.lines.append(f"{full}{suffix}{_labels({**self.base, **labels})} {_num(value)}")
+
+    def histogram(self, name: str, help_text: str, h: Histogram) -> None:
+        self.metric(name, "histogram", help_text,
+                    [({"le": le}, c) for le, c in h.cumulative()], "_bucket")
+        self.metric(name, "histogram", help_text, [({}, h.total)], "_sum")
+        self.metric(name, "histogram", help_text, [({}, h.count)], "_count")
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
@@ -63,8 +107,12 @@ class _Writer:
 def _labels(labels: dict[str, Any]) -> str:
     if not labels:
         return ""
-    inner = ",".join(f'{k}="{str(v)}"' for k, v in labels.items())
+    inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
     return "{" + inner + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _num(value: float) -> str:
@@ -72,9 +120,9 @@ def _num(value: float) -> str:
 
 
 def render(metrics: FrontendMetrics, *, healthy: bool, ranks: int, ranks_ready: int,
-           in_flight: int, loads: list[int], stats: dict[int, Any]) -> str:
-    """The /metrics page."""
-    w = _Writer()
+           in_flight: int, loads: list[int], stats: dict[int, Any], model_name: str = "") -> str:
+    """The /metrics page; every series is labelled ``model_name``."""
+    w = _Writer(model_name)
     w.metric("healthy", "gauge", "1 when every rank is ready and nothing failed",
              [({}, int(healthy))])
     w.metric("ranks", "gauge", "engine ranks of the job", [({}, ranks)])
@@ -94,13 +142,28 @@ def render(metrics: FrontendMetrics, *, healthy: bool, ranks: int, ranks_ready: 
             ("wake_seconds", metrics.wake, "frontend send -> the rank applied the request"),
             ("rank_first_token_seconds", metrics.rank_first_token,
              "frontend send -> first token computed on the rank"),
-            ("time_to_first_token_seconds", metrics.ttft, "HTTP request -> first token"),
+            ("time_to_first_token_seconds", metrics.ttft,
+             "HTTP request -> its first token at the frontend"),
             ("request_latency_seconds", metrics.latency, "HTTP request -> last token"),
             ("frontend_pre_seconds", metrics.frontend_pre,
              "HTTP request -> Generate sent (parsing, validation, encoding, routing)")):
-        w.metric(name, "summary", help_text, [({}, summary.total)], "_sum")
-        w.metric(name, "summary", help_text, [({}, summary.count)], "_count")
+        if isinstance(summary, Histogram):
+            w.histogram(name, help_text, summary)
+        else:
+            w.metric(name, "summary", help_text, [({}, summary.total)], "_sum")
+            w.metric(name, "summary", help_text, [({}, summary.count)], "_count")
         w.metric(f"{name}_max", "gauge", f"maximum of {name}", [({}, summary.max)])
+    for name, h, help_text in (
+            ("e2e_request_latency_seconds", metrics.e2e,
+             "HTTP request -> its last token (finished requests)"),
+            ("inter_token_latency_seconds", metrics.itl,
+             "time between two token deliveries of one choice (a round's tokens arrive "
+             "together: one observation per delivery after the first)"),
+            ("request_time_per_output_token_seconds", metrics.tpot,
+             "per finished choice: (last token - first token) / (tokens - 1)"),
+            ("request_queue_time_seconds", metrics.queue_time,
+             "on the rank: request applied -> admitted into the running batch")):
+        w.histogram(name, help_text, h)
     for g in sorted(stats):
         _dp_group(w, g, stats[g])
     return w.text()
@@ -118,6 +181,22 @@ def _dp_group(w: _Writer, g: int, s: Any) -> None:
              [(dp, s.kv_free_pages)])
     w.metric("kv_usable_pages", "gauge", "target KV pages requests can use",
              [(dp, s.kv_usable_pages)])
+    w.metric("num_requests_running", "gauge", "requests in the running batch (vLLM's name)",
+             [(dp, s.running_requests)])
+    w.metric("num_requests_waiting", "gauge", "requests waiting for a slot (vLLM's name)",
+             [(dp, s.waiting_requests)])
+    used = 1.0 - s.kv_free_pages / s.kv_usable_pages if s.kv_usable_pages else 0.0
+    w.metric("kv_cache_usage_perc", "gauge",
+             "fraction of the KV pages in use or promised, 0 to 1 (vLLM's name)", [(dp, used)])
+    w.metric("spec_decode_num_drafts_total", "counter",
+             "drafts: one per request per round that drafted (depth > 0)", [(dp, s.spec_drafts)])
+    w.metric("spec_decode_num_draft_tokens_total", "counter", "draft tokens proposed",
+             [(dp, s.spec_draft_tokens)])
+    w.metric("spec_decode_num_accepted_tokens_total", "counter", "draft tokens accepted",
+             [(dp, s.spec_accepted_tokens)])
+    w.metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
+             "draft tokens accepted at each draft position (0: the first draft token)",
+             [({**dp, "position": i}, n) for i, n in enumerate(s.spec_accepted_per_pos)])
     w.metric("spec_steps", "gauge", "speculative depth in force (0: no speculation)",
              [(dp, s.steps)])
     switches = s.planner.get("switches", s.engine.get("switches", 0.0))
@@ -157,5 +236,35 @@ def parse(text: str) -> dict[str, float]:
 
 
 def find(samples: dict[str, float], name: str, **labels: Any) -> Optional[float]:
-    """The value of `name` with exactly `labels` in parsed samples (None if absent)."""
-    return samples.get(f"{PREFIX}_{name}{_labels(labels)}")
+    """The value of `name` with exactly `labels` in parsed samples (None if absent); the
+    ``model_name`` label every series has matches any value unless `labels` names it."""
+    want = {k: str(v) for k, v in labels.items()}
+    full = f"{PREFIX}_{name}"
+    for key, value in samples.items():
+        metric, _, rest = key.partition("{")
+        if metric != full:
+            continue
+        got = _parse_labels(rest[:-1]) if rest else {}
+        if "model_name" not in want:
+            got.pop("model_name", None)
+        if got == want:
+            return value
+    return None
+
+
+def _parse_labels(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(text):
+        eq = text.index("=", i)
+        key, j, value = text[i:eq], eq + 2, []
+        while text[j] != '"':
+            if text[j] == "\\":
+                j += 1
+                value.append({"n": "\n"}.get(text[j], text[j]))
+            else:
+                value.append(text[j])
+            j += 1
+        out[key] = "".join(value)
+        i = j + 2          # past the closing quote and the comma
+    return out

@@ -4,10 +4,14 @@
 ``ApiError`` (HTTP 400 with an OpenAI-style body ``{"error": {"message", "type", "param",
 "code"}}``) naming the field, its value (cut when long) and what is allowed. Unknown fields are
 refused too (a typo would otherwise be silently ignored), and so is every field of the API this
-server does not implement unless its value changes nothing (``top_k: -1``, ``min_tokens: 0``,
-penalties 0, ``repetition_penalty: 1``, ``logprobs: null``, ``echo: false``, ...: benchmark
-clients send those defaults). The ranges are ``admission``'s, which the ranks check again;
-docs/serving.md lists them.
+server does not implement unless its value changes nothing (``min_p: 0``, ``logit_bias: {}``,
+``suffix: null``, ...: benchmark clients send those defaults). The sampling features (top_k,
+min_tokens, the penalties, logprobs, echo) are implemented. The ranges are ``admission``'s,
+which the ranks check again; docs/serving.md lists them.
+
+The logprobs of a response: ``completion_logprobs`` (completions: ``{tokens, token_logprobs,
+top_logprobs, text_offset}``) and ``chat_logprobs`` (chat: ``{content: [{token, logprob, bytes,
+top_logprobs}]}``), from the ranks' wire entries ``[token_id, logprob, [[id, logprob], ...]]``.
 """
 from __future__ import annotations
 
@@ -20,10 +24,17 @@ from workers.server.admission import shown
 
 DEFAULT_MAX_TOKENS = 16          # OpenAI's default for completions (chat: the rest of the context)
 DEFAULT_TEMPERATURE = 1.0
+COMPLETION_LOGPROBS = 5          # OpenAI's limit of `logprobs` on completions
+CHAT_TOP_LOGPROBS = admission.MAX_LOGPROBS   # of `top_logprobs` on chat (20)
+MIN_LOGPROB = -9999.0
+"""A logprob of -infinity (a probability float32 rounds to 0) is written as this (JSON has no
+infinity; vLLM writes the same)."""
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
            "stream_options", "n", "user", "dp_rank", "return_token_ids", "ignore_eos",
-           "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens"}
+           "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "top_k",
+           "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "logprobs"}
 
 
 def _zero(value: Any) -> bool:
@@ -33,21 +44,14 @@ def _zero(value: Any) -> bool:
 # fields of the API whose sampling this server does not implement: accepted only at a value that
 # changes nothing (null always is); (what is allowed, the test)
 _NO_OPS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "top_k": ("-1 or 0 (no top-k)", lambda v: admission.is_int(v) and v in (-1, 0)),
-    "min_tokens": ("0", lambda v: admission.is_int(v) and v == 0),
     "min_p": ("0", _zero),
-    "presence_penalty": ("0", _zero),
-    "frequency_penalty": ("0", _zero),
-    "repetition_penalty": ("1", lambda v: admission.is_number(v) and v == 1),
     "logit_bias": ("{}", lambda v: v == {}),
-    "logprobs": ("false", lambda v: v is False),
 }
-_COMPLETION_NO_OPS = {**_NO_OPS, "echo": ("false", lambda v: v is False),
-                      "suffix": ("null", lambda v: False)}
-_CHAT_NO_OPS = {**_NO_OPS, "top_logprobs": ("0", lambda v: admission.is_int(v) and v == 0)}
-_COMPLETION_FIELDS = _COMMON | set(_COMPLETION_NO_OPS) | {"prompt", "best_of"}
+_COMPLETION_NO_OPS = {**_NO_OPS, "suffix": ("null", lambda v: False)}
+_CHAT_NO_OPS = dict(_NO_OPS)
+_COMPLETION_FIELDS = _COMMON | set(_COMPLETION_NO_OPS) | {"prompt", "best_of", "echo"}
 _CHAT_FIELDS = _COMMON | set(_CHAT_NO_OPS) | {"messages", "max_completion_tokens",
-                                              "add_generation_prompt"}
+                                              "add_generation_prompt", "top_logprobs"}
 _STREAM_OPTIONS = {"include_usage"}
 _ROLES = ("system", "user", "assistant")
 _MESSAGE_FIELDS = {"role", "content", "name"}
@@ -105,10 +109,43 @@ class CompletionParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     chat: bool = False
+    top_k: int = 0                  # 0: off (-1 is stored as 0)
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: Optional[int] = None  # alternatives per token (None: no logprobs)
+    echo: bool = False              # completions: the prompt precedes the completion
 
     @property
     def choices(self) -> int:
         return len(self.prompts) * self.n
+
+    @property
+    def prompt_logprobs(self) -> Optional[int]:
+        """What the ranks compute for the prompt: echo with logprobs needs the prompt's."""
+        return self.logprobs if self.echo else None
+
+    @property
+    def engine_max_tokens(self) -> int:
+        """The max_tokens the ranks get: `echo` with `max_tokens: 0` returns only the prompt,
+        and the engine makes at least one token (its prompt logprobs come with that token's
+        round), so the ranks are asked for 1 and the frontend drops it."""
+        return max(1, self.max_tokens)
+
+    @property
+    def needs_engine(self) -> bool:
+        """False for echo with max_tokens 0 and no logprobs: the answer is the prompt alone,
+        nothing runs on a rank."""
+        return self.max_tokens > 0 or self.prompt_logprobs is not None
+
+    def sampling(self) -> dict[str, Any]:
+        """The ``Generate`` sampling fields."""
+        return dict(top_k=self.top_k, min_tokens=self.min_tokens,
+                    presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
+                    prompt_logprobs=self.prompt_logprobs)
 
 
 def _type_name(value: Any) -> str:
@@ -289,7 +326,16 @@ def _sampling(body: dict, limits: Limits, prompts: int) -> dict[str, Any]:
     if unknown:
         raise bad(f"stream_options.{unknown[0]}", "unknown field", "unknown_parameter")
     ignore_eos = _bool(body, "ignore_eos", False)
+    top_k = _int(body, "top_k", 0)
+    problem = admission.top_k_error(top_k)
+    if problem is not None:
+        raise bad("top_k", problem)
+    penalties = {key: _number(body, key, 0.0, admission.penalty_error)
+                 for key in ("presence_penalty", "frequency_penalty")}
     return dict(
+        top_k=max(top_k, 0), **penalties,
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, admission.repetition_error),
+
         temperature=temperature, top_p=top_p, seed=seed, stop=_stop(body), stream=stream,
         include_usage=_bool(options or {}, "include_usage", False), dp_rank=dp_rank,
         return_token_ids=_bool(body, "return_token_ids", False), n=n,
@@ -302,17 +348,38 @@ def parse_completion(body: Any, served_model: str, limits: Limits,
                      encode: Callable[[str], list[int]]) -> CompletionParams:
     """Validate a `/v1/completions` body; `ApiError` (400) naming the first bad field."""
     model = _common_checks(body, served_model, _COMPLETION_FIELDS, _COMPLETION_NO_OPS)
+    echo = _bool(body, "echo", False)
     max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS)
-    if max_tokens < 1:
-        raise bad("max_tokens", f"{shown(max_tokens)} must be >= 1")
+    if max_tokens < (0 if echo else 1):
+        raise bad("max_tokens", f"{shown(max_tokens)} must be >= 1 (or 0 with echo: the "
+                                f"prompt alone)")
     prompts = _prompts(body, encode, limits)
     sampling = _sampling(body, limits, len(prompts))
     best_of = body.get("best_of")
     if best_of is not None and not (admission.is_int(best_of) and best_of == sampling["n"]):
         raise bad("best_of", f"{shown(best_of)} is not supported by this server (allowed: null "
                              f"or n, here {sampling['n']})", "unsupported")
-    _check_context(prompts, max_tokens, limits.max_context_len)
-    return CompletionParams(model, prompts, max_tokens, **sampling)
+    value = body.get("logprobs")
+    logprobs = None if value is None or value is False else _int(body, "logprobs", None)
+    problem = admission.logprobs_error(logprobs, COMPLETION_LOGPROBS)
+    if problem is not None:
+        raise bad("logprobs", problem)
+    if echo and logprobs is not None and limits.dp > 1:
+        raise bad("echo", f"echo with logprobs needs the prompt's logprobs, which this server "
+                          f"computes with one DP replica only (it runs {limits.dp}); drop "
+                          f"logprobs or echo", "unsupported")
+    min_tokens = _min_tokens(body, max_tokens, "max_tokens")
+    _check_context(prompts, max(1, max_tokens), limits.max_context_len)
+    return CompletionParams(model, prompts, max_tokens, logprobs=logprobs, echo=echo,
+                            min_tokens=min_tokens, **sampling)
+
+
+def _min_tokens(body: dict, max_tokens: int, max_name: str) -> int:
+    value = _int(body, "min_tokens", 0)
+    if not 0 <= value <= max_tokens:
+        raise bad("min_tokens", f"{shown(value)} is out of range; allowed: an integer in [0, "
+                                f"{max_name}] (here {max_tokens})")
+    return value
 
 
 def _check_context(prompts: list[list[int]], max_tokens: int, context: int,
@@ -436,7 +503,23 @@ def parse_chat(body: Any, served_model: str, limits: Limits,
     if max_tokens is None:     # as OpenAI: up to the end of the context
         max_tokens = max(1, limits.max_context_len - len(ids))
     _check_context([ids], max_tokens, limits.max_context_len, "messages", max_name)
-    return CompletionParams(model, [ids], max_tokens, chat=True, **sampling)
+    min_tokens = _min_tokens(body, max_tokens, max_name)
+    return CompletionParams(model, [ids], max_tokens, chat=True, min_tokens=min_tokens,
+                            logprobs=_chat_logprobs(body), **sampling)
+
+
+def _chat_logprobs(body: dict) -> Optional[int]:
+    """Chat's `logprobs` (a boolean) and `top_logprobs` (0 .. 20 alternatives, only with
+    logprobs) as the alternatives per token (None: no logprobs)."""
+    wanted = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None)
+    if top is not None:
+        problem = admission.logprobs_error(top, CHAT_TOP_LOGPROBS)
+        if problem is not None:
+            raise bad("top_logprobs", problem)
+        if top > 0 and not wanted:
+            raise bad("top_logprobs", f"{top} needs logprobs: true")
+    return (top or 0) if wanted else None
 
 
 # ---- tokenize / detokenize ---------------------------------------------------------------------
@@ -502,8 +585,29 @@ def _optional_model(body: Any, served_model: str, fields: set[str]) -> dict:
 # ---- responses ----------------------------------------------------------------------------------
 
 def choice(index: int, text: str, finish_reason: Optional[str],
-           token_ids: Optional[list[int]] = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
+           token_ids: Optional[list[int]] = None,
+           logprobs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
+                           "finish_reason": finish_reason}
+    if token_ids is not None:
+        out["token_ids"] = token_ids
+    return out
+
+
+def chat_choice(index: int, text: str, finish_reason: Optional[str],
+                token_ids: Optional[list[int]] = None,
+                logprobs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text},
+                           "logprobs": logprobs, "finish_reason": finish_reason}
+    if token_ids is not None:
+        out["token_ids"] = token_ids
+    return out
+
+
+def chat_delta(index: int, delta: dict[str, Any], finish_reason: Optional[str],
+               token_ids: Optional[list[int]] = None,
+               logprobs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                            "finish_reason": finish_reason}
     if token_ids is not None:
         out["token_ids"] = token_ids
@@ -519,22 +623,52 @@ def completion(cid: str, model: str, created: int, choices: list[dict[str, Any]]
     return out
 
 
-def chat_choice(index: int, text: str, finish_reason: Optional[str],
-                token_ids: Optional[list[int]] = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text},
-                           "logprobs": None, "finish_reason": finish_reason}
-    if token_ids is not None:
-        out["token_ids"] = token_ids
-    return out
+# ---- logprobs -----------------------------------------------------------------------------------
+
+def _lp(value: float) -> float:
+    """A logprob JSON can hold: -infinity (and NaN, which never comes) as MIN_LOGPROB."""
+    return value if value > MIN_LOGPROB else MIN_LOGPROB
 
 
-def chat_delta(index: int, delta: dict[str, Any], finish_reason: Optional[str],
-               token_ids: Optional[list[int]] = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
-                           "finish_reason": finish_reason}
-    if token_ids is not None:
-        out["token_ids"] = token_ids
-    return out
+def token_string(piece: bytes) -> str:
+    """A token's text in logprobs: its bytes as UTF-8 when they are whole characters, else
+    ``bytes:\\xNN...`` (as OpenAI writes a part of a character)."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
+def completion_logprobs(ids: list[int], entries: list[Optional[list]], offsets: list[int],
+                        piece: Callable[[int], bytes]) -> dict[str, Any]:
+    """Completions' ``logprobs`` of tokens `ids` (their wire entries: ``[id, logprob, [[id,
+    logprob], ...]]``, None for the first prompt token with echo; `offsets`: each token's
+    character offset in the choice's text). ``top_logprobs[i]`` holds the asked alternatives
+    and the token itself (OpenAI: up to logprobs + 1 entries)."""
+    tokens, values, tops = [], [], []
+    for t, entry in zip(ids, entries):
+        tokens.append(token_string(piece(t)))
+        if entry is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        top = {token_string(piece(a)): _lp(v) for a, v in entry[2]}
+        top.setdefault(tokens[-1], _lp(entry[1]))
+        values.append(_lp(entry[1]))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": list(offsets[:len(tokens)])}
+
+
+def chat_logprobs(entries: list[list], piece: Callable[[int], bytes]) -> dict[str, Any]:
+    """Chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs: [{token,
+    logprob, bytes}]}], "refusal": None}`` (top_logprobs: exactly the asked alternatives)."""
+    def one(token_id: int, value: float) -> dict[str, Any]:
+        raw = piece(token_id)
+        return {"token": token_string(raw), "logprob": _lp(value), "bytes": list(raw)}
+
+    return {"content": [{**one(e[0], e[1]), "top_logprobs": [one(a, v) for a, v in e[2]]}
+                        for e in entries], "refusal": None}
 
 
 def chat_completion(cid: str, model: str, created: int, choices: list[dict[str, Any]],

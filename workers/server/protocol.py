@@ -40,6 +40,14 @@ class Generate:
     sent_at: float = 0.0        # time.time() when the frontend sent it (wake-up measurement)
     stop_token_ids: list[int] = field(default_factory=list)   # beside the model's EOS ids
     ignore_eos: bool = False    # the model's EOS ids do not stop it (stop_token_ids still do)
+    # sampling features (workers.sampling.SamplingParams; ranges: admission.generate_refusal)
+    top_k: int = 0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: Optional[int] = None          # alternatives per generated token (None: no logprobs)
+    prompt_logprobs: Optional[int] = None   # alternatives per prompt token (None: none)
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,11 @@ class TokenDelta:
     finish_reason: Optional[str] = None
     wake_s: Optional[float] = None          # first delta only: frontend send -> rank applied
     first_token_s: Optional[float] = None   # first delta only: frontend send -> token computed
+    queue_s: Optional[float] = None         # first delta only: rank applied -> admitted to a slot
+    # with logprobs: one [token_id, logprob, [[id, logprob], ...]] per token of token_ids
+    logprobs: Optional[list] = None
+    # with prompt_logprobs, once (the first delta): one per prompt token, the first None
+    prompt_logprobs: Optional[list] = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +138,13 @@ class QueueStats:
     engine: dict[str, float] = field(default_factory=dict)    # numeric fields of engine.stats
     planner: dict[str, float] = field(default_factory=dict)   # numeric fields of planner.stats
     accept_histogram: dict[str, int] = field(default_factory=dict)
+    # speculative decoding, counted over the rounds' requests as vLLM counts them: drafts
+    # (request-rounds that drafted), draft tokens proposed, draft tokens accepted, and accepted
+    # draft tokens per draft position (index 0: the first draft token)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,29 @@ No torch here.
 """
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any, Optional, Sequence
 
-from workers.tokenizer import ByteTokenizer, StreamDecoder, Tokenizer, load_tokenizer
+from workers.tokenizer import (NUM_BYTES, SPECIAL_TOKENS, ByteTokenizer, StreamDecoder,
+                               Tokenizer, load_tokenizer)
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_inverse() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE vocabulary writes
+    for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 class Codec:
@@ -38,6 +58,49 @@ class Codec:
     def stream(self, skip_special_tokens: bool = True) -> StreamDecoder:
         """A fresh streaming decoder (one per completion)."""
         return StreamDecoder(self.tokenizer, skip_special_tokens)
+
+    @functools.lru_cache(maxsize=65536)
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for (logprobs' ``bytes``; a special token: its
+        text). A byte tokenizer's id is its byte; a `tokenizers` vocabulary's piece is read as
+        byte-level BPE or a ``<0xNN>`` byte fallback when its text alone is no whole character."""
+        tok = self.tokenizer
+        if isinstance(tok, ByteTokenizer):
+            if 0 <= token_id < NUM_BYTES:
+                return bytes([token_id])
+            return SPECIAL_TOKENS.get(token_id, "").encode()
+        text = tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        inner = getattr(tok, "_tok", None)
+        piece = inner.id_to_token(token_id) if inner is not None else None
+        if piece:
+            found = _BYTE_PIECE.fullmatch(piece)
+            if found:
+                return bytes([int(found.group(1), 16)])
+            table = _byte_level_inverse()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+        return text.encode()
+
+
+class Offsets:
+    """Character offsets of tokens in a text decoded token by token (logprobs' text_offset):
+    a token's offset is the length of the text settled before it."""
+
+    def __init__(self, codec: "Codec", skip_special_tokens: bool = True) -> None:
+        self.decoder = codec.stream(skip_special_tokens)
+        self.chars = 0
+        self.offsets: list[int] = []
+
+    def push(self, ids: Sequence[int]) -> list[int]:
+        """The offsets of `ids` (appended to `offsets`)."""
+        out = []
+        for t in ids:
+            out.append(self.chars)
+            self.chars += len(self.decoder.push([t]))
+        self.offsets += out
+        return out
 
 
 class ByteCodec(Codec):
@@ -67,14 +130,16 @@ class TextStream:
     `include_stop`). A completion the engine ended with a stop token (its EOS, or one of
     `stop_token_ids`) keeps that token in ``token_ids`` but not its text, unless
     `include_stop` (``feed(..., stop_token=True)``). `skip_special_tokens` False writes special
-    tokens as their text."""
+    tokens as their text. With `min_tokens`, a stop string completed by a token before the
+    `min_tokens`-th does not count (as the engine's stop tokens cannot be drawn there)."""
 
     def __init__(self, codec: Codec, stops: Sequence[str] = (), include_stop: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self.codec = codec
         self.decoder = codec.stream(skip_special_tokens)
         self.stops = [s for s in stops if s]
         self.include_stop = include_stop
+        self.min_tokens = min_tokens
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.decoded = ""           # settled text (emitted, or held for a stop string)
         self.text = ""              # emitted so far
@@ -117,14 +182,17 @@ class TextStream:
         return None
 
     def _grow(self, piece: str) -> Optional[int]:
-        """Append settled text; where the text ends at the earliest stop string now in it
-        (its start, or its end with `include_stop`; None: none)."""
-        # the text before `piece` held no stop string, so a match ends inside `piece`
-        start = max(0, len(self.decoded) - self.hold)
+        """Append settled text; where the text ends at the earliest stop string that ends in
+        `piece` (its start, or its end with `include_stop`; None: none, or fewer than
+        `min_tokens` tokens so far)."""
+        # a match counts when it ends inside `piece` (the text before held none, or held only
+        # ones before min_tokens, which do not count)
+        before = len(self.decoded)
         self.decoded += piece
-        if not piece or not self.stops:
+        if not piece or not self.stops or len(self.token_ids) < self.min_tokens:
             return None
-        hits = [(i, len(s)) for s in self.stops for i in (self.decoded.find(s, start),) if i >= 0]
+        hits = [(i, len(s)) for s in self.stops
+                for i in (self.decoded.find(s, max(0, before - len(s) + 1)),) if i >= 0]
         if not hits:
             return None
         at, length = min(hits)
