@@ -231,3 +231,30 @@ def test_metrics_page_parses_and_has_the_histogram() -> None:
     assert find(samples, "accept_length_bucket", dp_rank=0, le="+Inf") == 3
     assert find(samples, "accept_length_sum", dp_rank=0) == 6
     assert find(samples, "planner_stat", dp_rank=0, stat="switches") == 2
+
+
+def test_admission_logprob_limit_is_the_engines() -> None:
+    from workers import sampling
+    from workers.server import admission
+
+    assert admission.MAX_LOGPROBS == sampling.MAX_LOGPROBS
+
+
+def test_metrics_histograms_have_cumulative_buckets_and_the_model_label() -> None:
+    metrics = FrontendMetrics()
+    for value in (0.004, 0.02, 0.02, 400.0):
+        metrics.ttft.observe(value)
+    stats = QueueStats(0, 1, 0, 30, 0, 2, 10, 3, 8, 0.25, spec_drafts=4, spec_draft_tokens=12,
+                       spec_accepted_tokens=5, spec_accepted_per_pos=[3, 2, 0])
+    samples = parse(render(metrics, healthy=True, ranks=1, ranks_ready=1, in_flight=0,
+                           loads=[0], stats={0: stats}, model_name='m "x"'))
+    assert find(samples, "time_to_first_token_seconds_bucket", le="0.005") == 1
+    assert find(samples, "time_to_first_token_seconds_bucket", le="0.025") == 3
+    assert find(samples, "time_to_first_token_seconds_bucket", le="300") == 3
+    assert find(samples, "time_to_first_token_seconds_bucket", le="+Inf") == 4
+    assert find(samples, "time_to_first_token_seconds_count") == 4
+    assert find(samples, "kv_cache_usage_perc", dp_rank=0) == 0.8
+    assert find(samples, "spec_decode_num_accepted_tokens_per_pos_total", dp_rank=0,
+                position=1) == 2
+    assert find(samples, "healthy", model_name='m "x"') == 1
+    assert find(samples, "healthy", model_name="other") is None

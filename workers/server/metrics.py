@@ -76,7 +76,7 @@ class FrontendMetrics:
     e2e: Histogram = field(default_factory=lambda: Histogram(buckets=REQUEST_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(buckets=TOKEN_BUCKETS))
     tpot: Histogram = field(default_factory=lambda: Histogram(buckets=TOKEN_BUCKETS))
-    queue_time: Histogram = field(default_factory=lambda: Histogram(buckets=REQUEST_BUCKETS))
+    queue_time: Histogram = field(default_factory=lambda: Histogram(buckets=TTFT_BUCKETS))
 
 
 class _Writer:
