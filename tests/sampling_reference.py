@@ -145,3 +145,21 @@ def exact_joint(target, temperature: float, top_p: float, top_k: int = 0,
             for t2 in range(VOCAB):
                 joint[(t0 * VOCAB + t1) * VOCAB + t2] = p0[t0] * p1[t1] * p2[t2]
     return joint
+
+
+def check_keeps_target_law(engine, target, n: int = 3000, seed: int = 77) -> None:
+    """Sample 3 tokens after PROMPT `n` times at temperature 1 with `engine` (speculative): some
+    drafts rejected, some accepted, and the joint law of the 3 tokens is the target's (and
+    distinguishably not the law at temperature 1.3)."""
+    from workers.sampling import SamplingParams
+
+    out = engine.generate([PROMPT] * n, SamplingParams(temperature=1.0, max_new_tokens=3),
+                          seed=seed)
+    counts = torch.zeros(VOCAB ** 3)
+    for req in out:
+        t0, t1, t2 = req.output_ids
+        counts[(t0 * VOCAB + t1) * VOCAB + t2] += 1
+    hist = engine.stats.accept_histogram
+    assert hist.get(0, 0) > 0 and sum(v for k, v in hist.items() if k > 0) > 0, hist
+    assert chi_square_pvalue(counts, exact_joint(target, 1.0, 1.0)) > ALPHA
+    assert chi_square_pvalue(counts, exact_joint(target, 1.3, 1.0)) < ALPHA
