@@ -13,10 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.server.admission import generate_refusal
 from workers.server.protocol import Generate, QueueStats, TokenDelta
+
+if TYPE_CHECKING:  # the frontend process imports this module without torch
+    from workers.engine import Engine
 
 ADD_ERRORS = (ValueError, TypeError, OverflowError, IndexError, KeyError)
 """What `Engine.add` raises for a request it cannot take: errors of the request's values, which
@@ -40,13 +43,13 @@ class KVPages:
     usable: int
 
 
-def kv_pages(engine: Any) -> KVPages:
+def kv_pages(engine: Engine) -> KVPages:
     """Free and usable pages of the engine's page allocator (owned by its scheduler)."""
     alloc = engine.scheduler.allocator
     return KVPages(free=alloc.num_free_pages, usable=alloc.usable_pages)
 
 
-def current_steps(engine: Any) -> int:
+def current_steps(engine: Engine) -> int:
     """The speculative depth in force (0 without speculation)."""
     return int(engine.planner.steps)
 
@@ -134,7 +137,7 @@ class _Live:
 class EngineAdapter:
     """Adds, aborts and steps requests by the frontend's ids; turns progress into deltas."""
 
-    def __init__(self, engine: Any, eos_token_ids: tuple[int, ...], dp_rank: int,
+    def __init__(self, engine: Engine, eos_token_ids: tuple[int, ...], dp_rank: int,
                  vocab_size: int) -> None:
         self.engine = engine
         self.eos_token_ids = tuple(eos_token_ids)
