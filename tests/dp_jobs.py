@@ -92,9 +92,9 @@ class LocalOnly(RoundCoordinator):
     """The hazard: each rank walks the ladder on its OWN EMA (the other ranks' weights are
     ignored, so the decision is the per-rank one the open proposals warn about)."""
 
-    def _decide_previous(self, cols):  # noqa: ANN001
-        weights = [w if i == self.group.rank else 0.0 for i, w in enumerate(cols["weight"])]
-        return super()._decide_previous({**cols, "weight": weights})
+    def _decide_previous(self, cluster):  # noqa: ANN001 - same signature as the parent
+        mine = self.policy.pooled([self.ema], [self.weight], [self.ema_fail])
+        return super()._decide_previous(replace(cluster, pooled=mine))
 
 
 class SkipsDummy(Engine):
