@@ -5,6 +5,7 @@ be named by sequence number, and turns a failing or timed-out collective into a 
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -145,14 +146,19 @@ def all_reduce_sum_max(tensor: torch.Tensor, group: Group, n_sum: int,
         pow2 = 1 << (size.bit_length() - 1)
         extra = size - pow2
         other = torch.empty_like(tensor)
+        mine, theirs = tensor.numpy(), other.numpy()   # the same memory: combined in numpy
+        m_head, m_tail, t_head, t_tail = mine[:n_sum], mine[n_sum:], theirs[:n_sum], theirs[n_sum:]
+
+        def combine() -> None:
+            np.add(m_head, t_head, out=m_head)
+            np.maximum(m_tail, t_tail, out=m_tail)
 
         def swap(peer: int) -> None:   # send mine, receive theirs, combine
             sent = dist.isend(tensor, ranks[peer], group=pg)
             got = dist.irecv(other, ranks[peer], group=pg)
             sent.wait()
             got.wait()
-            head.add_(other[:n_sum])
-            torch.maximum(tail, other[n_sum:], out=tail)
+            combine()
 
         if me < 2 * extra and me % 2 == 0:   # an extra member: its partner reduces for it
             dist.send(tensor, ranks[me + 1], group=pg)
@@ -160,8 +166,7 @@ def all_reduce_sum_max(tensor: torch.Tensor, group: Group, n_sum: int,
             return
         if me < 2 * extra:
             dist.recv(other, ranks[me - 1], group=pg)
-            head.add_(other[:n_sum])
-            torch.maximum(tail, other[n_sum:], out=tail)
+            combine()
         v = me // 2 if me < 2 * extra else me - extra   # index among the 2^k active members
         mask = 1
         while mask < pow2:
