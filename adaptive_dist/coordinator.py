@@ -105,6 +105,27 @@ class RoundStats:
     timed_rounds: int = 0   # goodput, cost_alpha > 0: rounds whose time moved the cost table
     # the latest timed rounds (round, steps, padded batch, slowest rank's seconds), for diagnosis
     timed_samples: deque = field(default_factory=lambda: deque(maxlen=4096))
+    # speculation as vLLM's spec-decode metrics count it, from the accept lengths reported to
+    # end_round: a draft is one request's round at depth > 0 (``steps`` draft tokens), of which
+    # the first ``accept`` were accepted (positions 0 .. accept - 1)
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list = field(default_factory=list)
+
+    def count_drafts(self, accepts: Sequence[int], steps: int) -> None:
+        """Add one round's drafts at depth ``steps`` (nothing at depth 0)."""
+        if steps <= 0 or not accepts:
+            return
+        per_pos = self.accepted_per_pos
+        if len(per_pos) < steps:
+            per_pos.extend([0] * (steps - len(per_pos)))
+        for a in accepts:
+            self.accepted_tokens += a
+            for i in range(a):
+                per_pos[i] += 1
+        self.drafts += len(accepts)
+        self.draft_tokens += steps * len(accepts)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name (the counters as they are)."""
@@ -277,6 +298,7 @@ class RoundCoordinator:
             for a in accepts:
                 if type(a) is not int or not 0 <= a <= steps:  # bool is not an int here
                     raise ValueError(f"accept length {a!r} outside [0, {steps}] (steps in force)")
+        self.stats.count_drafts(accepts, steps)
         self.local, observed = self.policy.observe(self.local, accepts, steps, shadow)
         self.stats.resets += observed.reset
         self.stats.shadow_rounds += observed.shadow

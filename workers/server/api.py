@@ -107,8 +107,8 @@ def create_app(cluster: ClusterClient, metrics: FrontendMetrics,
         if "template" not in cache:
             try:
                 cache["template"] = load_chat_template(
-                    getattr(cluster.model, "tokenizer_dir", None),
-                    getattr(cluster.config, "chat_template", None))
+                    cluster.model.tokenizer_dir if cluster.model is not None else None,
+                    cluster.config.chat_template)
             except ValueError as err:
                 cache["template"] = err
         template = cache["template"]

@@ -3,10 +3,8 @@
 It uses the engine's API (``Engine.add/step/abort``, ``engine.scheduler``, ``engine.last_plan``,
 ``Request`` with its ``logprobs`` / ``prompt_logprobs``) plus three read-only looks, each in one
 small function: ``kv_pages`` (free KV pages), ``current_steps`` (the depth in force) and
-``numeric_stats`` (what ``engine.stats`` / ``engine.planner.stats`` expose); and ``SpecCounts``,
-a planner in front of the engine's own (``Engine.planner`` is settable) that counts, from every
-round's accept lengths and depth the engine reports to its planner, the drafts, draft tokens and
-accepted tokens per draft position.
+``numeric_stats`` (what ``engine.stats`` / ``engine.planner.stats`` expose: the spec-decode
+counters are the planner's ``RoundStats``).
 """
 from __future__ import annotations
 
@@ -81,42 +79,6 @@ def serving_sizes(model_config: Any, max_batch_size: int, max_model_len: int | N
     return {"max_batch_size": max_batch_size, "max_context_len": length}
 
 
-class SpecCounts:
-    """The engine's planner with counters in front of it: every round the engine reports the
-    accept length of each of its requests and the round's plan (``end_round(accepts, plan)``);
-    a round at depth ``plan.steps`` > 0 is one draft of ``steps`` tokens per request, of which
-    the first ``accept`` were accepted (positions 0 .. accept - 1). Everything else goes to the
-    engine's planner unchanged."""
-
-    def __init__(self, planner: Any) -> None:
-        self.__dict__["_inner"] = planner
-        self.__dict__["drafts"] = 0
-        self.__dict__["draft_tokens"] = 0
-        self.__dict__["accepted"] = 0
-        self.__dict__["per_pos"] = []
-
-    def end_round(self, accepts: Any, plan: Any = None, shadow: Any = None) -> None:
-        steps = int(getattr(plan, "steps", 0) or 0) if plan is not None else 0
-        if steps > 0 and len(accepts):
-            per_pos = self.per_pos
-            if len(per_pos) < steps:
-                per_pos.extend([0] * (steps - len(per_pos)))
-            for a in accepts:
-                a = min(int(a), steps)
-                self.__dict__["accepted"] += a
-                for i in range(a):
-                    per_pos[i] += 1
-            self.__dict__["drafts"] += len(accepts)
-            self.__dict__["draft_tokens"] += steps * len(accepts)
-        self._inner.end_round(accepts, plan=plan, shadow=shadow)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._inner, name, value)
-
-
 def token_logprob(lp: Any) -> list:
     """A ``TokenLogprob`` on the wire: [token_id, logprob, [[id, logprob], ...]]."""
     return [int(lp.token_id), float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]]
@@ -146,8 +108,6 @@ class EngineAdapter:
         self.live: dict[str, _Live] = {}
         self.rounds = 0
         self.round_seconds = 0.0
-        self.spec = SpecCounts(engine.planner)
-        engine.planner = self.spec
 
     @property
     def has_work(self) -> bool:
@@ -173,7 +133,7 @@ class EngineAdapter:
         try:
             stops = (() if msg.ignore_eos else self.eos_token_ids) + tuple(msg.stop_token_ids)
             if msg.prompt_logprobs is not None \
-                    and not getattr(self.engine.scheduler, "prompt_logprobs", True):
+                    and not self.engine.scheduler.prompt_logprobs:
                 raise Refused("echo: prompt logprobs (echo with logprobs) need one DP replica; "
                               "this server runs several (--dp > 1)", 400, "echo")
             # k at or past the vocabulary keeps every token: the same as no top-k
@@ -245,7 +205,8 @@ class EngineAdapter:
         sched, engine = self.engine.scheduler, self.engine
         pages = kv_pages(engine)
         eng_numbers, eng_hist = numeric_stats(engine.stats)
-        plan_numbers, _ = numeric_stats(engine.planner.stats)
+        spec = engine.planner.stats
+        plan_numbers, _ = numeric_stats(spec)
         return QueueStats(
             dp_rank=self.dp_rank, running_requests=len(sched.running),
             waiting_requests=len(sched.waiting),
@@ -254,6 +215,6 @@ class EngineAdapter:
             kv_free_pages=pages.free, kv_usable_pages=pages.usable,
             steps=current_steps(engine), rounds=self.rounds,
             round_seconds_total=self.round_seconds, engine=eng_numbers, planner=plan_numbers,
-            accept_histogram=eng_hist, spec_drafts=self.spec.drafts,
-            spec_draft_tokens=self.spec.draft_tokens, spec_accepted_tokens=self.spec.accepted,
-            spec_accepted_per_pos=list(self.spec.per_pos))
+            accept_histogram=eng_hist, spec_drafts=spec.drafts,
+            spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
+            spec_accepted_per_pos=list(spec.accepted_per_pos))

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from workers.tokenizer import (NUM_BYTES, SPECIAL_TOKENS, ByteTokenizer, StreamDecoder,
                                Tokenizer, load_tokenizer)
+
+if TYPE_CHECKING:
+    from workers.server.protocol import ModelInfo
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -110,12 +113,11 @@ class ByteCodec(Codec):
         super().__init__(ByteTokenizer(bos_token_id, ()))
 
 
-def codec_for(model: Any) -> Codec:
-    """The codec of the model the ranks serve (a ``ModelInfo``): its target directory's
-    tokenizer, or the byte tokenizer when the ranks name no directory."""
-    directory = getattr(model, "tokenizer_dir", None)
-    if directory:
-        return Codec(load_tokenizer(directory))
+def codec_for(model: ModelInfo) -> Codec:
+    """The codec of the model the ranks serve: its target directory's tokenizer, or the byte
+    tokenizer when the ranks name no directory."""
+    if model.tokenizer_dir:
+        return Codec(load_tokenizer(model.tokenizer_dir))
     return ByteCodec(model.bos_token_id)
 
 
