@@ -27,7 +27,7 @@ import torch
 
 import collectives as C
 from adaptive_dist.config import AdaptiveConfig
-from adaptive_dist.controller import AdaptiveController
+from adaptive_dist.coordinator import RoundCoordinator
 from scripts.bench.common import (add_overlap_argument, build, encode_prompts, gpu_name,
                                   load_pair, make_prompts, overlap_of, pyplot, save,
                                   settle_heap, spread, static_spec, sync, tokenizer, write_json)
@@ -65,8 +65,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def fresh_policy(engine: Engine, spec: AdaptiveConfig, world: Any, guard: Any) -> None:
-    """Start the policy afresh: a new controller, the initial depth applied."""
-    engine.planner = AdaptiveController(spec, world, guard=guard)
+    """Start the policy afresh: a new coordinator, the initial depth applied."""
+    engine.planner = RoundCoordinator(spec, world, guard=guard)
     engine.pool.apply(spec.initial_steps)
 
 
