@@ -16,6 +16,9 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "$TORCH_SPEC"
   .venv/bin/python -m pip install -q -e ".[test]"
+  # SGLang's serving benchmark, run unmodified by the serving tests: its 0.4.x wheel imports
+  # without the rest of sglang's runtime (no torch build of its own, no CUDA)
+  .venv/bin/python -m pip install -q --no-deps "${SGLANG_SPEC:-sglang==0.4.10.post2}"
   rm -f .venv/.installed-*
   touch "$stamp"
 fi

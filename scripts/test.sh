@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" -q "$@"
+ADAPTIVE_DIST_REQUIRE_SGLANG=1 exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" -q "$@"
