@@ -18,6 +18,14 @@ REDUCERS = ("weighted_mean", "min", "max", "mixture")
 FLOAT_KEYS = ("ema_alpha", "up_hysteresis", "down_hysteresis", "switch_margin", "cost_alpha",
               "reset_nats")
 POLICIES = ("static", "ema", "goodput")   # one class each in adaptive_dist.policy
+REMOVED_KEYS = {
+    "probe_backoff": "goodput's probes all wait probe_every decision points now",
+    "zero_via_smallest": "goodput's switch to depth 0 goes straight to 0 now",
+}
+"""Keys a config may no longer set, each with what replaced it: refused by name (a file that
+still sets one asks for a behaviour the code no longer has). Removed by issue 26: neither moved
+any production-priced goal row by 1% at batch 1, 16 or 64 (docs/policy.md, "Knobs and their
+measurements")."""
 INT_KEY = re.compile(r"0|[1-9][0-9]*")  # an integer written as a JSON key: "0", "7", "64"
 
 
@@ -139,15 +147,6 @@ class AdaptiveConfig:
     probe_every: int = 8
     """goodput: at depth 0, probe the smallest positive depth after this many decision points
     (>= 1)."""
-    probe_backoff: int = 4
-    """goodput: a probe that finds nothing (the policy goes straight back to 0) doubles the wait
-    before the next one, up to ``probe_backoff`` × ``probe_every`` decision points (>= 1; 1:
-    every probe waits ``probe_every``)."""
-    zero_via_smallest: bool = True
-    """goodput: a decision for depth 0 from a depth above the smallest positive candidate moves
-    to that candidate instead when it scores above the current depth (it still measures
-    acceptance, which depth 0 only learns from the catch-up's shadow checks); the next decision
-    point may go on to 0. False: straight to 0."""
     reset_nats: float = 8.0
     """goodput: a round that measures acceptance and whose accept lengths are more than this many
     nats likelier under their own acceptance rate than under the rank's EMAs (the geometric
@@ -207,6 +206,12 @@ class AdaptiveConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
+        removed = sorted(set(data) & set(REMOVED_KEYS))
+        if removed:
+            raise ConfigError(
+                f"{source}: key(s) {', '.join(repr(k) for k in removed)} no longer exist ("
+                + "; ".join(f"{k}: {REMOVED_KEYS[k]}" for k in removed)
+                + "); drop them from the config")
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(

@@ -17,7 +17,7 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
     """Expected output records (sorted by round, rank) for ``traces`` (one list per rank).
 
     ``cfg`` is the effective configuration as ``AdaptiveConfig.to_dict()`` gives it (for goodput
-    with ``round_cost``, ``switch_margin``, ``probe_every`` and ``probe_backoff``). A round may
+    with ``round_cost``, ``switch_margin`` and ``probe_every``). A round may
     carry ``"shadow": [hits, checks, rows]`` (goodput at depth 0: the head's guesses checked by
     the engine's catch-up), or ``"shadow": None`` (the engine reported none that round); without
     the key a depth-0 round reports what a replay derives (one check per request)."""
@@ -33,7 +33,6 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
     measured = [False] * world   # the rank's EMAs moved on a measurement (not start values)
     counted, last_switch = 0, None
     points_since_switch = 0
-    probe_wait, after_probe = 1, False   # goodput: the probe wait's multiplier, last switch a probe
     buckets = sorted(cfg["graph_buckets"])
     alpha = cfg["ema_alpha"]
     out = []
@@ -103,7 +102,7 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
             rate = _reference_rate(ema, fail, weight, cfg["reducer"])
             row_key, costs = _reference_costs(cfg["round_cost"], pad)
             if point and dwell_ok and steps == 0 and rate is None:   # no signal: probe
-                if points_since_switch >= probe_wait * cfg["probe_every"]:
+                if points_since_switch >= cfg["probe_every"]:
                     new, probe = idx + 1, True
             elif point and dwell_ok and rate is not None:
                 if cfg["reducer"] == "mixture":   # each live rank's own E(S), weighted
@@ -122,10 +121,6 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
                 best = max(range(len(cand)), key=lambda i: (scores[i], -i))
                 if best != idx and scores[best] > (1.0 + cfg["switch_margin"]) * scores[idx]:
                     new = best
-                if cfg.get("zero_via_smallest") and cand[new] == 0 and new != idx:
-                    low = min(i for i, s in enumerate(cand) if s > 0)   # depth 0 via it
-                    if cand[idx] > cand[low] and scores[low] > scores[idx]:
-                        new = low
         if goodput and point and steps == 0 and rate is not None:
             points_since_switch = 0   # a signal at depth 0: the probe wait starts again
         for k in range(world):
@@ -140,12 +135,6 @@ def simulate(traces: list[list[dict]], cfg: dict, policy: str) -> list[dict]:
         if new != idx:
             last_switch = counted
             points_since_switch = 0
-            if probe:
-                after_probe = True
-            elif after_probe and cand[new] == 0:  # the probe found nothing: wait twice as long
-                probe_wait, after_probe = min(2 * probe_wait, cfg.get("probe_backoff", 1)), False
-            else:
-                probe_wait, after_probe = 1, False
         idx = new
     return out
 

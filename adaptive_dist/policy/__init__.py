@@ -31,12 +31,10 @@ from adaptive_dist.policy.goodput import (
     goodput_scores,
     goodput_step,
     mixture_expected,
-    next_probe_gap,
     probe_due,
     probe_floor,
     shadow_update,
     shifted_costs,
-    step_down,
     surprise,
     update_offsets,
 )
@@ -122,7 +120,7 @@ __all__ = [
     "SURPRISE_RATE_CLIP", "acceptance_rate", "cost_row", "decide", "decision_points_upto",
     "ema_fail_update", "ema_update", "expected_accepted", "fail_flags", "goodput_pick",
     "goodput_score", "goodput_scores", "goodput_step", "initial_ema", "is_decision_point",
-    "ladder_walk", "measures_acceptance", "mixture_expected", "next_probe_gap", "pick_bucket",
+    "ladder_walk", "measures_acceptance", "mixture_expected", "pick_bucket",
     "probe_due", "probe_floor", "resets", "round_update", "shadow_update", "shifted_costs",
-    "step_down", "surprise", "update_offsets",
+    "surprise", "update_offsets",
 ]

@@ -146,11 +146,9 @@ def shifted_costs(base: RoundCost, offsets: tuple[float, ...]) -> RoundCost:
 # ---- the decision -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GoodputState(PolicyState):
-    """The shared state with goodput's own: the probe wait's multiplier, whether the last switch
-    was a probe, and the last decision point at depth 0 that had a rate."""
+    """The shared state with goodput's own: the last decision point at depth 0 that had a
+    rate."""
 
-    probe_gap: int = 1     # the next probe waits probe_gap * probe_every points
-    probed: bool = False   # the last switch was a probe out of depth 0
     last_signal: int = -1  # counted round of the last decision point at depth 0 that had a
                            # cluster rate (shadow checks); -1: none
 
@@ -177,40 +175,14 @@ def goodput_pick(scores: Sequence[float], index: int, margin: float) -> int:
     return index
 
 
-def probe_due(cfg: AdaptiveConfig, index: int, counted: int, since: int,
-              gap: int = 1) -> bool:
-    """At depth 0, whether ``gap × probe_every`` decision points have passed since counted
-    round ``since`` (the last switch or signal; -1: the start), counting the one at
-    ``counted``."""
+def probe_due(cfg: AdaptiveConfig, index: int, counted: int, since: int) -> bool:
+    """At depth 0, whether ``probe_every`` decision points have passed since counted round
+    ``since`` (the last switch or signal; -1: the start), counting the one at ``counted``."""
     if cfg.candidate_steps[index] != 0:
         return False
     w, n = cfg.warmup_batches, cfg.update_interval
     points = decision_points_upto(counted, w, n) - decision_points_upto(since, w, n)
-    return points >= gap * cfg.probe_every
-
-
-def next_probe_gap(cfg: AdaptiveConfig, state: GoodputState, new_index: int,
-                   probe: bool) -> tuple[int, bool]:
-    """(probe_gap, probed) after a switch from ``state`` to ``new_index``: a probe keeps the
-    gap; a return to depth 0 straight after a probe (it found nothing) doubles it, up to
-    ``probe_backoff``; any other switch resets it to 1."""
-    if probe:
-        return state.probe_gap, True
-    if state.probed and cfg.candidate_steps[new_index] == 0:
-        return min(2 * state.probe_gap, cfg.probe_backoff), False
-    return 1, False
-
-
-def step_down(cfg: AdaptiveConfig, scores: Sequence[float], index: int, new: int) -> int:
-    """``zero_via_smallest``: a switch to depth 0 from above the smallest positive candidate
-    goes to that candidate instead when it scores above the current depth."""
-    cand = cfg.candidate_steps
-    if not cfg.zero_via_smallest or cand[new] != 0 or new == index:
-        return new
-    low = next((i for i, s in enumerate(cand) if s > 0), None)
-    if low is not None and cand[index] > cand[low] and scores[low] > scores[index]:
-        return low
-    return new
+    return points >= cfg.probe_every
 
 
 def goodput_step(cfg: AdaptiveConfig, state: GoodputState, rate: Optional[float],
@@ -220,18 +192,17 @@ def goodput_step(cfg: AdaptiveConfig, state: GoodputState, rate: Optional[float]
     """The goodput decision at a decision point the dwell allows: (new index, is a probe).
     The best score with the margin, from the cluster's rate; at depth 0 without a rate (no rank
     reported shadow checks since the last decision point) only the probe moves, due
-    `probe_gap × probe_every` decision points after the last switch or the last decision point
+    `probe_every` decision points after the last switch or the last decision point
     at depth 0 that had a rate, whichever is later."""
     if cfg.candidate_steps[state.index] == 0 and rate is None:
         since = max(state.last_switch, state.last_signal)
-        if probe_due(cfg, state.index, state.counted, since, state.probe_gap):
+        if probe_due(cfg, state.index, state.counted, since):
             return state.index + 1, True
         return state.index, False
     if rate is None:
         return state.index, False
     scores = goodput_scores(cfg, rate, batch, table, mix)
-    new = goodput_pick(scores, state.index, cfg.switch_margin)
-    return step_down(cfg, scores, state.index, new), False
+    return goodput_pick(scores, state.index, cfg.switch_margin), False
 
 
 def probe_floor(cfg: AdaptiveConfig, catchup_rounds: int) -> int:
@@ -248,15 +219,13 @@ def probe_floor(cfg: AdaptiveConfig, catchup_rounds: int) -> int:
 class GoodputPolicy(CountingPolicy):
     """``goodput``: at a decision point the dwell allows, the candidate with the most expected
     tokens per unit of round cost (``(1 + E(S)) / cost(S, row)``) from the cluster's acceptance
-    rate, with ``switch_margin``, ``zero_via_smallest`` and, at depth 0 without a signal, probes
-    with backoff. Depth 0 measures nothing but the catch-up's shadow checks; a surprise (or a
+    rate, with ``switch_margin`` and, at depth 0 without a signal, probes. Depth 0 measures nothing but the catch-up's shadow checks; a surprise (or a
     rank's first measurement) restarts its EMAs."""
 
     name = "goodput"
     allows_depth_zero = True
     uses_round_cost = True
-    keys = ("round_cost", "switch_margin", "probe_every", "probe_backoff", "zero_via_smallest",
-            "reset_nats", "cost_alpha")
+    keys = ("round_cost", "switch_margin", "probe_every", "reset_nats", "cost_alpha")
     OUTCOME_KEYS: ClassVar[tuple[str, ...]] = ("local_ema_fail", "accept_rate", "cost_row",
                                                "probe")
     """Keys this policy adds to each consensus-only output line."""
@@ -268,11 +237,8 @@ class GoodputPolicy(CountingPolicy):
               f"only (policy={c.policy!r})")
         check(is_number(c.switch_margin) and 0 <= c.switch_margin < MARGIN_LIMIT,
               "switch_margin", c.switch_margin, f"must be a finite number in [0, {MARGIN_LIMIT:g})")
-        for key in ("probe_every", "probe_backoff"):
-            v = getattr(c, key)
-            check(is_int(v) and v >= 1, key, v, "must be an integer >= 1")
-        check(isinstance(c.zero_via_smallest, bool), "zero_via_smallest", c.zero_via_smallest,
-              "must be true or false")
+        check(is_int(c.probe_every) and c.probe_every >= 1, "probe_every", c.probe_every,
+              "must be an integer >= 1")
         check(is_number(c.reset_nats) and 0 <= c.reset_nats < RESET_LIMIT, "reset_nats",
               c.reset_nats, f"must be a finite number in [0, {RESET_LIMIT:g}) (0: off)")
         check(is_number(c.cost_alpha) and 0 <= c.cost_alpha <= 1, "cost_alpha", c.cost_alpha,
@@ -386,8 +352,7 @@ class GoodputPolicy(CountingPolicy):
             state = replace(state, last_signal=state.counted)   # a signal at depth 0: no probe due
         decision = Decision(True, point, global_ema, state.index, new_index, rate, row, probe)
         if new_index != state.index:
-            gap, probed = next_probe_gap(cfg, state, new_index, probe)
-            state = replace(self.switch(state, new_index), probe_gap=gap, probed=probed)
+            state = self.switch(state, new_index)
         return state, decision
 
     def outcome_fields(self, decision: Decision, local_ema_fail: float) -> dict[str, Any]:
