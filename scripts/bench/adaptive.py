@@ -44,8 +44,12 @@ policy. `--model-costs FILE` reads a cost table file (`docs/data/cost_tables/*.j
 `agreed_round_cost_ms`; the file's name recorded as `meta.model_costs_file`);
 `--model-costs TABLE` prices every run's rounds by a
 cost table (e.g. a GPU's start-up table, `meta.round_cost` of a GPU run) instead of timing them:
-the goodput engines decide on the same table: the decisions of a CPU run, compared in the
-device's units (prefills priced as the decode round they share, host work left out).
+the goodput engines decide on the same table (cut to each one's candidates): the decisions of a
+CPU run, compared in the device's units (prefills priced as the decode round they share, host
+work left out). `staticN` runs any static depth N and `goodput+candidate_steps=[...]` any ladder;
+`--interpolate-depths D ...` prices the depths the table lacks (linear in verified tokens between
+the measured depths around D, past the deepest the last measured segment extended): estimates,
+named in `meta.model_costs_interpolated` and above the goals table, never measurements.
 The prompts are drawn once per run for its largest batch (`make_prompts(largest × waves)`) and a
 phase at batch b takes the first b × waves of its regime; the high-entropy and repetitive draws
 depend on that count, so compare figures within a run, or between runs with the same `--batches`.
@@ -58,6 +62,7 @@ spread, depth timelines over the phases) and prints the goals table.
 from __future__ import annotations
 
 import argparse
+import re
 import collections
 import json
 import math
@@ -85,6 +90,14 @@ from workers.sampling import SamplingParams
 
 STATIC = ("static0", "static1", "static3", "static7")
 POLICIES = STATIC + ("ema", "ema_min", "goodput", "goodput_min", "goodput_mix")
+STATIC_NAME = re.compile(r"static(0|[1-9][0-9]*)")
+"""`staticN` for any depth N (the default list runs 0, 1, 3, 7; e.g. `static5` for a wider
+ladder, priced by `--interpolate-depths` where the cost table lacks it)."""
+
+
+def is_static(policy: str) -> bool:
+    """A static depth `staticN` (N any non-negative integer)."""
+    return STATIC_NAME.fullmatch(policy) is not None
 DIAGNOSTIC = ("depth0_head",)
 """Not run by default: `depth0_head` is the goodput engine held at depth 0 (its head kept
 current — prefilled, caught up every `--catchup-rounds` rounds, shadow-checked — but never
@@ -172,11 +185,51 @@ def load_model_costs(value: str) -> tuple[RoundCost, str | None]:
     return RoundCost.parse(data), name
 
 
+def interpolate_costs(table: RoundCost, depths: list[int]) -> RoundCost:
+    """`table` with a cost for every depth of `depths` it lacks, in every row: linear in the
+    verified tokens (steps + 1 per request) between the two measured depths around it, past the
+    deepest measured depth extrapolated from the last measured segment (the two deepest). An
+    estimate, never a measurement: a run priced by it records the depths in
+    `meta.model_costs_interpolated` and every figure it gives is marked interpolated."""
+    rows = []
+    for row in table.rows:
+        known = dict(row)
+        measured = sorted(known)
+        if len(measured) < 2:
+            raise ValueError("--interpolate-depths: a row of the table has fewer than 2 depths")
+        for d in depths:
+            if d in known:
+                continue
+            if d < measured[0]:
+                raise ValueError(f"--interpolate-depths {d}: below the shallowest measured "
+                                 f"depth {measured[0]}")
+            lo = max((m for m in measured if m < d), default=None)
+            hi = min((m for m in measured if m > d), default=None)
+            if hi is None:   # past the deepest: the last segment's slope
+                lo, hi = measured[-2], measured[-1]
+            # linear in verified tokens (steps + 1): the same as linear in steps
+            f = (d - lo) / (hi - lo)
+            cost = known[lo] + f * (known[hi] - known[lo])
+            if not cost > 0:
+                raise ValueError(f"--interpolate-depths {d}: extrapolated cost {cost} <= 0")
+            known[d] = cost
+        rows.append(tuple(sorted(known.items())))
+    return RoundCost(table.buckets, tuple(rows))
+
+
+def restrict_costs(table: RoundCost, depths: tuple[int, ...]) -> RoundCost:
+    """`table` at `depths` only (a goodput policy's table holds exactly its candidates); a
+    depth the table lacks is left out, for the engine's check to name."""
+    keep = set(depths)
+    return RoundCost(table.buckets, tuple(tuple((s, c) for s, c in row if s in keep)
+                                          for row in table.rows))
+
+
 def spec_of(policy: str, knobs: dict[str, Any] | None = None,
             cost_alpha: float = 0.0) -> AdaptiveConfig:
     """The policy's config; `knobs` (the `--set` values) apply to every adaptive policy alike;
     `cost_alpha` (timed rounds move the cost table) to goodput."""
-    if policy.startswith("static"):
+    if is_static(policy):
         return static_spec(int(policy[len("static"):]))
     if policy == "depth0_head":   # depth 7 priced out of reach; no probe ever due
         return held_at_zero(7)
@@ -209,9 +262,9 @@ def split_policy(name: str) -> tuple[str, int | None, int | None, dict[str, Any]
     if name.endswith(NODEFER):
         name, defer = name[:-len(NODEFER)], 0
     base, sep, rounds = name.partition("@")
-    if base not in POLICIES + DIAGNOSTIC:
+    if base not in POLICIES + DIAGNOSTIC and not is_static(base):
         raise ValueError(f"unknown policy {base!r}; allowed: {', '.join(POLICIES + DIAGNOSTIC)}")
-    if base.startswith("static") and overrides:
+    if is_static(base) and overrides:
         raise ValueError(f"{base} has no adaptive settings to override")
     if base == "static0" and (sep or defer is not None):
         raise ValueError("static0 has no draft head, so no catch-up interval or deferral")
@@ -305,14 +358,28 @@ def parse_args() -> argparse.Namespace:
                         "wall_seconds); the goodput engines decide on it too (no start-up "
                         "measurement). Prefills are priced as the round they run in. For "
                         "comparing decisions off the device the table was measured on")
+    p.add_argument("--interpolate-depths", nargs="+", type=int, default=[], metavar="D",
+                   help="with --model-costs: give the table a cost for each depth D it lacks, "
+                        "linear in verified tokens between the measured depths around it "
+                        "(past the deepest: the last measured segment extended); an estimate, "
+                        "recorded as meta.model_costs_interpolated and marked in goals.md")
     p.add_argument("--out", default="runs/bench_adaptive")
     args = p.parse_args()
     args.model_costs_file = None
+    args.model_costs_interpolated = []
     if args.model_costs is not None:
         try:
             args.model_costs, args.model_costs_file = load_model_costs(args.model_costs)
         except (json.JSONDecodeError, ConfigError, OSError) as err:
             p.error(f"--model-costs: {err}")
+        measured = set(args.model_costs.steps)
+        try:
+            args.model_costs = interpolate_costs(args.model_costs, args.interpolate_depths)
+        except ValueError as err:
+            p.error(str(err))
+        args.model_costs_interpolated = sorted(set(args.interpolate_depths) - measured)
+    elif args.interpolate_depths:
+        p.error("--interpolate-depths: only with --model-costs")
     for flag in ("long_phase_rounds", "mixed_rounds", "mixed_cap"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -461,7 +528,9 @@ def main() -> int:
         base, catchup, defer, own = split_policy(policy)
         extra = {} if defer is None else {"defer_prefill_width": defer}
         if args.model_costs is not None and base.startswith("goodput"):
-            own = {"round_cost": args.model_costs, **own}   # decided on the prices paid
+            # decided on the prices paid: the table's rows at this policy's candidates
+            cands = spec_of(base, {**knobs, **own}).candidate_steps
+            own = {"round_cost": restrict_costs(args.model_costs, cands), **own}
         engines[policy] = build(spec_of(base, {**knobs, **own}, args.cost_alpha), target, head,
                                 batch=top, context=context, device=device,
                                 graphs=args.device == "cuda", group=world, guard=guard,
@@ -590,7 +659,7 @@ def analyse(records: list[dict]) -> dict[str, Any]:
                            r["probes"] / max(len(r["phases"]) - 1, 1) for r in mine]),
                        "switches_per_hour": spread([r["switches_per_hour"] for r in mine]),
                        "rounds_at_steps": mine[0]["rounds_at_steps"]}
-        static = {p: v for p, v in pols.items() if p in STATIC}
+        static = {p: v for p, v in pols.items() if is_static(p)}
         entry: dict[str, Any] = {"policies": pols}
         if static:
             phases = len(next(iter(static.values()))["phase_tokens_per_second"])
@@ -627,6 +696,8 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
             # not None: every phase's "seconds" is this table's price of its rounds
             "model_costs": args.model_costs.to_json() if args.model_costs is not None else None,
             "model_costs_file": args.model_costs_file,
+            # depths whose price is interpolated, not measured (`interpolate_costs`)
+            "model_costs_interpolated": args.model_costs_interpolated,
             "long_phase_rounds": args.long_phase_rounds,
             "mixed": {"rounds": args.mixed_rounds or args.phase_rounds or 100,
                       "median": args.mixed_median, "sigma": args.mixed_sigma,
@@ -638,7 +709,8 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
     goals = goal_rows(analysis)
     write_json(out / "results.json", {"meta": meta, "analysis": analysis, "goals": goals,
                                       "runs": records})
-    (out / "goals.md").write_text(goals_markdown(goals, meta["command"]))
+    (out / "goals.md").write_text(goals_markdown(goals, meta["command"],
+                                                 meta["model_costs_interpolated"]))
     if quiet:
         return
     for key, entry in analysis.items():
@@ -666,11 +738,11 @@ def goal_rows(analysis: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         least, least_phase = GOALS[workload]
         for policy, vs in entry["vs"].items():
-            if split_policy(policy)[0] in STATIC:
+            if is_static(split_policy(policy)[0]):
                 continue
             met = vs["vs_best_static"] >= least and (
                 least_phase is None or vs["worst_phase_vs_oracle"] >= least_phase)
-            best = max((p for p in entry["policies"] if p in STATIC),
+            best = max((p for p in entry["policies"] if is_static(p)),
                        key=lambda p: entry["policies"][p]["tokens_per_second"]["median"])
             rows.append({"workload": workload, "batch": int(batch), "policy": policy,
                          "tokens_per_second": entry["policies"][policy]["tokens_per_second"][
@@ -687,9 +759,15 @@ def goal_rows(analysis: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def goals_markdown(rows: list[dict[str, Any]], command: str) -> str:
-    """The goal rows as a markdown table (tokens/s of the run's pricing), with the command."""
-    lines = [f"Command: `{command}`", "",
+def goals_markdown(rows: list[dict[str, Any]], command: str,
+                   interpolated: list[int] | None = None) -> str:
+    """The goal rows as a markdown table (tokens/s of the run's pricing), with the command;
+    `interpolated`: the depths priced by `interpolate_costs` (named above the table)."""
+    note = ([f"**Interpolated prices**: depths {', '.join(map(str, interpolated))} are not in the "
+             "measured table; their cost is interpolated (linear in verified tokens; past the "
+             "deepest measured depth, the last segment extended). Every figure of a policy "
+             "that runs them is an estimate, not a measurement.", ""] if interpolated else [])
+    lines = [*note, f"Command: `{command}`", "",
              "| workload | batch | policy | tok/s | best static (depth) | x best static | "
              "worst phase x oracle | goal | met |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:

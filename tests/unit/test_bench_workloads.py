@@ -237,6 +237,36 @@ def test_model_costs_read_a_cost_table_file_in_seconds(tmp_path):
     assert table.steps == (0, 1, 3, 7) and 64 in table.buckets
 
 
+def test_interpolated_depths_are_linear_in_verified_tokens_and_marked():
+    """`--interpolate-depths`: a depth between two measured ones is priced linearly (in verified
+    tokens, steps + 1), one past the deepest by the last segment extended; measured depths keep
+    their cost; a goodput engine's table is cut to its candidates; the goals table names the
+    interpolated depths; `staticN` runs any depth."""
+    from adaptive_dist.config import RoundCost
+
+    bench = _bench_adaptive()
+    table = RoundCost.parse({"1": {"0": 4.0, "1": 5.0, "3": 6.0, "7": 10.0},
+                             "64": {"0": 6.0, "1": 7.0, "3": 10.0, "7": 18.0}})
+    wide = bench.interpolate_costs(table, [2, 3, 5, 10])
+    assert wide.steps == (0, 1, 2, 3, 5, 7, 10)
+    assert dict(wide.rows[0]) == {0: 4.0, 1: 5.0, 2: 5.5, 3: 6.0, 5: 8.0, 7: 10.0, 10: 13.0}
+    assert dict(wide.rows[1])[5] == 14.0 and dict(wide.rows[1])[10] == 24.0
+    cut = bench.restrict_costs(wide, (0, 1, 3, 7))
+    assert cut.to_json() == table.to_json()
+    assert "depths 2, 5" in bench.goals_markdown([], "cmd", [2, 5])
+    assert "Interpolated" not in bench.goals_markdown([], "cmd", [])
+    assert bench.split_policy("static10") == ("static10", None, None, {})
+    assert bench.is_static("static5") and not bench.is_static("static05")
+    assert bench.split_policy("goodput+candidate_steps=[0,1,2,3,5,7]")[3] == {
+        "candidate_steps": [0, 1, 2, 3, 5, 7]}
+    try:   # a removed key (issue 26) is refused by name, not ignored
+        bench.split_policy("goodput+zero_via_smallest=false")
+    except ValueError as err:
+        assert "zero_via_smallest" in str(err) and "no longer exist" in str(err)
+    else:
+        raise AssertionError("a removed key was accepted")
+
+
 def test_mixed_stream_drifts_and_its_budgets_are_lognormal():
     """The mixed workload: regimes drawn from shares that drift over the segments (seeded, the
     same for every policy); budgets log-normal around the median, held to the cap."""
