@@ -11,7 +11,7 @@ import httpx
 
 from workers.loading import DEFAULT_MODEL, encode_prompt, load_pair
 from workers.server.metrics import find, parse
-from workers.server.process import ServerProcess
+from scripts.bench.server_process import ServerProcess
 
 # GPU ranks generate a few hundred tokens in well under a second: tests that must catch a request
 # in flight give it a longer context there

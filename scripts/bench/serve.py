@@ -301,7 +301,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     url = args.url
     if args.launch is not None:
         from collectives import free_port
-        from workers.server.process import ServerProcess
+        from scripts.bench.server_process import ServerProcess
 
         print(f"launching: serve {args.launch}", file=sys.stderr)
         server = ServerProcess(shlex.split(args.launch), free_port(), nproc=args.nproc)

@@ -23,7 +23,7 @@ from typing import Any
 
 from collectives import free_port
 from scripts.bench.common import pyplot, save, write_json
-from workers.server.process import ServerProcess
+from scripts.bench.server_process import ServerProcess
 
 
 def parse_args() -> argparse.Namespace:

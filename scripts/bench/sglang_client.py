@@ -110,7 +110,7 @@ def run_one(setup: str, backend: str, url: str, args: argparse.Namespace, datase
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from workers.server.process import ServerProcess
+    from scripts.bench.server_process import ServerProcess
     from collectives import free_port
 
     out = Path(args.out).resolve()

@@ -467,7 +467,7 @@ def run_soak(*, requests: int, clients: int, dp: int = 2, max_tokens: int = 12, 
 
     from collectives import free_port
     from workers.server.metrics import find, parse
-    from workers.server.process import ServerProcess
+    from scripts.bench.server_process import ServerProcess
 
     def say(msg: str) -> None:
         log(f"[soak {time.perf_counter() - t0:6.1f} s] {msg}")

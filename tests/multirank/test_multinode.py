@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from collectives import free_port
-from workers.server.process import alive, descendants
+from scripts.bench.server_process import alive, descendants
 
 pytestmark = pytest.mark.multirank
 

@@ -11,7 +11,7 @@ import time
 import httpx
 
 from serve_helpers import start_server
-from workers.server.process import alive
+from scripts.bench.server_process import alive
 
 LONG = {"model": "tiny_pair", "prompt": "def main():", "max_tokens": 490, "temperature": 0}
 # (greedy runs the whole max_tokens on this prompt: no early end of sequence)

@@ -1,4 +1,4 @@
-"""Start and stop a server as a real subprocess (tests and ``scripts/bench_serve.py --launch``).
+"""Start and stop a server as a real subprocess (the serving benchmarks and tests: ``scripts.bench.serve --launch``, ``scripts.bench.soak``).
 
 ``ServerProcess`` runs ``python -m adaptive_dist serve ...`` (or the same under
 ``torch.distributed.run`` for several ranks) on a free port, waits until ``/health`` answers 200,
