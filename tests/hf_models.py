@@ -504,22 +504,29 @@ def draft_vocab(size: int, seed: int) -> list[int]:
 # ---- MoE targets ------------------------------------------------------------------------------
 
 def moe_pair(root: Path, vocab: int, hidden: int = 32, expert_width: int = 16,
-             max_pos: int = 256) -> Path:
+             max_pos: int = 256, shared_expert_width: Optional[int] = None) -> Path:
     """A transformers-built Qwen3-MoE target (4 layers, 8 experts, top 2 normalised, layer 2 dense;
     weights redrawn larger than the default init so routing and logits spread) saved in
     `root/target`, and a random EAGLE-3 head over it (`model_fixtures.random_head`, aux ids
-    0/1/2) in `root/eagle`, both float32."""
+    0/1/2) in `root/eagle`, both float32. With `shared_expert_width`: a Qwen2-MoE target of the
+    same shape (q/k/v biases, no q/k norms, top 2 unnormalised) with a shared expert that wide."""
     from model_fixtures import random_head, write_checkpoint
     from workers.model import load_llama
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(
+    common = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3 // 2,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=expert_width,
-        norm_topk_prob=True, mlp_only_layers=[2], max_position_embeddings=max_pos,
+        mlp_only_layers=[2], max_position_embeddings=max_pos,
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    if shared_expert_width is None:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, head_dim=hidden // 4, norm_topk_prob=True)).eval()
+    else:
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, norm_topk_prob=False,
+            shared_expert_intermediate_size=shared_expert_width)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.25)

@@ -65,12 +65,14 @@ def _old_layout(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
+    from hf_models import save_target
     out = {}
     for kind in KINDS:
         model = _hf_model(kind)
         root = tmp_path_factory.mktemp(kind)
         model.save_pretrained(root / "new")
-        model.save_pretrained(root / "old", safe_serialization=False)   # .bin
+        save_target(model, root / "old", "bin")   # transformers 5 writes safetensors only
+        assert (root / "old" / "pytorch_model.bin").is_file()
         _old_layout(root / "old")
         out[kind] = (model, root)
     return out

@@ -2,7 +2,9 @@
 
 * ``LlamaConfig``: the target — Llama (``LlamaForCausalLM``, Llama-3 RoPE scaling, tied or untied
   embeddings) and the small deltas of Qwen2 (``Qwen2ForCausalLM``: q/k/v biases) and Qwen3
-  (``Qwen3ForCausalLM``: RMSNorm of every query and key head; ``head_dim`` explicit).
+  (``Qwen3ForCausalLM``: RMSNorm of every query and key head; ``head_dim`` explicit), and the
+  mixture-of-experts targets (``MoeSpec``): Qwen3-MoE, Mixtral and Qwen2-MoE
+  (``Qwen2MoeForCausalLM``: Qwen2's attention, a gated shared expert beside the routed ones).
 * ``EagleConfig``: an EAGLE (1/2) head: ``fc([embed; feature]) -> decoder layer(s) -> [norm]``,
   in our own layout (``EagleLlamaHead``) or the EAGLE project's (``LlamaForCausalLM`` or
   ``LlamaForCausalLMEagle`` in a draft directory; ``fc``'s bias, the first layer's input norm and
@@ -28,6 +30,7 @@ LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 QWEN2_ARCHITECTURE = "Qwen2ForCausalLM"
 QWEN3_ARCHITECTURE = "Qwen3ForCausalLM"
 QWEN3_MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
+QWEN2_MOE_ARCHITECTURE = "Qwen2MoeForCausalLM"
 MIXTRAL_ARCHITECTURE = "MixtralForCausalLM"
 EAGLE_ARCHITECTURE = "EagleLlamaHead"
 EAGLE_PROJECT_ARCHITECTURES = (LLAMA_ARCHITECTURE, "LlamaForCausalLMEagle")
@@ -50,6 +53,7 @@ TARGET_ARCHITECTURES = {
     QWEN3_ARCHITECTURE: TargetArchitecture("qwen3", qkv_bias=False, qk_norm=True),
     QWEN3_MOE_ARCHITECTURE: TargetArchitecture("qwen3_moe", qkv_bias=False, qk_norm=True, moe=True),
     MIXTRAL_ARCHITECTURE: TargetArchitecture("mixtral", qkv_bias=False, qk_norm=False, moe=True),
+    QWEN2_MOE_ARCHITECTURE: TargetArchitecture("qwen2_moe", qkv_bias=True, qk_norm=False, moe=True),
 }
 
 
@@ -61,9 +65,14 @@ class MoeSpec:
     ``expert_size``. Layer ``i`` is sparse when ``(i + 1) % sparse_step == 0`` and ``i`` is not in
     ``dense_layers`` (those keep the dense MLP of ``intermediate_size``).
 
+    ``shared_expert_size`` (Qwen2-MoE's ``shared_expert_intermediate_size``; ``None``: none): every
+    sparse layer also runs a SwiGLU shared expert of that width over every token, scaled per token
+    by ``sigmoid(shared_expert_gate(x))`` (a ``[1, d]`` linear) and added to the routed output.
+
     ``names`` is the checkpoint's layout: ``"qwen3_moe"`` (``mlp.gate``,
-    ``mlp.experts.{e}.{gate,up,down}_proj``) or ``"mixtral"`` (``block_sparse_moe.gate``,
-    ``block_sparse_moe.experts.{e}.w1/w3/w2``)."""
+    ``mlp.experts.{e}.{gate,up,down}_proj``, and for a shared expert ``mlp.shared_expert.*`` and
+    ``mlp.shared_expert_gate``; Qwen3-MoE and Qwen2-MoE) or ``"mixtral"``
+    (``block_sparse_moe.gate``, ``block_sparse_moe.experts.{e}.w1/w3/w2``)."""
 
     num_experts: int
     top_k: int
@@ -72,6 +81,7 @@ class MoeSpec:
     sparse_step: int = 1
     dense_layers: tuple[int, ...] = ()
     names: str = "qwen3_moe"
+    shared_expert_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("num_experts", self.num_experts)
@@ -86,6 +96,10 @@ class MoeSpec:
             _check_int("mlp_only_layers", layer, 0)
         if self.names not in ("qwen3_moe", "mixtral"):
             raise ValueError(f"MoE names {self.names!r}; allowed: 'qwen3_moe', 'mixtral'")
+        if self.shared_expert_size is not None:
+            _check_int("shared_expert_intermediate_size", self.shared_expert_size)
+            if self.names != "qwen3_moe":
+                raise ValueError("a shared expert is read in the 'qwen3_moe' names only (Qwen2-MoE)")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has the sparse MLP."""
@@ -93,7 +107,8 @@ class MoeSpec:
 
     def check_split(self, mode: str, ranks: int) -> None:
         """Raise ``ValueError`` unless the experts split over ``ranks`` in ``mode``: ``"tp"``
-        (every expert's width split) or ``"ep"`` (whole experts per rank)."""
+        (every expert's width split) or ``"ep"`` (whole experts per rank). A shared expert's
+        width splits over the ranks in both modes, as the dense MLP's does."""
         if mode == "ep" and self.num_experts % ranks:
             raise ValueError(f"expert parallelism over {ranks} ranks needs a number of experts "
                              f"divisible by {ranks}; the checkpoint has {self.num_experts}")
@@ -101,12 +116,17 @@ class MoeSpec:
             raise ValueError(f"config key 'moe_intermediate_size' is {self.expert_size}; expert "
                              f"tensor parallelism over {ranks} ranks needs a multiple of {ranks} "
                              f"(or use --moe-parallel ep)")
+        if self.shared_expert_size is not None and self.shared_expert_size % ranks:
+            raise ValueError(f"config key 'shared_expert_intermediate_size' is "
+                             f"{self.shared_expert_size}; the shared expert's tensor parallelism "
+                             f"over {ranks} ranks needs a multiple of {ranks}")
         if mode not in MOE_PARALLEL:
             raise ValueError(f"MoE parallel mode {mode!r}; allowed: {', '.join(MOE_PARALLEL)}")
 
     @staticmethod
     def from_hf(raw: Mapping[str, Any], arch: str) -> MoeSpec:
-        """The MoE fields of a Qwen3-MoE or Mixtral ``config.json``."""
+        """The MoE fields of a Qwen3-MoE, Qwen2-MoE or Mixtral ``config.json`` (the defaults of
+        absent keys are transformers' for that architecture)."""
         if arch == MIXTRAL_ARCHITECTURE:
             if raw.get("sliding_window") is not None:
                 raise ValueError(f"config key 'sliding_window' is {raw['sliding_window']!r}; "
@@ -123,17 +143,26 @@ class MoeSpec:
         dense = raw.get("mlp_only_layers") or []
         if not isinstance(dense, list):
             raise ValueError(f"config key 'mlp_only_layers' is {dense!r}; allowed: a list of layer ids")
-        return MoeSpec(raw[both[0]], raw.get("num_experts_per_tok", 8), raw["moe_intermediate_size"],
+        shared, top_k = None, raw.get("num_experts_per_tok", 8)
+        if arch == QWEN2_MOE_ARCHITECTURE:
+            if "shared_expert_intermediate_size" not in raw:
+                raise ValueError("config.json lacks the Qwen2-MoE key "
+                                 "'shared_expert_intermediate_size' (the shared expert's width)")
+            shared, top_k = raw["shared_expert_intermediate_size"], raw.get("num_experts_per_tok", 4)
+        return MoeSpec(raw[both[0]], top_k, raw["moe_intermediate_size"],
                        raw.get("norm_topk_prob", False), raw.get("decoder_sparse_step", 1),
-                       tuple(dense))
+                       tuple(dense), shared_expert_size=shared)
 
     def to_hf(self) -> dict[str, Any]:
         """The MoE keys of ``config.json``."""
         if self.names == "mixtral":
             return {"num_local_experts": self.num_experts, "num_experts_per_tok": self.top_k}
-        return {"num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
-                "moe_intermediate_size": self.expert_size, "norm_topk_prob": self.norm_topk_prob,
-                "decoder_sparse_step": self.sparse_step, "mlp_only_layers": list(self.dense_layers)}
+        out = {"num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
+               "moe_intermediate_size": self.expert_size, "norm_topk_prob": self.norm_topk_prob,
+               "decoder_sparse_step": self.sparse_step, "mlp_only_layers": list(self.dense_layers)}
+        if self.shared_expert_size is not None:
+            out["shared_expert_intermediate_size"] = self.shared_expert_size
+        return out
 
 
 MOE_PARALLEL = ("tp", "ep")    # how a MoE target's experts split (ModelParallel.moe)
@@ -141,6 +170,9 @@ MOE_PARALLEL = ("tp", "ep")    # how a MoE target's experts split (ModelParallel
 _MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
              "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "output_router_logits",
              "router_aux_loss_coef", "router_jitter_noise")
+# keys only some MoE targets have: Qwen2-MoE's shared expert, and its q/k/v bias switch (checked:
+# true, the biases its architecture has)
+_ARCH_KEYS = {QWEN2_MOE_ARCHITECTURE: ("shared_expert_intermediate_size", "qkv_bias")}
 
 
 @dataclass(frozen=True)
@@ -561,11 +593,14 @@ class LlamaConfig(_DecoderDims):
         """Build from a parsed Hugging Face ``config.json``; ``ValueError`` on anything unsupported."""
         arch = _architecture(raw, TARGET_ARCHITECTURES)
         moe = TARGET_ARCHITECTURES[arch].moe
-        _check_keys(raw, (*_DIMS_KEYS, "tie_word_embeddings", *(_MOE_KEYS if moe else ())),
-                    f"the target {arch}")
+        _check_keys(raw, (*_DIMS_KEYS, "tie_word_embeddings", *(_MOE_KEYS if moe else ()),
+                          *_ARCH_KEYS.get(arch, ())), f"the target {arch}")
         kwargs = _dims_kwargs(raw)
         if moe:
             kwargs["moe"] = MoeSpec.from_hf(raw, arch)
+        if raw.get("qkv_bias", True) is not True:
+            raise ValueError(f"config key 'qkv_bias' is {raw['qkv_bias']!r}; supported: true "
+                             f"(the q/k/v biases of {arch})")
         _check_unsupported(raw, attention_bias_ok=TARGET_ARCHITECTURES[arch].qkv_bias)
         for key in ("tie_word_embeddings", "bos_token_id"):
             if key in raw:

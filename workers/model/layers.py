@@ -28,6 +28,7 @@ from workers.model.config import (
     RopeScaling,
     RopeScalingType,
     YarnRopeScaling,
+    _DecoderDims,
 )
 from workers.model.parallel import ModelParallel
 
@@ -280,6 +281,34 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+class LlamaMLP(FusedOwner):
+    """SwiGLU ``down(silu(gate(x)) * up(x))`` over every replica's tokens and this rank's slice of
+    the intermediate size (``width``, default the config's ``intermediate_size``); returns this
+    replica's rows summed over the world. Gate and up are one GEMM (``FusedColumns``, as Q/K/V in
+    ``LlamaAttention``). ``partial`` is the same over tokens already gathered, before the sum (a
+    MoE block's shared expert: ``workers.model.moe``)."""
+
+    def __init__(self, cfg: _DecoderDims, par: ModelParallel, width: int | None = None) -> None:
+        super().__init__()
+        d, f = cfg.hidden_size, width or cfg.intermediate_size
+        self.par = par
+        self.gate_proj = ColumnParallelLinear(d, f, par.mlp)
+        self.up_proj = ColumnParallelLinear(d, f, par.mlp)
+        self.down_proj = RowParallelLinear(f, d, par.mlp)
+        self.gate_up = FusedColumns(self.gate_proj, self.up_proj)
+        self._fused = (self.gate_up,)
+        self.gate_up.fuse()
+
+    def partial(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums [N, d] for gathered ``tokens`` [N, d] (its width slice)."""
+        f = self.gate_up.split[0]
+        gate_up = self.gate_up(tokens)                        # [N, 2 * F_local]
+        return self.down_proj(silu_mul(gate_up[..., :f], gate_up[..., f:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.par.scatter_sum(self.partial(self.par.gather(x)))
 
 
 class VocabParallelEmbedding(nn.Module):

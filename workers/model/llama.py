@@ -27,13 +27,13 @@ from workers.model.layers import (
     ColumnParallelLinear,
     FusedColumns,
     FusedOwner,
+    LlamaMLP,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelLMHead,
     apply_rope,
-    silu_mul,
 )
 from workers.model.moe import MOE_NAMES, MoeBlock
 from workers.model.parallel import ModelParallel
@@ -90,30 +90,6 @@ class LlamaAttention(FusedOwner):
         else:
             out = attn.forward_last(self.layer_id, q.index_select(0, last), k, v)
         return ops.all_reduce(self.o_proj(out.reshape(out.shape[0], -1)), self.group)
-
-
-class LlamaMLP(FusedOwner):
-    """SwiGLU ``down(silu(gate(x)) * up(x))`` over every replica's tokens and this rank's slice of
-    the intermediate size; returns this replica's rows summed over the world. Gate and up are one
-    GEMM (``FusedColumns``, as Q/K/V in ``LlamaAttention``)."""
-
-    def __init__(self, cfg: _DecoderDims, par: ModelParallel) -> None:
-        super().__init__()
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.par = par
-        self.gate_proj = ColumnParallelLinear(d, f, par.mlp)
-        self.up_proj = ColumnParallelLinear(d, f, par.mlp)
-        self.down_proj = RowParallelLinear(f, d, par.mlp)
-        self.gate_up = FusedColumns(self.gate_proj, self.up_proj)
-        self._fused = (self.gate_up,)
-        self.gate_up.fuse()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = self.par.gather(x)
-        f = self.gate_up.split[0]
-        gate_up = self.gate_up(tokens)                        # [T, 2 * F_local]
-        partial = self.down_proj(silu_mul(gate_up[..., :f], gate_up[..., f:]))
-        return self.par.scatter_sum(partial)
 
 
 class LlamaDecoderLayer(nn.Module):

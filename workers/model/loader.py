@@ -8,7 +8,8 @@ Weights are converted to ``dtype`` (float32 by default) on load; ``save_pretrain
 bfloat16 by default.
 
 * ``load_llama(dir)``: a target (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
-  ``Qwen3ForCausalLM``); ``generation_config.json``'s end-of-sequence ids win over
+  ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``,
+  ``Qwen2MoeForCausalLM``); ``generation_config.json``'s end-of-sequence ids win over
   ``config.json``'s.
 * ``load_eagle(dir, target)``: a draft head for ``target``, by its ``architectures``: an EAGLE
   (1/2) head (``EagleLlamaHead``, or the EAGLE project's ``LlamaForCausalLM`` /

@@ -1,4 +1,5 @@
-"""The sparse mixture-of-experts MLP of a MoE target (Qwen3-MoE, Mixtral), split over the cluster.
+"""The sparse mixture-of-experts MLP of a MoE target (Qwen3-MoE, Mixtral, Qwen2-MoE), split over the
+cluster.
 
     block = MoeBlock(cfg, par)          # par.moe: "tp" or "ep"
     y = block(x)                        # x [T, d] this replica's rows -> [T, d]
@@ -7,6 +8,9 @@ Like the dense MLP it gathers every replica's tokens over ``dp`` and hands each 
 summed over the world (``par.scatter_sum``). Every rank routes every gathered token alike
 (float32 softmax, top ``top_k``, renormalised when ``norm_topk_prob``) and adds the outputs of the
 experts it holds: ``tp`` a ``1/world`` slice of every expert, ``ep`` ``E / world`` whole experts.
+A shared expert (Qwen2-MoE) is a dense MLP (``LlamaMLP``) split by width over the world in both
+modes; its gate ``sigmoid(shared_expert_gate(x))`` (replicated, one value per token) scales each
+rank's partial sums before the world's sum, which is linear, so the sum is the gated output.
 The collectives never depend on the routing (no capacity, no dropped token); why:
 ``docs/ARCHITECTURE.md``, "MoE". Local experts run ``sparse`` (``index_add``, eager; the CPU path
 and the reference), ``fused`` (``workers.moe_kernels``: grouped Triton GEMMs, static shapes) or
@@ -25,6 +29,7 @@ from workers.model.config import LlamaConfig
 from workers.model.layers import (
     ColumnParallelLinear,
     FusedOwner,
+    LlamaMLP,
     RowParallelLinear,
     _fuse_rows,
     silu_mul,
@@ -70,7 +75,8 @@ class StackedWeights:
 
 
 class MoeBlock(FusedOwner):
-    """The router and this rank's experts (see the module docstring)."""
+    """The router, this rank's experts and, when the spec has one, the shared expert and its gate
+    (see the module docstring)."""
 
     def __init__(self, cfg: LlamaConfig, par: ModelParallel) -> None:
         super().__init__()
@@ -95,6 +101,11 @@ class MoeBlock(FusedOwner):
         self._fused = (self.gate_up, self.down)
         for stack in self._fused:
             stack.fuse()
+        self.shared_expert: LlamaMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if spec.shared_expert_size is not None:
+            self.shared_expert = LlamaMLP(cfg, par, width=spec.shared_expert_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the top-k expert ids [N, k], their routing weights [N, k] in ``tokens``' dtype)."""
@@ -111,7 +122,15 @@ class MoeBlock(FusedOwner):
             local = self.fused(tokens, ids, weights)
         else:
             local = (self.dense if tokens.is_cuda else self.sparse)(tokens, ids, weights)
+        if self.shared_expert is not None:
+            local = local + self.shared(tokens)
         return self.par.scatter_sum(local)
+
+    def shared(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums of the gated shared expert over gathered ``tokens``: its width
+        slice's output times the token's gate ``sigmoid(shared_expert_gate(x))`` [N, 1]."""
+        gate = torch.sigmoid(F.linear(tokens, self.shared_expert_gate.weight))
+        return self.shared_expert.partial(tokens) * gate
 
     def fused(self, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """This rank's experts through the grouped GEMMs (``workers.moe_kernels``)."""
