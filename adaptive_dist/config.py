@@ -317,7 +317,8 @@ def policy_section(name: str) -> Any:
 def load_config(
     path: Optional[str], policy: str = "ema", initial_steps: Optional[int] = None
 ) -> AdaptiveConfig:
-    """The effective configuration for a run of ``policy``.
+    """The effective configuration for a run of ``policy``: the file's keys over the defaults,
+    the candidates the policy's own (``default_candidates``: goodput 0, 1, 3, 7) unless named.
 
     A config file with the static policy is refused: the file would silently do nothing.
     ``initial_steps`` overrides the file; a static run may use any depth (it becomes a candidate
@@ -330,14 +331,15 @@ def load_config(
             f"--config {path!r} was given but adaptive mode is off (static policy); "
             f"a config file only applies to the adaptive policy"
         )
-    if path is None:
-        cfg = AdaptiveConfig(policy=policy)
-    else:
-        data = read_config_file(path)
-        if data.get("policy", policy) != policy:
-            raise ConfigError(f"config file {path!r} sets policy={data['policy']!r} but the run "
-                              f"asks for {policy!r}; drop the key or change the flag")
-        cfg = AdaptiveConfig.from_dict({**data, "policy": policy}, source=f"config file {path!r}")
+    data = {} if path is None else read_config_file(path)
+    if data.get("policy", policy) != policy:
+        raise ConfigError(f"config file {path!r} sets policy={data['policy']!r} but the run "
+                          f"asks for {policy!r}; drop the key or change the flag")
+    defaults = policy_section(policy).default_candidates
+    if defaults is not None and "candidate_steps" not in data:
+        data = {**data, "candidate_steps": list(defaults)}
+    source = "the defaults" if path is None else f"config file {path!r}"
+    cfg = AdaptiveConfig.from_dict({**data, "policy": policy}, source=source)
     if initial_steps is not None:
         lowest = 0 if policy_section(policy).allows_depth_zero else 1
         if not is_int(initial_steps) or initial_steps < lowest:

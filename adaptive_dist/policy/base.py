@@ -75,6 +75,8 @@ class DepthPolicy(Protocol):
     name: ClassVar[str]
     adaptive: ClassVar[bool]          # may change the depth
     allows_depth_zero: ClassVar[bool]  # 0 (no speculation) may be a candidate
+    # the candidates a run gets when its configuration names none (None: AdaptiveConfig's)
+    default_candidates: ClassVar[Optional[tuple[int, ...]]]
     uses_round_cost: ClassVar[bool]   # reads ``round_cost`` (measured and agreed at start-up)
     keys: ClassVar[tuple[str, ...]]   # the configuration keys only this policy reads
     config: "AdaptiveConfig"
@@ -141,6 +143,7 @@ class CountingPolicy:
     name: ClassVar[str]
     adaptive: ClassVar[bool] = True
     allows_depth_zero: ClassVar[bool] = False
+    default_candidates: ClassVar[Optional[tuple[int, ...]]] = None
     uses_round_cost: ClassVar[bool] = False
     keys: ClassVar[tuple[str, ...]] = ()
 

@@ -224,6 +224,9 @@ class GoodputPolicy(CountingPolicy):
 
     name = "goodput"
     allows_depth_zero = True
+    # depth 0 among them: at 8B shapes it wins on high-entropy text at every batch (the
+    # production-priced runs of docs/results.md and docs/policy.md judge exactly this ladder)
+    default_candidates = (0, 1, 3, 7)
     uses_round_cost = True
     keys = ("round_cost", "switch_margin", "probe_every", "reset_nats", "cost_alpha")
     OUTCOME_KEYS: ClassVar[tuple[str, ...]] = ("local_ema_fail", "accept_rate", "cost_row",

@@ -75,7 +75,7 @@ from typing import Any
 import torch
 
 import collectives as C
-from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost
+from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, load_config
 from adaptive_dist.controller import AdaptiveController
 from adaptive_dist.policy import cost_row
 from scripts.bench.common import (GcPauses, add_overlap_argument, build, encode_prompts,
@@ -234,10 +234,10 @@ def spec_of(policy: str, knobs: dict[str, Any] | None = None,
     if policy == "depth0_head":   # depth 7 priced out of reach; no probe ever due
         return held_at_zero(7)
     if policy.startswith("goodput"):
-        spec = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=3,
-                              cost_alpha=cost_alpha,
-                              reducer={"goodput_min": "min", "goodput_mix": "mixture"}.get(
-                                  policy, "weighted_mean"))
+        # the shipped defaults (load_config: candidates 0, 1, 3, 7, initial 3)
+        spec = load_config(None, "goodput").replace(
+            cost_alpha=cost_alpha,
+            reducer={"goodput_min": "min", "goodput_mix": "mixture"}.get(policy, "weighted_mean"))
     else:
         spec = AdaptiveConfig(reducer="min" if policy == "ema_min" else "weighted_mean")
     return spec.replace(**knobs) if knobs else spec

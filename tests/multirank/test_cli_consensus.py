@@ -135,4 +135,4 @@ def test_config_command_goodput(tmp_path):
     cfg_file.write_text(json.dumps({"round_cost": {"1": 1.0, "3": 1.5}}))
     res = subprocess.run(cmd + ["--config", str(cfg_file)], capture_output=True, text=True,
                          timeout=60)
-    assert res.returncode == 2 and "missing ['7']" in res.stderr
+    assert res.returncode == 2 and "missing ['0', '7']" in res.stderr   # goodput's 0, 1, 3, 7

@@ -315,7 +315,8 @@ def test_goodput_defaults_and_round_cost_unset():
     assert gp(switch_margin=0.1).digest() != gp().digest()
     assert c.needs_round_cost and not gp(round_cost=FLAT).needs_round_cost
     assert not AdaptiveConfig().needs_round_cost
-    assert c.tiers == (1, 3, 7)
+    assert c.tiers == (0, 1, 3, 7)    # goodput's own default ladder (depth 0 included)
+    assert load_config(None, policy="ema").tiers == (1, 3, 7)
     assert c.to_dict()["round_cost"] is None
 
 
@@ -445,8 +446,9 @@ def test_depth_zero_candidate():
 
 
 def test_initial_steps_override_goodput():
-    with pytest.raises(ConfigError, match=r"initial_steps=0: must be one of candidate_steps"):
-        load_config(None, policy="goodput", initial_steps=0)  # 0 is not a default candidate
+    with pytest.raises(ConfigError, match=r"initial_steps=2: must be one of candidate_steps"):
+        load_config(None, policy="goodput", initial_steps=2)  # 2 is not a default candidate
+    assert load_config(None, policy="goodput", initial_steps=0).initial_steps == 0
     with pytest.raises(ConfigError, match=r"initial_steps=-1: must be an integer >= 0"):
         load_config(None, policy="goodput", initial_steps=-1)
     with pytest.raises(ConfigError, match=r"initial_steps=0: must be an integer >= 1"):
@@ -455,10 +457,15 @@ def test_initial_steps_override_goodput():
 
 def test_goodput_file_with_other_policy_flag(tmp_path):
     p = tmp_path / "cfg.json"
-    p.write_text(json.dumps({"policy": "goodput", "round_cost": FLAT}))
+    p.write_text(json.dumps({"policy": "goodput", "candidate_steps": [1, 3, 7],
+                             "round_cost": FLAT}))
     with pytest.raises(ConfigError, match="sets policy='goodput'"):
         load_config(str(p), policy="ema")
     assert load_config(str(p), policy="goodput").round_cost is not None
+    # a file that names no candidates gets goodput's (0, 1, 3, 7): its table must price depth 0
+    p.write_text(json.dumps({"round_cost": FLAT}))
+    with pytest.raises(ConfigError, match=r"missing \['0'\]"):
+        load_config(str(p), policy="goodput")
 
 
 @pytest.mark.parametrize("key,value", [
