@@ -76,7 +76,7 @@ import torch
 
 import collectives as C
 from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, load_config
-from adaptive_dist.controller import AdaptiveController
+from adaptive_dist.coordinator import RoundCoordinator
 from adaptive_dist.policy import cost_row
 from scripts.bench.common import (GcPauses, add_overlap_argument, build, encode_prompts,
                                   gpu_name, held_at_zero, in_flight, load_pair, make_prompts,
@@ -561,7 +561,7 @@ def main() -> int:
         for workload, batch, policy in jobs[shift:] + jobs[:shift]:
             engine = engines[policy]
             spec = engine.config.spec  # goodput: with its agreed round_cost
-            engine.planner = AdaptiveController(spec, world, guard=guard)
+            engine.planner = RoundCoordinator(spec, world, guard=guard)
             engine.pool.apply(spec.initial_steps)
             phases, lengths_of, window = workload_phases(args, workload, batch, enc,
                                                          par.replica)

@@ -11,7 +11,7 @@ round costs one head forward per `catchup_every` rounds instead of one per round
 also checks the head's greedy guesses against the ring: its output at entry j predicts the token
 of entry j+1, already committed, so a row with `lag` entries gives `lag - 1` free depth-1 checks;
 a depth-0 round after which the catch-up ran reports each row's (hits, checks), the shadow
-acceptance the goodput policy reads at depth 0 (`adaptive_dist.controller`). The count of depth-0
+acceptance the goodput policy reads at depth 0 (`adaptive_dist.coordinator`). The count of depth-0
 rounds is the worker's own, the same on every rank (every rank launches every round of the
 cluster), so every rank runs the catch-up, and the collectives inside the head, in the same round.
 
