@@ -189,6 +189,21 @@ def hf_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
+def assert_greedy_equals_generate(engine, model: nn.Module, prompts: list[list[int]],
+                                  n: int = 16) -> None:
+    """The engine's greedy output of `n` tokens per prompt is transformers' `generate`
+    (do_sample=False, exactly `n` new tokens: no stop)."""
+    from workers.sampling import SamplingParams
+
+    got = [r.output_ids for r in engine.generate(prompts, [SamplingParams(max_new_tokens=n)]
+                                                 * len(prompts))]
+    for prompt, out in zip(prompts, got):
+        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
+                             min_new_tokens=n)[0, len(prompt):].tolist()
+        assert out == ref, (prompt, out, ref)
+
+
+@torch.no_grad()
 def hf_generate(model: nn.Module, ids: list[int], n: int) -> tuple[list[int], float]:
     """(transformers' greedy continuation of `ids`, at most `n` tokens, stopping after the
     generation config's eos; the smallest top-1 / top-2 logit gap over its steps)."""

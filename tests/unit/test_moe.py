@@ -93,14 +93,10 @@ def test_logits_at_every_position_equal_transformers(saved, kind: str, layout: s
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_greedy_no_spec_equals_transformers_generate(saved, kind: str) -> None:
+    from hf_models import assert_greedy_equals_generate
     model, root = saved[kind]
     engine = engine_for(load_llama(root / "new"), None, "nospec")
-    prompts = random_prompts(3, VOCAB, seed=5, lo=4, hi=12)
-    got = [r.output_ids for r in engine.generate(prompts, [SamplingParams(max_new_tokens=16)] * 3)]
-    for prompt, out in zip(prompts, got):
-        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16,
-                             min_new_tokens=16)[0, len(prompt):].tolist()
-        assert out == ref
+    assert_greedy_equals_generate(engine, model, random_prompts(3, VOCAB, seed=5, lo=4, hi=12))
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])

@@ -141,15 +141,10 @@ def test_the_dense_and_sparse_expert_paths_agree_with_a_shared_expert(saved) -> 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_greedy_no_spec_equals_transformers_generate(saved, kind: str) -> None:
-    from workers.sampling import SamplingParams
+    from hf_models import assert_greedy_equals_generate
     model, root = saved[kind]
     engine = engine_for(load_llama(root / "old"), None, "nospec")
-    prompts = random_prompts(3, VOCAB, seed=5, lo=4, hi=12)
-    got = [r.output_ids for r in engine.generate(prompts, [SamplingParams(max_new_tokens=16)] * 3)]
-    for prompt, out in zip(prompts, got):
-        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16,
-                             min_new_tokens=16)[0, len(prompt):].tolist()
-        assert out == ref
+    assert_greedy_equals_generate(engine, model, random_prompts(3, VOCAB, seed=5, lo=4, hi=12))
 
 
 def test_greedy_speculation_with_an_eagle3_head_equals_no_speculation(saved, tmp_path: Path) -> None:
