@@ -8,6 +8,7 @@ and applies nothing itself.
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Optional, Protocol, Sequence
 
@@ -134,7 +135,7 @@ class DepthPolicy(Protocol):
         """What this policy adds to a consensus-only summary, from every rank's output lines."""
 
 
-class CountingPolicy:
+class CountingPolicy(abc.ABC):
     """The skeleton shared by every policy: a round counts when the cluster ran requests, counted
     round ``c`` is a decision point by ``warmup_batches`` / ``update_interval``, the dwell holds a
     switch back, the global EMA is the reducer over the ranks with weight; the EMAs update with
@@ -200,8 +201,9 @@ class CountingPolicy:
 
     @staticmethod
     def expected(p: float, steps: int) -> float:
-        """``E(p, S)`` of a mixing reducer (goodput's ``expected_accepted``)."""
-        raise NotImplementedError
+        """``E(p, S)`` of a mixing reducer (goodput's ``expected_accepted``). Only goodput mixes:
+        its ``check_section`` refuses ``reducer='mixture'`` for every other policy."""
+        raise TypeError("only the goodput policy defines expected tokens (the 'mixture' reducer)")
 
     def decide(self, state: PolicyState, cluster_requests: int, emas: Sequence[float],
                weights: Sequence[float], ema_fails: Optional[Sequence[float]] = None,
@@ -229,11 +231,12 @@ class CountingPolicy:
         dwell_ok = state.last_switch < 0 or counted - state.last_switch >= cfg.min_dwell_rounds
         return self.choose(state, point, dwell_ok, global_ema, pooled, batch, table)
 
+    @abc.abstractmethod
     def choose(self, state: PolicyState, point: bool, dwell_ok: bool,
                global_ema: Optional[float], pooled: Optional[Pooled], batch: int,
                table: Optional["RoundCost"]) -> tuple[PolicyState, Decision]:
-        """The policy's rule at a counted round (``state`` already counts it)."""
-        raise NotImplementedError
+        """The policy's rule at a counted round (``state`` already counts it); every policy
+        class defines it."""
 
     @staticmethod
     def switch(state: PolicyState, new_index: int) -> PolicyState:
