@@ -75,7 +75,8 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a collective (and the start-up join) may take before the job "
                         "stops with an error; a finite number > 0 (default: 60)")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                   help="device process-group backend (auto: NCCL if every local rank has a GPU)")
+                   help="device process-group backend (auto, the default: NCCL if every local "
+                        "rank has a GPU, else gloo)")
     p.add_argument("--strict-lockstep", action="store_true",
                    help="debug: compare every collective across ranks before issuing it")
     p.add_argument("--record-dir", default=None, metavar="DIR",
@@ -110,7 +111,11 @@ def register_consensus(sub: Any) -> None:
 
 def register_config(sub: Any) -> None:
     p = sub.add_parser("config", allow_abbrev=False,
-                       help="validate a config file and print the effective settings")
+                       help="validate a config file and print the effective settings",
+                       description="Check an adaptive-settings file as generate, serve and "
+                                   "consensus would for --policy, and print the effective "
+                                   "settings (JSON) with their digest; a refused file is one "
+                                   "line naming the key (exit 2).")
     p.add_argument("--config", default=None, metavar="FILE", help="JSON file of adaptive settings")
     p.add_argument("--policy", choices=POLICIES, default="ema",
                    help="ema (default), goodput or static")

@@ -55,7 +55,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--steps", type=int, metavar="K",
                       help="static speculation with K draft steps (default: 3)")
     mode.add_argument("--adaptive", action="store_true",
-                      help="adaptive draft depth (EMA policy over candidate tiers)")
+                      help="adaptive draft depth over candidate tiers, chosen by --policy: ema "
+                           "(the acceptance ladder, default) or goodput (expected tokens per "
+                           "measured round cost; it may turn speculation off)")
     mode.add_argument("--no-spec", action="store_true", help="plain decoding with the target")
     p.add_argument("--policy", choices=("ema", "goodput"), default=None,
                    help="with --adaptive: ema (the acceptance ladder, default) or goodput "
@@ -63,45 +65,52 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="JSON file of adaptive settings (--adaptive only)")
     p.add_argument("--model", default=str(DEFAULT_MODEL), metavar="DIR",
                    help="the target: a Hugging Face directory (config.json, weights, "
-                        "tokenizer.json; Llama, Qwen2, Qwen3), or a directory holding target/ "
-                        "and eagle/ (default: the bundled tiny pair)")
+                        "tokenizer.json; Llama, Qwen2, Qwen3, and the MoE families Qwen3-MoE, "
+                        "Mixtral, Qwen2-MoE), or a directory holding target/ and eagle/ "
+                        "(default: the bundled tiny pair)")
     p.add_argument("--draft-model", default=None, metavar="DRAFT_DIR",
                    help="the draft head: an EAGLE (our layout or the EAGLE project's) or EAGLE-3 "
                         "head directory (default: DIR/eagle when --model DIR holds target/)")
     p.add_argument("--dp", type=int, default=1,
-                   help="DP-attention replicas (each owns its requests and KV cache)")
+                   help="DP-attention replicas (each owns its requests and KV cache; default: 1)")
     p.add_argument("--attn-tp", type=int, default=None,
                    help="ranks that split one replica's attention (default: world / dp)")
-    p.add_argument("--tp", type=int, default=None,
+    p.add_argument("--tp", type=int, default=None, metavar="N",
                    help="plain tensor parallelism over N ranks (the same as --dp 1 --attn-tp N)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda for --attention-backend flashinfer, else cpu")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="torch",
                    help="attention of the ragged prefill forwards, those beyond "
-                        "--padded-prefill-tokens (flashinfer needs a CUDA GPU)")
+                        "--padded-prefill-tokens (flashinfer needs a CUDA GPU; default: torch)")
     p.add_argument("--padded-prefill-tokens", type=int, default=4096, metavar="N",
                    help="a prefill of at most N token slots (requests bucket x longest-prompt "
-                        "bucket) runs padded, as a CUDA graph per shape (0: every prefill ragged)")
+                        "bucket) runs padded, as a CUDA graph per shape (0: every prefill ragged; "
+                        "default: 4096)")
     p.add_argument("--catchup-rounds", type=int, default=32, metavar="N",
                    help="at depth 0 (a goodput policy's plain rounds) the draft head's cache "
-                        "lags up to N rounds, then one head forward catches it up")
+                        "lags up to N rounds, then one head forward catches it up (default: 32)")
     p.add_argument("--defer-prefill-width", type=int, default=256, metavar="N",
                    help="at depth 0 with a draft head, a padded prefill whose longest prompt fits "
-                        "N token slots leaves the head's part to the next catch-up (0: never)")
-    p.add_argument("--max-batch-size", type=int, default=16, help="requests per replica at once")
+                        "N token slots leaves the head's part to the next catch-up (0: never; "
+                        "default: 256)")
+    p.add_argument("--max-batch-size", type=int, default=16, metavar="B",
+                   help="requests per replica at once (default: 16)")
     p.add_argument("--eager", action="store_true",
                    help="no CUDA graphs (on a CUDA device speculative rounds replay graphs "
                         "per tier and batch bucket by default)")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="launch round r+1 before reading round r, so the host's bookkeeping runs "
-                        "while the GPU computes (auto: on with CUDA)")
+                        "while the GPU computes (auto, the default: on with CUDA)")
     p.add_argument("--mlp-scatter", choices=MLP_SCATTERS, default="reduce_scatter",
-                   help="how MLP outputs return to the DP replicas (the same values)")
+                   help="how MLP outputs return to the DP replicas (the same values; default: "
+                        "reduce_scatter)")
     p.add_argument("--moe-parallel", choices=("tp", "ep"), default="tp",
                    help="a MoE target's experts: every rank a slice of every expert's width (tp), "
-                        "or E/world whole experts per rank (ep); the same collectives either way")
-    p.add_argument("--timeout", type=seconds, default=60.0,
-                   help="seconds a collective may take before the job stops with an error")
+                        "or E/world whole experts per rank (ep); the same collectives either way "
+                        "(default: tp)")
+    p.add_argument("--timeout", type=seconds, default=60.0, metavar="S",
+                   help="seconds a collective may take before the job stops with an error; a "
+                        "finite number > 0 (default: 60)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,9 +121,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help='one {"prompt": "...", "dp_rank": k (optional)} per line')
     add_engine_arguments(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed S+i")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass, in (0, 1] (default: 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="tokens to generate per prompt at most, >= 1; a prompt also ends at the "
+                        "model's end-of-sequence token (default: 128)")
+    p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed S+i (default: 0)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (outputs and statistics) as the last line")
 

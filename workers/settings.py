@@ -149,9 +149,18 @@ class SamplingFlags:
     max_new_tokens: int = 128
 
     def params(self, stop_token_ids: tuple[int, ...] = ()) -> "SamplingParams":
-        """The `SamplingParams` of every prompt; `ValueError` naming the setting."""
+        """The `SamplingParams` of every prompt; `ValueError` naming the flag."""
+        import math
+
         from workers.sampling import SamplingParams
 
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"--temperature {self.temperature}: must be a finite number >= 0 "
+                             "(0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens {self.max_new_tokens}: must be an integer >= 1")
         return SamplingParams(temperature=self.temperature, top_p=self.top_p,
                               max_new_tokens=self.max_new_tokens,
                               stop_token_ids=stop_token_ids)

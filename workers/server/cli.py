@@ -91,8 +91,13 @@ def register_client(subparsers: Any) -> None:
     """Add `client` to `python -m adaptive_dist`."""
     from workers.server.client import add_arguments
 
-    p = subparsers.add_parser("client", allow_abbrev=False,
-                              help="send one completion request to a running server")
+    p = subparsers.add_parser(
+        "client", allow_abbrev=False,
+        help="send one completion request to a running server",
+        description="Send one completion request (POST /v1/completions) to a running `serve` "
+                    "(or any OpenAI-compatible server) and print the text on stdout, streamed "
+                    "with --stream; a summary line (finish reason, tokens, time to first token, "
+                    "total time) goes to stderr. HTTP errors exit 1 with the server's message.")
     add_arguments(p)
     p.set_defaults(handler=_cmd_client)
 
@@ -109,9 +114,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--max-queue", type=int, default=256,
-                   help="requests allowed to wait beyond the batch capacity; more get 503")
+                   help="requests allowed to wait beyond the batch capacity; more get 503 "
+                        "(default: 256)")
     p.add_argument("--routing", choices=("shortest", "round_robin"), default="shortest",
-                   help="how new requests pick a DP replica (a request's dp_rank field pins it)")
+                   help="how new requests pick a DP replica (a request's dp_rank field pins it; "
+                        "default: shortest)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients use (default: the model directory's name)")
     p.add_argument("--max-model-len", type=int, default=None,

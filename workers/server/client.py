@@ -17,17 +17,23 @@ from typing import Any, Iterator
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--model", default=None, help="default: the server's only model")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="the server's base URL (default: http://127.0.0.1:8000)")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--model", default=None,
+                   help="the model id to ask for (default: the server's first model)")
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N",
+                   help="tokens to generate at most (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass, in (0, 1] (default: 1.0)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: none)")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--stream", action="store_true", help="print the text as it arrives")
     p.add_argument("--json", action="store_true", help="print the response object")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="seconds to wait for the server (default: 300)")
 
 
 class ClientError(RuntimeError):
