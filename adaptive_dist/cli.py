@@ -109,17 +109,27 @@ def register_consensus(sub: Any) -> None:
     p.set_defaults(handler=cmd_consensus)
 
 
+CONFIG_USES = ("consensus", "engine")
+"""What `config --for` checks a file for: the `consensus` command, or an engine command."""
+
+
 def register_config(sub: Any) -> None:
     p = sub.add_parser("config", allow_abbrev=False,
                        help="validate a config file and print the effective settings",
-                       description="Check an adaptive-settings file as generate, serve and "
-                                   "consensus would for --policy, and print the effective "
+                       description="Check an adaptive-settings file for --policy as the "
+                                   "consensus command checks it (or, with --for engine, as "
+                                   "generate and serve --adaptive do) and print the effective "
                                    "settings (JSON) with their digest; a refused file is one "
                                    "line naming the key (exit 2).")
     p.add_argument("--config", default=None, metavar="FILE", help="JSON file of adaptive settings")
     p.add_argument("--policy", choices=POLICIES, default="ema",
                    help="ema (default), goodput or static")
     p.add_argument("--initial-steps", type=int, default=None, metavar="K", help="depth at start")
+    p.add_argument("--for", dest="check_for", choices=CONFIG_USES, default="consensus",
+                   help="check the file as consensus uses it (the default: goodput needs "
+                        "round_cost, no model runs to measure it) or as generate/serve "
+                        "--adaptive use it (engine: goodput may leave round_cost out, the engine "
+                        "measures it at start-up)")
     p.set_defaults(handler=cmd_config)
 
 
@@ -139,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.policy, args.initial_steps)
+    if args.check_for == "consensus":
+        from adaptive_dist.replay import require_round_cost
+
+        require_round_cost(cfg)     # the check `consensus` makes, not a copy of it
     print(json.dumps({**cfg.to_dict(), "digest": cfg.digest()}, indent=2))
     return 0
 

@@ -62,11 +62,14 @@ def all_ranks_or_none(fn: Callable[[], T], group: "Group", what: str,
                       error: type[Exception] = StartupError) -> T:
     """Run ``fn`` on every member of ``group``; if it raises ``ValueError`` or ``OSError`` on
     any, raise on every member the same ``error``: ``{what} failed, {consequence}: rank(s)
-    [..]: message``. Returns ``fn()``'s value."""
+    [..]: message``. A group of one process has no peers to tell or name: ``{what} failed:
+    message``. Returns ``fn()``'s value."""
     try:
         value, mine = fn(), {"ok": True}
     except (ValueError, OSError) as exc:
         value, mine = None, {"ok": False, "error": str(exc)}
+    if group.size == 1 and not mine["ok"]:
+        raise error(f"{what} failed: {mine['error']}")
     views = exchange(mine, group, what)
     failed: dict[str, list[int]] = {}
     for rank, view in zip(group.ranks, views):

@@ -126,7 +126,7 @@ def test_consensus_goodput_without_round_cost_refused_on_every_rank(tmp_path):
 
 def test_config_command_goodput(tmp_path):
     cmd = [sys.executable, "-m", "adaptive_dist", "config", "--policy", "goodput"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(cmd + ["--for", "engine"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     shown = json.loads(res.stdout)
     assert shown["policy"] == "goodput" and shown["round_cost"] is None
