@@ -188,13 +188,19 @@ class InterruptExit:
     """Ctrl-C ends this rank with one line and exit code 130 — also while the main thread is
     blocked in a collective, where Python cannot raise ``KeyboardInterrupt`` until it returns:
     the signal's wake-up byte reaches a thread that ends the process after ``grace_s`` if the
-    main thread has not by then."""
+    main thread has not by then.
+
+    The SIGINT handler is installed explicitly, also when the process started with SIGINT
+    ignored (a background job of a non-interactive shell, ``nohup cmd &`` in a script, a
+    supervisor that ignores it), where Python would keep it ignored and the job could only be
+    stopped by SIGTERM or SIGKILL; torchrun and uvicorn do the same. A job that must outlive the
+    terminal's Ctrl-C runs in its own session (``setsid``)."""
 
     def __init__(self, grace_s: float = 1.0) -> None:
         self.grace_s = grace_s
         self._once = threading.Lock()
 
-    def install(self) -> Optional[tuple[int, int]]:
+    def install(self) -> Optional[tuple[int, int, Any]]:
         """Call from the main thread, before the command runs; ``uninstall`` the result."""
         if threading.current_thread() is not threading.main_thread():
             return None
@@ -206,15 +212,21 @@ class InterruptExit:
             os.close(rfd)
             os.close(wfd)
             return None
+        handler = signal.getsignal(signal.SIGINT)
+        if not callable(handler):      # SIG_IGN inherited, SIG_DFL, or set outside Python
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Thread(target=self._wait, args=(rfd,), name="interrupt-exit", daemon=True).start()
-        return previous, wfd
+        return previous, wfd, handler
 
     @staticmethod
-    def uninstall(installed: Optional[tuple[int, int]]) -> None:
-        """Restore the previous wake-up fd (for callers of ``main`` in a long-lived process)."""
+    def uninstall(installed: Optional[tuple[int, int, Any]]) -> None:
+        """Restore the previous wake-up fd and SIGINT handler (for callers of ``main`` in a
+        long-lived process)."""
         if installed is not None:
-            previous, wfd = installed
+            previous, wfd, handler = installed
             signal.set_wakeup_fd(previous)
+            if handler is not None and handler is not signal.getsignal(signal.SIGINT):
+                signal.signal(signal.SIGINT, handler)
             os.close(wfd)  # the waiting thread reads EOF and ends
 
     def _wait(self, rfd: int) -> None:

@@ -5,6 +5,8 @@ exit code (2 config/input, 3 divergence, 4 timeout/dead peer, 130 Ctrl-C), in bo
 from __future__ import annotations
 
 import signal
+import threading
+from contextlib import contextmanager
 
 import pytest
 
@@ -99,10 +101,30 @@ def test_a_killed_rank_ends_the_survivor_within_the_timeout(tmp_path, victim):
         assert "the rendezvous store is unreachable" in lines[0] and "rank 0" in lines[0]
 
 
-def test_ctrl_c_ends_every_rank_with_one_line_and_130(tmp_path):
-    """Ctrl-C reaches every process of the job (one process group): no traceback per rank."""
+@contextmanager
+def _sigint(disposition):
+    """Start processes with SIGINT at ``disposition`` (None: as this process has it): they
+    inherit an ignored SIGINT as a background job of a non-interactive shell does."""
+    if disposition is None:
+        yield
+        return
+    assert threading.current_thread() is threading.main_thread(), "signal dispositions"
+    previous = signal.signal(signal.SIGINT, disposition)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("started_with", [None, signal.SIG_IGN, signal.SIG_DFL],
+                         ids=["as-launched", "sigint-ignored", "sigint-default"])
+def test_ctrl_c_ends_every_rank_with_one_line_and_130(tmp_path, started_with):
+    """Ctrl-C reaches every process of the job (one process group): no traceback per rank.
+    Also when the ranks start with SIGINT ignored (``cmd &`` in a script, nohup, a test runner
+    started that way): the commands install their handler themselves."""
     tr = str(_traces(tmp_path / "tr", 30_000))
-    h = HandLaunch([["consensus", "--trace", tr, "--timeout", str(T)]] * 2)
+    with _sigint(started_with):
+        h = HandLaunch([["consensus", "--trace", tr, "--timeout", str(T)]] * 2)
     assert h.wait_for(0, "replay:", timeout=START_S), format_hand(h.wait(1))
     for rank in (0, 1):
         h.kill(rank, signal.SIGINT)
