@@ -70,7 +70,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the bundled tiny pair)")
     p.add_argument("--draft-model", default=None, metavar="DRAFT_DIR",
                    help="the draft head: an EAGLE (our layout or the EAGLE project's) or EAGLE-3 "
-                        "head directory (default: DIR/eagle when --model DIR holds target/)")
+                        "(SGLang's or the speculators library's layout) head directory "
+                        "(default: DIR/eagle when --model DIR holds target/)")
     p.add_argument("--dp", type=int, default=1,
                    help="DP-attention replicas (each owns its requests and KV cache; default: 1)")
     p.add_argument("--attn-tp", type=int, default=None,

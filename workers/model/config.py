@@ -59,6 +59,7 @@ from workers.model.config_dense import (
 )
 from workers.model.config_eagle import (
     EAGLE3_ARCHITECTURE,
+    EAGLE3_LAYOUTS,
     EAGLE_ARCHITECTURE,
     EAGLE_PROJECT_ARCHITECTURES,
     DraftConfig,
@@ -87,11 +88,20 @@ from workers.model.config_rope import (
     _rope_scaling_from,
     _yarn_mscale,
 )
+from workers.model.config_speculators import (
+    LLAMA_DEFAULTS,
+    SPECULATORS_EAGLE3_ARCHITECTURE,
+    eagle3_from_speculators,
+    is_speculators_layout,
+    to_speculators,
+)
 
 __all__ = [
     "IRRELEVANT_KEYS", "LLAMA_ARCHITECTURE", "QWEN2_ARCHITECTURE", "QWEN3_ARCHITECTURE",
     "QWEN3_MOE_ARCHITECTURE", "QWEN2_MOE_ARCHITECTURE", "MIXTRAL_ARCHITECTURE",
-    "EAGLE_ARCHITECTURE", "EAGLE_PROJECT_ARCHITECTURES", "EAGLE3_ARCHITECTURE",
+    "EAGLE_ARCHITECTURE", "EAGLE_PROJECT_ARCHITECTURES", "EAGLE3_ARCHITECTURE", "EAGLE3_LAYOUTS",
+    "SPECULATORS_EAGLE3_ARCHITECTURE", "LLAMA_DEFAULTS", "eagle3_from_speculators",
+    "is_speculators_layout", "to_speculators",
     "TARGET_ARCHITECTURES", "TargetArchitecture", "MOE_PARALLEL", "MoeSpec", "RopeScaling",
     "LinearRopeScaling", "YarnRopeScaling", "RopeScalingType", "LlamaConfig", "EagleConfig",
     "Eagle3Config", "DraftConfig",

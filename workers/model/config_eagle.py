@@ -28,6 +28,7 @@ from workers.model.config_dense import (
 EAGLE_ARCHITECTURE = "EagleLlamaHead"
 EAGLE_PROJECT_ARCHITECTURES = (LLAMA_ARCHITECTURE, "LlamaForCausalLMEagle")
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+EAGLE3_LAYOUTS = ("sglang", "speculators")   # Eagle3Config.layout: whose layout the checkpoint is in
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +124,11 @@ class Eagle3Config(_DecoderDims):
     ``hidden_size``); ``fc_bias`` / ``own_embedding``: whether the checkpoint holds ``fc.bias`` /
     ``embed_tokens.weight`` (without it the head uses the target's embedding);
     ``norm_before_residual``: the midlayer's residual is the normed hidden state
-    (``hidden_norm(hidden)``) instead of the hidden state itself.
+    (``hidden_norm(hidden)``) instead of the hidden state itself; ``layout``: the checkpoint's
+    layout, ``"sglang"`` (``LlamaForCausalLMEagle3``: a flat ``config.json``, the midlayer's
+    tensors under ``midlayer.``) or ``"speculators"`` (the speculators library's, as vLLM reads
+    it: ``workers.model.config_speculators``; the midlayer's tensors under ``layers.0.``, the aux
+    layer ids counted from the embedding, so its id ``k`` is ``aux_layer_ids``' ``k - 1``).
 
     The captured states are concatenated in layer order, whatever order the config lists them in
     (as SGLang and vLLM capture them during the target's forward).
@@ -136,9 +141,13 @@ class Eagle3Config(_DecoderDims):
     fc_bias: bool = False
     own_embedding: bool = False
     norm_before_residual: bool = False
+    layout: str = "sglang"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.layout not in EAGLE3_LAYOUTS:
+            raise ValueError(f"EAGLE-3 layout {self.layout!r}; allowed: "
+                             f"{', '.join(map(repr, EAGLE3_LAYOUTS))}")
         if self.num_hidden_layers != 1:
             raise ValueError(f"config key 'num_hidden_layers' is {self.num_hidden_layers!r}; "
                              f"allowed: 1 (an EAGLE-3 head has one midlayer)")
@@ -169,6 +178,13 @@ class Eagle3Config(_DecoderDims):
         # order already from 7 layers on (smaller test targets keep it as written)
         layers = ((2, n // 2, n - 3) if self.aux_layer_ids is None
                   else tuple(sorted(k + 1 for k in self.aux_layer_ids)))
+        if not all(0 <= i <= n for i in layers) and self.layout == "speculators":
+            given = ("the default (2, L//2, L-3)" if self.aux_layer_ids is None
+                     else f"eagle_aux_hidden_state_layer_ids "
+                          f"{[k + 1 for k in self.aux_layer_ids]}, the speculators layout's ids "
+                          f"of the states entering target layers")
+            raise ValueError(f"EAGLE-3 layers to capture {list(layers)} (from {given}) are outside "
+                             f"the target's {n} layers; allowed: layer ids in [0, {n}]")
         if not all(0 <= i <= n for i in layers):
             given = ("the default (2, L//2, L-3)" if self.aux_layer_ids is None
                      else f"eagle_config.eagle_aux_hidden_state_layer_ids "
@@ -227,8 +243,18 @@ class Eagle3Config(_DecoderDims):
                             norm_before_residual=raw.get("norm_before_residual", False),
                             fc_bias="fc.bias" in names, own_embedding="embed_tokens.weight" in names)
 
+    def tensor_name(self, name: str) -> str:
+        """The checkpoint's name of this head's parameter or buffer ``name`` in its ``layout``."""
+        if self.layout == "speculators" and name.startswith("midlayer."):
+            return "layers.0." + name[len("midlayer."):]
+        return name
+
     def to_hf(self) -> dict[str, Any]:
-        """The ``config.json`` dict of the head, in the EAGLE-3 layout."""
+        """The ``config.json`` dict of the head, in its ``layout``."""
+        if self.layout == "speculators":
+            from workers.model.config_speculators import to_speculators
+
+            return to_speculators(self)
         out = _dims_to_hf(self)
         out.update(architectures=[EAGLE3_ARCHITECTURE], model_type="llama", attention_bias=False,
                    draft_vocab_size=self.draft_vocab_size)

@@ -13,7 +13,8 @@ bfloat16 by default.
   ``config.json``'s.
 * ``load_eagle(dir, target)``: a draft head for ``target``, by its ``architectures``: an EAGLE
   (1/2) head (``EagleLlamaHead``, or the EAGLE project's ``LlamaForCausalLM`` /
-  ``LlamaForCausalLMEagle``) or an EAGLE-3 head (``LlamaForCausalLMEagle3``).
+  ``LlamaForCausalLMEagle``) or an EAGLE-3 head (``LlamaForCausalLMEagle3``, or the speculators
+  library's layout, told by its ``speculators_model_type``: ``Eagle3Speculator``).
 
 Errors name the file and what is wrong: ``FileNotFoundError`` for a missing directory,
 ``config.json`` or weights file; ``CheckpointError`` (a ``ValueError``) for unreadable JSON or
@@ -38,6 +39,7 @@ from workers.model.config import (
     EagleConfig,
     LlamaConfig,
 )
+from workers.model.config_speculators import eagle3_from_speculators, is_speculators_layout
 from workers.model.eagle import EagleHead
 from workers.model.eagle3 import Eagle3Head, vocab_map_problem
 from workers.model.layers import shard_specs
@@ -80,15 +82,23 @@ def _in_file(root: Path, err: ValueError, file: str = CONFIG_FILE) -> Checkpoint
     return CheckpointError(f"{str(root / file)!r}: {err}")
 
 
+def _tensor_name(module: nn.Module) -> Any:
+    """The checkpoint's name of each parameter of ``module`` (an EAGLE-3 head's depends on its
+    layout: ``Eagle3Config.tensor_name``)."""
+    cfg = getattr(module, "config", None)
+    return cfg.tensor_name if isinstance(cfg, Eagle3Config) else (lambda name: name)
+
+
 def _load_into(module: nn.Module, weights: WeightFiles) -> None:
     specs = shard_specs(module)
+    stored = _tensor_name(module)
     with torch.no_grad():
         for name, param in module.named_parameters():
             shard = specs.get(name)
             shape = list(param.shape)
             if shard is not None:
                 shape[shard.dim] = shard.full
-            param.copy_(weights.read(name, tuple(shape), shard))
+            param.copy_(weights.read(stored(name), tuple(shape), shard))
 
 
 def _materialize(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
@@ -143,8 +153,10 @@ def draft_config(path: str | Path, target: LlamaForCausalLM,
     names = (weights or WeightFiles(root)).names
     try:
         archs = raw.get("architectures")
-        if isinstance(archs, list) and EAGLE3_ARCHITECTURE in archs:
-            cfg: EagleConfig | Eagle3Config = Eagle3Config.from_hf(raw, names)
+        if is_speculators_layout(raw):
+            cfg: EagleConfig | Eagle3Config = eagle3_from_speculators(raw, names)
+        elif isinstance(archs, list) and EAGLE3_ARCHITECTURE in archs:
+            cfg = Eagle3Config.from_hf(raw, names)
         elif isinstance(archs, list) and any(a in DRAFT_ARCHITECTURES for a in archs):
             cfg = EagleConfig.from_hf(raw, names)
         else:
@@ -236,12 +248,18 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 
 def save_pretrained(model: LlamaForCausalLM | DraftHead, path: str | Path,
                     dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int | None = None,
-                    weights_format: str = "safetensors") -> None:
+                    weights_format: str = "safetensors", layout: str | None = None) -> None:
     """Write ``config.json`` and the weights (one file, or shards of at most ``max_shard_bytes``
     with an index) as ``safetensors`` or ``bin`` (``pytorch_model.bin``). Only a one-rank model
-    can be saved (every tensor is whole)."""
+    can be saved (every tensor is whole). ``layout`` (an EAGLE-3 head only; default: the one it
+    was loaded from): ``"sglang"`` or ``"speculators"`` (``Eagle3Config.layout``)."""
     if weights_format not in ("safetensors", "bin"):
         raise ValueError(f"weights_format={weights_format!r}; allowed: 'safetensors', 'bin'")
+    config = model.config
+    if layout is not None:
+        if not isinstance(config, Eagle3Config):
+            raise ValueError(f"layout={layout!r} applies to an EAGLE-3 head only")
+        config = dataclasses.replace(config, layout=layout)
     par = model.par if isinstance(model, LlamaForCausalLM) else model.target.par
     if par.mlp.size != 1:
         raise ValueError(f"save_pretrained needs a one-rank model; this one is split over "
@@ -251,8 +269,9 @@ def save_pretrained(model: LlamaForCausalLM | DraftHead, path: str | Path,
     for stale in [root / SINGLE_FILE, root / INDEX_FILE, root / BIN_FILE, root / BIN_INDEX_FILE,
                   *root.glob("model-*-of-*.safetensors"), *root.glob("pytorch_model-*-of-*.bin")]:
         stale.unlink(missing_ok=True)
-    tensors = _tensors(model, dtype)
-    cfg = model.config.to_hf()
+    stored = config.tensor_name if isinstance(config, Eagle3Config) else (lambda name: name)
+    tensors = {stored(name): t for name, t in _tensors(model, dtype).items()}
+    cfg = config.to_hf()
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (root / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
     shards = list(_shards(tensors, max_shard_bytes))
