@@ -119,7 +119,8 @@ def drive_ranks_job(rank: int, serve_argv: list[str], script: list[dict],
     import zmq
 
     from adaptive_dist.cli import build_parser
-    from collectives import free_port, init_distributed
+    from collectives import init_distributed
+    from workers.server.channel import Endpoints, JobKey
     from workers.server.engine_glue import Refused
     from workers.server.inbox import Inbox, Outbox
     from workers.server.cli import serve_settings
@@ -131,14 +132,15 @@ def drive_ranks_job(rank: int, serve_argv: list[str], script: list[dict],
     role = rank_role(settings.launch.shape)
     ctx = init_distributed(timeout_s=timeout_s, backend="gloo", record=True)
     zctx = zmq.Context()
-    inbox = Inbox(zctx)
+    endpoints = Endpoints()                 # one host: private ipc endpoints
+    inbox = Inbox(zctx, endpoints, DRIVER_KEY)
     first = ctx.layout(dp=1)
     pg = first.group("world").control_pg if ctx.distributed else None
-    pull = f"tcp://127.0.0.1:{free_port()}" if rank == 0 else None
+    pull = endpoints.address_for("frontend") if rank == 0 else None
     ranks, pulls = gather_addresses(RankAddress(rank, role.dp_rank, role.is_leader,
                                                 inbox.address), pull, pg)
     driver = _Driver(zctx, pulls[0], ranks, script, timeout_s) if rank == 0 else None
-    outbox = Outbox(zctx, pulls[0])
+    outbox = Outbox(zctx, pulls[0], DRIVER_KEY)
     closers = contextlib.ExitStack()
     refusals: list[tuple[str, int]] = []
     try:
@@ -166,6 +168,7 @@ def drive_ranks_job(rank: int, serve_argv: list[str], script: list[dict],
         if driver is not None:
             driver.close()
         zctx.term()
+        endpoints.close()
     if ctx.distributed:
         ctx.shutdown()
     return {"refusals": refusals, "exit": (result.reason, result.error),
@@ -173,13 +176,27 @@ def drive_ranks_job(rank: int, serve_argv: list[str], script: list[dict],
             "driver_error": driver.error if driver else None}
 
 
+def _driver_key():
+    from workers.server.channel import JobKey
+
+    return JobKey("the secret of the test's own serving job")
+
+
+DRIVER_KEY = _driver_key()
+
+
 class _Driver:
-    """The test's frontend: sequenced sends to every rank, outcomes from the leaders."""
+    """The test's frontend: sequenced sends to every rank (sealed with the job's key, as the
+    frontend seals them), outcomes from the leaders."""
 
     def __init__(self, zctx, pull_address: str, ranks: list, script: list[dict],
                  timeout_s: float) -> None:
         import zmq
 
+        from workers.server.channel import Signer, Verifier
+
+        self.signer = Signer(DRIVER_KEY.control)
+        self.verifier = Verifier(DRIVER_KEY.output, "the test's driver")
         self.pull = zctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.bind(pull_address)
@@ -202,8 +219,9 @@ class _Driver:
         msg = cls(seq=self.seq, **fields)
         data = json.dumps({"type": cls.__name__, **msg.__dict__}).encode()   # NaN allowed
         assert protocol.decode(data).seq == self.seq
+        sealed = self.signer.seal(data)
         for sock in self.push:
-            sock.send(data)
+            sock.send(sealed)
 
     def run(self) -> None:
         from workers.server.protocol import Generate, Shutdown
@@ -230,7 +248,9 @@ class _Driver:
                 raise TimeoutError(f"no outcome for {sorted(rids - set(self.outcomes))}")
             if not self.pull.poll(200, zmq.POLLIN):
                 continue
-            msg = protocol.decode(self.pull.recv())
+            payload = self.verifier.open(self.pull.recv())
+            assert payload is not None, self.verifier.dropped
+            msg = protocol.decode(payload)
             if isinstance(msg, RequestError):
                 self.outcomes[msg.rid] = ("refused", msg.status, msg.param, msg.message)
             elif isinstance(msg, StepOutput):

@@ -194,8 +194,35 @@ class ServeSettings:
     max_model_len: Optional[int] = None
     chat_template: Optional[str] = None
     """An absolute path (the parser resolves and checks it)."""
+    max_body_size: int = 32 << 20
+    """Bytes a request body may hold; a bigger one is a 413 before it is read."""
+    header_timeout: float = 10.0
+    """Seconds from a request's first byte to the end of its headers."""
+    body_timeout: float = 60.0
+    """Seconds from a request's headers to the end of its body."""
+    timeout_keep_alive: float = 5.0
+    """Seconds a connection without a request in progress may stay silent."""
+    max_connections: Optional[int] = None
+    """Open HTTP connections at most (None: what the file limit allows)."""
+    chat_template_timeout: float = 5.0
+    """Seconds one chat template render may take."""
 
     def check(self) -> None:
         """`ValueError` naming the flag."""
+        import math
+
         if self.max_queue < 0:
             raise ValueError(f"--max-queue {self.max_queue}: must be >= 0")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port {self.port}: must be in [0, 65535] (0: any free port)")
+        if self.max_body_size < 1024:
+            raise ValueError(f"--max-body-size {self.max_body_size}: must be at least 1024 "
+                             "bytes")
+        for flag, value in (("--header-timeout", self.header_timeout),
+                            ("--body-timeout", self.body_timeout),
+                            ("--timeout-keep-alive", self.timeout_keep_alive),
+                            ("--chat-template-timeout", self.chat_template_timeout)):
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{flag} {value}: must be a finite number of seconds > 0")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"--max-connections {self.max_connections}: must be >= 1")

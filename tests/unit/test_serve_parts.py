@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 from workers.server import protocol
+from workers.server.channel import Endpoints, JobKey, Signer
 from workers.server.inbox import Inbox
 from workers.server.metrics import FrontendMetrics, find, parse, render
 from workers.server.openai_io import ApiError, Limits, parse_completion
@@ -52,16 +53,31 @@ def test_bad_messages_are_named(data: bytes, match: str) -> None:
 
 # ---- inbox ----------------------------------------------------------------------------------------
 
+KEY = JobKey("the secret of this test's serving job")
+
+
+class _Sealed:
+    """A PUSH socket that seals what it sends with the job's control key (as the frontend)."""
+
+    def __init__(self, sock) -> None:
+        self.sock, self.signer = sock, Signer(KEY.control)
+
+    def send(self, data: bytes) -> None:
+        self.sock.send(self.signer.seal(data))
+
+
 @pytest.fixture
 def inbox_and_push():
     ctx = zmq.Context()
-    inbox = Inbox(ctx)
+    endpoints = Endpoints()
+    inbox = Inbox(ctx, endpoints, KEY)
     push = ctx.socket(zmq.PUSH)
     push.connect(inbox.address)
-    yield inbox, push
+    yield inbox, _Sealed(push)
     push.close(linger=0)
     inbox.close()
     ctx.term()
+    endpoints.close()
 
 
 def _wait_for(inbox: Inbox, seq: int) -> None:
@@ -102,16 +118,30 @@ def test_idle_inbox_blocks_until_a_message_wakes_it(inbox_and_push) -> None:
     assert time.monotonic() - start < 1.0
 
 
-def test_duplicate_seq_is_refused(inbox_and_push) -> None:
+def test_what_is_not_this_job_s_is_dropped_and_counted_never_fatal(inbox_and_push) -> None:
+    """Garbage, a message sealed with another key or the other direction's key, a replay of a
+    sealed message, a sealed message that is no control message or repeats a seq: each is
+    dropped and counted, and the inbox goes on taking the job's messages in order."""
     inbox, push = inbox_and_push
-    push.send(protocol.encode(_gen(1)))
+    raw = push.sock
+    good = Signer(KEY.control).seal(protocol.encode(_gen(1)))
+    raw.send(b"{not json at all")                                    # the 15 bytes of the issue
+    raw.send(protocol.encode(_gen(1)))                               # right message, no MAC
+    raw.send(Signer(JobKey("another job's secret, 32 chars").control).seal(
+        protocol.encode(_gen(1))))
+    raw.send(Signer(KEY.output).seal(protocol.encode(_gen(1))))      # the ranks' direction
+    raw.send(good[:-1] + b"x")                                       # tampered
+    assert inbox.wait(0.5) is False                  # nothing of the job's: the wait goes on
+    raw.send(good)
     _wait_for(inbox, 1)
-    inbox.take_upto(1)
-    push.send(protocol.encode(_gen(1)))
-    with pytest.raises(protocol.ProtocolError, match="seq 1 arrived twice"):
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            inbox.wait(0.5)
+    raw.send(good)                                                   # a replay
+    push.send(b"not json")                                           # sealed, undecodable
+    push.send(protocol.encode(Ready(0, 0, True, 1, ModelInfo(64, 256, [257], 264, "x"))))
+    push.send(protocol.encode(_gen(1)))                              # seq 1 again
+    push.send(protocol.encode(_gen(2)))
+    _wait_for(inbox, 2)
+    assert [m.seq for m in inbox.take_upto(2)] == [1, 2]
+    assert inbox.verifier.snapshot() == {"unauthenticated": 5, "replayed": 1, "malformed": 3}
 
 
 # ---- text ---------------------------------------------------------------------------------------

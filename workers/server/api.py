@@ -10,6 +10,12 @@ goes away (streaming or not) aborts its requests, which frees their KV and slots
 is a completion of one prompt: its messages rendered by the model's chat template (``chat``).
 With an API key (``--api-key``) every route but /health and /metrics wants
 ``Authorization: Bearer KEY`` (401 otherwise).
+
+Nothing a request holds may stall the event loop (which answers /health and every stream): a
+body over ``--max-body-size`` is refused before it is read (``perimeter.RequestLimits``); a body
+over ``INLINE_BYTES`` is decoded, validated and tokenized in a worker thread, at most
+``LARGE_BODIES`` at once; chat templates render in worker processes (``render.RenderPool``),
+called from a worker thread.
 """
 from __future__ import annotations
 
@@ -18,8 +24,10 @@ import hmac
 import json
 import logging
 import random
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -30,15 +38,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from workers.server import openai_io
 from workers.server.admission import LongInt, shown
-from workers.server.chat import ChatTemplate, TemplateRefusal, load_chat_template
+from workers.server.chat import TemplateRefusal, load_chat_template
 from workers.server.cluster import ClusterClient, Failure, Tokens, Unavailable
 from workers.server.metrics import FrontendMetrics, render
 from workers.server.openai_io import ApiError, ChatMessage, CompletionParams, Limits, bad
+from workers.server.perimeter import RequestLimits
+from workers.server.render import RenderPool
 from workers.server.text import Codec, Offsets, TextStream, codec_for
 
 log = logging.getLogger("adaptive_dist.serve")
 
 OPEN_PATHS = ("/health", "/metrics")   # answered without the API key
+INLINE_BYTES = 256 << 10     # a body up to this size is parsed on the event loop (~ms)
+LARGE_BODIES = 2             # larger bodies read and parsed at once (their memory is bounded)
 
 
 @dataclass
@@ -90,49 +102,96 @@ class ApiKeyGuard:
 def create_app(cluster: ClusterClient, metrics: FrontendMetrics,
                api_key: Optional[str] = None) -> FastAPI:
     """The FastAPI application over `cluster`; `api_key`: the key every request but /health
-    and /metrics must bring (None: none)."""
+    and /metrics must bring (None: none). `app.state.close()` stops its worker threads and
+    render processes."""
     app = FastAPI(title="adaptive_dist", docs_url=None, redoc_url=None)
     if api_key:
         app.add_middleware(ApiKeyGuard, key=api_key)
-    served = cluster.config.model_name
+    config = cluster.config
+    app.add_middleware(RequestLimits, max_body=config.max_body_size,
+                       body_timeout=config.body_timeout,
+                       on_reject=lambda status: metrics.http_rejected.update(
+                           ["body_too_large" if status == 413 else "body_timeout"]))
+    served = config.model_name
     cache: dict[str, Any] = {}
+    blocking = ThreadPoolExecutor(max_workers=8, thread_name_prefix="request")
+    large_bodies = asyncio.Semaphore(LARGE_BODIES)
+    counting = threading.Lock()
+
+    def close() -> None:
+        blocking.shutdown(wait=False, cancel_futures=True)
+        pool = cache.get("pool")
+        if isinstance(pool, RenderPool):
+            pool.close()
+
+    app.state.close = close
 
     def codec() -> Codec:
         if "codec" not in cache:
             cache["codec"] = codec_for(cluster.model)
         return cache["codec"]
 
-    def chat_template() -> ChatTemplate:
-        """The model's template (or --chat-template's); 400 when there is none."""
-        if "template" not in cache:
-            try:
-                cache["template"] = load_chat_template(
-                    cluster.model.tokenizer_dir if cluster.model is not None else None,
-                    cluster.config.chat_template)
-            except ValueError as err:
-                cache["template"] = err
-        template = cache["template"]
-        if isinstance(template, ValueError):
-            raise ApiError(500, str(template), code="chat_template_error")
-        if template is None:
+    def chat_pool() -> RenderPool:
+        """The render pool of the model's template (or --chat-template's); 400 when there is
+        none, 500 when it does not compile."""
+        with counting:
+            if "pool" not in cache:
+                try:
+                    template = load_chat_template(
+                        cluster.model.tokenizer_dir if cluster.model is not None else None,
+                        config.chat_template)
+                    cache["pool"] = None if template is None else RenderPool(
+                        template.source, template.specials, config.chat_template_timeout,
+                        max_chars=2 * config.max_body_size)
+                except ValueError as err:
+                    cache["pool"] = err
+            pool = cache["pool"]
+        if isinstance(pool, ValueError):
+            raise ApiError(500, str(pool), code="chat_template_error")
+        if pool is None:
             raise ApiError(400, f"messages: the model {served!r} has no chat template (its "
                                 f"tokenizer_config.json has no chat_template); start the server "
                                 f"with --chat-template FILE, or use /v1/completions",
                            param="messages", code="no_chat_template")
-        return template
+        return pool
+
+    app.state.warm = lambda: blocking.submit(_warm_pool, chat_pool)
 
     def render_chat(messages: list[ChatMessage], add_generation_prompt: bool,
                     add_special_tokens: bool = False) -> list[int]:
-        template = chat_template()
+        """The prompt ids of `messages` (in a worker thread: the render blocks it)."""
+        pool = chat_pool()
         try:
-            text = template.render([m.for_template() for m in messages], add_generation_prompt)
+            text = pool.render([m.for_template() for m in messages], add_generation_prompt)
         except TemplateRefusal as err:
-            raise bad("messages", f"the chat template refused them: {str(err)[:300]}") from None
+            with counting:
+                metrics.template_failures[err.kind] += 1
+            what = f"the chat template refused them: {err}" if err.kind == "refused" \
+                else str(err)
+            raise bad("messages", what[:400], code="chat_template_error") from None
         try:
             return codec().encode(text, add_special_tokens)
         except Exception as err:   # e.g. a lone surrogate (JSON allows "\ud800"): no UTF-8
             raise bad("messages", f"the text cannot be encoded ({type(err).__name__}: "
                                   f"{str(err)[:120]})") from None
+
+    async def parsed(request: Request, work: Callable[[Any], Any], offload: bool = False) -> Any:
+        """`work(decoded body)`: on the event loop for a small body, else in a worker thread
+        (and for a large body, at most `LARGE_BODIES` read and parsed at once)."""
+        try:
+            length = int(request.headers.get("content-length", ""))
+        except ValueError:
+            length = None            # chunked: its size is known once it is read
+        if length is not None and length <= INLINE_BYTES:
+            raw = await request.body()
+            if not offload:
+                return work(_decode_json(raw))
+            return await asyncio.get_running_loop().run_in_executor(
+                blocking, lambda: work(_decode_json(raw)))
+        async with large_bodies:
+            raw = await request.body()
+            return await asyncio.get_running_loop().run_in_executor(
+                blocking, lambda: work(_decode_json(raw)))
 
     def limits() -> Limits:
         model = cluster.model
@@ -196,13 +255,16 @@ def create_app(cluster: ClusterClient, metrics: FrontendMetrics,
             loads=cluster.loads(), stats=cluster.stats, model_name=served),
             media_type="text/plain; version=0.0.4")
 
-    async def generate(request: Request, parse: Callable[[Any, Limits], CompletionParams]
-                       ) -> Response:
+    async def generate(request: Request, parse: Callable[[Any, Limits], CompletionParams],
+                       chat: bool = False) -> Response:
         start = time.perf_counter()
-        try:
-            body = await _json_body(request)
+
+        def work(body: Any) -> CompletionParams:
             available(0)
-            params = parse(body, limits())
+            return parse(body, limits())
+
+        try:
+            params = await parsed(request, work, offload=chat)
             available(params.choices)
         except ApiError as err:
             metrics.requests["rejected" if err.status < 500 else "unavailable"] += 1
@@ -221,39 +283,49 @@ def create_app(cluster: ClusterClient, metrics: FrontendMetrics,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, lambda body, lim: openai_io.parse_chat(
-            body, served, lim, render_chat))
+            body, served, lim, render_chat), chat=True)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> JSONResponse:
-        body = await _json_body(request)
+    def tokenize_work(body: Any) -> list[int]:
         available(0)
         req = openai_io.parse_tokenize(body, served)
         if req.messages is not None:
-            ids = render_chat(req.messages, req.add_generation_prompt, req.add_special_tokens)
-        else:
-            try:
-                ids = codec().encode(req.text, req.add_special_tokens)
-            except Exception as err:
-                raise bad("prompt", f"the text cannot be encoded ({type(err).__name__}: "
-                                    f"{str(err)[:120]})") from None
+            return render_chat(req.messages, req.add_generation_prompt, req.add_special_tokens)
+        try:
+            return codec().encode(req.text, req.add_special_tokens)
+        except Exception as err:
+            raise bad("prompt", f"the text cannot be encoded ({type(err).__name__}: "
+                                f"{str(err)[:120]})") from None
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        ids = await parsed(request, tokenize_work, offload=True)
         return JSONResponse({"count": len(ids), "max_model_len": cluster.model.max_context_len,
                              "tokens": ids, "token_strs": None})
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> JSONResponse:
-        body = await _json_body(request)
+    def detokenize_work(body: Any) -> str:
         available(0)
         ids = openai_io.parse_detokenize(body, served, cluster.model.vocab_size)
-        return JSONResponse({"prompt": codec().decode(ids, skip_special_tokens=False)})
+        return codec().decode(ids, skip_special_tokens=False)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse({"prompt": await parsed(request, detokenize_work)})
 
     return app
 
 
-async def _json_body(request: Request) -> Any:
+def _warm_pool(chat_pool: Callable[[], RenderPool]) -> None:
+    """Start a render worker once the model is known (a model without a template: nothing)."""
+    try:
+        chat_pool().warm()
+    except ApiError:
+        pass
+
+
+def _decode_json(raw: bytes) -> Any:
     """The decoded body. An integer literal too long for Python (over 4300 digits) is parsed
     again as an ``admission.LongInt``, so the field that holds it refuses it by name; anything
     else that is not JSON (nesting too deep for the parser too) is a 400 without a field."""
-    raw = await request.body()
     try:
         try:
             return json.loads(raw)

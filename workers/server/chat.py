@@ -32,7 +32,12 @@ SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class TemplateRefusal(ValueError):
-    """The template refused the messages (``raise_exception``) or failed on them."""
+    """The template refused the messages (``raise_exception``: `kind` "refused") or failed on
+    them ("error"; the render pool adds "timeout" and "too_long")."""
+
+    def __init__(self, message: str, kind: str = "error") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -117,7 +122,7 @@ def _environment() -> Any:
                           sort_keys=sort_keys)
 
     def raise_exception(message: Any) -> None:
-        raise TemplateRefusal(str(message))
+        raise TemplateRefusal(str(message), kind="refused")
 
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
@@ -147,18 +152,34 @@ class ChatTemplate:
                              f"{type(err).__name__}: {err}") from None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text; `TemplateRefusal` when the template refuses or fails on them."""
+        """The prompt text; `TemplateRefusal` when the template refuses or fails on them (in
+        this process, unbounded: the server renders through `render.RenderPool`)."""
+        return self.render_bounded(messages, add_generation_prompt, None)
+
+    def render_bounded(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                       max_chars: Optional[int]) -> str:
+        """`render`, stopped with `TemplateRefusal` (kind "too_long") as soon as the output
+        passes `max_chars` characters (None: no bound). Any exception of the render is a
+        `TemplateRefusal`."""
         from jinja2 import TemplateError
 
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self.specials)
+            pieces, total = [], 0
+            for piece in self._template.generate(messages=messages, tools=None, documents=None,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **self.specials):
+                total += len(piece)
+                if max_chars is not None and total > max_chars:
+                    raise TemplateRefusal(f"the chat template's output passed {max_chars} "
+                                          f"characters (twice --max-body-size); it was stopped",
+                                          kind="too_long")
+                pieces.append(piece)
+            return "".join(pieces)
         except TemplateRefusal:
             raise
         except TemplateError as err:
             raise TemplateRefusal(f"{type(err).__name__}: {err}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
+        except Exception as err:    # OverflowError (range over the sandbox's limit), ...
             raise TemplateRefusal(f"the template failed on them ({type(err).__name__}: "
                                   f"{err})") from None
 

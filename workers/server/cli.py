@@ -129,6 +129,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health and "
                         f"/metrics (or set {API_KEY_ENV}, which keeps it off the command line)")
+    p.add_argument("--max-body-size", type=byte_size, default="32M", metavar="SIZE",
+                   help="largest request body, in bytes or with a K, M or G suffix (powers of "
+                        "1024); a bigger one gets 413 before it is read (default: 32M)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds from a request's first byte to the end of its headers; a "
+                        "slower client's connection is closed with 408 (default: 10)")
+    p.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds from a request's headers to the end of its body; slower gets "
+                        "408 (default: 60)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
+                   help="seconds an open connection without a request in progress may stay "
+                        "silent before it is closed (uvicorn's flag; default: 5)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="open HTTP connections at most; more are closed at once (default: the "
+                        "open-file limit, raised to its hard limit, less what the server keeps "
+                        "for itself)")
+    p.add_argument("--chat-template-timeout", type=float, default=5.0, metavar="S",
+                   help="seconds one chat template render may take; a slower one is stopped "
+                        "and the request gets 400 naming messages (default: 5)")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -148,7 +167,27 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings(
         launch=launch_settings(args), host=args.host, port=args.port, max_queue=args.max_queue,
         routing=args.routing, served_model_name=args.served_model_name,
-        max_model_len=args.max_model_len, chat_template=getattr(args, "chat_template", None))
+        max_model_len=args.max_model_len, chat_template=getattr(args, "chat_template", None),
+        max_body_size=args.max_body_size, header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout, timeout_keep_alive=args.timeout_keep_alive,
+        max_connections=args.max_connections, chat_template_timeout=args.chat_template_timeout)
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def byte_size(text: str) -> int:
+    """A size in bytes: an integer, or one with a K / M / G suffix (powers of 1024; "KiB",
+    "MB", ... read the same)."""
+    raw = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = raw[-1:] if raw[-1:] in _SIZE_UNITS and raw[-1:] else ""
+    number = raw[:-1] if unit else raw
+    try:
+        value = int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no size: give bytes, or a number with K, M or G (e.g. 32M)") from None
+    return value * _SIZE_UNITS[unit]
 
 
 def _cmd_client(args: argparse.Namespace) -> int:

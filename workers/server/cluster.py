@@ -3,15 +3,27 @@
 ``ClusterClient.submit`` chooses the DP group and PUSHes a ``Generate`` (with the next ``seq``)
 to every rank; ``abort`` does the same with an ``Abort``. ``pump`` reads the ranks' outputs and
 feeds each request's events (``Tokens`` / ``Failure``) into the sink its HTTP handler reads.
-``watchdog`` fails the cluster when a rank stops sending heartbeats or rank 0 (the launch, the
-frontend's parent) is gone. After a failure every waiting handler gets a 503, new requests get
-503, the ranks are sent ``Shutdown``, and ``stopping`` is set ``linger_s`` later.
+``watchdog`` fails the cluster when a rank stops sending heartbeats, a rank's process on this host
+is gone, or rank 0 (the launch, the frontend's parent) is gone. After a failure every waiting
+handler gets a 503, new requests get 503, the ranks are sent ``Shutdown``, and ``stopping`` is set
+``linger_s`` later.
+
+Every message is sealed with the job's key (``channel``): what the frontend's inbox receives
+without it, twice, or undecodable is dropped and counted, never acted on.
+
+The failure reported is the first cause: a rank whose process ended without a word (seen on this
+host in /proc) outranks what came after it (a peer's collective error, torchrun's SIGTERM to the
+frontend), so a SIGTERM waits ``SIGTERM_GRACE_S`` for the ranks' own account first. A rank
+declared dead (silent for ``dead_after_s``) whose process runs on this host is killed (SIGKILL:
+a frozen process takes no other signal), so the job comes down within seconds instead of at the
+collective timeout.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -20,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from workers.server import protocol
+from workers.server.channel import OUTPUT_MAX_MESSAGE, JobKey, Signer, Verifier
 from workers.server.metrics import FrontendMetrics
 from workers.server.protocol import (Abort, FrontendConfig, Generate, Heartbeat, ModelInfo,
                                      QueueStats, RankExit, Ready, RequestError, Shutdown,
@@ -29,6 +42,8 @@ from workers.server.router import Router
 log = logging.getLogger("adaptive_dist.serve")
 
 STARTUP_GRACE_S = 30.0   # extra silence allowed before a rank's first message
+SIGTERM_GRACE_S = 0.5    # after a SIGTERM, how long the ranks' own account may take to arrive
+CONFIRM_S = 0.3          # a failure's verdict waits this long for what the ranks sent before it
 
 
 @dataclass(frozen=True)
@@ -78,11 +93,12 @@ class Tracker:
 
 
 class ClusterClient:
-    def __init__(self, config: FrontendConfig, metrics: FrontendMetrics) -> None:
+    def __init__(self, config: FrontendConfig, metrics: FrontendMetrics, key: JobKey) -> None:
         self.config, self.metrics = config, metrics
         self._sync = zmq.Context()
         self._async = zmq.asyncio.Context()
         self._push: dict[int, zmq.Socket] = {}
+        self._signer = Signer(key.control)        # one seal per broadcast, the same bytes to all
         for r in config.ranks:
             sock = self._sync.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)
@@ -91,7 +107,18 @@ class ClusterClient:
             self._push[r.rank] = sock
         self._pull = self._async.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, OUTPUT_MAX_MESSAGE)
         self._pull.bind(config.pull_address)
+        if config.pull_address.startswith("ipc://"):
+            os.chmod(config.pull_address[len("ipc://"):], 0o600)
+        self.verifier = Verifier(key.output, "the frontend's inbox")
+        self.rank_dropped: dict[int, dict[str, int]] = {}   # each rank's inbox, from heartbeats
+        self.host_id = host_id()
+        self._local: dict[int, tuple[int, Optional[int]]] = {}   # rank -> (pid, start time)
+        self._exited: set[int] = set()                         # ranks that sent RankExit
+        self._causes: list[tuple[int, int, str, bool]] = []   # (rank, order, message, orderly)
+        self.on_ready: list[Any] = []     # called once every rank is ready
+        self._verdict_due: Optional[asyncio.TimerHandle] = None
         self.router = Router(config.dp, config.routing)
         self.seq = 0
         self.ready: dict[int, Ready] = {}
@@ -142,7 +169,7 @@ class ClusterClient:
 
     # ---- control messages ------------------------------------------------------------------------
     def _broadcast(self, msg: Any) -> None:
-        data = protocol.encode(msg)
+        data = self._signer.seal(protocol.encode(msg))
         for sock in self._push.values():
             sock.send(data, zmq.NOBLOCK)
 
@@ -189,15 +216,28 @@ class ClusterClient:
 
     # ---- outputs -----------------------------------------------------------------------------------
     async def pump(self) -> None:
-        """Read the ranks' messages until cancelled."""
+        """Read the ranks' messages until cancelled; drop (and count) what is not this job's."""
         while True:
-            msg = protocol.decode(await self._pull.recv())
+            payload = self.verifier.open(await self._pull.recv())
+            if payload is None:
+                continue
+            try:
+                msg = protocol.decode(payload)
+            except protocol.ProtocolError as err:
+                self.verifier.drop("malformed", str(err)[:200])
+                continue
+            if isinstance(msg, (Heartbeat, Ready, RankExit)) and \
+                    msg.rank not in self._last_seen:
+                self.verifier.drop("malformed", f"rank {msg.rank!r} is no rank of this job")
+                continue
             self._handle(msg)
 
     def _handle(self, msg: Any) -> None:
         now = time.monotonic()
         if isinstance(msg, (Heartbeat, Ready, RankExit)):
             self._last_seen[msg.rank] = now
+        if isinstance(msg, Heartbeat) and msg.dropped:
+            self.rank_dropped[msg.rank] = dict(msg.dropped)
         if isinstance(msg, StepOutput):
             self._last_seen[self._leader_of.get(msg.dp_rank, -1)] = now
             if msg.stats is not None:
@@ -212,15 +252,23 @@ class ClusterClient:
                 code = "invalid_value" if msg.status < 500 else "internal_error"
                 t.sink.put_nowait((t.index, Failure(msg.status, msg.message, msg.param, code)))
         elif isinstance(msg, RankExit):
+            self._exited.add(msg.rank)
             what = "failed" if msg.error else "stopped"
-            self.fail(f"rank {msg.rank} {what}: {msg.reason}", orderly=not msg.error)
+            self.fail_first(f"rank {msg.rank} {what}: {msg.reason}", orderly=not msg.error,
+                            rank=1 if msg.error else 2)
 
     def _on_ready(self, msg: Ready) -> None:
         self.ready[msg.rank] = msg
         self.model = self.model or msg.model
+        if msg.host_id is not None and msg.host_id == self.host_id:
+            self._local[msg.rank] = (msg.pid, start_time(msg.pid))
         if len(self.ready) == self.world_size:
-            log.info("ready: %d rank(s), %d DP group(s), %s, context %d", self.world_size,
-                     self.config.dp, msg.model.mode, msg.model.max_context_len)
+            pids = ", ".join(str(self.ready[r].pid) for r in sorted(self.ready))
+            log.info("ready: %d rank(s) (pid %s), %d DP group(s), %s, context %d",
+                     self.world_size, pids, self.config.dp, msg.model.mode,
+                     msg.model.max_context_len)
+            for callback in self.on_ready:
+                callback()
 
     def _deliver(self, delta: Any) -> None:
         t = self.trackers.get(delta.rid)
@@ -238,19 +286,86 @@ class ClusterClient:
                                            delta.logprobs, delta.prompt_logprobs)))
 
     # ---- liveness ---------------------------------------------------------------------------------
+    def gone_rank(self) -> Optional[str]:
+        """The first rank (by rank) of this host whose process ended without a `RankExit`, and
+        how it ended; None when every one still runs (or none is on this host)."""
+        for rank, (pid, started) in sorted(self._local.items()):
+            if rank in self._exited:
+                continue
+            end = process_end(pid, started)
+            if end is not None:
+                return f"rank {rank} failed: its process (pid {pid}) {end}"
+        return None
+
+    def fail_first(self, message: Optional[str], orderly: bool = False, rank: int = 2,
+                   delay_s: float = CONFIRM_S) -> None:
+        """Fail with the first cause, `delay_s` from now (unless a verdict is already due): a
+        rank of this host gone without a word comes first; then the causes noted here, by
+        `rank` (1: a rank's failure or rank 0 gone, 2: a rank's orderly stop, 3: a signal to
+        the frontend). The delay lets what the ranks sent before they left arrive (a rank's
+        `RankExit` may still wait in the inbox when its process is already gone)."""
+        if self.failure is not None:
+            return
+        if message is not None:
+            self._causes.append((rank, len(self._causes), message, orderly))
+        if self._verdict_due is None:
+            self._verdict_due = asyncio.get_running_loop().call_later(delay_s, self._verdict)
+
+    def _verdict(self) -> None:
+        self._verdict_due = None
+        if self.failure is not None:
+            return
+        gone = self.gone_rank()
+        if gone is not None:
+            self.fail(gone)
+        elif self._causes:
+            _, _, message, orderly = min(self._causes)
+            self.fail(message, orderly)
+
+    def sigterm(self) -> None:
+        """The frontend got SIGTERM: torchrun sends it to rank 0's process group when it stops
+        the job, also when a rank died first. The ranks' own account has `SIGTERM_GRACE_S` to
+        arrive; without one, an orderly stop."""
+        self.fail_first("the frontend received SIGTERM", True, rank=3, delay_s=SIGTERM_GRACE_S)
+
     async def watchdog(self, every_s: float = 0.25) -> None:
-        """Fail when rank 0 (the parent) is gone or a rank is silent for `dead_after_s`."""
+        """Fail when rank 0 (the parent) is gone, a rank's process on this host is gone, or a
+        rank is silent for `dead_after_s` (then kill it when it runs on this host)."""
         while self.failure is None:
             await asyncio.sleep(every_s)
-            if os.getppid() != self.config.parent_pid:
-                self.fail("rank 0 (the launch) exited")
+            if self.failure is not None:
                 return
+            if os.getppid() != self.config.parent_pid:
+                self.fail_first("rank 0 (the launch) exited", rank=1)
+            elif self.gone_rank() is not None:
+                self.fail_first(None)       # confirmed (or explained by a RankExit) shortly
             now = time.monotonic()
             for rank, seen in sorted(self._last_seen.items()):
-                if rank >= 0 and now - seen > self.config.dead_after_s:
+                if rank >= 0 and now - seen > self.config.dead_after_s \
+                        and self.failure is None:
                     self.fail(f"rank {rank} stopped responding (no heartbeat for "
                               f"{now - seen:.1f} s)")
+                    self._end_frozen(rank)
                     return
+
+    def _end_frozen(self, rank: int) -> None:
+        """Kill a rank declared dead when its process runs on this host (a stopped or stuck
+        process holds every peer in its collective until --timeout, and torchrun's SIGTERM does
+        not reach a stopped one): its peers' collectives then fail at once."""
+        if rank not in self._local:
+            if rank in self.ready:
+                log.error("rank %d runs on another host: it cannot be ended from here; its "
+                          "peers leave at their collective timeout (--timeout)", rank)
+            return
+        pid, started = self._local[rank]
+        if process_end(pid, started) is not None:
+            return
+        log.error("rank %d (pid %d) was declared dead: killing it (SIGKILL) so that the job "
+                  "ends now", rank, pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError as err:
+            log.error("could not kill rank %d (pid %d): %s", rank, pid, err)
 
     def close(self) -> None:
         for sock in self._push.values():
@@ -258,3 +373,52 @@ class ClusterClient:
         self._pull.close()
         self._sync.term()
         self._async.term()
+
+
+# ---- processes on this host ----------------------------------------------------------------------
+
+def host_id() -> Optional[str]:
+    """What tells two processes they see the same process table: the kernel's boot id and the
+    pid namespace (None when unknown: never "the same host")."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+def _stat_fields(pid: int) -> Optional[list[str]]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> Optional[int]:
+    """The process's start time (clock ticks after boot: tells a reused pid apart)."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
+
+
+def process_end(pid: int, started: Optional[int]) -> Optional[str]:
+    """How process `pid` (started at `started`) ended ("was killed by SIGKILL", "exited with
+    code 1", "ended"), or None while it runs (a stopped process runs)."""
+    fields = _stat_fields(pid)
+    if fields is None or (started is not None and len(fields) > 19
+                          and int(fields[19]) != started):
+        return "ended"
+    if fields[0] not in ("Z", "X"):
+        return None
+    if len(fields) > 49:               # a zombie keeps its wait status (Linux >= 3.5)
+        status = int(fields[49])
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            try:
+                name = signal.Signals(sig).name
+            except ValueError:
+                name = f"signal {sig}"
+            return f"was killed by {name}"
+        if os.WIFEXITED(status):
+            return f"exited with code {os.WEXITSTATUS(status)}"
+    return "ended"

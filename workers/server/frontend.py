@@ -1,5 +1,8 @@
-"""The frontend process: ``python -m workers.server.frontend CONFIG_JSON`` (spawned by rank 0 of
-``serve``; never started by hand).
+"""The frontend process: ``python -m workers.server.frontend`` (spawned by rank 0 of ``serve``;
+never started by hand). Its configuration (``protocol.FrontendConfig``: the ranks' addresses, the
+limits) and the job's secret arrive in its environment (``CONFIG_ENV``, ``channel.SECRET_ENV``),
+readable only by this user, never on its command line; its listening socket is the one rank 0
+bound (``http_fd``).
 
 It serves HTTP (uvicorn) and runs the cluster client's output pump and watchdog in the same event
 loop. It stops when the cluster fails or stops (a rank exits, a rank goes silent, rank 0 is gone,
@@ -37,24 +40,42 @@ def _server_class():
     return FrontendServer
 
 
-async def serve(config) -> int:
+async def serve(config, secret: str) -> int:
     """Run until the cluster stops; the exit code (0 after an orderly stop)."""
+    import socket
+
     import uvicorn
 
     from workers.server.api import create_app
+    from workers.server.channel import JobKey
     from workers.server.cluster import ClusterClient
     from workers.server.metrics import FrontendMetrics
+    from workers.server.perimeter import RateLimitedLog, guarded_protocol, quiet_exhaustion
 
     import workers.cli  # noqa: F401  (the codec's tokenizer; imports torch: before serving)
 
+    loop = asyncio.get_running_loop()
+    quiet_exhaustion(loop)
     metrics = FrontendMetrics()
-    cluster = ClusterClient(config, metrics)
+    cluster = ClusterClient(config, metrics, JobKey(secret))
     app = create_app(cluster, metrics, api_key=os.environ.get(API_KEY_ENV) or None)
+    cluster.on_ready.append(app.state.warm)
+    refused = RateLimitedLog("refusing new HTTP connections at the cap")
+    metrics.refused_connections = refused
+    metrics.dropped = lambda: {"frontend": cluster.verifier.snapshot(),
+                               **{f"rank{r}": d for r, d in sorted(cluster.rank_dropped.items())}}
+    protocol = guarded_protocol(config.max_connections, config.header_timeout,
+                                config.timeout_keep_alive, refused,
+                                lambda kind: metrics.http_rejected.update([f"{kind}_timeout"]))
     server = _server_class()(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning", lifespan="off",
-        timeout_graceful_shutdown=2, access_log=False))
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, cluster.fail, "the frontend received SIGTERM", True)
+        timeout_graceful_shutdown=2, access_log=False, http=protocol,
+        timeout_keep_alive=config.timeout_keep_alive, backlog=2048))
+    metrics.open_connections = lambda: len(server.server_state.connections)
+    sockets = None
+    if config.http_fd is not None:
+        sockets = [socket.socket(fileno=config.http_fd)]
+    loop.add_signal_handler(signal.SIGTERM, cluster.sigterm)
     loop.add_signal_handler(signal.SIGINT, lambda: None)
     tasks = [asyncio.ensure_future(cluster.pump()), asyncio.ensure_future(cluster.watchdog())]
 
@@ -64,7 +85,7 @@ async def serve(config) -> int:
 
     tasks.append(asyncio.ensure_future(stop_when_asked()))
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         for task in tasks:
             task.cancel()
@@ -72,21 +93,25 @@ async def serve(config) -> int:
         if cluster.failure is None:
             cluster.fail("the HTTP server stopped")
         cluster.close()
+        app.state.close()
     return 0 if cluster.orderly else 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from workers.server.channel import SECRET_ENV
     from workers.server.launch import setup_logging
-    from workers.server.protocol import FrontendConfig
+    from workers.server.protocol import CONFIG_ENV, FrontendConfig
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        sys.stderr.write("usage: python -m workers.server.frontend CONFIG_JSON "
-                         "(started by `python -m adaptive_dist serve`)\n")
+    config, secret = os.environ.get(CONFIG_ENV), os.environ.get(SECRET_ENV)
+    if args or not config or not secret:
+        sys.stderr.write("usage: python -m workers.server.frontend, with its configuration in "
+                         f"{CONFIG_ENV} and the job's secret in {SECRET_ENV} (started by "
+                         "`python -m adaptive_dist serve`)\n")
         return 2
     setup_logging("frontend")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # until the event loop takes over
-    return asyncio.run(serve(FrontendConfig.from_json(args[0])))
+    return asyncio.run(serve(FrontendConfig.from_json(config), secret))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@
 
     torchrun --nproc-per-node N -m adaptive_dist serve --dp D [...]   (or one process: N = D = 1)
 
-Rank r belongs to DP replica ``r // attn_tp`` and leads it when ``r % attn_tp == 0``. Every rank
-binds its inbox; ``gather_addresses`` gives rank 0 every address (one ``all_gather_object`` on a
-gloo group); rank 0 spawns the frontend with them. Every rank then loads its shards of the model,
+Rank r belongs to DP replica ``r // attn_tp`` and leads it when ``r % attn_tp == 0``. Rank 0
+first binds the HTTP port (a busy port ends the start at once, exit 2, before anything loads).
+Every rank binds its inbox (``channel.Endpoints``: a private ipc endpoint when the job is on one
+host, TCP across hosts); ``gather_addresses`` gives rank 0 every address and every rank the job's
+secret (one ``all_gather_object`` on a gloo group); rank 0 spawns the frontend with them in its
+environment and hands it the listening socket. Every rank then loads its shards of the model,
 the ranks agree every setting, build the DP-attention engine (`workers.launch.start_engine`, as
 `generate` does), send ``Ready`` and run ``RankLoop`` in lockstep. SIGINT / SIGTERM stop the loop
 (every rank leaves after the same round); the rank tells the frontend (``RankExit``), and rank 0
@@ -106,13 +109,34 @@ def gather_addresses(mine: Any, extra: Any, pg: Any) -> tuple[list[Any], list[An
     return [m for m, _ in out], [e for _, e in out]
 
 
-def spawn_frontend(config: Any) -> subprocess.Popen:
-    """Start the frontend process (stdout/stderr shared with this rank)."""
+def single_host() -> bool:
+    """Whether every rank of the job runs on this host (torchrun's LOCAL_WORLD_SIZE)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world))) == world
+
+
+def host_id() -> Optional[str]:
+    """This process's host identity for the frontend (`cluster.host_id`)."""
+    from workers.server.cluster import host_id as ident
+
+    return ident()
+
+
+def spawn_frontend(config: Any, secret: str) -> subprocess.Popen:
+    """Start the frontend process (stdout/stderr shared with this rank). Its configuration and
+    the job's secret go in its environment (readable by this user only), never on its command
+    line; the listening socket `config.http_fd` is inherited."""
+    from workers.server.channel import SECRET_ENV
+    from workers.server.protocol import CONFIG_ENV
+
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
         env.pop(key, None)   # the frontend is no rank
-    return subprocess.Popen([sys.executable, "-m", "workers.server.frontend", config.to_json()],
-                            env=env)
+    env[CONFIG_ENV] = config.to_json()
+    env[SECRET_ENV] = secret
+    fds = (config.http_fd,) if config.http_fd is not None else ()
+    return subprocess.Popen([sys.executable, "-m", "workers.server.frontend"], env=env,
+                            pass_fds=fds)
 
 
 def stop_frontend(proc: subprocess.Popen, wait_s: float) -> Optional[int]:
@@ -201,8 +225,10 @@ def cmd_serve(settings: "ServeSettings") -> int:
 def _serve(settings: "ServeSettings") -> int:
     import zmq
 
-    from collectives import free_port, init_distributed
+    from collectives import init_distributed
+    from workers.server.channel import Endpoints
     from workers.server.inbox import HeartbeatThread, Inbox, Outbox
+    from workers.server.perimeter import bind_http, connection_cap
     from workers.server.protocol import FrontendConfig, RankAddress, RankExit
     from workers.server.rank import StopFlag
 
@@ -211,10 +237,17 @@ def _serve(settings: "ServeSettings") -> int:
     setup_logging(f"rank {role.rank}")
     set_thread_count()
     settings.check()
+    http = None
+    max_connections = 0
+    if role.rank == 0:     # before anything loads: a busy port or a bad cap ends the start now
+        max_connections = connection_cap(settings.max_connections, role.world_size)
+        http = bind_http(settings.host, settings.port)
     backend = "gloo" if (launch.device or "cpu") == "cpu" else None
     ctx = init_distributed(timeout_s=launch.timeout, backend=backend, record=True)
     zctx = zmq.Context()
-    inbox = Inbox(zctx, zmq_host())
+    endpoints = Endpoints(None if single_host() else zmq_host())
+    secret, key = job_secret(ctx, role)
+    inbox = Inbox(zctx, endpoints, key, name=f"rank {role.rank}")
     stop = StopFlag()
     signals = _Signals(stop)
     signals.install(inbox.wakeup_fd)
@@ -225,12 +258,12 @@ def _serve(settings: "ServeSettings") -> int:
     try:
         first = ctx.layout(dp=1)
         pg = first.group("world").control_pg if ctx.distributed else None
-        pull = f"tcp://{zmq_host()}:{free_port()}" if role.rank == 0 else None
+        pull = endpoints.address_for("frontend") if role.rank == 0 else None
         mine = RankAddress(role.rank, role.dp_rank, role.is_leader, inbox.address)
         ranks, pulls = gather_addresses(mine, pull, pg)
         pull = pulls[0]
-        outbox = Outbox(zctx, pull)
-        heartbeat = HeartbeatThread(zctx, pull, role.rank, HEARTBEAT_S)
+        outbox = Outbox(zctx, pull, key)
+        heartbeat = HeartbeatThread(zctx, pull, role.rank, HEARTBEAT_S, key, inbox)
         heartbeat.start()
         if role.rank == 0:
             frontend = spawn_frontend(FrontendConfig(
@@ -240,7 +273,14 @@ def _serve(settings: "ServeSettings") -> int:
                 max_batch_size=launch.max_batch_size, max_queue=settings.max_queue,
                 routing=settings.routing, parent_pid=os.getpid(),
                 dead_after_s=min(launch.timeout, 10.0),
-                chat_template=settings.chat_template))
+                chat_template=settings.chat_template, http_fd=http.fileno(),
+                max_body_size=settings.max_body_size, header_timeout=settings.header_timeout,
+                body_timeout=settings.body_timeout,
+                timeout_keep_alive=settings.timeout_keep_alive,
+                max_connections=max_connections,
+                chat_template_timeout=settings.chat_template_timeout), secret)
+            http.close()          # the frontend holds it now
+            http = None
             log.info("frontend at http://%s:%d (pid %d); loading the model", settings.host,
                      settings.port, frontend.pid)
         try:
@@ -253,10 +293,12 @@ def _serve(settings: "ServeSettings") -> int:
         outbox.send(RankExit(role.rank, result.reason, result.error))
         (log.error if result.error else log.info)("stopping: %s", result.reason)
         failed = result.error
-        # NOTE: a stop another rank asked for (its signal, its failure) exits non-zero: on a clean
-        # exit torchrun's agent of this node waits (300 s) in its exit barrier for every node's
-        # agent, and the agent of a node stopped by a signal never arrives
-        return 1 if result.error or result.by_peer else 0
+        # NOTE: across hosts, a stop another rank asked for (its signal, its failure) exits
+        # non-zero: on a clean exit torchrun's agent of this node waits (300 s) in its exit
+        # barrier for every node's agent, and the agent of a node stopped by a signal never
+        # arrives. On one host there is one agent and no such wait: a clean stop is 0 on every
+        # rank, so torchrun ends without a traceback (docs/serving.md, "Stopping").
+        return 1 if result.error or (result.by_peer and not single_host()) else 0
     finally:
         closers.close()  # NOTE: the engine's CUDA graphs go before the process group
         if heartbeat is not None:
@@ -264,13 +306,39 @@ def _serve(settings: "ServeSettings") -> int:
         if frontend is not None:
             code = stop_frontend(frontend, wait_s=15.0)
             log.info("the frontend exited (code %s)", code)
+        if http is not None:
+            http.close()
         if outbox is not None:
             outbox.close()
         inbox.close()
         zctx.term()
+        endpoints.close()
         signals.restore()
         if ctx.distributed and not failed:
             ctx.shutdown()   # after a failure a peer may be gone: just exit
+
+
+def job_secret(ctx: Any, role: RankRole) -> tuple[str, Any]:
+    """The job's secret and keys (``channel``): ADAPTIVE_DIST_SERVE_SECRET when set (every rank
+    must have the same; they compare digests, never the secret), else one rank 0 draws and
+    hands to the others over the gloo group. `ValueError` naming the variable and the ranks
+    when the ranks disagree."""
+    from workers.server.channel import (SECRET_ENV, JobKey, new_secret, secret_digest,
+                                        user_secret)
+
+    given = user_secret()
+    drawn = new_secret() if role.rank == 0 and given is None else None
+    digest = secret_digest(given) if given is not None else None
+    pg = ctx.layout(dp=1).group("world").control_pg if ctx.distributed else None
+    _, shared = gather_addresses(None, (drawn, digest), pg)
+    digests = [d for _, d in shared]
+    if len(set(digests)) > 1:
+        unset = [r for r, d in enumerate(digests) if d is None]
+        what = (f"set on some ranks only (unset on rank(s) {unset})" if unset else
+                "different values on the ranks")
+        raise ValueError(f"{SECRET_ENV}: {what}; give every rank the same secret, or none")
+    secret = given if given is not None else shared[0][0]
+    return secret, JobKey(secret)
 
 
 def _build_loop(ctx: "DistContext", first: "ParallelLayout", settings: "ServeSettings",
@@ -301,7 +369,7 @@ def _build_loop(ctx: "DistContext", first: "ParallelLayout", settings: "ServeSet
     loop = RankLoop(adapter, inbox, outbox if role.is_leader else None, role.dp_rank, stop,
                     alive=_frontend_check(frontend))
     outbox.send(Ready(role.rank, role.dp_rank, role.is_leader, os.getpid(), info,
-                      adapter.queue_stats().kv_usable_pages))
+                      adapter.queue_stats().kv_usable_pages, host_id()))
     if role.is_leader:
         loop.announce()
     log.info("serving: %s, DP replica %d of %d (attention over %d ranks), batch %d, context %d",

@@ -77,6 +77,12 @@ class FrontendMetrics:
     itl: Histogram = field(default_factory=lambda: Histogram(buckets=TOKEN_BUCKETS))
     tpot: Histogram = field(default_factory=lambda: Histogram(buckets=TOKEN_BUCKETS))
     queue_time: Histogram = field(default_factory=lambda: Histogram(buckets=TTFT_BUCKETS))
+    # the perimeter (docs/serving.md, "Security")
+    http_rejected: Counter = field(default_factory=Counter)   # reason -> requests refused
+    refused_connections: Any = None        # perimeter.RateLimitedLog (its total)
+    open_connections: Any = None           # () -> connections open now
+    template_failures: Counter = field(default_factory=Counter)   # kind -> chat renders failed
+    dropped: Any = None                    # () -> {receiver: {reason: count}}
 
 
 class _Writer:
@@ -164,9 +170,34 @@ def render(metrics: FrontendMetrics, *, healthy: bool, ranks: int, ranks_ready: 
             ("request_queue_time_seconds", metrics.queue_time,
              "on the rank: request applied -> admitted into the running batch")):
         w.histogram(name, help_text, h)
+    _perimeter(w, metrics)
     for g in sorted(stats):
         _dp_group(w, g, stats[g])
     return w.text()
+
+
+def _perimeter(w: _Writer, metrics: FrontendMetrics) -> None:
+    w.metric("http_rejected_total", "counter",
+             "HTTP requests refused before they ran, by reason (body_too_large: 413, "
+             "body_timeout / header_timeout: 408)",
+             [({"reason": k}, v) for k, v in sorted(metrics.http_rejected.items())])
+    refused = metrics.refused_connections.total if metrics.refused_connections else 0
+    w.metric("http_connections_refused_total", "counter",
+             "connections closed at once at the connection cap (--max-connections)",
+             [({}, refused)])
+    if metrics.open_connections is not None:
+        w.metric("http_connections_open", "gauge", "HTTP connections open now",
+                 [({}, metrics.open_connections())])
+    w.metric("chat_template_failures_total", "counter",
+             "chat template renders that failed, by kind (refused: raise_exception; error: any "
+             "other failure; timeout: --chat-template-timeout; too_long: the output bound)",
+             [({"kind": k}, v) for k, v in sorted(metrics.template_failures.items())])
+    dropped = metrics.dropped() if metrics.dropped is not None else {}
+    w.metric("dropped_messages_total", "counter",
+             "internal messages dropped: not sealed with this job's key (unauthenticated), "
+             "seen before (replayed), or undecodable (malformed); by receiving process",
+             [({"receiver": who, "reason": reason}, n)
+              for who, counts in sorted(dropped.items()) for reason, n in sorted(counts.items())])
 
 
 def _dp_group(w: _Writer, g: int, s: Any) -> None:

@@ -94,14 +94,17 @@ class Ready:
     pid: int
     model: ModelInfo
     kv_usable_pages: int = 0
+    host_id: Optional[str] = None   # `launch.host_id()`: the frontend may watch `pid` when equal
 
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """Rank ``rank`` (process ``pid``) is alive."""
+    """Rank ``rank`` (process ``pid``) is alive; ``dropped``: the messages its inbox dropped so
+    far, by reason (``channel.REASONS``)."""
 
     rank: int
     pid: int
+    dropped: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -228,7 +231,9 @@ def _build(cls: type, obj: Any) -> Any:
         raise ProtocolError(f"{cls.__name__}: {err}") from None
 
 
-# ---- the launch -> frontend hand-over (one JSON argument of the frontend process) -------------
+# ---- the launch -> frontend hand-over (the frontend's environment, never its command line) ----
+
+CONFIG_ENV = "ADAPTIVE_DIST_FRONTEND_CONFIG"
 
 @dataclass(frozen=True)
 class RankAddress:
@@ -257,6 +262,13 @@ class FrontendConfig:
     dead_after_s: float = 5.0         # a rank silent this long is dead
     linger_s: float = 1.5             # after a failure, keep answering 503 this long, then exit
     chat_template: Optional[str] = None   # --chat-template FILE (None: the model's own)
+    http_fd: Optional[int] = None     # the listening socket rank 0 bound (None: bind host:port)
+    max_body_size: int = 32 << 20     # --max-body-size
+    header_timeout: float = 10.0      # --header-timeout
+    body_timeout: float = 60.0        # --body-timeout
+    timeout_keep_alive: float = 5.0   # --timeout-keep-alive
+    max_connections: int = 1000       # --max-connections, resolved against the file limit
+    chat_template_timeout: float = 5.0   # --chat-template-timeout
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
