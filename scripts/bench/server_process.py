@@ -52,7 +52,10 @@ class ServerProcess:
 
     def __init__(self, args: Sequence[str], port: int, nproc: int = 1,
                  env: Optional[dict[str, str]] = None,
-                 launcher_args: Sequence[str] = ()) -> None:
+                 launcher_args: Sequence[str] = (),
+                 open_files: Optional[int] = None) -> None:
+        """`open_files`: the job's open-file limit (soft and hard), as `ulimit -n` would set
+        it (None: this process's)."""
         self.port, self.nproc = port, nproc
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)
@@ -63,8 +66,15 @@ class ServerProcess:
                    "--master-port", str(_free_port()), *launcher_args,
                    "-m", "adaptive_dist", "serve"]
         cmd += ["--port", str(port), *args]
+        limit = None
+        if open_files is not None:
+            def limit() -> None:
+                import resource
+
+                resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+                                     env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+                                     preexec_fn=limit)
         self.tree: set[int] = {self.proc.pid}
 
     def wait_ready(self, timeout_s: float = 120.0) -> "ServerProcess":

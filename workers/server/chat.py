@@ -101,6 +101,7 @@ def special_tokens(model_dir: Optional[str | Path]) -> dict[str, str]:
 
 def _environment() -> Any:
     from jinja2 import nodes
+    from jinja2.compiler import CodeGenerator
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -127,8 +128,20 @@ def _environment() -> Any:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
+    class NoFolding(CodeGenerator):
+        """Jinja evaluates constant expressions while it compiles (the optimizer, and each
+        output's children), so `{{ 'x' * 10**10 }}` or `{{ 3 ** 10**8 }}` would run in
+        whatever process compiles the template (the launch checks --chat-template), outside
+        any bound. Nothing is folded here: it runs in the render worker, under its time and
+        memory limits."""
+
+        def _output_child_to_const(self, node: Any, frame: Any, finalize: Any) -> str:
+            raise nodes.Impossible()
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, loopcontrols])
+                                        extensions=[GenerationBlock, loopcontrols],
+                                        optimized=False)
+    env.code_generator_class = NoFolding
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     return env

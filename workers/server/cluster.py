@@ -118,6 +118,7 @@ class ClusterClient:
         self._exited: set[int] = set()                         # ranks that sent RankExit
         self._causes: list[tuple[int, int, str, bool]] = []   # (rank, order, message, orderly)
         self.on_ready: list[Any] = []     # called once every rank is ready
+        self.on_failure: list[Any] = []   # called once the cluster failed (not orderly)
         self._verdict_due: Optional[asyncio.TimerHandle] = None
         self.router = Router(config.dp, config.routing)
         self.seq = 0
@@ -212,6 +213,9 @@ class ClusterClient:
             self._broadcast(Shutdown(self._next_seq(), message, error=not orderly))
         except zmq.ZMQError as err:
             log.warning("could not send Shutdown to the ranks: %s", err)
+        if not orderly:
+            for callback in self.on_failure:
+                callback()
         asyncio.get_running_loop().call_later(self.config.linger_s, self.stopping.set)
 
     # ---- outputs -----------------------------------------------------------------------------------
@@ -403,11 +407,12 @@ def start_time(pid: int) -> Optional[int]:
 
 def process_end(pid: int, started: Optional[int]) -> Optional[str]:
     """How process `pid` (started at `started`) ended ("was killed by SIGKILL", "exited with
-    code 1", "ended"), or None while it runs (a stopped process runs)."""
+    code 1", or, once its parent reaped it, "ended without a word"), or None while it runs (a
+    stopped process runs)."""
     fields = _stat_fields(pid)
     if fields is None or (started is not None and len(fields) > 19
                           and int(fields[19]) != started):
-        return "ended"
+        return "ended without a word"
     if fields[0] not in ("Z", "X"):
         return None
     if len(fields) > 49:               # a zombie keeps its wait status (Linux >= 3.5)
@@ -421,4 +426,4 @@ def process_end(pid: int, started: Optional[int]) -> Optional[str]:
             return f"was killed by {name}"
         if os.WIFEXITED(status):
             return f"exited with code {os.WEXITSTATUS(status)}"
-    return "ended"
+    return "ended without a word"

@@ -42,6 +42,7 @@ def _server_class():
 
 async def serve(config, secret: str) -> int:
     """Run until the cluster stops; the exit code (0 after an orderly stop)."""
+    import functools
     import socket
 
     import uvicorn
@@ -50,51 +51,76 @@ async def serve(config, secret: str) -> int:
     from workers.server.channel import JobKey
     from workers.server.cluster import ClusterClient
     from workers.server.metrics import FrontendMetrics
-    from workers.server.perimeter import RateLimitedLog, guarded_protocol, quiet_exhaustion
+    from workers.server.perimeter import (RateLimitedLog, accept_connections, bind_http,
+                                          guarded_protocol, quiet_exhaustion, raise_file_limit)
 
     import workers.cli  # noqa: F401  (the codec's tokenizer; imports torch: before serving)
 
     loop = asyncio.get_running_loop()
-    quiet_exhaustion(loop)
+    raise_file_limit()
+    exhausted = RateLimitedLog("cannot accept HTTP connections (out of a system resource)")
+    quiet_exhaustion(loop, exhausted)
     metrics = FrontendMetrics()
     cluster = ClusterClient(config, metrics, JobKey(secret))
     app = create_app(cluster, metrics, api_key=os.environ.get(API_KEY_ENV) or None)
     cluster.on_ready.append(app.state.warm)
+    if config.failure_fd is not None:     # rank 0 leaves a stuck collective on this byte
+        cluster.on_failure.append(lambda: _write_quietly(config.failure_fd, b"!"))
     refused = RateLimitedLog("refusing new HTTP connections at the cap")
     metrics.refused_connections = refused
     metrics.dropped = lambda: {"frontend": cluster.verifier.snapshot(),
                                **{f"rank{r}": d for r, d in sorted(cluster.rank_dropped.items())}}
-    protocol = guarded_protocol(config.max_connections, config.header_timeout,
-                                config.timeout_keep_alive, refused,
+    protocol = guarded_protocol(config.header_timeout,
                                 lambda kind: metrics.http_rejected.update([f"{kind}_timeout"]))
-    server = _server_class()(uvicorn.Config(
+    uconfig = uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning", lifespan="off",
         timeout_graceful_shutdown=2, access_log=False, http=protocol,
-        timeout_keep_alive=config.timeout_keep_alive, backlog=2048))
+        timeout_keep_alive=config.timeout_keep_alive)
+    server = _server_class()(uconfig)
     metrics.open_connections = lambda: len(server.server_state.connections)
-    sockets = None
-    if config.http_fd is not None:
-        sockets = [socket.socket(fileno=config.http_fd)]
+    listening = socket.socket(fileno=config.http_fd) if config.http_fd is not None \
+        else bind_http(config.host, config.port)
     loop.add_signal_handler(signal.SIGTERM, cluster.sigterm)
     loop.add_signal_handler(signal.SIGINT, lambda: None)
     tasks = [asyncio.ensure_future(cluster.pump()), asyncio.ensure_future(cluster.watchdog())]
 
+    async def accept_when_started() -> None:
+        # uvicorn serves no socket itself (`sockets=[]`): this loop accepts, under the cap
+        while not server.started:
+            await asyncio.sleep(0.02)
+        make = functools.partial(uconfig.http_protocol_class, config=uconfig,
+                                 server_state=server.server_state,
+                                 app_state=server.lifespan.state)
+        await accept_connections(listening, make, server.server_state.connections,
+                                 config.max_connections, refused, exhausted)
+
+    accepting = asyncio.ensure_future(accept_when_started())
+
     async def stop_when_asked() -> None:
         await cluster.stopping.wait()
+        accepting.cancel()
         server.should_exit = True
 
-    tasks.append(asyncio.ensure_future(stop_when_asked()))
+    tasks += [accepting, asyncio.ensure_future(stop_when_asked())]
     try:
-        await server.serve(sockets=sockets)
+        await server.serve(sockets=[])
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        listening.close()
         if cluster.failure is None:
             cluster.fail("the HTTP server stopped")
         cluster.close()
         app.state.close()
     return 0 if cluster.orderly else 1
+
+
+def _write_quietly(fd: int, data: bytes) -> None:
+    try:
+        os.write(fd, data)
+    except OSError:
+        pass
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -134,7 +135,7 @@ def spawn_frontend(config: Any, secret: str) -> subprocess.Popen:
         env.pop(key, None)   # the frontend is no rank
     env[CONFIG_ENV] = config.to_json()
     env[SECRET_ENV] = secret
-    fds = (config.http_fd,) if config.http_fd is not None else ()
+    fds = tuple(fd for fd in (config.http_fd, config.failure_fd) if fd is not None)
     return subprocess.Popen([sys.executable, "-m", "workers.server.frontend"], env=env,
                             pass_fds=fds)
 
@@ -252,6 +253,7 @@ def _serve(settings: "ServeSettings") -> int:
     signals = _Signals(stop)
     signals.install(inbox.wakeup_fd)
     frontend: Optional[subprocess.Popen] = None
+    alarm_r: Optional[int] = None
     outbox = heartbeat = None
     failed = True
     closers = contextlib.ExitStack()
@@ -266,6 +268,7 @@ def _serve(settings: "ServeSettings") -> int:
         heartbeat = HeartbeatThread(zctx, pull, role.rank, HEARTBEAT_S, key, inbox)
         heartbeat.start()
         if role.rank == 0:
+            alarm_r, alarm_w = os.pipe()
             frontend = spawn_frontend(FrontendConfig(
                 host=settings.host, port=settings.port, pull_address=pull, ranks=ranks,
                 dp=role.dp,
@@ -278,18 +281,26 @@ def _serve(settings: "ServeSettings") -> int:
                 body_timeout=settings.body_timeout,
                 timeout_keep_alive=settings.timeout_keep_alive,
                 max_connections=max_connections,
-                chat_template_timeout=settings.chat_template_timeout), secret)
-            http.close()          # the frontend holds it now
+                chat_template_timeout=settings.chat_template_timeout,
+                failure_fd=alarm_w), secret)
+            http.close()          # the frontend holds them now
             http = None
+            os.close(alarm_w)
             log.info("frontend at http://%s:%d (pid %d); loading the model", settings.host,
                      settings.port, frontend.pid)
+        watch = _StuckWatch(frontend, alarm_r) if frontend is not None else None
         try:
             loop = _build_loop(ctx, first, settings, role, inbox, outbox, stop, frontend,
                                closers)
+            if watch is not None:
+                watch.start()
             result = loop.run()
         except Exception as err:   # the frontend answers every client with this message
             outbox.send(RankExit(role.rank, f"{type(err).__name__}: {err}", True))
             raise
+        finally:
+            if watch is not None:
+                watch.left.set()
         outbox.send(RankExit(role.rank, result.reason, result.error))
         (log.error if result.error else log.info)("stopping: %s", result.reason)
         failed = result.error
@@ -313,9 +324,57 @@ def _serve(settings: "ServeSettings") -> int:
         inbox.close()
         zctx.term()
         endpoints.close()
+        if alarm_r is not None:
+            os.close(alarm_r)
         signals.restore()
         if ctx.distributed and not failed:
             ctx.shutdown()   # after a failure a peer may be gone: just exit
+
+
+class _StuckWatch(threading.Thread):
+    """Rank 0's guard against waiting out a failed job. The frontend writes a byte to `alarm`
+    (a pipe) when it declares the job failed, and the pipe closes when it exits. The loop then
+    leaves within a round (the frontend's Shutdown, or its exit, reaches it). If it has not
+    after `grace_s`, this rank is stuck in a round's collective with a rank that is gone or
+    frozen (the frontend declared it dead and, on this host, killed it): leave now, exit 4,
+    rather than after the collective's failure diagnosis or its timeout."""
+
+    def __init__(self, frontend: subprocess.Popen, alarm: int, grace_s: float = 1.5) -> None:
+        super().__init__(name="stuck-watch", daemon=True)
+        self.frontend, self.alarm, self.grace_s = frontend, alarm, grace_s
+        self.left = threading.Event()
+
+    def run(self) -> None:
+        import select
+        import time
+
+        from adaptive_dist.failures import say
+        from collectives.errors import EXIT_TIMEOUT
+
+        failed_at: Optional[float] = None
+        while not self.left.is_set():
+            if failed_at is None:
+                if select.select([self.alarm], [], [], 0.2)[0]:
+                    raised = os.read(self.alarm, 64)
+                    if raised or self._exit_code() not in (None, 0):
+                        failed_at = time.monotonic()
+                    elif not raised:          # closed by an orderly exit: nothing to watch
+                        return
+                continue
+            if self.left.wait(0.1):
+                return
+            if time.monotonic() - failed_at >= self.grace_s:
+                say("CollectiveTimeoutError: the frontend declared the job failed (its line "
+                    "above says why) while this rank waited in a round's collective; leaving "
+                    "now")
+                logging.shutdown()
+                os._exit(EXIT_TIMEOUT)
+
+    def _exit_code(self) -> Optional[int]:
+        try:
+            return self.frontend.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return None
 
 
 def job_secret(ctx: Any, role: RankRole) -> tuple[str, Any]:

@@ -241,6 +241,12 @@ def _prompt(item: Any, where: str, encode: Callable[[str], list[int]], limits: L
     def refuse(message: str, code: str = "invalid_value") -> ApiError:
         return ApiError(400, f"{where}: {message}", param="prompt", code=code)
 
+    def fits(ids: list) -> None:
+        # before the per-token checks: a prompt of millions of tokens is refused in no time
+        if len(ids) >= limits.max_context_len:
+            refusal = admission.length_error(len(ids), 1, limits.max_context_len, where)
+            raise ApiError(400, refusal.message, param="prompt", code="context_length_exceeded")
+
     if isinstance(item, str):
         if not item:
             raise refuse("the prompt is empty; give at least one character")
@@ -249,6 +255,7 @@ def _prompt(item: Any, where: str, encode: Callable[[str], list[int]], limits: L
         except Exception as err:   # e.g. a lone surrogate (JSON allows "\ud800"): no UTF-8
             raise refuse(f"the text cannot be encoded ({type(err).__name__}: "
                          f"{str(err)[:120]})") from None
+        fits(ids)
         problem = admission.token_error(ids, limits.vocab_size)
         if problem is not None:
             raise refuse(f"the text encodes to ids the model does not have: {problem}")
@@ -256,6 +263,7 @@ def _prompt(item: Any, where: str, encode: Callable[[str], list[int]], limits: L
     if not isinstance(item, list) or not all(admission.is_int(t) for t in item):
         raise refuse(f"expected a string or a list of token ids, got {_type_name(item)}",
                      "invalid_type")
+    fits(item)
     problem = admission.token_error(item, limits.vocab_size)
     if problem is not None:
         raise refuse(problem)

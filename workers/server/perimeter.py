@@ -4,10 +4,12 @@
   port fails the start at once, exit 2) and hands the socket to the frontend.
 - ``connection_cap``: open connections at most, below the open-file limit (raised to its hard
   limit first, as vLLM does), so accepting never runs out of file descriptors.
-- ``guarded_protocol``: uvicorn's HTTP protocol with that cap (a connection over it is closed
-  at once), an idle timer from the moment a connection opens (``--timeout-keep-alive``; uvicorn
-  arms it only after a response), and a header timer (``--header-timeout``: from a request's
-  first byte to the end of its headers; then 408 and the connection closes).
+- ``accept_connections``: the frontend's accept loop, one connection at a time, closing at once
+  what comes past that cap.
+- ``guarded_protocol``: uvicorn's HTTP protocol with an idle timer from the moment a connection
+  opens (``--timeout-keep-alive``; uvicorn arms it only after a response) and a header timer
+  (``--header-timeout``: from a request's first byte to the end of its headers; then 408 and the
+  connection closes).
 - ``RequestLimits``: ASGI middleware: a body larger than ``--max-body-size`` is a 413 (from its
   Content-Length, before any of it is read; counted as it arrives otherwise), a body slower than
   ``--body-timeout`` a 408.
@@ -20,8 +22,10 @@ No torch here; uvicorn and starlette are imported by the functions that need the
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
+import struct
 import time
 from typing import Any, Callable, Optional
 
@@ -142,17 +146,15 @@ class _RepeatFilter(logging.Filter):
         return True
 
 
-def quiet_exhaustion(loop: asyncio.AbstractEventLoop) -> None:
-    """Log accept errors (EMFILE, ENFILE, ENOBUFS, ENOMEM: asyncio retries after a second) once
-    per interval without a traceback, and uvicorn's per-request warnings once per interval."""
-    accept = RateLimitedLog("cannot accept connections (out of a system resource; asyncio "
-                            "retries every second)")
-
+def quiet_exhaustion(loop: asyncio.AbstractEventLoop, exhausted: RateLimitedLog) -> None:
+    """Accept errors asyncio reports itself (EMFILE, ENFILE, ...) go to `exhausted` (once per
+    interval, no traceback), and uvicorn's per-request warnings ("Invalid HTTP request
+    received.") are logged once per interval."""
     def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
         message = context.get("message", "")
-        if "out of system resource" in message or "accept" in message.lower():
+        if "out of system resource" in message:
             exc = context.get("exception")
-            accept.event(f"{type(exc).__name__}: {exc}" if exc is not None else message)
+            exhausted.event(f"{type(exc).__name__}: {exc}" if exc is not None else message)
             return
         loop.default_exception_handler(context)
 
@@ -161,18 +163,63 @@ def quiet_exhaustion(loop: asyncio.AbstractEventLoop) -> None:
         logging.getLogger(name).addFilter(_RepeatFilter())
 
 
-# ---- uvicorn's protocol with the cap and the timers -------------------------------------------
+# ---- accepting connections, with the cap ------------------------------------------------------
+
+_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+async def accept_connections(sock: socket.socket, make_protocol: Callable[[], Any],
+                             connections: set, cap: int, refused: RateLimitedLog,
+                             exhausted: RateLimitedLog) -> None:
+    """Accept connections on the listening `sock` one at a time, until cancelled: each becomes
+    a transport of `make_protocol()` while fewer than `cap` are open (`connections`, uvicorn's
+    set); past the cap it is closed at once (a reset; counted in `refused`). One at a time, so
+    at most one descriptor is ever held beyond the cap: with `cap` below the open-file limit,
+    accepting never fails for lack of descriptors (asyncio's own server accepts a whole backlog
+    in one go, then fails with EMFILE and logs a traceback per attempt). An accept error that
+    does happen (EMFILE from elsewhere, ENFILE: the system's limit) is counted in `exhausted`
+    and retried after a pause."""
+    loop = asyncio.get_running_loop()
+    sock.setblocking(False)
+    linger_off = struct.pack("ii", 1, 0)
+    while True:
+        try:
+            conn, _ = await loop.sock_accept(sock)
+        except OSError as err:
+            if err.errno in _EXHAUSTED:
+                exhausted.event(f"{err.strerror} ({len(connections)} connections open)")
+                await asyncio.sleep(0.2)
+                continue
+            if err.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
+                continue
+            raise
+        if len(connections) >= cap:
+            try:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_off)   # RST
+            except OSError:
+                pass
+            conn.close()
+            refused.event(f"{len(connections)} connections open, the cap is {cap} "
+                          f"(--max-connections / the open-file limit)")
+            continue
+        try:
+            await loop.connect_accepted_socket(make_protocol, conn)
+        except OSError:
+            conn.close()
+
+
+# ---- uvicorn's protocol with the timers -------------------------------------------------------
 
 _REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
 
 
-def guarded_protocol(max_connections: int, header_timeout: float, keep_alive: float,
-                     refused: RateLimitedLog, timeouts: Optional[Callable[[str], None]] = None
-                     ) -> type:
-    """uvicorn's h11 protocol class with the connection cap and the two timers (module
-    docstring). `refused` counts connections closed at the cap; `timeouts(kind)` is told of
-    each connection closed by a timer ("header")."""
+def guarded_protocol(header_timeout: float,
+                     timeouts: Optional[Callable[[str], None]] = None) -> type:
+    """uvicorn's h11 protocol class with two timers (module docstring): idle from the moment a
+    connection opens (uvicorn arms its keep-alive timer only after a response), and
+    `header_timeout` from a request's first byte to the end of its headers (then 408 and
+    close). `timeouts(kind)` is told of each connection a header timer closes ("header")."""
     import json
 
     from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -184,31 +231,20 @@ def guarded_protocol(max_connections: int, header_timeout: float, keep_alive: fl
     reply = _REQUEST_TIMEOUT % (len(body), body)
 
     class GuardedH11Protocol(H11Protocol):
-        _refused = False
         _header_timer: Optional[asyncio.TimerHandle] = None
         _header_cycle: Any = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            if len(self.connections) >= max_connections:
-                self._refused = True
-                transport.abort()          # the descriptor is freed now, nothing is read
-                refused.event(f"{len(self.connections)} connections open, the cap is "
-                              f"{max_connections} (--max-connections / the open-file limit)")
-                return
             super().connection_made(transport)
             # silent from the start: closed after --timeout-keep-alive, as between requests
             self.timeout_keep_alive_task = self.loop.call_later(
                 self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
         def connection_lost(self, exc: Optional[Exception]) -> None:
-            if self._refused:
-                return
             self._stop_header_timer()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return
             idle = self.cycle is None or self.cycle.response_complete
             if idle and self._header_timer is None:
                 self._header_cycle = self.cycle

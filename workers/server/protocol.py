@@ -269,6 +269,7 @@ class FrontendConfig:
     timeout_keep_alive: float = 5.0   # --timeout-keep-alive
     max_connections: int = 1000       # --max-connections, resolved against the file limit
     chat_template_timeout: float = 5.0   # --chat-template-timeout
+    failure_fd: Optional[int] = None  # a pipe to rank 0: one byte when the job failed
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -201,9 +201,12 @@ def _watch_parent(parent: int) -> None:
 def worker_main() -> int:
     """``python -m workers.server.render``: render requests from stdin until it closes."""
     import resource
+    import signal
 
     from workers.server.chat import ChatTemplate
 
+    for sig in (signal.SIGINT, signal.SIGTERM):   # the frontend ends it (a terminal's Ctrl-C and
+        signal.signal(sig, signal.SIG_IGN)        # torchrun's SIGTERM reach the whole group)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
 
