@@ -4,6 +4,12 @@ shape, next to what the engine's own round table predicts for the same batch (is
     # one H200, Llama-3.1-8B shape, random bf16 weights (written first if DIR has none)
     python -m scripts.bench.production_serving --checkpoint DIR --shape llama3-8b --device cuda \\
         --concurrency 1,16,64 --modes no-spec,goodput --out runs/production_serving
+    # or in steps of a few minutes each (the tables, then one server per mode, merged)
+    python -m scripts.bench.production_serving --checkpoint DIR --tables-only --out OUT
+    python -m scripts.bench.production_serving --checkpoint DIR --modes no-spec --reuse-tables \
+        --merge --out OUT
+    python -m scripts.bench.production_serving --checkpoint DIR --modes goodput --reuse-tables \
+        --merge --out OUT
     # the same pipeline end to end on the CPU, a tiny random shape (a smoke test of this script)
     python -m scripts.bench.production_serving --checkpoint /tmp/ps --shape tiny --device cpu \\
         --concurrency 1,4 --input-len 32 --output-len 16 --max-batch-size 4 --max-model-len 256 \\
@@ -308,9 +314,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "modes": {}, "rows": []}
     for mode in args.modes:
         flags = serve_flags(args, mode, target, eagle)
-        tables = (table_from_file(args.round_table) if args.round_table
-                  else measure_table(args, flags, out / f"round_table_{mode}.json"))
+        saved = out / f"round_table_{mode}.json"
+        if args.round_table:
+            tables = table_from_file(args.round_table)
+        elif args.reuse_tables and saved.is_file():
+            tables = json.loads(saved.read_text())
+            if tables.get("flags") != flags:
+                raise SystemExit(f"--reuse-tables: {saved} was measured with other flags "
+                                 f"({tables.get('flags')}); these are {flags}")
+        else:
+            tables = measure_table(args, flags, saved)
         report["modes"][mode] = {"serve": shlex.join(flags), **tables}
+        if args.tables_only:
+            continue
         server = ServerProcess(flags, free_port())
         started = time.monotonic()
         try:
@@ -325,7 +341,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             (out / f"serve_{mode}.log").write_text(server.output())
             server.stop()
-    report["goodput_over_no_spec"] = ratios(report["rows"])
+    return report
+
+
+def merge(report: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`report` with the modes of an earlier results file it did not run (`--merge`)."""
+    if not path.is_file():
+        return report
+    old = json.loads(path.read_text())
+    ran = set(report["modes"])
+    report["modes"] = {**{m: v for m, v in old.get("modes", {}).items() if m not in ran},
+                       **report["modes"]}
+    report["rows"] = [r for r in old.get("rows", []) if r["mode"] not in ran] + report["rows"]
+    report["merged_from"] = str(path)
     return report
 
 
@@ -424,6 +452,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--serve", default="", help="further flags of serve (both modes)")
     p.add_argument("--round-table", default=None, metavar="FILE",
                    help="a cost table file (docs/data/cost_tables/*.json) instead of measuring")
+    p.add_argument("--tables-only", action="store_true",
+                   help="measure the round tables (OUT/round_table_MODE.json) and stop")
+    p.add_argument("--reuse-tables", action="store_true",
+                   help="use OUT/round_table_MODE.json when it was measured with these flags")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the other modes' rows of OUT/results.json (a run split by mode)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ready-timeout", type=float, default=1800.0,
                    help="seconds the round table and the server may take to start")
@@ -455,6 +489,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     report = run(args)
     out = Path(args.out)
+    if args.tables_only:
+        for mode, entry in report["modes"].items():
+            print(f"{mode}: round table (ms) at context {entry.get('context')}: " + json.dumps(
+                {b: {d: round(1e3 * v, 3) for d, v in row.items()}
+                 for b, row in entry["table_s"].items()}))
+        return 0
+    if args.merge:
+        report = merge(report, out / "results.json")
+    report["goodput_over_no_spec"] = ratios(report["rows"])
     report["markdown"] = markdown(report)
     write_json(out / "results.json", report)
     plot(report, out / "production_serving.png")
