@@ -106,6 +106,44 @@ def _cost_row(where: str, row: Any) -> tuple[tuple[int, float], ...]:
 
 
 @dataclass(frozen=True)
+class VerifyCost:
+    """The ``verify_cost`` table of per-request budgets: seconds of the packed verify forward
+    alone at each token count it was measured at (JSON ``{"<tokens>": seconds, ...}``), ascending.
+    What a round shape costs beyond its chain's (``adaptive_dist.policy.budgets.shape_cost``)."""
+
+    tokens: tuple[int, ...]
+    costs: tuple[float, ...]
+
+    @staticmethod
+    def parse(value: Any) -> "VerifyCost":
+        """From the JSON form (string keys) or a ``VerifyCost``; ``ConfigError`` naming the key."""
+        if isinstance(value, VerifyCost):
+            return value
+        if not isinstance(value, dict) or not value:
+            raise ConfigError(f'verify_cost={value!r}: must be a non-empty JSON object '
+                              f'{{"<tokens>": seconds, ...}}')
+        pairs = sorted(_cost_row("verify_cost", value))
+        if pairs[0][0] < 1:
+            raise ConfigError(f"verify_cost: key '0' must be an integer >= 1 (verify tokens)")
+        return VerifyCost(tuple(t for t, _ in pairs), tuple(c for _, c in pairs))
+
+    def cost(self, tokens: int) -> float:
+        """Seconds at ``tokens`` (a measured count)."""
+        try:
+            return self.costs[self.tokens.index(tokens)]
+        except ValueError:
+            raise ConfigError(f"verify_cost has no entry for {tokens} tokens (measured: "
+                              f"{list(self.tokens)})") from None
+
+    def missing(self, ladder: Any) -> list[int]:
+        """The rungs of ``ladder`` the table lacks."""
+        return [t for t in ladder if t not in self.tokens]
+
+    def to_json(self) -> dict:
+        return {str(t): c for t, c in zip(self.tokens, self.costs)}
+
+
+@dataclass(frozen=True)
 class AdaptiveConfig:
     """Policy and consensus settings (rules in docs/policy.md; the ladder is SGLang-compatible)."""
 
@@ -156,6 +194,14 @@ class AdaptiveConfig:
     8.4 nats; one that rejects the first against 0.85: 1.9); 16 requests that each reject at
     once at depth 7 against 0.85 give 30. With it on, a rank's first measurement replaces the
     start values too. (>= 0; 0: off — the EMAs follow ``ema_alpha`` alone.)"""
+    per_request: bool = False
+    """goodput: per-request budgets (``--per-request``): every request drafts what its own
+    acceptance pays for, inside a round shape (draft forwards, verify tokens) the cluster agrees
+    every round (``adaptive_dist.policy.budgets``); false: one depth for the whole batch."""
+    verify_cost: Optional[VerifyCost] = None
+    """goodput with ``per_request``: seconds of the packed verify forward at each token count
+    (``{"<tokens>": seconds}``), measured and agreed at start-up like ``round_cost`` (or given:
+    ``--model-costs``)."""
     cost_alpha: float = 0.0
     """goodput: EMA weight of a timed round in its cost-table row's offset (in [0, 1]; 0: the
     table stays as agreed at start-up). The engine's rounds are timed (seconds from one round's
@@ -166,6 +212,8 @@ class AdaptiveConfig:
                            _as_int_tuple("candidate_steps", self.candidate_steps, minimum=0))
         if self.round_cost is not None:
             object.__setattr__(self, "round_cost", RoundCost.parse(self.round_cost))
+        if self.verify_cost is not None:
+            object.__setattr__(self, "verify_cost", VerifyCost.parse(self.verify_cost))
         object.__setattr__(self, "graph_buckets", _as_int_tuple("graph_buckets", self.graph_buckets))
         for key in FLOAT_KEYS:  # 0 and 0.0 are the same setting and must hash the same
             v = getattr(self, key)
@@ -187,7 +235,8 @@ class AdaptiveConfig:
     def needs_round_cost(self) -> bool:
         """The policy needs a ``round_cost`` table and none is set yet (the engine measures it
         and calls ``adaptive_dist.startup.agree_round_cost`` before the first round)."""
-        return policy_section(self.policy).uses_round_cost and self.round_cost is None
+        return policy_section(self.policy).uses_round_cost and (
+            self.round_cost is None or (self.per_request and self.verify_cost is None))
 
     @property
     def tiers(self) -> tuple[int, ...]:
@@ -235,6 +284,7 @@ class AdaptiveConfig:
         d["candidate_steps"] = list(self.candidate_steps)
         d["graph_buckets"] = list(self.graph_buckets)
         d["round_cost"] = self.round_cost.to_json() if self.round_cost is not None else None
+        d["verify_cost"] = self.verify_cost.to_json() if self.verify_cost is not None else None
         return d
 
     def digest(self) -> str:

@@ -34,16 +34,18 @@ from collectives import DivergenceError, Group, ops
 from adaptive_dist.policy.reducers import Pooled
 from adaptive_dist.policy.rules import acceptance_rate
 
-MAGIC = 0x5ADC  # vector format version (0x5ADB: before extend_len; 0x5ADA: before period;
-                #   0x5AD9: before ema_fail)
+MAGIC = 0x5ADE  # vector format version (0x5ADC: before tokens and the value curve; 0x5ADB:
+                #   before extend_len; 0x5ADA: before period; 0x5AD9: before ema_fail)
 FIELDS = (
     "magic", "round", "n_req", "num_tokens", "n_extend", "extend_len", "can_graph",  # the upcoming
     "done",                                                                       # round
     "seq", "leave",                                                     # serving: inbox, stop
     "prev_n_req", "ema", "ema_fail", "weight", "period",                # the round that ended
-    "steps", "counted", "last_switch", "config_hash", "prev_plan_hash",  # must agree
+    "steps", "tokens", "counted", "last_switch", "config_hash", "prev_plan_hash",  # must agree
 )
-MUST_AGREE = ("magic", "round", "steps", "counted", "last_switch", "config_hash", "prev_plan_hash")
+"""The fixed columns; a per-request run appends its value curve (``RoundVector.values``)."""
+MUST_AGREE = ("magic", "round", "steps", "tokens", "counted", "last_switch", "config_hash",
+              "prev_plan_hash")
 COL = {name: i for i, name in enumerate(FIELDS)}
 _AGREE_COLS = tuple(COL[name] for name in MUST_AGREE)
 
@@ -77,9 +79,13 @@ class RoundVector:
     ema_fail: float = 1.0  # last in the dataclass (positional callers), placed by FIELDS
     period: float = -1.0   # seconds from the previous round's begin to this one's; -1: untimed
     extend_len: int = 0    # the longest prompt of its extend forward (0: none)
+    tokens: int = 0        # per-request: the verify tokens decided for this round (0: a chain)
+    values: tuple[int, ...] = ()   # per-request: its value curve (``policy.budgets``), summed
 
-    def values(self) -> list[float]:
-        return [float(MAGIC)] + [float(getattr(self, f)) for f in FIELDS[1:]]
+    def row(self) -> list[float]:
+        """The gathered row: the fixed columns, then the value curve."""
+        return ([float(MAGIC)] + [float(getattr(self, f)) for f in FIELDS[1:]]
+                + [float(v) for v in self.values])
 
 
 CHANNELS = ("control", "device")
@@ -97,11 +103,11 @@ class ConsensusChannel:
     complete with garbage). ``channel="device"`` uses the device group (pinned host staging and
     one stream synchronisation on CUDA)."""
 
-    def __init__(self, group: Group, channel: str = "control") -> None:
+    def __init__(self, group: Group, channel: str = "control", n_values: int = 0) -> None:
         if channel not in CHANNELS:
             raise ValueError(f"consensus channel={channel!r}; allowed: {', '.join(CHANNELS)}")
         self.group, self.channel = group, channel
-        n = len(FIELDS)
+        n = self.width = len(FIELDS) + n_values
         cuda = group.device.type == "cuda" and channel == "device"
         self.host_in = torch.zeros(n, dtype=torch.float64, pin_memory=cuda)
         self._host_in = self.host_in.numpy()  # the same memory: filled without a torch op
@@ -110,9 +116,10 @@ class ConsensusChannel:
         self.cuda = cuda
 
     def gather(self, vec: "RoundVector") -> list[list[float]]:
-        """All-gather every member's vector (one collective) and return the [size][len(FIELDS)]
-        matrix as Python floats, identical on every member."""
-        self._host_in[:] = vec.values()
+        """All-gather every member's vector (one collective) and return the [size][width]
+        matrix as Python floats, identical on every member (a value curve's integers are exact:
+        below 2^53)."""
+        self._host_in[:] = vec.row()
         if self.cuda:
             self.dev_in.copy_(self.host_in, non_blocking=True)
         out = ops.all_gather(self.dev_in, self.group, control=self.channel == "control")
@@ -122,7 +129,7 @@ class ConsensusChannel:
             flat = self.host_out.tolist()
         else:
             flat = out.tolist()
-        n = len(FIELDS)
+        n = self.width
         return [flat[i * n:(i + 1) * n] for i in range(self.group.size)]
 
 
@@ -165,9 +172,10 @@ def columns(matrix: list[list[float]]) -> dict[str, Sequence[float]]:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_hash(steps: int, use_graph: bool, bucket: int | None, mode: str) -> int:
-    """Hash of what a rank runs in a round: depth, graph or eager, padded bucket, forward mode."""
-    return hash48(int(steps), bool(use_graph), bucket, mode)
+def plan_hash(steps: int, tokens: int, use_graph: bool, bucket: int | None) -> int:
+    """Hash of what a rank runs in a round: its shape (draft forwards, verify tokens), graph or
+    eager, padded bucket."""
+    return hash48(int(steps), int(tokens), bool(use_graph), bucket)
 
 
 # ============================================================================ the reduced round
@@ -247,6 +255,7 @@ class ClusterRound:
     untimed: bool          # some rank's period is < 0
     period_max: float
     pooled: Optional[Pooled]   # the ranks with weight > 0 (None: none)
+    values_sum: tuple[int, ...] = ()   # per-request: the ranks' value curves added
 
     @staticmethod
     def from_matrix(matrix: list[list[float]],
@@ -254,6 +263,8 @@ class ClusterRound:
         """From the gathered vectors; ``pooled(emas, weights, ema_fails)`` is the policy's."""
         c = columns(matrix)
         n_req = [int(v) for v in c["n_req"]]
+        tail = [row[len(FIELDS):] for row in matrix]
+        values_sum = tuple(sum(int(row[j]) for row in tail) for j in range(len(tail[0])))
         return ClusterRound(
             round=int(c["round"][0]), n_req_sum=sum(n_req), n_req_max=max(n_req),
             tokens_max=int(max(c["num_tokens"])), extend_max=int(max(c["n_extend"])),
@@ -261,7 +272,7 @@ class ClusterRound:
             all_done=all(c["done"]), seq_min=int(min(c["seq"])), any_leave=any(c["leave"]),
             prev_n_req_sum=int(sum(c["prev_n_req"])), untimed=min(c["period"]) < 0,
             period_max=max(c["period"]) + 0.0,
-            pooled=pooled(c["ema"], c["weight"], c["ema_fail"]))
+            pooled=pooled(c["ema"], c["weight"], c["ema_fail"]), values_sum=values_sum)
 
 
 _SUM_INTS = ("n_req", "prev_n_req", "weight", "live")
@@ -280,12 +291,15 @@ class ReducedLayout:
     must-agree field and its negation."""
 
     def __init__(self, needs: Sequence[str], mix_steps: Sequence[int] = (),
-                 expected: Optional[Callable[[float, int], float]] = None) -> None:
+                 expected: Optional[Callable[[float, int], float]] = None,
+                 n_values: int = 0) -> None:
         self.sums = tuple(n for n in ("ema_sum", "fail_sum", "rate_sum") if n in needs)
         self.mix_steps = tuple(mix_steps) if expected is not None else ()
         self.expected = expected
         n_exact = len(self.sums) + len([s for s in self.mix_steps if s])
-        self.n_sum = len(_SUM_INTS) + LIMBS * n_exact
+        self.n_values = n_values          # a per-request run's value curve: integer sums
+        self.values_at = len(_SUM_INTS) + LIMBS * n_exact
+        self.n_sum = self.values_at + n_values
         self.n_max = len(_MAX_INTS) + 2 * len(MUST_AGREE)
         self.size = self.n_sum + self.n_max
 
@@ -309,6 +323,10 @@ class ReducedLayout:
             extremes = (float_key(e), float_key(-e), float_key(p), float_key(-p))
         else:
             extremes = (_LOW,) * 4
+        if len(vec.values) != self.n_values:
+            raise ValueError(f"round vector: {len(vec.values)} values, the layout has "
+                             f"{self.n_values}")
+        out[self.values_at:self.n_sum] = vec.values
         period = vec.period
         out[self.n_sum:self.n_sum + len(_MAX_INTS)] = (
             vec.n_req, vec.num_tokens, vec.n_extend, vec.extend_len, int(not vec.can_graph),
@@ -354,7 +372,8 @@ class ReducedLayout:
             round=red[self.n_sum + len(_MAX_INTS) + 2], n_req_sum=red[0], n_req_max=m[0],
             tokens_max=m[1], extend_max=m[2], extend_len_max=m[3], all_graph=not m[4],
             all_done=not m[5], seq_min=-m[6], any_leave=bool(m[7]), prev_n_req_sum=red[1],
-            untimed=bool(m[8]), period_max=key_float(m[9]) + 0.0, pooled=pooled)
+            untimed=bool(m[8]), period_max=key_float(m[9]) + 0.0, pooled=pooled,
+            values_sum=tuple(red[self.values_at:self.n_sum]))
 
 
 ALGORITHMS = ("doubling", "gloo")

@@ -4,8 +4,9 @@ serving fields, and the depth a ``DepthPolicy`` (``adaptive_dist.policy``) decid
 Round protocol (every rank of the group, idle ones too):
 
     plan = coordinator.begin_round(RoundReport(num_requests, num_tokens, can_graph, ...))
-    ... apply plan.steps if plan.switched, run the round with plan.steps / plan.use_graph /
-        plan.batch_bucket / plan.batch_pad / plan.extend_tokens ...
+    ... apply plan.steps if plan.switched, run the round with plan.shape (draft forwards, verify
+        tokens) / plan.budgets / plan.use_graph / plan.batch_bucket / plan.batch_pad /
+        plan.extend_tokens ...
     coordinator.ran(executed)          # what this rank launched (local)
     coordinator.end_round(accepts)     # its accept lengths (local)
 
@@ -34,9 +35,21 @@ from adaptive_dist.policy import (
     shifted_costs,
     update_offsets,
 )
+from adaptive_dist.policy.budgets import PerRequestRule, effective_tokens
+from adaptive_dist.shape import RoundShape, token_ladder
 
 
-Executed = tuple  # (steps, use_graph, batch_bucket or None, forward mode) a worker ran
+@dataclass(frozen=True)
+class Executed:
+    """What a rank's worker launched for a round: its shape, graph or eager, padded bucket."""
+
+    shape: RoundShape
+    use_graph: bool
+    batch_bucket: Optional[int]
+
+    def hash(self) -> int:
+        return consensus.plan_hash(self.shape.draft_forwards, self.shape.verify_tokens,
+                                   self.use_graph, self.batch_bucket)
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,7 @@ class RoundReport:
     seq: int = 0                  # serving: the highest request-message sequence number received
     leave: bool = False           # serving: it wants the cluster to stop after this round
     extend_len: int = 0           # the longest prompt of its extend forward
+    requests: tuple[int, ...] = ()   # per-request budgets: its requests' ids, in round order
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,19 @@ class RoundPlan:
     seq: int = 0                  # serving: messages up to here reached every rank
     leave: bool = False           # serving: some rank asked the cluster to stop
     extend_width: int = 0         # cluster-wide longest prompt in an extend forward
+    # draft forwards (= steps) and padded verify tokens (None: a full chain at steps over the
+    # padded batch, as a worker runs it by default)
+    shape: Optional[RoundShape] = None
+    # this rank's own part (not the cluster's): its requests and each one's draft tokens (empty
+    # budgets: every request drafts shape.draft_forwards); identical on a DP replica's ranks
+    requests: tuple[int, ...] = ()
+    budgets: tuple[int, ...] = ()
+
+    def budget_of(self) -> dict[int, int]:
+        """Each request's draft tokens by id."""
+        if not self.budgets:
+            return {r: self.steps for r in self.requests}
+        return dict(zip(self.requests, self.budgets))
 
 
 @dataclass(frozen=True)
@@ -100,7 +127,7 @@ class RoundStats:
     resets: int = 0         # goodput: rounds whose surprise restarted this rank's EMAs
     steps_timeline: list = field(default_factory=list)   # (round, steps) at start and every switch
     rounds_at_steps: Counter = field(default_factory=Counter)
-    # rounds that ran requests, per (steps, padded batch): what a cost table prices
+    # rounds that ran requests, per (steps, padded batch, verify tokens): what a cost table prices
     rounds_at_shape: Counter = field(default_factory=Counter)
     timed_rounds: int = 0   # goodput, cost_alpha > 0: rounds whose time moved the cost table
     # the latest timed rounds (round, steps, padded batch, slowest rank's seconds), for diagnosis
@@ -113,19 +140,24 @@ class RoundStats:
     accepted_tokens: int = 0
     accepted_per_pos: list = field(default_factory=list)
 
-    def count_drafts(self, accepts: Sequence[int], steps: int) -> None:
-        """Add one round's drafts at depth ``steps`` (nothing at depth 0)."""
+    def count_drafts(self, accepts: Sequence[int], steps: int,
+                     budgets: Optional[Sequence[int]] = None) -> None:
+        """Add one round's drafts at depth ``steps`` (``budgets``: each request's draft tokens,
+        default ``steps``); a request that drafted nothing is no draft."""
         if steps <= 0 or not accepts:
             return
+        budgets = budgets if budgets is not None else [steps] * len(accepts)
         per_pos = self.accepted_per_pos
         if len(per_pos) < steps:
             per_pos.extend([0] * (steps - len(per_pos)))
-        for a in accepts:
+        for a, d in zip(accepts, budgets):
+            if d <= 0:
+                continue
             self.accepted_tokens += a
             for i in range(a):
                 per_pos[i] += 1
-        self.drafts += len(accepts)
-        self.draft_tokens += steps * len(accepts)
+            self.drafts += 1
+            self.draft_tokens += d
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name (the counters as they are)."""
@@ -143,11 +175,21 @@ class RoundCoordinator:
     def __init__(self, config: AdaptiveConfig, group: Group, *,
                  guard: Optional[LockstepGuard] = None, channel: str = "control",
                  clock: Optional[Callable[[], float]] = time.perf_counter,
-                 scheme: str = "reduce", algorithm: str = "doubling") -> None:
+                 scheme: str = "reduce", algorithm: str = "doubling",
+                 verify_ladder: Optional[Sequence[int]] = None) -> None:
         if config.needs_round_cost:
-            raise ValueError("the goodput policy needs round_cost: measure the cost of a round "
-                             "at each depth and call adaptive_dist.startup.agree_round_cost, or "
-                             "set round_cost in the config")
+            raise ValueError("the goodput policy needs round_cost (and, with per_request, "
+                             "verify_cost): measure the cost of a round at each depth and call "
+                             "adaptive_dist.startup.agree_round_cost, or set them in the config")
+        # the verify forward's token rungs (the engine's; every rank the same): a chain's round
+        # verifies the rung that holds its tokens, a per-request round any of them
+        self.ladder = tuple(verify_ladder) if verify_ladder is not None else None
+        self.rule: Optional[PerRequestRule] = None
+        if config.per_request:
+            if self.ladder is None:
+                raise ValueError("per-request budgets need the engine's verify_ladder")
+            self.rule = PerRequestRule(config, self.ladder)
+        self._survivals: list[list[float]] = []
         self.config = config
         self.group = group
         self.guard = guard
@@ -173,7 +215,8 @@ class RoundCoordinator:
         self.scheme = scheme
         # the gather channel: the whole round (scheme "gather"), or the reduce scheme's slow
         # path (a failed check: name the ranks that differ)
-        self._channel = consensus.ConsensusChannel(group, channel)
+        n_values = self.rule.n_values if self.rule is not None else 0
+        self._channel = consensus.ConsensusChannel(group, channel, n_values)
         self._reduced = None
         if scheme == "reduce":
             if channel != "control":
@@ -181,7 +224,7 @@ class RoundCoordinator:
             mixes = self.policy.reducer.mixes
             layout = consensus.ReducedLayout(
                 self.policy.reducer.needs, config.candidate_steps if mixes else (),
-                self.policy.expected if mixes else None)
+                self.policy.expected if mixes else None, n_values)
             self._reduced = consensus.ReduceChannel(group, layout, algorithm)
         self.stats.steps_timeline.append((0, self.steps))
 
@@ -205,13 +248,26 @@ class RoundCoordinator:
         return self.local.weight
 
     def begin_round(self, report: RoundReport) -> RoundPlan:
-        """Agree this round's plan (one all-gather over the group) after deciding on the previous
-        round's statistics. Every member must call it every round, with its ``report``."""
+        """Agree this round's plan (one collective over the group) after deciding on the previous
+        round's statistics. Every member must call it every round, with its ``report``.
+
+        With per-request budgets the collective also sums the ranks' value curves of this
+        round's requests; every rank picks the next round's shape from them, and this round runs
+        the shape decided at the round before (a must-agree field of this round's vector, so a
+        rank that would run another shape is caught here, before any device collective)."""
         r = report
         if min(r.num_requests, r.num_tokens, r.num_extend, r.extend_len) < 0:
             raise ValueError(f"begin_round: num_requests={r.num_requests}, "
                              f"num_tokens={r.num_tokens}, num_extend={r.num_extend}, "
                              f"extend_len={r.extend_len} must be >= 0")
+        values: tuple[int, ...] = ()
+        if self.rule is not None:
+            if len(r.requests) != r.num_requests:
+                raise ValueError(f"begin_round: {len(r.requests)} request ids for "
+                                 f"num_requests={r.num_requests} (per-request budgets need "
+                                 f"every request's id)")
+            self._survivals = self.rule.survivals(r.requests)
+            values = self.rule.curve(self._survivals)
         now = self._clock() if self._clock is not None else None
         period = -1.0 if now is None or self._last_begin is None else now - self._last_begin
         self._last_begin = now
@@ -222,22 +278,30 @@ class RoundCoordinator:
             weight=self.weight,
             steps=self.steps, counted=self.state.counted, last_switch=self.state.last_switch,
             config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash, period=period,
+            tokens=self.state.tokens, values=values,
         )
         cluster = self._agree(vec)
         self._time_previous(cluster)
-        self.last_outcome = self._decide_previous(cluster)
-        switched = bool(self.last_outcome and self.last_outcome.decision.switched)
-        plan = self._plan(cluster, switched)
+        if self.rule is None:
+            self.last_outcome = self._decide_previous(cluster)
+            switched = bool(self.last_outcome and self.last_outcome.decision.switched)
+            plan = self._plan(cluster, switched, r.requests)
+        else:
+            prev_steps = self._prev_plan.steps if self._prev_plan is not None else self.steps
+            plan = self._plan(cluster, self.steps != prev_steps, r.requests)
+            self.last_outcome = self._decide_shape(cluster, plan)
         self._prev_plan = plan
         # until end_round reports what this rank actually ran, assume it followed the plan
-        self._prev_plan_hash = consensus.plan_hash(plan.steps, plan.use_graph, plan.batch_bucket,
-                                                   "spec")
+        self._prev_plan_hash = Executed(plan.shape, plan.use_graph, plan.batch_bucket).hash()
+
         self._digest = consensus.hash48(self._digest, plan.round, self._prev_plan_hash)
         if self.guard is not None:
             # NOTE: a decision is compared across the ranks before it takes effect: every
             # decision point is also a lockstep check (one small control-group exchange every
             # update_interval counted rounds), so a rank whose decision strays (a policy that
             # reads only its own EMA, say) is an error before the forwards of the round diverge.
+            # A per-request shape takes effect a round after it is decided, checked in that
+            # round's pre-flight: no exchange of its own.
             point = self.last_outcome is not None and self.last_outcome.decision.decision_point
             if point:
                 self.guard.check(plan.round, self._digest)
@@ -247,7 +311,8 @@ class RoundCoordinator:
         self.stats.rounds += 1
         self.stats.rounds_at_steps[plan.steps] += 1
         if plan.cluster_requests:
-            self.stats.rounds_at_shape[(plan.steps, plan.batch_pad)] += 1
+            self.stats.rounds_at_shape[(plan.steps, plan.batch_pad,
+                                        plan.shape.verify_tokens)] += 1
         return plan
 
     def _agree(self, vec: consensus.RoundVector) -> consensus.ClusterRound:
@@ -269,14 +334,16 @@ class RoundCoordinator:
         return consensus.ClusterRound.from_matrix(matrix, self.policy.pooled)
 
     def ran(self, executed: Executed) -> None:
-        """What this rank's worker launched for the round begun last (its applied depth, graph
-        or eager, bucket, forward mode). Local; its hash travels in the next round's vector, so
-        the next pre-flight check catches a rank whose worker strayed from the agreed plan. An
-        engine that reads a round's results later (overlap) reports this at launch."""
-        self._prev_plan_hash = consensus.plan_hash(*executed)
+        """What this rank's worker launched for the round begun last (its shape, graph or eager,
+        bucket). Local; its hash travels in the next round's vector, so the next pre-flight
+        check catches a rank whose worker strayed from the agreed plan. An engine that reads a
+        round's results later (overlap) reports this at launch."""
+        self._prev_plan_hash = executed.hash()
 
     def end_round(self, accepts: Sequence[int], plan: Optional[RoundPlan] = None,
-                  shadow: Optional[tuple[int, int, int]] = None) -> None:
+                  shadow: Optional[tuple[int, int, int]] = None,
+                  requests: Optional[Sequence[int]] = None,
+                  shadow_rows: Optional[Sequence[tuple[int, int]]] = None) -> None:
         """Record this rank's accept lengths (draft tokens accepted, bonus excluded). Local only.
 
         ``plan``: the round these results belong to (default: the last one begun). An engine
@@ -289,6 +356,10 @@ class RoundCoordinator:
         (goodput at depth 0) the requests still count the round, and only ``shadow`` =
         (hits, checks, rows) moves them: the draft head's greedy guesses checked against
         committed tokens (the worker's catch-up).
+        ``requests``: the ids of the requests ``accepts`` belong to (default: the plan's; an
+        engine that drops rows of requests that finished before passes the rest), whose budgets
+        the plan holds; ``shadow_rows``: each one's (hits, checks). With per-request budgets
+        they update each request's estimate (``policy.budgets.SurvivalTracker``).
         What the rank ran is ``ran``'s to report.
         """
         plan = plan if plan is not None else self._prev_plan
@@ -298,7 +369,19 @@ class RoundCoordinator:
             for a in accepts:
                 if type(a) is not int or not 0 <= a <= steps:  # bool is not an int here
                     raise ValueError(f"accept length {a!r} outside [0, {steps}] (steps in force)")
-        self.stats.count_drafts(accepts, steps)
+        budgets = None
+        if plan is not None and plan.requests:
+            rids = tuple(requests) if requests is not None else plan.requests
+            if len(rids) != len(accepts):
+                raise ValueError(f"end_round: {len(accepts)} accept lengths for {len(rids)} "
+                                 f"requests")
+            of = plan.budget_of()
+            budgets = [of[rid] for rid in rids]
+            if self.rule is not None:
+                self.rule.tracker.observe(rids, budgets, accepts)
+                if shadow_rows is not None:
+                    self.rule.tracker.observe_shadow(rids, shadow_rows)
+        self.stats.count_drafts(accepts, steps, budgets)
         self.local, observed = self.policy.observe(self.local, accepts, steps, shadow)
         self.stats.resets += observed.reset
         self.stats.shadow_rounds += observed.shadow
@@ -345,16 +428,42 @@ class RoundCoordinator:
         return RoundOutcome(prev.round, prev.steps, prev.use_graph, local_ema, decision,
                             local_fail, prev.batch_pad)
 
-    def _plan(self, c: consensus.ClusterRound, switched: bool) -> RoundPlan:
+    def _decide_shape(self, cluster: consensus.ClusterRound,
+                      plan: RoundPlan) -> RoundOutcome:
+        """Per-request budgets: the next round's shape from this round's summed value curves
+        (``PerRequestRule.decide``; every rank alike)."""
+        local_ema, local_fail = self.ema, self.ema_fail
+        self.state, decision = self.rule.decide(self.state, cluster.values_sum,
+                                                cluster.n_req_sum, cluster.n_req_max,
+                                                plan.batch_pad)
+        if decision.counted:
+            self.stats.counted_rounds += 1
+        if decision.switched:
+            self.stats.switches += 1
+            self.stats.steps_timeline.append((self.round + 1, self.steps))
+        return RoundOutcome(plan.round, plan.steps, plan.use_graph, local_ema, decision,
+                            local_fail, plan.batch_pad)
+
+    def _plan(self, c: consensus.ClusterRound, switched: bool,
+              requests: Sequence[int] = ()) -> RoundPlan:
         bucket = pick_bucket(c.n_req_max, self.config.graph_buckets) if c.all_graph else None
         use_graph = bucket is not None
+        steps = self.steps
+        budgets: tuple[int, ...] = ()
+        if self.rule is not None:
+            shape = self.rule.shape(self.state, c.n_req_max)
+            budgets = self.rule.budgets(self._survivals, shape)
+        else:
+            ladder = self.ladder or token_ladder(max(c.n_req_max, 1) * (steps + 1))
+            shape = RoundShape(steps, effective_tokens(0, c.n_req_max, steps, ladder))
         return RoundPlan(
-            round=self.round, steps=self.steps, use_graph=use_graph,
+            round=self.round, steps=steps, use_graph=use_graph,
             batch_bucket=bucket if use_graph else None,
             batch_pad=bucket if use_graph else c.n_req_max,
             extend_tokens=c.tokens_max, extend_requests=c.extend_max,
             cluster_requests=c.n_req_sum, switched=switched, all_done=c.all_done,
             seq=c.seq_min, leave=c.any_leave, extend_width=c.extend_len_max,
+            shape=shape, requests=tuple(requests), budgets=budgets,
         )
 
     def decision_digest(self) -> int:

@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 __all__ = ["ConfigMismatchError", "agree_settings", "agree_config", "exchange",
            "all_ranks_or_none", "probe_after_catchup", "derived_settings", "agree_round_cost",
-           "measured_as_json"]
+           "agree_verify_cost", "measured_as_json"]
 
 
 class ConfigMismatchError(ConfigError):
@@ -128,6 +128,32 @@ def agree_round_cost(config: AdaptiveConfig, measured: MeasuredCost,
     agreed = {b: {s: max(view[b][s] for view in views) for s in row}
               for b, row in views[0].items()}
     return config.replace(round_cost=agreed)
+
+
+def agree_verify_cost(config: AdaptiveConfig, measured: Mapping[int, float],
+                      group: "Group") -> AdaptiveConfig:
+    """``config`` with ``verify_cost`` set to the cluster's agreed table (per-request budgets):
+    for every verify-token count the maximum of the members' measurements, as
+    ``agree_round_cost``; every rank must have measured the same counts."""
+    what = "agreeing the verify cost table"
+
+    def local() -> dict:
+        if not config.per_request:
+            raise ConfigError("agree_verify_cost: verify_cost applies with per_request only")
+        table = {str(t): float(c) for t, c in measured.items()}
+        config.replace(verify_cost=table)   # validated, with key names
+        return table
+
+    mine = all_ranks_or_none(local, group, what)
+    views = exchange(mine, group, what)
+    counts: dict[str, list[int]] = {}
+    for rank, view in zip(group.ranks, views):
+        counts.setdefault(repr(sorted(int(t) for t in view)), []).append(rank)
+    if len(counts) > 1:
+        shown = "; ".join(f"ranks {rs} have {s}" for s, rs in counts.items())
+        raise ConfigMismatchError(f"{what}: ranks measured different token counts, refusing "
+                                  f"to run: {shown}")
+    return config.replace(verify_cost={t: max(view[t] for view in views) for t in views[0]})
 
 
 def measured_as_json(measured: MeasuredCost) -> dict[str, dict[str, float]]:

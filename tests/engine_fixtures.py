@@ -140,5 +140,6 @@ class ScriptPlanner:
     def ran(self, executed) -> None:
         pass
 
-    def end_round(self, accepts, executed=None, plan=None, shadow=None) -> None:
+    def end_round(self, accepts, executed=None, plan=None, shadow=None, requests=None,
+                  shadow_rows=None) -> None:
         assert all(a == 0 for a in accepts) or plan.steps > 0

@@ -12,6 +12,7 @@ from typing import Any
 
 from adaptive_dist.config import AdaptiveConfig, load_config
 from adaptive_dist.policy import pick_bucket
+from adaptive_dist.shape import token_ladder
 from workers.kv_cache import pages_for
 from workers.model.config import MOE_PARALLEL
 from workers.settings import ATTENTION_BACKENDS, MLP_SCATTERS
@@ -150,6 +151,16 @@ class EngineConfig:
         buckets = sorted(self.spec.graph_buckets)
         top = pick_bucket(self.max_batch_size, buckets) or buckets[-1]
         return tuple(b for b in buckets if b <= top)
+
+    @property
+    def verify_ladder(self) -> tuple[int, ...]:
+        """The verify forward's token rungs (`adaptive_dist.shape.token_ladder`), up to the first
+        that holds every row of the largest padded batch (a full batch, or the largest graph
+        bucket) verifying the deepest tier's window: the shapes a round may take (one target
+        graph each with `cuda_graphs`)."""
+        rows = max(self.max_batch_size, *self.graph_buckets) if self.graph_buckets else \
+            self.max_batch_size
+        return token_ladder(rows * (self.max_steps + 1))
 
     @property
     def mode(self) -> str:

@@ -36,12 +36,15 @@ import numpy as np
 import torch
 
 from adaptive_dist.failures import say
-from adaptive_dist.coordinator import RoundCoordinator, RoundPlan, RoundReport, RoundStats
-from adaptive_dist.startup import agree_round_cost, derived_settings, probe_after_catchup
+from adaptive_dist.coordinator import Executed, RoundCoordinator, RoundPlan, RoundReport, RoundStats
+from adaptive_dist.shape import RoundShape
+from adaptive_dist.startup import (agree_round_cost, agree_verify_cost, derived_settings,
+                                   probe_after_catchup)
 from collectives import Group, LockstepGuard
 from workers.attention import make_backend
 from workers.config import EngineConfig
 from workers.kv_cache import PageAllocator
+from workers.round_log import RoundLog
 from workers.runtime_state import RuntimeStatePool
 from workers.sampling import SamplingParams
 from workers.scheduler import Request, Scheduler
@@ -59,13 +62,16 @@ class RoundPlanner(Protocol):
     def begin_round(self, report: RoundReport) -> RoundPlan:
         """Agree this round's plan with the other ranks (every rank, every round, idle too)."""
 
-    def ran(self, executed: tuple) -> None:
-        """What this rank launched for the round begun last: (steps, graph, bucket, mode)."""
+    def ran(self, executed: Executed) -> None:
+        """What this rank launched for the round begun last: its shape, graph, bucket."""
 
     def end_round(self, accepts: Sequence[int], plan: RoundPlan | None = None,
-                  shadow: tuple[int, int, int] | None = None) -> None:
-        """Report this rank's accept lengths of round `plan` and (depth 0 with a head, after a
-        catch-up) its shadow checks (hits, checks, rows) (local only)."""
+                  shadow: tuple[int, int, int] | None = None,
+                  requests: Sequence[int] | None = None,
+                  shadow_rows: Sequence[tuple[int, int]] | None = None) -> None:
+        """Report this rank's accept lengths of round `plan` (of `requests`, by id) and (depth 0
+        with a head, after a catch-up) its shadow checks (hits, checks, rows; per request
+        `shadow_rows`) (local only)."""
 
 
 @dataclass
@@ -121,7 +127,7 @@ class _Launched:
 
     plan: RoundPlan
     handle: Any
-    executed: tuple
+    executed: Executed
 
 
 class Engine:
@@ -132,6 +138,7 @@ class Engine:
                  pool: RuntimeStatePool | None = None) -> None:
         self.config, self.worker, self.scheduler = config, worker, scheduler
         self.guard = guard
+        self.round_log: RoundLog | None = None   # --round-log: this rank's lines
         self.stats = EngineStats(planner.stats)
         self.planner = planner
         self.live: dict[int, Request] = {}   # queued or running; finished ones leave at retire
@@ -210,7 +217,8 @@ class Engine:
             can_graph=self.worker.can_use_graph(batch),
             done=not (self.scheduler.has_work or pending),
             num_extend=len(admitted), seq=seq, leave=leave,
-            extend_len=max((len(r.prompt_ids) for r in admitted), default=0)))
+            extend_len=max((len(r.prompt_ids) for r in admitted), default=0),
+            requests=tuple(r.rid for r in batch)))
         self.stats.plan_seconds += time.perf_counter() - start
         self.last_plan = plan
         self._all_done = plan.all_done
@@ -222,6 +230,9 @@ class Engine:
         if plan.extend_tokens:
             self.worker.prefill(admitted, plan.extend_tokens, plan.extend_requests,
                                 plan.extend_width, plan.use_graph)
+            if self.round_log is not None:
+                self.round_log.prefill(plan, [r.rid for r in admitted],
+                                       sum(len(r.prompt_ids) for r in admitted))
         launched = self._launch(plan, [r for r in batch if not r.finished])
         # what this rank launched, compared across ranks at the next round
         self.planner.ran(launched.executed)
@@ -259,12 +270,18 @@ class Engine:
     def _launch(self, plan: RoundPlan, live: list[Request]) -> "_Launched":
         """Queue the round's forwards (none when no rank of the cluster runs requests)."""
         bucket = plan.batch_bucket if plan.use_graph else None
-        handle = (self.worker.launch(live, plan.batch_pad, bucket)
-                  if plan.cluster_requests else None)
+        handle = None
+        if plan.cluster_requests:
+            budgets = None
+            if plan.budgets:
+                of = plan.budget_of()
+                budgets = [of[r.rid] for r in live]
+            handle = self.worker.launch(live, plan.batch_pad, bucket, plan.shape, budgets)
         # what this rank ran (an idle rank ran dummy rows of the agreed shape): its worker's
         # applied depth is rank-local state, checked against every other rank before the next round
-        return _Launched(plan, handle, (self.worker.steps, plan.use_graph, plan.batch_bucket,
-                                        "spec"))
+        shape = handle.shape if handle is not None else RoundShape(
+            self.worker.steps, plan.shape.verify_tokens if plan.shape is not None else 0)
+        return _Launched(plan, handle, Executed(shape, plan.use_graph, plan.batch_bucket))
 
     def _collect(self, launched: "_Launched") -> None:
         """Read a launched round, commit it to its requests that are still running (with overlap
@@ -272,15 +289,20 @@ class Engine:
         it to the planner."""
         accepts: list[int] = []
         shadow: tuple[int, int, int] | None = None
+        shadow_rows = None
+        rids: list[int] = []
         handle, plan = launched.handle, launched.plan
         if handle is not None:
             result = self.worker.collect(handle)
             reqs = handle.reqs
+            budgets = handle.budgets
             if self.config.overlap:
                 keep = np.fromiter((not r.finished for r in reqs), dtype=bool, count=len(reqs))
                 if not keep.all():
                     reqs = [r for r, k in zip(reqs, keep) if k]
+                    budgets = tuple(b for b, k in zip(budgets, keep) if k)
                     result = result.select(keep)
+            rids = [r.rid for r in reqs]
             self.scheduler.commit_round(reqs, result.first, result.accept, result.tokens,
                                         result.logprobs)
             if reqs:
@@ -295,7 +317,11 @@ class Engine:
                 checks = result.shadow[:, 1]
                 shadow = (int(result.shadow[:, 0].sum()), int(checks.sum()),
                           int((checks > 0).sum()))
-        self.planner.end_round(accepts, plan=plan, shadow=shadow)
+                shadow_rows = [tuple(x) for x in result.shadow.tolist()]
+            if self.round_log is not None:
+                self.round_log.decode(plan, launched.executed, rids, budgets, accepts)
+        self.planner.end_round(accepts, plan=plan, shadow=shadow,
+                               requests=rids if plan.requests else None, shadow_rows=shadow_rows)
 
     def _retire(self) -> list[Request]:
         """Retire finished requests (KV and slot back) and forget them."""
@@ -405,16 +431,20 @@ def build_engine(config: EngineConfig, target: torch.nn.Module, head: torch.nn.M
         # before the first of them can arrive
         spec = probe_after_catchup(spec, config.catchup_rounds)
     derived = derived_settings(config.spec, spec)
-    if spec.needs_round_cost:
+    if spec.needs_round_cost and spec.round_cost is None:
         # goodput: measure this rank's round costs on the built tiers and agree the table (the
         # element-wise maximum over the ranks) before the planner, whose hash includes it
         spec = agree_round_cost(spec, measure_round_costs(config, worker, pool), group)
+    if spec.needs_round_cost:
+        # per-request budgets: the verify forward's cost at every token rung, likewise
+        spec = agree_verify_cost(spec, worker.measure_verify_costs(), group)
     if derived and group.is_first:
         say(f"effective configuration (derived for catchup_rounds {config.catchup_rounds}): "
             f"{derived}; digest {spec.digest()}")
     if spec != config.spec:
         config = config.replace(spec=spec)
-    planner = RoundCoordinator(config.spec, group, guard=guard)
+    planner = RoundCoordinator(config.spec, group, guard=guard,
+                               verify_ladder=config.verify_ladder)
     return Engine(config, worker, scheduler, planner, guard, pool=pool)
 
 

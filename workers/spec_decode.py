@@ -71,7 +71,7 @@ from workers import kernels
 
 __all__ = [
     "SALT_ACCEPT", "SALT_RESIDUAL", "SALT_BONUS", "SALT_SAMPLE", "draft_salt",
-    "uniforms", "probs", "sample_from", "sample_tokens", "draft_step", "verify",
+    "uniforms", "probs", "sample_from", "sample_tokens", "draft_step", "verify", "verify_greedy",
     "Controls", "process_logits", "token_logprobs",
 ]
 
@@ -459,8 +459,8 @@ def verify(draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
         "num_draft": num_draft})
     dev = target_logits.device
     target_arg = target_logits.argmax(-1)                                  # [B, S+1]
-    if all_greedy and s > 0 and kernels.enabled(target_arg):  # the greedy branch below, 1 launch
-        return kernels.greedy_accept(draft, target_arg, num_draft, vocab, fill)
+    if all_greedy:
+        return verify_greedy(draft, target_arg, num_draft, vocab, fill)
     draft = draft.to(torch.int64)
     in_range = (draft >= 0) & (draft < vocab)
     x = draft.clamp(0, vocab - 1)
@@ -469,11 +469,6 @@ def verify(draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
     counted = steps[None, :] < n_draft[:, None]
     pos = torch.arange(s + 1, device=dev)[None, :]
     padded_draft = torch.cat([x, torch.full_like(x[:, :1], fill)], dim=1)  # [B, S+1]
-    if all_greedy:
-        kept = (x == target_arg[:, :s]) & in_range & counted
-        accept_len = kept.to(torch.int64).cumprod(1).sum(1)
-        final = target_arg.gather(1, accept_len[:, None])[:, 0]
-        return accept_len, _commit(padded_draft, accept_len, final, pos, fill)
 
     greedy = temperature <= 0                                               # [B]
     p = probs(target_logits.reshape(b * (s + 1), vocab),
@@ -506,6 +501,31 @@ def verify(draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
                           uniforms(seed, counter, SALT_BONUS, 1)[:, 0])
     final = torch.where(greedy, target_arg.gather(1, accept_len[:, None])[:, 0],
                         sample_from(weights, u_final))
+    return accept_len, _commit(padded_draft, accept_len, final, pos, fill)
+
+
+def verify_greedy(draft: torch.Tensor, target_arg: torch.Tensor, num_draft: torch.Tensor,
+                  vocab: int, fill: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify`` of an all-greedy batch from the target's argmax ``target_arg`` [B, S+1] (what
+    it computes from the logits): draft j of row b is kept when it is in ``[0, vocab)``, equals
+    ``target_arg[b, j]`` and ``j < clamp(num_draft[b], 0, S)``; the final token is
+    ``target_arg[b, accept_len]``. One launch on a GPU (``kernels.greedy_accept``)."""
+    b, s = draft.shape
+    if target_arg.shape != (b, s + 1):
+        raise ValueError(f"target_arg: shape {list(target_arg.shape)}, expected [{b}, {s + 1}]")
+    if s > 0 and kernels.enabled(target_arg):
+        return kernels.greedy_accept(draft, target_arg, num_draft, vocab, fill)
+    dev = target_arg.device
+    draft = draft.to(torch.int64)
+    in_range = (draft >= 0) & (draft < vocab)
+    x = draft.clamp(0, vocab - 1)
+    n_draft = num_draft.to(torch.int64).clamp(0, s)
+    counted = torch.arange(s, device=dev)[None, :] < n_draft[:, None]
+    pos = torch.arange(s + 1, device=dev)[None, :]
+    padded_draft = torch.cat([x, torch.full_like(x[:, :1], fill)], dim=1)  # [B, S+1]
+    kept = (x == target_arg[:, :s]) & in_range & counted
+    accept_len = kept.to(torch.int64).cumprod(1).sum(1)
+    final = target_arg.gather(1, accept_len[:, None])[:, 0]
     return accept_len, _commit(padded_draft, accept_len, final, pos, fill)
 
 

@@ -32,6 +32,8 @@ class PolicyState:
     index: int
     counted: int = 0
     last_switch: int = -1  # counted round of the last switch; -1: none yet
+    tokens: int = 0        # per-request budgets: the verify tokens decided for the next round
+                           # (0: none yet, a chain)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class Decision:
     accept_rate: Optional[float] = None  # goodput: the cluster's acceptance rate (None: Σw = 0)
     cost_row: Optional[int] = None       # goodput: bucket of the round_cost row used (flat: None)
     probe: bool = False                  # goodput: the switch is a probe out of depth 0
+    tokens: int = 0                      # per-request: the verify tokens decided (next round)
+    rate: Optional[float] = None         # per-request: expected tokens per second of the shape
 
     @property
     def switched(self) -> bool:

@@ -228,7 +228,8 @@ class GoodputPolicy(CountingPolicy):
     # production-priced runs of docs/results.md and docs/policy.md judge exactly this ladder)
     default_candidates = (0, 1, 3, 7)
     uses_round_cost = True
-    keys = ("round_cost", "switch_margin", "probe_every", "reset_nats", "cost_alpha")
+    keys = ("round_cost", "switch_margin", "probe_every", "reset_nats", "cost_alpha",
+            "per_request", "verify_cost")
     OUTCOME_KEYS: ClassVar[tuple[str, ...]] = ("local_ema_fail", "accept_rate", "cost_row",
                                                "probe")
     """Keys this policy adds to each consensus-only output line."""
@@ -253,6 +254,16 @@ class GoodputPolicy(CountingPolicy):
             check(c.policy == cls.name, "round_cost", c.round_cost.to_json(),
                   f"applies to the goodput policy only (policy={c.policy!r})")
             _check_cost_steps(c.round_cost, c.candidate_steps)
+        check(isinstance(c.per_request, bool), "per_request", c.per_request,
+              "must be true or false")
+        if c.per_request:
+            check(c.policy == cls.name, "per_request", c.per_request,
+                  f"per-request budgets are priced by the round cost: the goodput policy only "
+                  f"(policy={c.policy!r})")
+        if c.verify_cost is not None:
+            check(c.policy == cls.name and c.per_request, "verify_cost", c.verify_cost.to_json(),
+                  f"applies to the goodput policy with per_request only (policy={c.policy!r}, "
+                  f"per_request={c.per_request!r})")
 
     # ---- the rank's estimate ---------------------------------------------------------------
     def initial_state(self) -> GoodputState:

@@ -441,13 +441,21 @@ def run_window(engine: Engine, prompts: list[list[int]], batch: int, rounds: int
     return sum(len(r.output_ids) - before[id(r)] for r in touched)
 
 
-def modelled_seconds(rounds: dict[tuple[int, int], int], table: RoundCost) -> float:
-    """The time `rounds` ((steps, padded batch) -> count) take by `table` (a round_cost table,
-    its row picked as the policy picks it: `policy.cost_row`)."""
+def modelled_seconds(rounds: dict[tuple, int], table: RoundCost,
+                     verify: Any = None) -> float:
+    """The time `rounds` ((steps, padded batch, verify tokens) -> count) take by `table` (a
+    round_cost table, its row picked as the policy picks it: `policy.cost_row`); with `verify`
+    (a `VerifyCost`) a round's verify forward is priced by its own tokens
+    (`policy.budgets.shape_cost`), else by its row's full chain."""
+    from adaptive_dist.policy.budgets import shape_cost
+
     total = 0.0
-    for (steps, batch), n in sorted(rounds.items()):
-        row = dict(table.rows[cost_row(table, batch)])
-        total += n * row[steps]
+    for key, n in sorted(rounds.items()):
+        steps, batch = key[0], key[1]
+        if verify is not None and len(key) > 2:
+            total += n * shape_cost(table, verify, steps, key[2], batch)
+        else:
+            total += n * dict(table.rows[cost_row(table, batch)])[steps]
     return total
 
 

@@ -198,14 +198,15 @@ def bodies(engine: Any, bucket: int, context: int,
         slot_state.set_dummy_length(context)
 
     def run(phase: str) -> Callable[[], None]:
-        if worker.buckets:
-            graph = (bufs.graphs[(phase, bucket, True)] if phase == "verify"
-                     else lag.catchup_graphs[bucket])
-            return lambda: (setup(), graph.replay())
-        body = worker.phases.body(bufs, phase, bucket, reach, True)
+        if phase == "round":   # the depth-0 round: the target over the rows, the acceptance
+            body = worker.round_body(bucket)
+        elif worker.buckets:
+            body = lag.catchup_graphs[bucket].replay
+        else:
+            body = lag.catchup_phase_body(bufs, bucket, reach)
         return lambda: (setup(), body())
 
-    out = {"round": run("verify"), "setup": setup}
+    out = {"round": run("round"), "setup": setup}
     if lag.built:
         out["catchup"] = run("catchup")
     shape = prefill.shape(bucket, width)

@@ -40,8 +40,9 @@ PARTS = (("retire", "scheduler", "retire"), ("admit", "scheduler", "admit"),
          ("plan_begin", "planner", "begin_round"), ("plan_end", "planner", "end_round"),
          ("commit", "scheduler", "commit_round"), ("launch", "worker", "launch"),
          ("launch", "worker", "collect"),
-         ("bodies", "phases", "draft_phase"), ("bodies", "phases", "verify_phase"),
-         ("bodies", "phases", "extend_phase"), ("bodies", "lag", "catch_up"))
+         ("bodies", "phases", "draft_phase"), ("bodies", "phases", "target_phase"),
+         ("bodies", "phases", "accept_phase"), ("bodies", "phases", "extend_phase"),
+         ("bodies", "lag", "catch_up"))
 
 
 HELD = "0h"
@@ -135,12 +136,8 @@ def instrument(engine: Any) -> collections.Counter:
         return collect(launched)
     engine.worker.collect = waited
     if engine.worker.graphs is not None:  # graph launches are the bodies of a graphed round
-        for bufs in (s.payload for s in engine.pool.states.values()):
-            for entry in bufs.graphs.values():
-                entry.replay = timed(acc, "bodies", entry.replay)
-        for graphs in (engine.worker.lag.catchup_graphs, engine.worker.lag.deferred_graphs):
-            for entry in graphs.values():
-                entry.replay = timed(acc, "bodies", entry.replay)
+        for entry in engine.worker.table.entries.values():
+            entry.replay = timed(acc, "bodies", entry.replay)
     return acc
 
 

@@ -142,11 +142,17 @@ def main() -> int:
 
 def time_phases(engine: Engine, args: argparse.Namespace, clock: Callable, name: str,
                 samples: dict[str, list[float]]) -> None:
-    """The sampling draft and verify graphs at each bucket, over dummy rows (microseconds)."""
+    """The sampling draft and acceptance graphs at each bucket, over dummy rows
+    (microseconds)."""
+    from workers.worker.graph_table import GraphKey
+
     worker = engine.worker
     bufs = worker.state.payload
+    if worker.table is None:
+        return
     for bucket in args.batches:
-        graphs = [(phase, bufs.graphs.get((phase, bucket, False))) for phase in ("draft", "verify")]
+        graphs = [(phase, worker.table.entries.get(GraphKey(
+            phase, batch=bucket, steps=bufs.steps, greedy=False))) for phase in ("draft", "accept")]
         if any(g is None for _, g in graphs):
             continue
         bufs.rows[:bucket].fill_(worker.slots.dummy)
@@ -164,7 +170,7 @@ def write(args: argparse.Namespace, samples: dict[str, list[float]], same: bool)
             "gpu": gpu_name(args.device),
             "steps": args.steps, "context": args.context, "iters": args.iters,
             "repeats": args.repeats, "new_tokens": args.new_tokens,
-            "units": {"draft/verify": "microseconds per graph replay",
+            "units": {"draft/accept": "microseconds per graph replay",
                       "generate": "tokens per second"},
             "same_tokens": same, "command": " ".join(sys.argv)}
     write_json(out / "results.json", {"meta": meta, "results": results, "samples": samples})

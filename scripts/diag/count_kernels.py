@@ -139,7 +139,20 @@ def count_depth(target: Any, head: Any, depth: int, batch: int, greedy: bool) ->
     engine.generate(prompts(batch), params, seed=0 if greedy else 1)
     worker = engine.worker
     bufs = worker.state.payload
-    if hasattr(worker, "phases"):   # the worker package: its phases and slot state
+    if hasattr(worker, "table"):    # the worker package with its graph table (shapes)
+        from workers.worker.graph_table import GraphKey
+        from workers.worker.phases import round_phases
+
+        phases = round_phases(bufs.steps)
+        tokens = worker.default_shape(batch).verify_tokens
+
+        def body_of(bufs: Any, phase: str, batch: int, reach: int, greedy: bool) -> Any:
+            key = GraphKey(phase, tokens=tokens) if phase == "target" else GraphKey(
+                phase, batch=batch, steps=bufs.steps, greedy=greedy or phase == "extend")
+            return worker.phases.body(key, bufs, reach)
+        reach, cache_len = worker.slots.reach, worker.slots.cache_len
+        bufs.budget[:batch] = bufs.steps
+    elif hasattr(worker, "phases"):   # the worker package before round shapes
         from workers.worker.phases import round_phases
 
         phases, body_of = round_phases(bufs.steps), worker.phases.body

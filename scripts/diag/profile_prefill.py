@@ -98,8 +98,7 @@ def main() -> int:
                 entry["prefill_eager_greedy"] = kernels_of(
                     lambda: prefill.padded(rows, slots, True), args.device, 10, args.top)
                 entry["round_eager"] = kernels_of(
-                    worker.phases.body(worker.state.payload, "verify", bucket,
-                                       worker.slots.reach, True), args.device, 10, args.top)
+                    worker.round_body(bucket, graphs=False), args.device, 10, args.top)
                 worker.slots.set_dummy_length(0)
                 results[f"{name} b{bucket}"] = entry
                 print(f"== {name} b{bucket} (prefill {rows} x {slots})"

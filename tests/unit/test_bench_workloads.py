@@ -83,13 +83,13 @@ def test_model_costs_price_each_phase_by_its_rounds():
     table = RoundCost.parse({"1": {"0": 1.0, "2": 3.0}, "4": {"0": 2.0, "2": 5.0}})
     # by hand: 3 rounds at depth 2, batch 1 (row "1"): 9; 2 at depth 0, batch 4: 4; 1 at depth
     # 2, batch 8 (past the largest row: "4"): 5
-    assert bench.modelled_seconds({(2, 1): 3, (0, 4): 2, (2, 8): 1}, table) == 18.0
+    assert bench.modelled_seconds({(2, 1, 3): 3, (0, 4, 4): 2, (2, 8, 24): 1}, table) == 18.0
     target, head = tiny_pair()
     prompts = random_prompts(6, target.config.vocab_size, seed=5)
     engine = engine_for(target, head, "static", steps=2, max_batch=4)
     res = bench.run_phases(engine, [prompts[:3], prompts[3:]], 5, "cpu", batch=2, model=table)
     shapes = engine.planner.stats.rounds_at_shape
-    assert {steps for steps, _ in shapes} == {2} and {b for _, b in shapes} <= {1, 2}
+    assert {steps for steps, _, _ in shapes} == {2} and {b for _, b, _ in shapes} <= {1, 2}
     assert all(ph["wall_seconds"] > 0 for ph in res["phases"])
     assert sum(ph["seconds"] for ph in res["phases"]) == bench.modelled_seconds(shapes, table)
     assert sum(shapes.values()) == engine.planner.stats.counted_rounds

@@ -407,11 +407,11 @@ def test_goodput_ema_fail_idle_rounds_and_start():
 def test_ema_fail_travels_with_ema_for_every_policy():
     from adaptive_dist import consensus
 
-    assert consensus.MAGIC == 0x5ADC
+    assert consensus.MAGIC == 0x5ADE
     assert consensus.FIELDS.index("ema_fail") == consensus.FIELDS.index("ema") + 1
     vec = consensus.RoundVector(0, 4, 16, 0, True, False, 0, False, 4, 2.5, 4, 3, 0, -1, 7, 9,
                                 ema_fail=0.375)
-    values = vec.values()
+    values = vec.row()
     assert len(values) == len(consensus.FIELDS)
     assert values[consensus.COL["ema"]] == 2.5 and values[consensus.COL["ema_fail"]] == 0.375
     assert values[consensus.COL["weight"]] == 4.0

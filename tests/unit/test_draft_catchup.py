@@ -163,7 +163,8 @@ class _Recording(ScriptPlanner):
         super().__init__(*args)
         self.shadows: list = []
 
-    def end_round(self, accepts, executed=None, plan=None, shadow=None) -> None:
+    def end_round(self, accepts, executed=None, plan=None, shadow=None, requests=None,
+                  shadow_rows=None) -> None:
         self.shadows.append(shadow)
         super().end_round(accepts, executed, plan, shadow)
 
@@ -245,7 +246,8 @@ class _Accepts(ScriptPlanner):
         super().__init__(*args)
         self.accepts: list[list[int]] = []
 
-    def end_round(self, accepts, executed=None, plan=None, shadow=None) -> None:
+    def end_round(self, accepts, executed=None, plan=None, shadow=None, requests=None,
+                  shadow_rows=None) -> None:
         self.accepts.append([int(a) for a in accepts])
         super().end_round(accepts, executed, plan, shadow)
 

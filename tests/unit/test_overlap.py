@@ -52,14 +52,14 @@ class Recorder:
         launch, collect = worker.launch, worker.collect
         page = engine.config.page_size
 
-        def launch_(reqs, batch_pad, bucket=None):
+        def launch_(reqs, batch_pad, bucket=None, shape=None, budgets=None):
             steps = worker.steps
             for r in reqs:  # this round writes KV positions n .. n + steps
                 last = int(worker.slots.cache_len[r.slot]) + steps
                 self.over.append((last + 1, len(r.pages) * page,
                                   engine.config.replace(overlap=False).kv_tokens(
                                       len(r.prompt_ids), r.params.max_new_tokens)))
-            handle = launch(reqs, batch_pad, bucket)
+            handle = launch(reqs, batch_pad, bucket, shape, budgets)
             self.events.append(("launch", id(handle)))
             return handle
 

@@ -376,9 +376,9 @@ def test_greedy_speculation_with_features_equals_plain_greedy(pair, prompts, gre
     assert hist[0] > 0 and sum(v for k, v in hist.items() if k > 0) > 0, hist
     if graphs:
         assert engine.stats.graph_rounds == engine.stats.rounds > 0
-        bufs = engine.pool.states[steps].payload
-        assert set(bufs.processed_graphs) == {(b, g) for b in engine.worker.buckets
-                                              for g in (False, True)}
+        accepts = engine.worker.table.of("accept")
+        assert {(k.batch, k.greedy) for k in accepts if k.steps == steps and k.processed} == {
+            (b, g) for b in engine.worker.buckets for g in (False, True)}
     engine.close()
 
 

@@ -30,12 +30,13 @@ import torch
 
 from workers import kernels
 from workers.config import EngineConfig
-from workers.cuda_graphs import CudaGraphRunner, GraphEntry
+from workers.cuda_graphs import GraphEntry
+from workers.worker.graph_table import GraphKey, GraphTable
 from workers.worker.models import RankModels
 from workers.worker.slots import SHADOW_COLUMNS, SlotState, StepBuffers
 
 CATCHUP = "catchup"
-PENDING = "pending-prompts"
+PENDING = "pending"
 
 
 class DraftLag:
@@ -50,14 +51,13 @@ class DraftLag:
         self.ring_tokens: torch.Tensor | None = None    # [slots, catchup_every] x_{p}
         self.ring_features: torch.Tensor | None = None  # [slots, catchup_every, F] f_{p-1}
         self.rounds_behind = 0                          # depth-0 rounds since the last catch-up
-        self.catchup_graphs: dict[int, GraphEntry] = {}   # bucket
+        self.table: GraphTable | None = None   # the worker's, once it captures
         # prompts whose head forward waits for the catch-up (when `defer_prefill_width` admits a
         # padded prefill width)
         self.deferred_len: torch.Tensor | None = None       # [slots] tokens waiting (0: none)
         self.deferred_tokens: torch.Tensor | None = None    # [slots, W] the head's x_1 .. x_P
         self.deferred_features: torch.Tensor | None = None  # [slots, W, F] f_0 .. f_{P-1}
         self.deferred_width = 0     # the widest deferred prefill since the last catch-up
-        self.deferred_graphs: dict[tuple[int, int], GraphEntry] = {}   # (bucket, width)
         # the padded prefill widths whose head forward may wait for the catch-up
         self.defer_widths: tuple[int, ...] = ()
         cap = config.padded_prefill_tokens
@@ -158,14 +158,26 @@ class DraftLag:
             if graph_bucket is None:
                 self.prompt_phase(bp, reach, width)
             else:
-                self.deferred_graphs[(graph_bucket, width)].replay()
+                self.table.replay(GraphKey(PENDING, batch=graph_bucket, tokens=width))
             self.deferred_width = 0
         if self.rounds_behind:
             if graph_bucket is None:
                 self.catchup_phase(bufs, bp, reach, True)
             else:
-                self.catchup_graphs[graph_bucket].replay()
+                self.table.replay(GraphKey(CATCHUP, batch=graph_bucket))
             self.rounds_behind = 0
+
+    @property
+    def catchup_graphs(self) -> dict[int, GraphEntry]:
+        """The catch-up's graphs by bucket."""
+        return {} if self.table is None else {
+            k.batch: e for k, e in self.table.of(CATCHUP).items()}
+
+    @property
+    def deferred_graphs(self) -> dict[tuple[int, int], GraphEntry]:
+        """The deferred prompts' graphs by (bucket, width)."""
+        return {} if self.table is None else {
+            (k.batch, k.tokens): e for k, e in self.table.of(PENDING).items()}
 
     def catchup_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
         """The head over each row's lag ring: `lag` tokens at positions n-lag+1 .. n (draft KV
@@ -218,19 +230,22 @@ class DraftLag:
         slots.feature.index_copy_(0, rows, fresh)
         self.deferred_len.index_copy_(0, rows, start)
 
-    def capture(self, graphs: CudaGraphRunner, bufs: StepBuffers, bucket: int,
-                reach: int) -> None:
+    def capture(self, table: GraphTable, bufs: StepBuffers, bucket: int, reach: int) -> None:
         """Capture the catch-up at `bucket` and the deferred prompts' forward at `bucket` and
         every deferral width (with tier 0's buffers; once per bucket)."""
-        if bufs.steps != 0 or not self.built or bucket in self.catchup_graphs:
+        if bufs.steps != 0 or not self.built:
             return
-        self.catchup_graphs[bucket] = graphs.capture_body(
-            f"{CATCHUP}/bucket={bucket}", self._catchup_body(bufs, bucket, reach))
+        self.table = table
+        table.capture(GraphKey(CATCHUP, batch=bucket), self._catchup_body(bufs, bucket, reach))
         if self.deferred_len is not None:
             for width in self.defer_widths:
-                self.deferred_graphs[(bucket, width)] = graphs.capture_body(
-                    f"{PENDING}/bucket={bucket}/width={width}",
-                    self._prompt_body(bucket, reach, width))
+                table.capture(GraphKey(PENDING, batch=bucket, tokens=width),
+                              self._prompt_body(bucket, reach, width))
+
+    def catchup_phase_body(self, bufs: StepBuffers, bp: int,
+                           reach: int) -> Callable[[], None]:
+        """The catch-up's eager body at `bp` rows (what its graph holds)."""
+        return self._catchup_body(bufs, bp, reach)
 
     def _catchup_body(self, bufs: StepBuffers, bp: int, reach: int) -> Callable[[], None]:
         return lambda: self.catchup_phase(bufs, bp, reach, True)

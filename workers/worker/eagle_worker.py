@@ -4,12 +4,15 @@ Per request the worker keeps, on the device, in the request's batch slot (`SlotS
 `workers.worker.slots`): its page table, `n` (tokens in each cache), its last committed token `x_n`
 and the head's last output `g_n`.
 
-One round at depth `S` runs three device phases on the agreed padded batch — the whole draft
-loop, verify + accept, draft-extend + the slot update (`RoundPhases`, `workers.worker.phases`) —
-one CUDA graph each per depth and bucket (greedy-only and sampling variants; the verify phase
-also with the logits processing of `docs/sampling.md`), the same bodies eager; the host reads the round's rows once (`collect`). Depth 0 with a head runs the plain round
-and lets the head's cache lag; the lag ring, the deferred prompts and the catch-up are
-`DraftLag`'s (`workers.worker.draft_lag`).
+One round at shape (S draft forwards, T verify tokens; `adaptive_dist.shape.RoundShape`) runs
+four device phases on the agreed padded batch — the whole draft loop, the target over the packed
+verify tokens, the acceptance, draft-extend + the slot update (`RoundPhases`,
+`workers.worker.phases`) — as CUDA graphs from one `GraphTable`: the target's per token rung,
+the others per depth and bucket (greedy-only and sampling variants; the acceptance also with the
+logits processing of `docs/sampling.md`); the same bodies eager. Each request drafts its own
+budget inside the shape (the plan's, per row). The host reads the round's rows once (`collect`).
+Depth 0 with a head runs the plain round and lets the head's cache lag; the lag ring, the
+deferred prompts and the catch-up are `DraftLag`'s (`workers.worker.draft_lag`).
 
 Prefill (padded or ragged, and the padded prefill's CUDA graphs) is `PrefillRunner`'s
 (`workers.worker.prefill`); the host memory a round is staged in and read from is
@@ -17,10 +20,11 @@ Prefill (padded or ragged, and the padded prefill's CUDA graphs) is `PrefillRunn
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from adaptive_dist.shape import RoundShape, token_bucket
 from workers.attention.base import AttentionBackend
 from workers.config import EngineConfig
 from workers.cuda_graphs import CudaGraphRunner
@@ -28,11 +32,13 @@ from workers.kv_cache import pages_for
 from workers.runtime_state import RuntimeStatePool, SpecRuntimeState
 from workers.scheduler import Request
 from workers.worker.draft_lag import DraftLag
+from workers.worker.graph_table import GraphKey, GraphTable
 from workers.worker.models import RankModels
 from workers.worker.phases import RoundPhases, round_phases
 from workers.worker.prefill import PrefillRunner
-from workers.worker.round_cost import measure_tiers
-from workers.worker.slots import SHADOW_COLUMNS, SlotState, StepBuffers, logprob_width
+from workers.worker.round_cost import measure_targets, measure_tiers
+from workers.worker.slots import (SHADOW_COLUMNS, RoundBuffers, SlotState, StepBuffers,
+                                  logprob_width)
 from workers.worker.staging import HostStage, LaunchedRound, RoundResult
 
 
@@ -57,16 +63,21 @@ class EagleWorker:
         vocab = target.config.vocab_size
         self.slots = SlotState(config, target.feature_size, dtype, self.device, vocab)
         self.lag = DraftLag(config, self.slots, self.models)
-        self.phases = RoundPhases(self.slots, self.models, self.lag)
+        self.ladder = config.verify_ladder
+        self.buffers = RoundBuffers.allocate(
+            self.slots, config.max_steps, self.ladder[-1], vocab, target.feature_size, dtype,
+            SHADOW_COLUMNS if self.models.speculative else 0, self.device)
+        self.phases = RoundPhases(self.slots, self.models, self.lag, self.buffers)
         self.prefill_runner = PrefillRunner(config, self.slots, self.models, self.lag)
-        # host staging of a round (rows in, results out), two sets: with overlap the next round is
-        # staged while the device may still copy the previous one's
+        # host staging of a round (rows and budgets in, results out), two sets: with overlap the
+        # next round is staged while the device may still copy the previous one's
         top = self.slots.round_rows.shape[0]
         self._stages = [HostStage.make(top, 2 + config.max_steps + 1 + SHADOW_COLUMNS,
                                        self.device, config.max_steps + 1, logprob_width(vocab))
                         for _ in range(2)]
         self._launches = 0
         self.graphs = CudaGraphRunner(self.device) if config.graph_buckets else None
+        self.table = GraphTable(self.graphs) if self.graphs is not None else None
         self.buckets = config.graph_buckets
         self.state: SpecRuntimeState | None = None
 
@@ -89,18 +100,17 @@ class EagleWorker:
 
     # ---- AdaptiveSpecWorker -----------------------------------------------------------------
     def build_runtime_state(self, steps: int) -> SpecRuntimeState:
-        """Pre-allocate (and capture, with graphs) everything a round at `steps` needs."""
+        """The buffers of depth `steps` and, with graphs, every phase of it captured at every
+        bucket (the first state built also captures the target's packed verify forward at every
+        token rung, which every depth shares, and holds the shared buffers' bytes)."""
         if not 0 <= steps <= self.config.max_steps:
             raise ValueError(f"steps={steps}: must be in [0, max_steps={self.config.max_steps}]")
-        dim = self.models.target.feature_size
-        top = max([self.config.max_batch_size, *self.buckets])
-        vocab = self.models.target.config.vocab_size
         if steps == 0 and self.models.speculative and not self.lag.built:
             self.lag.allocate()
         extra = SHADOW_COLUMNS if steps == 0 and self.lag.built else 0
-        bufs = StepBuffers.allocate(steps, self.slots.round_rows, top, vocab, dim,
-                                    self.slots.feature.dtype, extra, self.device)
-        nbytes = bufs.nbytes
+        first = not self.buffers.views
+        bufs = self.buffers.view(steps, extra)
+        nbytes = self.buffers.nbytes if first else 0
         if steps == 0 and self.lag.built:
             nbytes += self.lag.nbytes
         if self.graphs is not None:
@@ -114,14 +124,18 @@ class EagleWorker:
         self.state = state
 
     def _capture(self, bufs: StepBuffers) -> None:
-        """Capture every phase at every bucket, largest bucket first (start-up only): the whole
-        draft loop, verify + accept, draft-extend + the slot update (`RoundPhases.capture`), and
-        at depth 0 with a head the catch-up forwards (`DraftLag.capture`)."""
+        """Capture (start-up only) the target's packed verify forward at every token rung (once,
+        largest first), then every phase of the depth at every bucket, largest bucket first: the
+        whole draft loop, the acceptance, draft-extend + the slot update (`RoundPhases.capture`),
+        and at depth 0 with a head the catch-up forwards (`DraftLag.capture`)."""
         bufs.rows.fill_(self.slots.dummy)
+        bufs.budget.zero_()
         reach = self.slots.reach
+        for tokens in sorted(self.ladder, reverse=True):
+            self.phases.capture_target(self.table, tokens, reach)
         for bucket in sorted(self.buckets, reverse=True):
-            self.phases.capture(self.graphs, bufs, bucket, reach)
-            self.lag.capture(self.graphs, bufs, bucket, reach)
+            self.phases.capture(self.table, bufs, bucket, reach)
+            self.lag.capture(self.table, bufs, bucket, reach)
         self.slots.set_dummy_length(0)
 
     # ---- prefill ------------------------------------------------------------------------------
@@ -144,21 +158,31 @@ class EagleWorker:
 
     # ---- the speculative round ------------------------------------------------------------------
     @torch.inference_mode()
-    def spec_round(self, reqs: list[Request], batch_pad: int,
-                   graph_bucket: int | None = None) -> "RoundResult":
+    def spec_round(self, reqs: list[Request], batch_pad: int, graph_bucket: int | None = None,
+                   shape: RoundShape | None = None,
+                   budgets: Sequence[int] | None = None) -> "RoundResult":
         """One round at the depth in force over `reqs`, padded to `batch_pad` rows (the plan's
         batch); `graph_bucket` replays the CUDA graphs of that bucket (None: the same bodies,
-        eager). Returns the round's rows for `reqs` (first tokens of fresh requests, accept lengths
-        — draft tokens accepted, bonus excluded — and candidate tokens), read from the device once;
-        the scheduler commits them. `launch` then `collect`."""
-        return self.collect(self.launch(reqs, batch_pad, graph_bucket))
+        eager); `shape` and `budgets`: see `launch`. Returns the round's rows for `reqs` (first
+        tokens of fresh requests, accept lengths — draft tokens accepted, bonus excluded — and
+        candidate tokens), read from the device once; the scheduler commits them. `launch` then
+        `collect`."""
+        return self.collect(self.launch(reqs, batch_pad, graph_bucket, shape, budgets))
+
+    def default_shape(self, batch_pad: int) -> RoundShape:
+        """The full chain at the depth in force over `batch_pad` rows (what a round without a
+        plan's shape runs: every row drafting every step)."""
+        return RoundShape(self.steps, token_bucket(batch_pad * (self.steps + 1), self.ladder))
 
     @torch.inference_mode()
-    def launch(self, reqs: list[Request], batch_pad: int,
-               graph_bucket: int | None = None) -> "LaunchedRound":
+    def launch(self, reqs: list[Request], batch_pad: int, graph_bucket: int | None = None,
+               shape: RoundShape | None = None,
+               budgets: Sequence[int] | None = None) -> "LaunchedRound":
         """Queue one round (as `spec_round`) and the copy of its results to the host; returns
-        without waiting for the device. Two launched rounds may be outstanding (their host
-        staging alternates); `collect` them in launch order."""
+        without waiting for the device. `shape`: the agreed shape (its draft forwards the depth
+        in force; default: `default_shape`); `budgets`: each request's draft tokens inside it
+        (default: every request the shape's draft forwards). Two launched rounds may be
+        outstanding (their host staging alternates); `collect` them in launch order."""
         bp = graph_bucket if graph_bucket is not None else batch_pad
         if len(reqs) > bp:
             raise RuntimeError(f"{len(reqs)} requests do not fit the agreed batch of {bp}")
@@ -166,26 +190,42 @@ class EagleWorker:
             raise RuntimeError(f"the plan says CUDA graphs at bucket {graph_bucket}, but this "
                                f"worker captured {list(self.buckets)}")
         bufs: StepBuffers = self.state.payload
+        shape = shape if shape is not None else self.default_shape(bp)
+        steps, tokens = shape.draft_forwards, shape.verify_tokens
+        if steps != bufs.steps:
+            raise RuntimeError(f"the round's shape drafts {steps} tokens but the depth in force "
+                               f"is {bufs.steps}: the runtime state was not applied")
+        if tokens not in self.ladder:
+            raise RuntimeError(f"the round's shape verifies {tokens} tokens, not a rung of this "
+                               f"worker's ladder {list(self.ladder)}")
+        budgets = [steps] * len(reqs) if budgets is None else list(budgets)
+        if len(budgets) != len(reqs) or not shape.fits(budgets):
+            raise RuntimeError(f"budgets {budgets} of {len(reqs)} requests do not fit the "
+                               f"round's shape {shape}")
         stage = self._stages[self._launches % 2]
         self._launches += 1
-        staged = stage.rows_np
+        top = self.slots.round_rows.shape[0]
+        staged, budget = stage.rows_np, stage.budget_np
         staged[:len(reqs)] = [r.slot for r in reqs]
-        staged[len(reqs):bp] = self.slots.dummy
-        bufs.rows[:bp].copy_(stage.rows[:bp], non_blocking=True)
+        staged[len(reqs):top] = self.slots.dummy
+        budget[:len(reqs)] = budgets
+        budget[len(reqs):top] = 0
+        self.buffers.staged.copy_(stage.rows, non_blocking=True)
         greedy = all(r.params.greedy for r in reqs)
         # processed: some request's logits are processed (top-k, min_tokens, penalties,
-        # logprobs): the verify phase's variant with the processing; none: today's variant
+        # logprobs): the acceptance's variant with the processing; none: the plain variant
         processed = any(r.params.processed for r in reqs)
         reach = self._reach(reqs, graph_bucket)
         if bufs.steps > 0 and self.lag.behind:
             self.lag.catch_up(bufs, bp, reach, graph_bucket)   # drafting resumes: first the cache
         for phase in round_phases(bufs.steps):
+            key = GraphKey(phase, tokens=tokens) if phase == "target" else GraphKey(
+                phase, batch=bp, steps=steps, greedy=greedy or phase == "extend",
+                processed=processed and phase == "accept")
             if graph_bucket is None:
-                self.phases.body(bufs, phase, bp, reach, greedy, processed)()
-            elif processed and phase == "verify":
-                bufs.processed_graphs[(graph_bucket, greedy)].replay()
-            else:  # draft-extend samples nothing: one graph serves both
-                bufs.graphs[(phase, graph_bucket, greedy or phase == "extend")].replay()
+                self.phases.body(key, bufs, reach)()
+            else:   # bp is the graph bucket
+                self.table.replay(key)
         shadow = False
         if bufs.steps == 0 and self.lag.built and self.lag.count_round():
             self.lag.catch_up(bufs, bp, reach, graph_bucket)   # a full ring
@@ -207,7 +247,8 @@ class EagleWorker:
             done.record(torch.cuda.current_stream(self.device))
         extra = bufs.extra_columns
         return LaunchedRound(reqs=reqs, host=host, done=done, steps=bufs.steps, extra=extra,
-                             shadow=shadow, logprobs=logprobs)
+                             shadow=shadow, logprobs=logprobs, shape=shape,
+                             budgets=tuple(budgets))
 
     def collect(self, launched: "LaunchedRound") -> "RoundResult":
         """Wait for a launched round and read its results (the round's one host synchronisation:
@@ -247,3 +288,34 @@ class EagleWorker:
         return measure_tiers(self, tiers, self.buckets or tuple(eager_buckets), bool(self.buckets),
                              overlap, self.lag.catchup_every if self.lag.built else None,
                              repeats, context)
+
+    def measure_verify_costs(self, repeats: int = 5, context: int = 0) -> dict[int, float]:
+        """Seconds of the packed verify forward alone at every token rung, {tokens: seconds}
+        (its graph with graphs, else its eager body; dummy tokens whose cache holds `context`
+        positions). Collective, like `measure_round_costs`."""
+        return measure_targets(self, self.ladder, repeats, context)
+
+    def round_body(self, bucket: int, greedy: bool = True,
+                   graphs: bool | None = None) -> Callable[[], None]:
+        """The phases of a round at the depth in force over `bucket` rows, as they are staged
+        (the rows' slots and budgets already in the round buffers; the full chain's tokens):
+        their graphs' replays with graphs at that bucket (`graphs` False: the eager bodies),
+        else their eager bodies. For benchmarks and diagnostics (no catch-up, no host copy)."""
+        bufs: StepBuffers = self.state.payload
+        shape = self.default_shape(bucket)
+        captured = self.table is not None and bucket in self.buckets
+        graphs = captured if graphs is None else graphs and captured
+        calls = []
+        for phase in round_phases(bufs.steps):
+            key = GraphKey(phase, tokens=shape.verify_tokens) if phase == "target" else \
+                GraphKey(phase, batch=bucket, steps=bufs.steps, greedy=greedy or phase == "extend")
+            calls.append((lambda k=key: self.table.replay(k)) if graphs else
+                         self.phases.body(key, bufs, self.slots.reach))
+        return lambda: [call() for call in calls] and None
+
+    def target_body(self, tokens: int) -> Callable[[], None]:
+        """The packed verify forward at `tokens` tokens: its graph's replay, or its body."""
+        key = GraphKey("target", tokens=tokens)
+        if self.table is not None and key in self.table:
+            return lambda: self.table.replay(key)
+        return self.phases.body(key, None, self.slots.reach)

@@ -1,8 +1,12 @@
-"""The start-up round-cost measurement: seconds of one round at every tier and batch bucket.
+"""The start-up round-cost measurement: seconds of one round at every tier and batch bucket, and
+of the packed verify forward alone at every token rung.
 
 What the goodput policy weighs depths with (`adaptive_dist.startup.agree_round_cost` agrees the
 ranks' tables). The rounds run on dummy rows, through the CUDA graphs when the worker has them.
-Each sample is a chain of `COST_CHAIN` rounds run as the engine runs them — back to back, each
+A round's shape prices as its tier's full chain at its bucket (`measure_tiers`: every row drafting
+every step, `bucket x (steps + 1)` verify tokens) with the verify forward's part exchanged for the
+one its own token count costs (`measure_targets`): per-request budgets change only the verify
+forward's tokens. Each sample of a round is a chain of `COST_CHAIN` rounds run as the engine runs them — back to back, each
 read after the next is launched, with overlap; launched and read one by one without — divided by
 its length; at depth 0 with a draft head the chain is the catch-up interval (`catchup_every`
 rounds), which holds one catch-up of the draft cache, so the tier's share of it is in the cost.
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -35,6 +39,8 @@ class TimedWorker(Protocol):
                graph_bucket: int | None = None) -> Any: ...
 
     def collect(self, launched: Any) -> Any: ...
+
+    def target_body(self, tokens: int) -> Callable[[], None]: ...
 
 
 def measure_tiers(worker: TimedWorker, tiers: RuntimeStatePool, buckets: Sequence[int],
@@ -69,5 +75,29 @@ def measure_tiers(worker: TimedWorker, tiers: RuntimeStatePool, buckets: Sequenc
                 sync()
                 times.append((time.perf_counter() - start) / chain)
             table.setdefault(bucket, {})[steps] = statistics.median(times[1:])
+    worker.slots.set_dummy_length(0)
+    return table
+
+
+def measure_targets(worker: TimedWorker, ladder: Sequence[int], repeats: int = 5,
+                    context: int = 0) -> dict[int, float]:
+    """Seconds of the packed verify forward alone per token rung: {tokens: seconds}, each the
+    median of `repeats` chains of `COST_CHAIN` forwards after a warm-up chain, on dummy tokens
+    (whose attention reads `context` positions of the dummy page)."""
+    sync = (torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None))
+    worker.slots.round_rows.fill_(worker.slots.dummy)
+    table: dict[int, float] = {}
+    for tokens in ladder:
+        body = worker.target_body(tokens)
+        times = []
+        for _ in range(repeats + 1):
+            worker.slots.set_dummy_length(context)
+            sync()
+            start = time.perf_counter()
+            for _ in range(COST_CHAIN):
+                body()
+            sync()
+            times.append((time.perf_counter() - start) / COST_CHAIN)
+        table[tokens] = statistics.median(times[1:])
     worker.slots.set_dummy_length(0)
     return table

@@ -24,7 +24,6 @@ import torch
 
 from workers.attention.base import upload
 from workers.config import EngineConfig
-from workers.cuda_graphs import GraphEntry
 from workers.kv_cache import DUMMY_PAGE
 from workers.sampling import MAX_LOGPROBS
 from workers.scheduler import MAX_STOP_IDS, Request
@@ -203,51 +202,105 @@ class SlotState:
 
 
 @dataclass
-class StepBuffers:
-    """One tier's static buffers (fixed addresses: what its CUDA graphs read and write) and its
-    graphs, keyed by (phase, bucket, all_greedy), and the processed verify's by (bucket,
-    all_greedy)."""
+class RoundBuffers:
+    """The round's static buffers, one set for every round shape (fixed addresses: what every
+    CUDA graph of the round reads and writes; one round runs at a time). Two kinds:
 
-    steps: int
-    rows: torch.Tensor       # [Bmax] in: the slot of each row (dummy slot for padding; shared)
-    drafts: torch.Tensor     # [Bmax, S] draft tokens          (draft -> verify)
-    q: torch.Tensor          # [Bmax, S, V] draft distributions (draft -> verify)
-    hidden: torch.Tensor     # [Bmax * W, F] verify features   (verify -> extend)
-    accept: torch.Tensor     # [Bmax] accepted drafts           (verify -> extend, host)
-    tokens: torch.Tensor     # [Bmax, W] committed candidates   (verify -> extend, host)
-    out: torch.Tensor        # [Bmax, 2 + W] staging of what the host reads once per round
-    lp_values: torch.Tensor  # [Bmax, W, 1 + K] processed rounds: each candidate's raw logprob,
-    lp_ids: torch.Tensor     # [Bmax, W, K]     then the K most likely tokens' (and their ids)
-    graphs: dict[tuple[str, int, bool], GraphEntry] = field(default_factory=dict)
-    # the verify phase's processed variants (`SamplingParams.processed`), by (bucket, greedy)
-    processed_graphs: dict[tuple[int, bool], GraphEntry] = field(default_factory=dict)
+    - fixed layouts, read by the target forward of any shape: each row's slot and draft budget,
+      the drafts (`[top, max_steps]`: draft k of row b at `[b, k-1]` whatever the depth), and
+      the packed verify forward's outputs (`[max_tokens, ...]`: its features, logits and their
+      argmax);
+    - flat storage that each depth views at its own widths (`StepBuffers`): the draft
+      distributions, the verify window's features, the accepted lengths, the committed
+      candidates, the host's row and the logprobs.
+    """
+
+    rows: torch.Tensor           # [top] in: the slot of each row (dummy slot beyond the batch)
+    budget: torch.Tensor         # [top] in: draft tokens of each row this round (<= S; dummy 0)
+    staged: torch.Tensor         # [2 * top]: rows then budget (one host-to-device copy)
+    drafts: torch.Tensor         # [top, max_steps] draft tokens            (draft -> target)
+    packed_hidden: torch.Tensor  # [max_tokens, F] the verify forward's features (target -> accept)
+    packed_logits: torch.Tensor  # [max_tokens, V] its logits, model dtype        (target -> accept)
+    packed_arg: torch.Tensor     # [max_tokens] their argmax                       (target -> accept)
+    q: torch.Tensor              # flat: [top, S, V] float32 draft distributions per depth
+    hidden: torch.Tensor         # flat: [top * W, F] the verify window's features (accept -> extend)
+    accept: torch.Tensor         # [top] accepted drafts (accept -> extend, host)
+    tokens: torch.Tensor         # flat: [top, W] committed candidates
+    out: torch.Tensor            # flat: [top, 2 + W + extra] what the host reads once per round
+    lp_values: torch.Tensor      # flat: [top, W, 1 + K] processed rounds' logprobs ...
+    lp_ids: torch.Tensor         # flat: [top, W, K]     ... and their token ids
+    logprob_k: int               # K: the alternatives a processed round keeps per candidate
+    views: dict[int, "StepBuffers"] = field(default_factory=dict)   # per depth
 
     @staticmethod
-    def allocate(steps: int, rows: torch.Tensor, top: int, vocab: int, feature_size: int,
-                 dtype: torch.dtype, extra: int, device: torch.device) -> "StepBuffers":
-        """The buffers of a tier at `steps` for up to `top` rows (`extra` columns of `out`
-        after the tokens)."""
-        width = steps + 1
+    def allocate(slots: SlotState, max_steps: int, max_tokens: int, vocab: int,
+                 feature_size: int, dtype: torch.dtype, extra: int,
+                 device: torch.device) -> "RoundBuffers":
+        """The buffers of every shape up to `max_steps` draft forwards and `max_tokens` verify
+        tokens, for up to `len(slots.round_rows)` rows; `extra` columns of the host's row after
+        the tokens at depth 0 (the shadow checks)."""
+        top, width, k = slots.round_rows.shape[0], max_steps + 1, logprob_width(vocab)
 
         def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dt, device=device)
 
-        k = logprob_width(vocab)
-        return StepBuffers(steps=steps, rows=rows, drafts=zeros(top, steps),
-                           q=zeros(top, steps, vocab, dt=torch.float32),
-                           hidden=zeros(top * width, feature_size, dt=dtype),
-                           accept=zeros(top), tokens=zeros(top, width),
-                           out=zeros(top, 2 + width + extra),
-                           lp_values=zeros(top, width, 1 + k, dt=torch.float32),
-                           lp_ids=zeros(top, width, k))
+        staged = zeros(2 * top)
+        staged[:top].fill_(slots.dummy)
+        # NOTE: the slot state's round rows become the staged rows (one host-to-device copy
+        # brings a round's rows and budgets); nothing holds the old tensor yet
+        slots.round_rows = staged[:top]
+        return RoundBuffers(
+            rows=slots.round_rows, budget=staged[top:], staged=staged,
+            drafts=zeros(top, max_steps), packed_hidden=zeros(max_tokens, feature_size, dt=dtype),
+            packed_logits=zeros(max_tokens, vocab, dt=dtype), packed_arg=zeros(max_tokens),
+            q=zeros(top * max_steps * vocab, dt=torch.float32),
+            hidden=zeros(top * width, feature_size, dt=dtype), accept=zeros(top),
+            tokens=zeros(top * width), out=zeros(top * (2 + max(width, 1 + extra))),
+            lp_values=zeros(top * width * (1 + k), dt=torch.float32), lp_ids=zeros(top * width * k),
+            logprob_k=k)
+
+    def view(self, steps: int, extra: int = 0) -> "StepBuffers":
+        """The buffers of depth `steps` (views, made once per depth: a graph captured on them
+        reads the same addresses every replay); `extra` columns of `out` after the tokens."""
+        if steps not in self.views:
+            top, width = self.rows.shape[0], steps + 1
+            vocab, k = self.packed_logits.shape[1], self.logprob_k
+            self.views[steps] = StepBuffers(
+                steps=steps, rows=self.rows, budget=self.budget, drafts=self.drafts[:, :steps],
+                q=self.q[:top * steps * vocab].view(top, steps, vocab),
+                hidden=self.hidden[:top * width], accept=self.accept,
+                tokens=self.tokens[:top * width].view(top, width),
+                out=self.out[:top * (2 + width + extra)].view(top, 2 + width + extra),
+                lp_values=self.lp_values[:top * width * (1 + k)].view(top, width, 1 + k),
+                lp_ids=self.lp_ids[:top * width * k].view(top, width, k), shared=self)
+        return self.views[steps]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.staged, self.drafts, self.packed_hidden, self.packed_logits,
+                   self.packed_arg, self.q, self.hidden, self.accept, self.tokens, self.out,
+                   self.lp_values, self.lp_ids)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class StepBuffers:
+    """The round buffers as depth `steps` sees them (views of `RoundBuffers`)."""
+
+    steps: int
+    rows: torch.Tensor       # [top] the slot of each row (shared by every depth)
+    budget: torch.Tensor     # [top] each row's draft tokens this round (<= steps)
+    drafts: torch.Tensor     # [top, S] draft tokens (a strided view of the fixed layout)
+    q: torch.Tensor          # [top, S, V] draft distributions
+    hidden: torch.Tensor     # [top * W, F] the verify window's features
+    accept: torch.Tensor     # [top] accepted drafts
+    tokens: torch.Tensor     # [top, W] committed candidates
+    out: torch.Tensor        # [top, 2 + W + extra] what the host reads
+    lp_values: torch.Tensor  # [top, W, 1 + K]
+    lp_ids: torch.Tensor     # [top, W, K]
+    shared: RoundBuffers
 
     @property
     def extra_columns(self) -> int:
         """Columns of `out` after the round's tokens: SHADOW_COLUMNS for tier 0 with a head."""
         return self.out.shape[1] - 2 - self.steps - 1
-
-    @property
-    def nbytes(self) -> int:
-        tensors = (self.drafts, self.q, self.hidden, self.accept, self.tokens, self.out,
-                   self.lp_values, self.lp_ids)  # not rows
-        return sum(t.numel() * t.element_size() for t in tensors)

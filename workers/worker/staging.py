@@ -39,14 +39,16 @@ class RoundResult:
 
 @dataclass
 class HostStage:
-    """Host memory one launched round uses (pinned on CUDA): the slot of each row, copied in,
+    """Host memory one launched round uses (pinned on CUDA): the slot and budget of each row,
+    copied in,
     and the round's results, copied out (flat: a round of `n` requests at width `w` reads the
     first `n * w` values); the event recorded after that copy (reused: a stage serves every
     other round, and a round is collected before its stage is staged again)."""
 
-    rows: torch.Tensor
+    rows: torch.Tensor           # [2 * top]: each row's slot, then its draft budget
     out: torch.Tensor
-    rows_np: np.ndarray          # `rows` as numpy (the same memory: filled without torch ops)
+    rows_np: np.ndarray          # the slots as numpy (the same memory: filled without torch ops)
+    budget_np: np.ndarray        # the budgets as numpy
     done: Any = None
     lp_values: torch.Tensor | None = None   # a round's logprobs (flat), copied only when asked
     lp_ids: torch.Tensor | None = None
@@ -57,12 +59,13 @@ class HostStage:
         """The stage of rounds of up to `top` rows whose results are `width` wide, with room for
         the logprobs of `window` candidates per row with `alternatives` each."""
         pin = device.type == "cuda"
-        rows = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
+        rows = torch.zeros(2 * top, dtype=torch.int64, pin_memory=pin)
         out = torch.zeros(top * width, dtype=torch.int64, pin_memory=pin)
         lp_values = torch.zeros(top * window * (1 + alternatives), dtype=torch.float32,
                                 pin_memory=pin)
         lp_ids = torch.zeros(top * window * alternatives, dtype=torch.int64, pin_memory=pin)
-        return HostStage(rows=rows, out=out, rows_np=rows.numpy(),
+        return HostStage(rows=rows, out=out, rows_np=rows[:top].numpy(),
+                         budget_np=rows[top:].numpy(),
                          done=torch.cuda.Event() if device.type == "cuda" else None,
                          lp_values=lp_values, lp_ids=lp_ids)
 
@@ -80,3 +83,5 @@ class LaunchedRound:
     extra: int = 0          # trailing columns of `host` that are not tokens (the shadow checks)
     shadow: bool = False    # a catch-up ran after the round: those columns are fresh
     logprobs: tuple[torch.Tensor, torch.Tensor] | None = None   # host views, when copied
+    shape: Any = None       # the round's `adaptive_dist.shape.RoundShape`
+    budgets: tuple[int, ...] = ()   # each request's draft tokens

@@ -1,0 +1,297 @@
+"""Per-request speculation budgets (goodput with ``per_request``): each request drafts what its own
+acceptance pays for, inside a round shape the cluster agrees (docs/policy.md, "Per-request
+budgets").
+
+The estimate. For every request the rank keeps, per draft position k, decayed counts of the rounds
+in which its draft reached position k (all of 1..k-1 accepted and k drafted) and in which it was
+accepted there: ``c_i(k) = (hits_k + PRIOR_WEIGHT * prior(k)) / (reached_k + PRIOR_WEIGHT)`` is its
+conditional acceptance at k, the prior being the same rate pooled over every request the rank has
+seen (decayed alike), and ``s_i(k) = c_i(1) * ... * c_i(k)`` the probability that position k
+survives: what drafting it is worth in expected tokens. Counts decay by ``DECAY`` per round of the
+request, so a request's own last rounds dominate within a few rounds (a regime change is taken in
+one or two rounds, where a batch EMA needs tens). Every input is something every rank of a DP
+replica has alike (the replica's requests and their accepted lengths), so the replica's ranks
+compute the same budgets.
+
+The value curve. For a shape (S draft forwards, T verify tokens) a rank with ``n`` requests fills
+its ``T - n`` verify places beyond the requests' own tokens with the positions worth most: first
+position 1 of every request (when S >= 1: a request that drafts nothing never learns again), then
+every other position ``k <= S`` in order of ``s_i(k)`` (a request's positions come in order, since
+``s_i`` falls with k). ``V(S, T) = n + sum of the chosen s_i(k)``: the tokens the rank expects to
+commit. Every rank sends ``V`` for every candidate S and token rung T in its round vector (fixed
+point, ``VALUE_SCALE``, summed exactly as integers), and every rank picks, from the same sums, the
+shape with the most expected tokens per second of the agreed cost table (``shape_cost``) for the
+next round: decided at round r, checked in round r+1's pre-flight, run in round r+1. The budgets
+of a round are the fill of its agreed shape, from the estimates as they stand.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from dataclasses import replace
+
+from adaptive_dist.policy.base import Decision, PolicyState
+from adaptive_dist.shape import RoundShape, token_bucket
+
+if TYPE_CHECKING:
+    from adaptive_dist.config import AdaptiveConfig, RoundCost, VerifyCost
+
+DECAY = 0.7
+"""Weight of a request's older observations per round of its own (counts are multiplied by it
+before each round's are added)."""
+PRIOR_WEIGHT = 1.0
+"""Pseudo-observations of the pooled rate in a request's estimate at each position."""
+POOL_DECAY = 0.98
+"""Weight of the rank's pooled counts per observed round."""
+PRIOR_START = 0.5
+"""The pooled conditional acceptance before any observation (one pseudo-observation of it)."""
+VALUE_SCALE = 1 << 24
+"""Value curves travel as ``round(V * VALUE_SCALE)`` integers: exact sums on every rank."""
+FORGET_ROUNDS = 64
+"""A request not seen for this many rounds is forgotten (it finished)."""
+
+
+@dataclass
+class Counts:
+    """Decayed per-position counts: drafts that reached position k, and that were accepted."""
+
+    reached: list[float]
+    hits: list[float]
+    seen: int = 0   # the round it was last observed in
+
+    @staticmethod
+    def empty(depth: int) -> "Counts":
+        return Counts([0.0] * depth, [0.0] * depth)
+
+    def add(self, budget: int, accept: int, decay: float) -> None:
+        """One round that drafted ``budget`` tokens and had ``accept`` of them accepted:
+        positions ``1 .. min(accept + 1, budget)`` were reached, ``1 .. accept`` accepted."""
+        for k in range(len(self.reached)):
+            self.reached[k] *= decay
+            self.hits[k] *= decay
+        for k in range(min(accept + 1, budget, len(self.reached))):
+            self.reached[k] += 1.0
+            if k < accept:
+                self.hits[k] += 1.0
+
+
+@dataclass
+class SurvivalTracker:
+    """Every request's counts and the rank's pooled ones (replica-shared inputs only)."""
+
+    depth: int
+    requests: dict[int, Counts] = field(default_factory=dict)
+    pooled: Counts = field(init=False)
+    rounds: int = 0
+
+    def __post_init__(self) -> None:
+        self.pooled = Counts.empty(self.depth)
+
+    def observe(self, rids: Sequence[int], budgets: Sequence[int],
+                accepts: Sequence[int]) -> None:
+        """One round's results: request ``rids[j]`` drafted ``budgets[j]`` and had
+        ``accepts[j]`` accepted (in round order). Requests not seen for ``FORGET_ROUNDS`` rounds
+        are dropped."""
+        self.rounds += 1
+        if budgets and max(budgets) > 0:   # the pool decays per round that drafted
+            for k in range(self.depth):
+                self.pooled.reached[k] *= POOL_DECAY
+                self.pooled.hits[k] *= POOL_DECAY
+        for rid, d, a in zip(rids, budgets, accepts):
+            if d <= 0:
+                continue
+            counts = self.requests.get(rid)
+            if counts is None:
+                counts = self.requests[rid] = Counts.empty(self.depth)
+            counts.add(d, a, DECAY)
+            counts.seen = self.rounds
+            for k in range(min(a + 1, d, self.depth)):
+                self.pooled.reached[k] += 1.0
+                if k < a:
+                    self.pooled.hits[k] += 1.0
+        if self.rounds % FORGET_ROUNDS == 0:
+            stale = [r for r, c in self.requests.items() if self.rounds - c.seen > FORGET_ROUNDS]
+            for rid in stale:
+                del self.requests[rid]
+
+    def observe_shadow(self, rids: Sequence[int], checks: Sequence[tuple[int, int]]) -> None:
+        """Depth-0 shadow checks (``(hits, checks)`` per request: the head's greedy guesses
+        against committed tokens): position-1 observations, one per check."""
+        for rid, (hits, n) in zip(rids, checks):
+            if n <= 0:
+                continue
+            counts = self.requests.setdefault(rid, Counts.empty(self.depth))
+            counts.seen = self.rounds
+            for j in range(n):
+                counts.add(1, 1 if j < hits else 0, DECAY)
+
+    def prior(self) -> list[float]:
+        """The pooled conditional acceptance per position."""
+        p = self.pooled
+        return [(p.hits[k] + PRIOR_START) / (p.reached[k] + 1.0) for k in range(self.depth)]
+
+    def survival(self, rid: int, prior: Optional[list[float]] = None) -> list[float]:
+        """``s(1..depth)`` of request ``rid`` (the prior's alone for a request never seen)."""
+        prior = prior if prior is not None else self.prior()
+        counts = self.requests.get(rid)
+        out, s = [], 1.0
+        for k in range(self.depth):
+            if counts is None:
+                c = prior[k]
+            else:
+                c = ((counts.hits[k] + PRIOR_WEIGHT * prior[k])
+                     / (counts.reached[k] + PRIOR_WEIGHT))
+            s *= c
+            out.append(s)
+        return out
+
+
+# ---- the fill, the value curve --------------------------------------------------------------------
+def _order(survivals: Sequence[Sequence[float]], steps: int) -> list[tuple[float, int, int]]:
+    """The places a round at ``steps`` draft forwards can fill, in the order they are filled:
+    (value, request, position) — position 1 of every request first (when ``steps >= 1``), then
+    the rest by value, larger first (ties: earlier request, then earlier position)."""
+    first = sorted(((s[0], i, 1) for i, s in enumerate(survivals) if steps >= 1),
+                   key=lambda x: (-x[0], x[1]))
+    rest = sorted(((s[k - 1], i, k) for i, s in enumerate(survivals)
+                   for k in range(2, steps + 1)), key=lambda x: (-x[0], x[1], x[2]))
+    return first + rest
+
+
+def fill_budgets(survivals: Sequence[Sequence[float]], shape: RoundShape) -> tuple[int, ...]:
+    """Each request's draft tokens in ``shape``: its own token plus the ``T - n`` places of
+    ``_order`` that fit (every request at most S)."""
+    n = len(survivals)
+    budgets = [0] * n
+    room = shape.verify_tokens - n
+    for _, i, k in _order(survivals, shape.draft_forwards)[:max(room, 0)]:
+        budgets[i] = max(budgets[i], k)
+    return tuple(budgets)
+
+
+def value_curve(survivals: Sequence[Sequence[float]], candidates: Sequence[int],
+                ladder: Sequence[int]) -> list[int]:
+    """``V(S, T)`` for every candidate S (outer) and token rung T (inner), in fixed point
+    (``VALUE_SCALE``): the rank's expected committed tokens if its requests fill a round of that
+    shape. A rung below the rank's own request count is never chosen (the cluster's shape holds
+    every rank's requests); it gets the requests alone."""
+    n = len(survivals)
+    out = []
+    for s in candidates:
+        values = [v for v, _, _ in _order(survivals, s)]
+        prefix = [0.0]
+        for v in values:
+            prefix.append(prefix[-1] + v)
+        for t in ladder:
+            room = min(max(t - n, 0), len(values))
+            out.append(round((n + prefix[room]) * VALUE_SCALE))
+    return out
+
+
+# ---- the cost of a shape, the decision ------------------------------------------------------------
+def shape_cost(table: "RoundCost", verify: "VerifyCost", steps: int, tokens: int,
+               batch: int) -> float:
+    """Seconds of a round of shape (``steps``, ``tokens``) at padded batch ``batch``: the chain's
+    cost at that depth in the batch's row (measured with every row drafting every step, so
+    ``bucket x (steps + 1)`` verify tokens, on the ladder) with its verify forward's cost
+    exchanged for the one ``tokens`` costs."""
+    from adaptive_dist.policy.goodput import cost_row
+
+    i = cost_row(table, batch)
+    row = dict(table.rows[i])
+    bucket = table.buckets[i] if table.buckets is not None else batch
+    full = token_bucket(bucket * (steps + 1), verify.tokens)
+    return row[steps] - verify.cost(full) + verify.cost(tokens)
+
+
+def choose_shape(summed: Sequence[int], candidates: Sequence[int], ladder: Sequence[int],
+                 n_req_max: int, batch: int, table: "RoundCost",
+                 verify: "VerifyCost") -> tuple[RoundShape, float]:
+    """The shape with the most expected tokens per second over the cluster (``summed``: the
+    ranks' value curves added; every rung below ``n_req_max`` left out: it cannot hold every
+    rank's requests) -> (shape, its expected tokens per second). Ties go to fewer tokens, then
+    fewer draft forwards."""
+    best: Optional[tuple[float, int, int]] = None
+    width = len(ladder)
+    for a, s in enumerate(candidates):
+        for b, t in enumerate(ladder):
+            if t < n_req_max:
+                continue
+            rate = summed[a * width + b] / VALUE_SCALE / shape_cost(table, verify, s, t, batch)
+            key = (rate, -t, -s)
+            if best is None or key > best:
+                best = key
+    if best is None:   # no rung holds the batch: the largest
+        return RoundShape(candidates[0], ladder[-1]), 0.0
+    return RoundShape(-best[2], -best[1]), best[0]
+
+
+def effective_tokens(decided: int, n_req_max: int, steps: int, ladder: Sequence[int]) -> int:
+    """A round's verify tokens: the decided rung, raised to the rung that holds the cluster's
+    largest batch (a request always verifies its own token); ``decided == 0`` (no decision yet:
+    a chain) gives the chain's ``n_req_max x (steps + 1)``."""
+    if decided == 0:
+        return token_bucket(max(n_req_max, 1) * (steps + 1), ladder)
+    return max(decided, token_bucket(max(n_req_max, 1), ladder))
+
+
+
+# ---- the rule as the coordinator runs it ----------------------------------------------------------
+class PerRequestRule:
+    """Per-request budgets for one rank: its requests' estimates (``SurvivalTracker``), the value
+    curve it sends, the shape every rank picks from the sums, and its budgets in a shape.
+    ``ladder``: the engine's verify-token rungs (every rank the same)."""
+
+    def __init__(self, config: "AdaptiveConfig", ladder: Sequence[int]) -> None:
+        from adaptive_dist.config import ConfigError
+
+        self.config = config
+        self.candidates = config.candidate_steps
+        self.ladder = tuple(ladder)
+        self.tracker = SurvivalTracker(max(max(self.candidates), 1))
+        if config.verify_cost is not None:
+            missing = config.verify_cost.missing(self.ladder)
+            if missing:
+                raise ConfigError(f"verify_cost: no cost for {missing} verify tokens; the engine "
+                                  f"verifies {list(self.ladder)} (measure it on this engine, or "
+                                  f"give a table measured at every one of those counts)")
+
+    @property
+    def n_values(self) -> int:
+        """Length of the value curve (candidates x rungs)."""
+        return len(self.candidates) * len(self.ladder)
+
+    def survivals(self, rids: Sequence[int]) -> list[list[float]]:
+        """Each request's ``s(1..depth)`` (round order)."""
+        prior = self.tracker.prior()
+        return [self.tracker.survival(r, prior) for r in rids]
+
+    def curve(self, survivals: Sequence[Sequence[float]]) -> tuple[int, ...]:
+        return tuple(value_curve(survivals, self.candidates, self.ladder))
+
+    def shape(self, state: PolicyState, n_req_max: int) -> RoundShape:
+        """This round's shape: the depth in force and the decided tokens (``effective_tokens``)."""
+        steps = self.candidates[state.index]
+        return RoundShape(steps, effective_tokens(state.tokens, n_req_max, steps, self.ladder))
+
+    def decide(self, state: PolicyState, summed: Sequence[int], n_req_sum: int, n_req_max: int,
+               batch: int) -> tuple[PolicyState, Decision]:
+        """The next round's shape from this round's summed curves (every rank alike): a counted
+        round (the cluster runs requests) decides; an idle one keeps the shape."""
+        if n_req_sum <= 0:
+            return state, Decision(False, False, None, state.index, state.index,
+                                   tokens=state.tokens)
+        cfg = self.config
+        shape, rate = choose_shape(summed, self.candidates, self.ladder, n_req_max, batch,
+                                   cfg.round_cost, cfg.verify_cost)
+        index = self.candidates.index(shape.draft_forwards)
+        counted = state.counted + 1
+        new = replace(state, counted=counted, tokens=shape.verify_tokens)
+        if index != state.index:
+            new = replace(new, index=index, last_switch=counted)
+        return new, Decision(True, False, None, state.index, index, tokens=shape.verify_tokens,
+                             rate=rate)
+
+    def budgets(self, survivals: Sequence[Sequence[float]], shape: RoundShape) -> tuple[int, ...]:
+        return fill_budgets(survivals, shape)
