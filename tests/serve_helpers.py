@@ -327,3 +327,67 @@ def check_outcomes(outcomes: dict, reference: list[int]) -> None:
     finish = "length" if len(reference) == 8 else "stop"
     assert all(o == ("done", reference, finish) for o in good.values()), good
     assert outcomes["sampled"][0] == "done" and len(outcomes["sampled"][1]) >= 1
+
+
+# ---- the perimeter: what another process of the machine can do to a running job -----------------
+
+def frontend_pid(server: ServerProcess) -> int:
+    """The pid of the job's frontend process."""
+    from pathlib import Path
+
+    for pid in sorted(server.record_tree()):
+        try:
+            if b"workers.server.frontend" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no frontend in {server.tree}")
+
+
+def frontend_environment(server: ServerProcess) -> dict[str, str]:
+    """The frontend's environment (readable by the job's own user only): its configuration
+    (`protocol.CONFIG_ENV`) and the job's secret are there, and nowhere on a command line."""
+    from pathlib import Path
+
+    raw = Path(f"/proc/{frontend_pid(server)}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+def frontend_config(server: ServerProcess) -> dict:
+    from workers.server.protocol import CONFIG_ENV
+
+    return json.loads(frontend_environment(server)[CONFIG_ENV])
+
+
+# what a process that found a socket sends it: the 15 bytes of the issue's report, a control
+# message in the right format without a MAC, the same sealed with another job's secret, one cut
+# short, and a stray 1-byte frame
+def stray_messages() -> list[bytes]:
+    from workers.server import protocol
+    from workers.server.channel import JobKey, Signer
+    from workers.server.protocol import Shutdown
+
+    shutdown = protocol.encode(Shutdown(1, "an attacker", error=True))
+    foreign = Signer(JobKey("the secret of some other job entirely").control).seal(shutdown)
+    return [b"\x00not json at all", shutdown, foreign, foreign[:20], b"x"]
+
+
+def send_stray(address: str, messages: list[bytes]) -> None:
+    """PUSH `messages` to a zmq PULL socket at `address`, as any process of the machine could
+    (once it knows the address: ipc endpoints are in a directory only the job's user enters)."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(address)
+    for message in messages:
+        sock.send(message)
+    sock.close()
+    ctx.term()
+
+
+def health_latency(url: str) -> tuple[int, float]:
+    start = time.monotonic()
+    status = httpx.get(f"{url}/health", timeout=10).status_code
+    return status, time.monotonic() - start

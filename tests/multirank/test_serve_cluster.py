@@ -1,13 +1,17 @@
 """A served cluster under torchrun: 2 ranks, 2 DP groups (one engine rank each), the frontend
-spawned by rank 0. Outputs equal the offline reference whichever group serves them; a killed
-rank and Ctrl-C both end in errors for the clients and no process left. And on two gloo ranks
-driven by the test itself: requests no rank can run are refused by every rank of their replica
-alike, and the cluster keeps serving."""
+spawned by rank 0. Outputs equal the offline reference whichever group serves them; stray
+messages to a rank's inbox are dropped, not fatal; a killed rank is reported as the first cause;
+a frozen rank brings the job down within seconds of being declared dead; a killed rank and
+Ctrl-C both end in errors for the clients and no process left; SIGTERM to the ranks ends
+torchrun cleanly (exit 0), SIGTERM to torchrun with its documented traceback. And on two gloo
+ranks driven by the test itself: requests no rank can run are refused by every rank of their
+replica alike, and the cluster keeps serving."""
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -18,8 +22,9 @@ import pytest
 
 from multirank import run_ranks
 from serve_helpers import (BAD_GENERATES, LONG_CONTEXT, PROMPTS, REFUSAL_SERVE, _offline_pair,
-                           check_outcomes, decode, drive_ranks_job, kv_back_to_full, metrics,
-                           offline_greedy, refusal_script, start_server, wait_until)
+                           check_outcomes, decode, drive_ranks_job, frontend_config,
+                           health_latency, kv_back_to_full, metric, metrics, offline_greedy,
+                           refusal_script, send_stray, start_server, stray_messages, wait_until)
 from workers.loading import encode_prompt
 from workers.server.metrics import find
 
@@ -89,9 +94,23 @@ def test_two_dp_groups_serve_the_reference_output(overlap: str) -> None:
         for g in (0, 1):                                 # both groups served requests
             assert find(m, "rounds_total", dp_rank=g) > 0
             assert find(m, "spec_steps", dp_rank=g) in (1, 3, 7)
+        if overlap == "auto":
+            # SIGTERM to the ranks, not to torchrun: every process exits 0, so does torchrun,
+            # and nothing prints a traceback (docs/serving.md, "Stopping")
+            for pid in _torchrun_children(server):
+                os.kill(pid, signal.SIGTERM)
+            assert server.wait_exit(30) == 0, server.output()
+            out = server.output()
+            assert "Traceback" not in out and "[rank 0] the frontend exited (code 0)" in out, out
+            assert "[rank 0] stopping: received SIGTERM" in out, out
     finally:
         server.stop()
     assert server.left_behind() == []
+
+
+def _torchrun_children(server) -> list[int]:
+    pid = server.proc.pid
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}\n"
@@ -134,16 +153,45 @@ def test_chat_over_two_dp_groups_with_a_template_file(tmp_path) -> None:
         assert info.value.body["param"] == "echo"
         after = [find(metrics(server.url), "rounds_total", dp_rank=g) for g in (0, 1)]
         assert all(a > b for a, b in zip(after, before)), (before, after)   # both groups ran
+        # SIGTERM to torchrun itself: our processes stop cleanly, then torchrun's agent re-raises
+        # the signal as its SignalException: a traceback and exit 1, as docs/serving.md says
+        server.signal(signal.SIGTERM)
+        assert server.wait_exit(30) == 1, server.output()
+        out = server.output()
+        for line in ("[rank 0] stopping: received SIGTERM", "[rank 1] stopping: received SIGTERM",
+                     "[rank 0] the frontend exited (code 0)"):
+            assert line in out, out
+        assert out.rstrip().splitlines()[-1].startswith(
+            "torch.distributed.elastic.multiprocessing.api.SignalException: Process "), out
+        assert out.rstrip().endswith("got signal: 15"), out
+        assert out.count("Traceback") == 1, out
     finally:
         server.stop()
     assert server.left_behind() == []
 
 
+HANG_TIMEOUT = 30   # a frozen rank: declared dead after min(--timeout, 10) = 10 s
+
+
 @pytest.mark.parametrize("how", ["kill_rank_1", "hang_rank_1", "ctrl_c"])
 def test_rank_death_or_ctrl_c_fails_requests_and_leaves_nothing(how: str) -> None:
+    timeout = HANG_TIMEOUT if how == "hang_rank_1" else TIMEOUT
     server = start_server(["--dp", "2", "--steps", "3", "--max-model-len", str(LONG_CONTEXT),
-                           "--timeout", str(TIMEOUT)], nproc=2)
+                           "--timeout", str(timeout)], nproc=2)
     try:
+        if how == "kill_rank_1":
+            # first, the issue's attack: stray messages to rank 1's inbox end nothing
+            send_stray(frontend_config(server)["ranks"][1]["address"], stray_messages())
+            assert wait_until(lambda: metric(server.url, "dropped_messages_total",
+                                             receiver="rank1", reason="unauthenticated")
+                              == len(stray_messages()), 10), metrics(server.url)
+            status, seconds = health_latency(server.url)
+            assert status == 200 and seconds < 1.0
+            [ref] = offline_greedy([PROMPTS[0]], MAX_TOKENS)
+            r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "model": "tiny_pair", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+                "temperature": 0, "dp_rank": 1, "return_token_ids": True})
+            assert r.json()["choices"][0]["token_ids"] == ref
         with cf.ThreadPoolExecutor(4) as pool:
             # on the group of rank 1, so none can finish before the failure is noticed
             streams = [pool.submit(_stream_until_error, server.url) for _ in range(2)]
@@ -159,29 +207,39 @@ def test_rank_death_or_ctrl_c_fails_requests_and_leaves_nothing(how: str) -> Non
                 os.kill(rank1, signal.SIGSTOP)
             else:
                 server.signal(signal.SIGINT)
-            health, refused = _observe_failure(server.url)
+            health, refused = _observe_failure(server.url, timeout)
+            declared = time.monotonic()
             if how == "hang_rank_1":
                 assert "rank 1 stopped responding" in refused, refused
-                os.kill(rank1, signal.SIGCONT)
             for f in streams:
                 assert "the server is shutting down" in f.result(timeout=30)
             r = plain.result(timeout=30)
             assert r.status_code == 503 and r.json()["error"]["message"]
-        code = server.wait_exit(TIMEOUT + 20)
+        code = server.wait_exit(timeout + 20)
         elapsed = time.monotonic() - start
-        assert code is not None and elapsed < TIMEOUT + 10, (elapsed, server.output())
+        assert code is not None and elapsed < min(timeout, 10) + 8, (elapsed, server.output())
         assert health == 503 and refused and "shutting down" in refused, (health, refused)
         assert server.left_behind() == [], server.output()
         out = server.output()
-        assert "[frontend]" in out and ("received SIG" in out or "stopped responding" in out)
+        if how == "kill_rank_1":
+            # the first cause, not torchrun's SIGTERM that reached the frontend after it
+            assert "rank 1 failed: its process" in refused and "SIGTERM" not in refused, refused
+            assert f"[frontend] rank 1 failed: its process (pid {rank1})" in out, out
+        elif how == "hang_rank_1":
+            # declared dead at 10 s; the frontend kills the frozen rank, rank 0 leaves its
+            # collective at once: down within seconds, not at the 30 s collective timeout
+            assert time.monotonic() - declared < 6.0, (time.monotonic() - declared, out)
+            assert f"rank 1 (pid {rank1}) was declared dead: killing it (SIGKILL)" in out, out
+        else:
+            assert re.search(r"\[frontend\] rank [01] stopped: received SIGINT", out), out
     finally:
         server.stop()
 
 
-def _observe_failure(url: str) -> tuple:
+def _observe_failure(url: str, timeout: float = TIMEOUT) -> tuple:
     """(/health status, a new request's error message) while the frontend is still up."""
     health, refused = None, None
-    deadline = time.monotonic() + TIMEOUT + 10
+    deadline = time.monotonic() + min(timeout, 10) + 10
     while time.monotonic() < deadline and (health != 503 or refused is None):
         try:
             health = httpx.get(f"{url}/health", timeout=2).status_code

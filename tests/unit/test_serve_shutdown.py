@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from serve_helpers import start_server
+from serve_helpers import frontend_pid, start_server
 from scripts.bench.server_process import alive
 
 LONG = {"model": "tiny_pair", "prompt": "def main():", "max_tokens": 490, "temperature": 0}
@@ -63,9 +63,7 @@ def test_ctrl_c_answers_in_flight_requests_and_leaves_nothing() -> None:
 
 def test_frontend_death_stops_the_rank_with_a_message() -> None:
     server = start_server(["--no-spec"])
-    frontend = [p for p in server.record_tree() if p != server.proc.pid]
-    assert len(frontend) == 1
-    os.kill(frontend[0], signal.SIGKILL)
+    os.kill(frontend_pid(server), signal.SIGKILL)   # (its chat template worker follows it)
     code = server.wait_exit(15)
     assert code == 1, server.output()
     assert "the frontend exited unexpectedly (code -9)" in server.output()
@@ -75,7 +73,7 @@ def test_frontend_death_stops_the_rank_with_a_message() -> None:
 
 def test_launch_death_stops_the_frontend_and_fails_requests() -> None:
     server = start_server(["--steps", "2", "--max-model-len", "512"])
-    frontend = [p for p in server.record_tree() if p != server.proc.pid][0]
+    frontend = frontend_pid(server)
     with cf.ThreadPoolExecutor(2) as pool:
         stream, plain = _in_flight(server, pool)
         os.kill(server.proc.pid, signal.SIGKILL)     # rank 0 dies without a word

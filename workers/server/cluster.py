@@ -297,6 +297,8 @@ class ClusterClient:
             if rank in self._exited:
                 continue
             end = process_end(pid, started)
+            if end is not None and pid == self.config.parent_pid:
+                return f"rank {rank} (the launch) exited: its process (pid {pid}) {end}"
             if end is not None:
                 return f"rank {rank} failed: its process (pid {pid}) {end}"
         return None
