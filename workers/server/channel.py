@@ -150,7 +150,8 @@ class Endpoints:
             base = tempfile.gettempdir()
             if len(base) > 60:        # an ipc path must fit a socket address (107 bytes)
                 base = "/tmp"
-            self.directory = tempfile.mkdtemp(prefix="adist-", dir=base)   # mode 0700
+            _remove_stale(base)
+            self.directory = tempfile.mkdtemp(prefix=f"adist-{os.getpid()}-", dir=base)  # 0700
             os.chmod(self.directory, 0o700)
 
     def bind(self, sock: Any, name: str) -> str:
@@ -177,3 +178,26 @@ class Endpoints:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
+
+
+def _remove_stale(base: str) -> None:
+    """Remove the endpoint directories of this user's serving processes that are gone (a
+    process killed with SIGKILL cannot remove its own): ``adist-PID-*``, owned by this user,
+    PID no longer running."""
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return
+    for entry in entries:
+        parts = entry.name.split("-")
+        if len(parts) < 3 or parts[0] != "adist" or not parts[1].isdigit():
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not entry.is_dir(follow_symlinks=False) or info.st_uid != os.getuid():
+                continue
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:
+            continue

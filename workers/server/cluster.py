@@ -360,8 +360,8 @@ class ClusterClient:
         not reach a stopped one): its peers' collectives then fail at once."""
         if rank not in self._local:
             if rank in self.ready:
-                log.error("rank %d runs on another host: it cannot be ended from here; its "
-                          "peers leave at their collective timeout (--timeout)", rank)
+                log.error("rank %d runs on another host: it cannot be ended from here (rank 0 "
+                          "leaves its collective; that host's torchrun waits for it)", rank)
             return
         pid, started = self._local[rank]
         if process_end(pid, started) is not None:

@@ -288,7 +288,8 @@ def _serve(settings: "ServeSettings") -> int:
             os.close(alarm_w)
             log.info("frontend at http://%s:%d (pid %d); loading the model", settings.host,
                      settings.port, frontend.pid)
-        watch = _StuckWatch(frontend, alarm_r) if frontend is not None else None
+        watch = _StuckWatch(frontend, alarm_r, endpoints.close) if frontend is not None \
+            else None
         try:
             loop = _build_loop(ctx, first, settings, role, inbox, outbox, stop, frontend,
                                closers)
@@ -339,9 +340,11 @@ class _StuckWatch(threading.Thread):
     frozen (the frontend declared it dead and, on this host, killed it): leave now, exit 4,
     rather than after the collective's failure diagnosis or its timeout."""
 
-    def __init__(self, frontend: subprocess.Popen, alarm: int, grace_s: float = 1.5) -> None:
+    def __init__(self, frontend: subprocess.Popen, alarm: int, cleanup: Any,
+                 grace_s: float = 1.5) -> None:
         super().__init__(name="stuck-watch", daemon=True)
         self.frontend, self.alarm, self.grace_s = frontend, alarm, grace_s
+        self.cleanup = cleanup
         self.left = threading.Event()
 
     def run(self) -> None:
@@ -367,6 +370,7 @@ class _StuckWatch(threading.Thread):
                 say("CollectiveTimeoutError: the frontend declared the job failed (its line "
                     "above says why) while this rank waited in a round's collective; leaving "
                     "now")
+                self.cleanup()
                 logging.shutdown()
                 os._exit(EXIT_TIMEOUT)
 
