@@ -391,3 +391,30 @@ def health_latency(url: str) -> tuple[int, float]:
     start = time.monotonic()
     status = httpx.get(f"{url}/health", timeout=10).status_code
     return status, time.monotonic() - start
+
+
+def secret_job(rank: int, cases: list[dict]) -> list[dict]:
+    """One rank of a job that only agrees its serving secret (`launch.job_secret`, as `serve`
+    does right after the process group starts), once per case: `case[rank]` in its environment
+    (absent: unset). Returns per case its secret's digest, or the error every rank must raise."""
+    import os
+
+    from collectives import init_distributed
+    from workers.server.channel import SECRET_ENV, secret_digest
+    from workers.server.launch import RankRole, job_secret
+
+    ctx = init_distributed(timeout_s=30, backend="gloo")
+    out = []
+    for case in cases:
+        if case.get(rank) is None:
+            os.environ.pop(SECRET_ENV, None)
+        else:
+            os.environ[SECRET_ENV] = case[rank]
+        try:
+            secret, key = job_secret(ctx, RankRole(rank, 2, 2, 1))
+            out.append({"digest": secret_digest(secret), "control": key.control.hex(),
+                        "given": secret == case.get(rank)})
+        except ValueError as err:
+            out.append({"error": str(err)})
+    ctx.shutdown()
+    return out

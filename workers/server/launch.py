@@ -269,8 +269,9 @@ def _serve(settings: "ServeSettings") -> int:
         heartbeat.start()
         if role.rank == 0:
             alarm_r, alarm_w = os.pipe()
+            port = http.getsockname()[1]      # --port 0: the one the system gave
             frontend = spawn_frontend(FrontendConfig(
-                host=settings.host, port=settings.port, pull_address=pull, ranks=ranks,
+                host=settings.host, port=port, pull_address=pull, ranks=ranks,
                 dp=role.dp,
                 model_name=settings.served_model_name or Path(launch.model).resolve().name,
                 max_batch_size=launch.max_batch_size, max_queue=settings.max_queue,
@@ -287,7 +288,7 @@ def _serve(settings: "ServeSettings") -> int:
             http = None
             os.close(alarm_w)
             log.info("frontend at http://%s:%d (pid %d); loading the model", settings.host,
-                     settings.port, frontend.pid)
+                     port, frontend.pid)
         watch = _StuckWatch(frontend, alarm_r, endpoints.close) if frontend is not None \
             else None
         try:
