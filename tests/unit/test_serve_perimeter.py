@@ -128,7 +128,7 @@ def test_messages_of_other_processes_are_dropped_and_counted_never_fatal(server,
         metrics(server.url)
     assert metric(server.url, "dropped_messages_total", receiver="frontend",
                   reason="unauthenticated") == len(strays)
-    assert "rank 0's inbox dropped message(s) not from this job" in server.output()
+    assert "rank 0's inbox dropped message(s) (not sealed by this job" in server.output()
     _still_serving(server, baseline)
 
 
@@ -245,17 +245,20 @@ def test_connections_past_the_cap_are_closed_without_running_out_of_files(server
     frontend holds at most CAP (below the limit), closes the rest at once, logs that once, never
     hits EMFILE; the held ones are closed after --timeout-keep-alive."""
     before = metric(server.url, "http_connections_refused_total")
-    sockets = []
+    sockets, reset = [], 0
     try:
         for _ in range(2 * CAP):
-            sockets.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+            try:
+                sockets.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+            except ConnectionResetError:      # refused so fast the connect itself saw the reset
+                reset += 1
         assert wait_until(lambda: f"connections open, the cap is {CAP}" in server.output(), 10)
     finally:
         for sock in sockets:
             sock.close()
     assert wait_until(lambda: health_latency(server.url)[0] == 200, 10)
     refused = metric(server.url, "http_connections_refused_total") - before
-    assert 0 < refused <= 2 * CAP, refused
+    assert reset <= refused <= 2 * CAP and refused > 0, (refused, reset)
     assert server.output().count("refusing new HTTP connections") <= 2
     assert wait_until(lambda: metric(server.url, "http_connections_open") <= 2, 5)
     _still_serving(server, baseline)

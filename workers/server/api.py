@@ -163,6 +163,9 @@ def create_app(cluster: ClusterClient, metrics: FrontendMetrics,
         pool = chat_pool()
         try:
             text = pool.render([m.for_template() for m in messages], add_generation_prompt)
+        except (OSError, RuntimeError) as err:     # no worker could be started
+            raise ApiError(503, f"the chat template worker could not start: {err}",
+                           code="chat_template_unavailable") from None
         except TemplateRefusal as err:
             with counting:
                 metrics.template_failures[err.kind] += 1

@@ -129,7 +129,8 @@ class Verifier:
         if now - self._logged_at >= LOG_EVERY_S:
             counts = {r: self.dropped[r] - self._logged[r] for r in REASONS}
             self._logged, self._logged_at = dict(self.dropped), now
-            log.warning("%s dropped message(s) not from this job: %s%s", self.name,
+            log.warning("%s dropped message(s) (not sealed by this job, replayed, or not "
+                        "well-formed): %s%s", self.name,
                         ", ".join(f"{n} {r}" for r, n in counts.items() if n),
                         f" (last: {detail})" if detail else "")
         return None

@@ -120,10 +120,12 @@ class RenderPool:
         self._closed = False
 
     def warm(self) -> None:
-        """Start one worker now (the first chat request then does not wait for it)."""
+        """Start the workers now (the first chat requests do not wait for them, and the job's
+        processes do not change while it serves)."""
         try:
-            self._idle.put(self._start())
-        except OSError as err:
+            for _ in range(self.size):
+                self._idle.put(self._start())
+        except (OSError, RuntimeError) as err:
             log.warning("could not start a chat template worker: %s", err)
 
     def _start(self) -> _Worker:
