@@ -422,3 +422,44 @@ def test_a_rank_picks_its_thread_count_unless_omp_num_threads_is_set() -> None:
             assert (chosen, got) == ("None", "1")
         else:
             assert int(chosen) == int(got) == max(1, (int(cores) - 1) // local)
+
+
+# ---- the render pool: renders in worker processes -------------------------------------------------
+
+def test_render_pool_bounds_a_render_and_outlives_its_workers():
+    """A render past the timeout is killed and the next one runs on a fresh worker; a worker
+    that died while idle is replaced without failing the request; the output bound stops a
+    render as it goes; the template's constant expressions are not computed at compile time."""
+    import os
+    import signal
+    import time
+
+    from workers.server.chat import ChatTemplate, TemplateRefusal, TemplateSource
+    from workers.server.render import RenderPool
+
+    text = ("{%- if messages[0].content == 'spin' -%}{%- for i in range(100000) -%}"
+            "{%- for j in range(100000) -%}{%- endfor -%}{%- endfor -%}"
+            "{%- else -%}{{ messages[0].content }}{%- endif -%}{{ '' if 1 else 3 ** 10**8 }}")
+    start = time.monotonic()
+    ChatTemplate(TemplateSource(text + "{{ 3 ** 10**8 }}", "test"))     # compiles, folds nothing
+    assert time.monotonic() - start < 1.0
+    pool = RenderPool(TemplateSource(text, "test"), {}, timeout_s=1.0, max_chars=100, size=1)
+    try:
+        pool.warm()
+        assert pool.render([{"role": "user", "content": "hi"}], True) == "hi"
+        worker = pool._idle.get()
+        pool._idle.put(worker)
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        worker.proc.wait()
+        assert pool.render([{"role": "user", "content": "again"}], True) == "again"
+        start = time.monotonic()
+        with pytest.raises(TemplateRefusal, match="did not finish within 1 s") as info:
+            pool.render([{"role": "user", "content": "spin"}], True)
+        assert info.value.kind == "timeout" and time.monotonic() - start < 3.0
+        with pytest.raises(TemplateRefusal, match="passed 100 characters") as info:
+            pool.render([{"role": "user", "content": "x" * 101}], True)
+        assert info.value.kind == "too_long"
+        assert pool.render([{"role": "user", "content": "after"}], True) == "after"
+        assert len(pool._all) == 1                       # the spinning one is gone
+    finally:
+        pool.close()

@@ -159,11 +159,15 @@ class RenderPool:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         """The prompt text; `TemplateRefusal` (with its `kind`) for every failure."""
+        request = {"messages": messages, "add_generation_prompt": add_generation_prompt}
         worker = self._take()
         try:
-            reply = worker.call({"messages": messages,
-                                 "add_generation_prompt": add_generation_prompt},
-                                self.timeout_s)
+            try:
+                reply = worker.call(request, self.timeout_s)
+            except BrokenPipeError:       # it died while idle (not this request's doing): anew
+                self._discard(worker)
+                worker = self._take()
+                reply = worker.call(request, self.timeout_s)
         except TimeoutError:
             self._discard(worker)
             raise TemplateRefusal(f"the chat template did not finish within {self.timeout_s:g} s "
