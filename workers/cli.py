@@ -63,6 +63,18 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --adaptive: ema (the acceptance ladder, default) or goodput "
                         "(expected tokens per unit of measured round cost)")
     p.add_argument("--config", metavar="FILE", help="JSON file of adaptive settings (--adaptive only)")
+    p.add_argument("--per-request", action="store_true",
+                   help="with --adaptive: per-request budgets — every request drafts what its own "
+                        "acceptance pays for, inside a round shape (draft forwards, verify "
+                        "tokens) agreed every round; implies --policy goodput")
+    p.add_argument("--model-costs", metavar="FILE", default=None,
+                   help="with --adaptive --policy goodput: decide on this cost table file "
+                        "(docs/data/cost_tables/*.json) instead of measuring one at start-up "
+                        "(a CPU run priced as the GPU the table was measured on)")
+    p.add_argument("--round-log", metavar="FILE", default=None,
+                   help="write one JSON line per rank per round (shape, each request's draft "
+                        "and accepted tokens; docs/cli.md); with several ranks each writes "
+                        "FILE with .rank<R> before its suffix")
     p.add_argument("--model", default=str(DEFAULT_MODEL), metavar="DIR",
                    help="the target: a Hugging Face directory (config.json, weights, "
                         "tokenizer.json; Llama, Qwen2, Qwen3, and the MoE families Qwen3-MoE, "
@@ -140,12 +152,13 @@ def launch_settings(args: argparse.Namespace) -> LaunchSettings:
         model=args.model, draft_model=args.draft_model,
         shape=ClusterShape(dp=args.dp, attn_tp=args.attn_tp, tp=args.tp),
         spec=SpecChoice(steps=args.steps, adaptive=args.adaptive, no_spec=args.no_spec,
-                        policy=args.policy, config=args.config),
+                        policy=args.policy, config=args.config,
+                        per_request=args.per_request, model_costs=args.model_costs),
         device=args.device, attention_backend=args.attention_backend,
         padded_prefill_tokens=args.padded_prefill_tokens, catchup_rounds=args.catchup_rounds,
         defer_prefill_width=args.defer_prefill_width, max_batch_size=args.max_batch_size,
         eager=args.eager, overlap=args.overlap, mlp_scatter=args.mlp_scatter,
-        moe_parallel=args.moe_parallel, timeout=args.timeout)
+        moe_parallel=args.moe_parallel, timeout=args.timeout, round_log=args.round_log)
 
 
 def generate_settings(args: argparse.Namespace) -> GenerateSettings:

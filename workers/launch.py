@@ -141,6 +141,7 @@ def start_engine(ctx: "DistContext", launch: "LaunchSettings", closers: contextl
     from adaptive_dist.startup import agree_settings, all_ranks_or_none
     from workers.config import EngineConfig
     from workers.engine import build_engine, freeze_heap
+    from workers.round_log import RoundLog, round_log_path
     from workers.loading import check_tokenizer, load_models, load_tokenizer_for
     from workers.model import ModelParallel
 
@@ -186,6 +187,10 @@ def start_engine(ctx: "DistContext", launch: "LaunchSettings", closers: contextl
         closers.callback(guard.close)
     engine = build_engine(config, target, head, group=world, guard=guard)
     closers.callback(engine.close)
+    if launch.round_log is not None:
+        engine.round_log = RoundLog(round_log_path(launch.round_log, ctx.rank, ctx.world_size),
+                                    ctx.rank)
+        closers.callback(engine.round_log.close)
     engine.warmup()
     torch.set_grad_enabled(False)
     freeze_heap()  # start-up's objects out of the collector's walks (no full-collection pauses)

@@ -61,6 +61,15 @@ class RoundLog:
             self._file.close()
 
 
+def round_log_path(path: str | Path, rank: int, world: int) -> Path:
+    """Where rank `rank` writes `--round-log path`: the path itself in a one-rank job, else
+    `.rank<R>` before its suffix (`log.jsonl` -> `log.rank1.jsonl`)."""
+    path = Path(path)
+    if world == 1:
+        return path
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
 def read_round_log(path: str | Path) -> list[dict[str, Any]]:
     """Every line of a round log (checked: the fields and their types), in file order."""
     out = []

@@ -62,6 +62,10 @@ class SpecChoice:
     no_spec: bool = False
     policy: Optional[str] = None
     config: Optional[str] = None
+    per_request: bool = False
+    """`--per-request`: per-request budgets (goodput)."""
+    model_costs: Optional[str] = None
+    """`--model-costs FILE`: decide on this cost table instead of measuring one at start-up."""
 
     def build(self) -> "AdaptiveConfig":
         """The speculative settings asked for (static depth 0 for `--no-spec`); `ValueError` /
@@ -78,8 +82,22 @@ class SpecChoice:
                              f"speculation)")
         if self.policy is not None and not self.adaptive:
             raise ValueError(f"--policy {self.policy} applies to --adaptive only")
-        policy = (self.policy or "ema") if self.adaptive else "static"
+        if self.per_request and not self.adaptive:
+            raise ValueError("--per-request applies to --adaptive (with the goodput policy)")
+        if self.per_request and self.policy not in (None, "goodput"):
+            raise ValueError(f"--per-request needs --policy goodput (per-request budgets are "
+                             f"priced by the round cost), not --policy {self.policy}")
+        if self.model_costs is not None and not self.adaptive:
+            raise ValueError("--model-costs applies to --adaptive --policy goodput only")
+        default = "goodput" if self.per_request else "ema"
+        policy = (self.policy or default) if self.adaptive else "static"
         spec = load_config(self.config, policy, initial_steps=self.steps)
+        if self.per_request:
+            spec = spec.replace(per_request=True)
+        if self.model_costs is not None:
+            from adaptive_dist.cost_tables import with_model_costs
+
+            spec = with_model_costs(spec, self.model_costs)
         check_depth(spec.max_steps, f"--steps {self.steps}" if self.steps is not None
                     else "candidate_steps")
         return spec
@@ -109,6 +127,8 @@ class LaunchSettings:
     moe_parallel: str = "tp"
     timeout: float = 60.0
     """`--timeout`: seconds a collective may take."""
+    round_log: Optional[str] = None
+    """`--round-log FILE`: one JSON line per rank per round (`workers.round_log`)."""
 
     @property
     def resolved_device(self) -> str:
@@ -131,6 +151,13 @@ class LaunchSettings:
         for key in ("max_batch_size", "padded_prefill_tokens", "catchup_rounds",
                     "defer_prefill_width"):
             check_size(key, getattr(self, key), "--" + key.replace("_", "-"))
+        if self.round_log is not None:
+            from pathlib import Path
+
+            parent = Path(self.round_log).resolve().parent
+            if not parent.is_dir() or Path(self.round_log).is_dir():
+                raise ValueError(f"--round-log {self.round_log}: not a file in an existing "
+                                 f"directory")
 
     def model_paths(self) -> "ModelPaths":
         """The target and draft directories `--model` / `--draft-model` name; `ValueError`

@@ -132,16 +132,26 @@ class SurvivalTracker:
         return [(p.hits[k] + PRIOR_START) / (p.reached[k] + 1.0) for k in range(self.depth)]
 
     def survival(self, rid: int, prior: Optional[list[float]] = None) -> list[float]:
-        """``s(1..depth)`` of request ``rid`` (the prior's alone for a request never seen)."""
+        """``s(1..depth)`` of request ``rid`` (the prior's alone for a request never seen).
+
+        Two levels: the request's own rate over every position it reached, shrunk toward the
+        pooled rate (``PRIOR_WEIGHT`` pseudo-observations of it), is the prior of each of its
+        positions, whose own counts then move it: a request that accepts everything it drafts
+        is expected to accept past its drafts too (where its counts are still empty), one that
+        rejects at once is expected to reject further down as well."""
         prior = prior if prior is not None else self.prior()
         counts = self.requests.get(rid)
+        if counts is None:
+            own = prior
+        else:
+            reached, hits = sum(counts.reached), sum(counts.hits)
+            pool = self.pooled
+            pooled_rate = (sum(pool.hits) + PRIOR_START) / (sum(pool.reached) + 1.0)
+            rate = (hits + PRIOR_WEIGHT * pooled_rate) / (reached + PRIOR_WEIGHT)
+            own = [(counts.hits[k] + PRIOR_WEIGHT * rate) / (counts.reached[k] + PRIOR_WEIGHT)
+                   for k in range(self.depth)]
         out, s = [], 1.0
-        for k in range(self.depth):
-            if counts is None:
-                c = prior[k]
-            else:
-                c = ((counts.hits[k] + PRIOR_WEIGHT * prior[k])
-                     / (counts.reached[k] + PRIOR_WEIGHT))
+        for c in own:
             s *= c
             out.append(s)
         return out

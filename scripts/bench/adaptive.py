@@ -75,6 +75,7 @@ from typing import Any
 import torch
 
 import collectives as C
+from adaptive_dist import cost_tables
 from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, load_config
 from adaptive_dist.coordinator import RoundCoordinator
 from adaptive_dist.policy import cost_row
@@ -89,7 +90,18 @@ from workers.model import ModelParallel
 from workers.sampling import SamplingParams
 
 STATIC = ("static0", "static1", "static3", "static7")
-POLICIES = STATIC + ("ema", "ema_min", "goodput", "goodput_min", "goodput_mix")
+POLICIES = STATIC + ("ema", "ema_min", "goodput", "goodput_min", "goodput_mix", "goodput_pr",
+                     "oracle_pr")
+PER_REQUEST = ("goodput_pr",)
+"""Policies with per-request budgets (`--per-request`): goodput deciding each round's shape and
+each request's draft tokens (`adaptive_dist.policy.budgets`)."""
+ORACLE = "oracle_pr"
+"""The per-request oracle: the depth-7 chain run, each round priced as if every request had
+drafted exactly what it accepts (greedy output does not depend on the drafts, so the tokens
+are those of the chain): draft forwards the smallest candidate >= the round's largest accept
+(0 when nothing is accepted), verify tokens the rung holding sum(accept + 1). What each request
+drafting the best d_i knowing its acceptance would cost; the gap to it is what the policy's
+estimates leave. Needs --model-costs with a verify table."""
 STATIC_NAME = re.compile(r"static(0|[1-9][0-9]*)")
 """`staticN` for any depth N (the default list runs 0, 1, 3, 7; e.g. `static5` for a wider
 ladder, priced by `--interpolate-depths` where the cost table lacks it)."""
@@ -127,6 +139,12 @@ MIXED_DRIFT = ((0.5, 0.3, 0.2), (0.3, 0.5, 0.2), (0.2, 0.3, 0.5), (0.45, 0.1, 0.
 """The mixed stream's shares of (code, high_entropy, repetitive) at the start of each of its
 segments (and at the end of the last): a request's regime is drawn from the shares interpolated
 linearly at its place in the segment."""
+PER_REQUEST_GOALS = {"transition": (1.10, 0.97), "transition_long": (1.10, 0.97),
+                     "mixed": {1: (1.10, None), 16: (1.08, None), 64: (1.15, None)},
+                     "heterogeneous": (1.05, None)}
+"""Issue 32's goals for the per-request policies (production-priced): (least tokens/s over the
+best static depth, least tokens/s of every phase over that phase's best static depth, or None),
+per batch where they differ."""
 GOALS = {"transition": (1.10, 0.97), "transition_long": (1.10, 0.97), "mixed": (1.05, None),
          "code_warm": (0.98, None), "high_entropy_warm": (0.98, None),
          "repetitive_warm": (0.98, None)}
@@ -168,21 +186,10 @@ def mixed_stream(enc: dict[str, list[list[int]]], n: int, segment: int, segments
 
 
 def load_model_costs(value: str) -> tuple[RoundCost, str | None]:
-    """`--model-costs`: a JSON table, or a file holding one: a start-up cost table file
-    (`docs/data/cost_tables/*.json`: its `agreed_round_cost_ms`, in ms, read as seconds), a
-    results file's `meta.round_cost`-style table, or a bare table -> (table in seconds, the
-    file's name or None)."""
-    path = Path(value)
-    if value.lstrip()[:1] not in ("{", "") and path.is_file():
-        data, name = json.loads(path.read_text()), str(path)
-    else:
-        data, name = json.loads(value), None
-    if isinstance(data, dict) and "agreed_round_cost_ms" in data:
-        data = {b: {s: c / 1e3 for s, c in row.items()}
-                for b, row in data["agreed_round_cost_ms"].items()}
-    elif isinstance(data, dict) and "agreed_round_cost" in data:
-        data = data["agreed_round_cost"]
-    return RoundCost.parse(data), name
+    """`--model-costs`'s round cost (`adaptive_dist.cost_tables.load_model_costs`) -> (table in
+    seconds, the file's name or None)."""
+    table, _, name = cost_tables.load_model_costs(value)
+    return table, name
 
 
 def interpolate_costs(table: RoundCost, depths: list[int]) -> RoundCost:
@@ -217,12 +224,7 @@ def interpolate_costs(table: RoundCost, depths: list[int]) -> RoundCost:
     return RoundCost(table.buckets, tuple(rows))
 
 
-def restrict_costs(table: RoundCost, depths: tuple[int, ...]) -> RoundCost:
-    """`table` at `depths` only (a goodput policy's table holds exactly its candidates); a
-    depth the table lacks is left out, for the engine's check to name."""
-    keep = set(depths)
-    return RoundCost(table.buckets, tuple(tuple((s, c) for s, c in row if s in keep)
-                                          for row in table.rows))
+restrict_costs = cost_tables.restrict_costs
 
 
 def spec_of(policy: str, knobs: dict[str, Any] | None = None,
@@ -233,10 +235,12 @@ def spec_of(policy: str, knobs: dict[str, Any] | None = None,
         return static_spec(int(policy[len("static"):]))
     if policy == "depth0_head":   # depth 7 priced out of reach; no probe ever due
         return held_at_zero(7)
+    if policy == ORACLE:   # the depth-7 chain, priced as the oracle (`ORACLE`)
+        return static_spec(7)
     if policy.startswith("goodput"):
         # the shipped defaults (load_config: candidates 0, 1, 3, 7, initial 3)
         spec = load_config(None, "goodput").replace(
-            cost_alpha=cost_alpha,
+            cost_alpha=cost_alpha, per_request=policy in PER_REQUEST,
             reducer={"goodput_min": "min", "goodput_mix": "mixture"}.get(policy, "weighted_mean"))
     else:
         spec = AdaptiveConfig(reducer="min" if policy == "ema_min" else "weighted_mean")
@@ -367,9 +371,11 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     args.model_costs_file = None
     args.model_costs_interpolated = []
+    args.verify_costs = None
     if args.model_costs is not None:
         try:
-            args.model_costs, args.model_costs_file = load_model_costs(args.model_costs)
+            args.model_costs, args.verify_costs, args.model_costs_file = \
+                cost_tables.load_model_costs(args.model_costs)
         except (json.JSONDecodeError, ConfigError, OSError) as err:
             p.error(f"--model-costs: {err}")
         measured = set(args.model_costs.steps)
@@ -396,9 +402,15 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--catchup-rounds {args.catchup_rounds}: must be >= 1")
     for name in args.policies:
         try:
-            split_policy(name)
+            base = split_policy(name)[0]
         except ValueError as err:
             p.error(f"--policies {name}: {err}")
+        if base in PER_REQUEST + (ORACLE,) and args.model_costs is not None \
+                and args.verify_costs is None:
+            p.error(f"--policies {name}: per-request budgets are priced with the verify "
+                    f"forward's cost; the --model-costs table has none (agreed_verify_cost_ms)")
+        if base == ORACLE and args.model_costs is None:
+            p.error(f"--policies {name}: the oracle is priced, so it needs --model-costs")
     if len(set(args.policies)) != len(args.policies):
         p.error(f"--policies {' '.join(args.policies)}: a policy is listed twice")
     if args.phase_rounds is not None and args.phase_rounds < 1:
@@ -459,10 +471,37 @@ def modelled_seconds(rounds: dict[tuple, int], table: RoundCost,
     return total
 
 
+def oracle_pricing(engine: Engine, verify: Any) -> collections.Counter:
+    """The per-request oracle's shapes (`ORACLE`): every round the engine ran, as the counter
+    (steps, padded batch, verify tokens) -> rounds it returns, filled as rounds are reported:
+    draft forwards the smallest candidate >= the largest accept (0 when no request accepted a
+    draft), verify tokens the rung holding sum(accept + 1)."""
+    from adaptive_dist.shape import token_bucket
+
+    shapes: collections.Counter = collections.Counter()
+    planner = engine.planner
+    end_round = planner.end_round
+    depths = sorted(set(engine.config.spec.candidate_steps) | {0, 1, 3, 7})
+    rungs = verify.tokens
+
+    def priced_end_round(accepts: Any, plan: Any = None, **kw: Any) -> None:
+        end_round(accepts, plan=plan, **kw)
+        if plan is None or not plan.cluster_requests or not len(accepts):
+            return
+        top = max(accepts)
+        steps = next(d for d in depths if d >= top) if top else 0
+        tokens = token_bucket(sum(a + 1 for a in accepts), rungs)
+        shapes[(steps, plan.batch_pad, tokens)] += 1
+
+    planner.end_round = priced_end_round
+    return shapes
+
+
 def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
                device: str, batch: int | None = None, spread: float = 0.0,
                model: RoundCost | None = None, window: int | None = None,
-               lengths_of: list[list[int]] | None = None) -> dict[str, Any]:
+               lengths_of: list[list[int]] | None = None, verify: Any = None,
+               oracle: bool = False) -> dict[str, Any]:
     """Every phase on this replica; per phase: seconds and tokens; and the policy's trace.
     `batch`: run each phase's prompts arriving continuously, at most `batch` at once (None: the
     phase is one closed batch); `spread`: the requests' budgets vary (`budgets`); `model`: a
@@ -470,13 +509,16 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
     as `wall_seconds`; `window` (with `batch`): every phase is that many rounds with the replica
     kept full (`run_window`), requests in flight at its end running on into the next, the last
     phase's aborted; `lengths_of`: every phase's budgets (one per prompt) instead of
-    `budgets`."""
+    `budgets`; `verify`: the verify forward's cost (a round's verify tokens priced as its own);
+    `oracle`: price every round as the per-request oracle (`ORACLE`, `oracle_pricing`)."""
     out: dict[str, Any] = {"phases": [], "phase_rounds": []}
     round0 = engine.planner.round
+    priced = oracle_pricing(engine, verify) if oracle else None
     pauses = GcPauses()
     active: list[Any] = []
     for prompts in phases:
-        shapes = collections.Counter(engine.planner.stats.rounds_at_shape)
+        counter = priced if priced is not None else engine.planner.stats.rounds_at_shape
+        shapes = collections.Counter(counter)
         sync(device)
         start = time.perf_counter()
         with pauses:
@@ -492,8 +534,9 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
             sync(device)
         phase = {"seconds": time.perf_counter() - start, "tokens": tokens}
         if model is not None:
-            ran = engine.planner.stats.rounds_at_shape - shapes
-            phase.update(wall_seconds=phase["seconds"], seconds=modelled_seconds(ran, model))
+            ran = counter - shapes
+            phase.update(wall_seconds=phase["seconds"],
+                         seconds=modelled_seconds(ran, model, verify))
         out["phases"].append(phase)
         out["phase_rounds"].append(engine.planner.round - round0)
     if window is not None:   # the last window's requests in flight: uncounted, cut short
@@ -539,6 +582,8 @@ def main() -> int:
             # decided on the prices paid: the table's rows at this policy's candidates
             cands = spec_of(base, {**knobs, **own}).candidate_steps
             own = {"round_cost": restrict_costs(args.model_costs, cands), **own}
+            if base in PER_REQUEST:
+                own = {"verify_cost": args.verify_costs, **own}
         engines[policy] = build(spec_of(base, {**knobs, **own}, args.cost_alpha), target, head,
                                 batch=top, context=context, device=device,
                                 graphs=args.device == "cuda", group=world, guard=guard,
@@ -569,13 +614,16 @@ def main() -> int:
         for workload, batch, policy in jobs[shift:] + jobs[:shift]:
             engine = engines[policy]
             spec = engine.config.spec  # goodput: with its agreed round_cost
-            engine.planner = RoundCoordinator(spec, world, guard=guard)
+            engine.planner = RoundCoordinator(spec, world, guard=guard,
+                                              verify_ladder=engine.config.verify_ladder)
             engine.pool.apply(spec.initial_steps)
             phases, lengths_of, window = workload_phases(args, workload, batch, enc,
                                                          par.replica)
             res = run_phases(engine, phases, args.new_tokens, args.device,
                              batch if args.waves > 1 or window else None,
-                             args.length_spread, args.model_costs, window, lengths_of)
+                             args.length_spread, args.model_costs, window, lengths_of,
+                             verify=args.verify_costs,
+                             oracle=split_policy(policy)[0] == ORACLE)
             parts: list[Any] = [res]
             if world.size > 1:
                 import torch.distributed as dist
@@ -737,26 +785,42 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
     print(f"wrote {out / 'results.json'}")
 
 
+def goal_of(workload: str, batch: int, policy: str) -> tuple[float, float | None] | None:
+    """The goal a policy's row is judged by: issue 32's for the per-request policies
+    (`PER_REQUEST_GOALS`), issue 26's (`GOALS`) for the others; None: no goal."""
+    table = PER_REQUEST_GOALS if split_policy(policy)[0] in PER_REQUEST else GOALS
+    goal = table.get(workload)
+    if isinstance(goal, dict):
+        goal = goal.get(batch)
+    return goal
+
+
 def goal_rows(analysis: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per (workload with a goal, batch, adaptive policy): its ratios and whether `GOALS` holds."""
+    """Per (workload with a goal, batch, adaptive policy): its ratios and whether its goal holds
+    (`goal_of`); beside each, the per-request oracle's tokens/s when it ran (`ORACLE`)."""
     rows = []
     for key, entry in analysis.items():
         workload, batch = key.split(" | b=")
-        if workload not in GOALS or "vs" not in entry:
+        if "vs" not in entry:
             continue
-        least, least_phase = GOALS[workload]
+        pr_oracle = entry["policies"].get(ORACLE, {}).get("tokens_per_second", {}).get("median")
         for policy, vs in entry["vs"].items():
-            if is_static(split_policy(policy)[0]):
+            base = split_policy(policy)[0]
+            goal = goal_of(workload, int(batch), policy)
+            if is_static(base) or base == ORACLE or goal is None:
                 continue
+            least, least_phase = goal
             met = vs["vs_best_static"] >= least and (
                 least_phase is None or vs["worst_phase_vs_oracle"] >= least_phase)
             best = max((p for p in entry["policies"] if is_static(p)),
                        key=lambda p: entry["policies"][p]["tokens_per_second"]["median"])
+            tps = entry["policies"][policy]["tokens_per_second"]["median"]
             rows.append({"workload": workload, "batch": int(batch), "policy": policy,
-                         "tokens_per_second": entry["policies"][policy]["tokens_per_second"][
-                             "median"],
+                         "tokens_per_second": tps,
                          "best_static": entry["best_static"], "best_static_policy": best,
                          "oracle": entry["oracle_tokens_per_second"],
+                         "per_request_oracle": pr_oracle,
+                         "vs_per_request_oracle": tps / pr_oracle if pr_oracle else None,
                          "vs_best_static": vs["vs_best_static"], "vs_oracle": vs["vs_oracle"],
                          "worst_phase_vs_oracle": vs["worst_phase_vs_oracle"],
                          "phase_vs_oracle": [a / o for a, o in zip(
@@ -777,7 +841,8 @@ def goals_markdown(rows: list[dict[str, Any]], command: str,
              "that runs them is an estimate, not a measurement.", ""] if interpolated else [])
     lines = [*note, f"Command: `{command}`", "",
              "| workload | batch | policy | tok/s | best static (depth) | x best static | "
-             "worst phase x oracle | goal | met |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "worst phase x oracle | x per-request oracle | goal | met |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         g = r["goal"]
         goal = f">= {g['vs_best_static']:.2f}x static" + (
@@ -786,7 +851,8 @@ def goals_markdown(rows: list[dict[str, Any]], command: str,
         lines.append(f"| {r['workload']} | {r['batch']} | {r['policy']} | "
                      f"{r['tokens_per_second']:.0f} | {r['best_static']:.0f} "
                      f"({r['best_static_policy'][len('static'):]}) | {r['vs_best_static']:.3f} | "
-                     f"{r['worst_phase_vs_oracle']:.3f} | {goal} | "
+                     f"{r['worst_phase_vs_oracle']:.3f} | "
+                     f"{'' if r.get('vs_per_request_oracle') is None else format(r['vs_per_request_oracle'], '.3f')} | {goal} | "
                      f"{'yes' if r['met'] else 'no'} |")
     return "\n".join(lines) + "\n"
 

@@ -66,7 +66,8 @@ def parse_args() -> argparse.Namespace:
 
 def fresh_policy(engine: Engine, spec: AdaptiveConfig, world: Any, guard: Any) -> None:
     """Start the policy afresh: a new coordinator, the initial depth applied."""
-    engine.planner = RoundCoordinator(spec, world, guard=guard)
+    engine.planner = RoundCoordinator(spec, world, guard=guard,
+                                      verify_ladder=engine.config.verify_ladder)
     engine.pool.apply(spec.initial_steps)
 
 

@@ -17,6 +17,13 @@ size), then profiles 10 replays of every (depth, bucket) round, the ranks in ste
 kernel time per round over the agreed round cost (NCCL kernels count as busy). The weights are random, so acceptance means nothing here: the
 numbers are costs, not tokens/s. Writes `OUT/<layout>.json` and `OUT/<layout>.png` (with another
 `--shape`: `OUT/<layout>_<shape>.*`).
+
+`--schedule N` then checks the table as a cost model (one rank): N requests of mixed prompt
+lengths arrive in a server's order (a few per round, at most `--max-batch` running) and run with
+per-request budgets and overlap on, every round timed from one engine step to the next; the
+decode rounds' time is compared with the sum the table prices them at (`shape_cost`), the rounds
+that also prefill with the sum their decode part is priced at (the table has no prefill cost:
+the gap is what a prefill adds), each kind's ratio reported.
 """
 from __future__ import annotations
 
@@ -48,6 +55,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--schedule", type=int, default=0, metavar="N",
+                   help="then time N requests' rounds against the table's prices (one rank)")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled replays")
     p.add_argument("--tiny", action="store_true",
                    help="a small model of the same layout on the CPU (a smoke test of this script)")
     p.add_argument("--out", default="runs/bench_model_shapes")
@@ -132,23 +142,30 @@ def main() -> int:
     t0 = time.perf_counter()
     target, head = shaped_pair(par, device, seed=1234 + ctx.rank, tiny=args.tiny,
                                shape=args.shape)
-    spec = AdaptiveConfig(policy="goodput", candidate_steps=TIERS, initial_steps=1)
+    spec = AdaptiveConfig(policy="goodput", candidate_steps=TIERS, initial_steps=1,
+                          per_request=True)
     if ctx.rank == 0:
         print(f"[{args.layout}] weights ready in {time.perf_counter() - t0:.0f} s; building the "
               f"engine (graphs for depths {TIERS}, buckets up to {args.max_batch}) ...", flush=True)
     t1 = time.perf_counter()
     engine = build(spec, target, head, batch=args.max_batch, context=args.context,
                    device=str(device), graphs=device.type == "cuda", group=world, dp=layout.dp,
-                   attn_tp=layout.attn_tp)
+                   attn_tp=layout.attn_tp, overlap=device.type == "cuda")
     build_s = time.perf_counter() - t1
     agreed = engine.config.spec.round_cost.to_json()
+    verify = engine.config.spec.verify_cost
+    graph_bytes = engine.worker.graphs.pool_bytes() if engine.worker.graphs is not None else 0
+    captures = len(engine.worker.table) if engine.worker.table is not None else 0
     if ctx.rank == 0:
         print(f"[{args.layout}] engine built in {build_s:.0f} s; profiling ...", flush=True)
     import torch.distributed as dist
 
     barrier = ((lambda: dist.barrier(group=world.control_pg)) if world.size > 1
                else (lambda: None))
-    rounds = profile_rounds(engine, args.replays, sorted(int(b) for b in agreed), barrier)
+    rounds = ({} if args.no_profile else
+              profile_rounds(engine, args.replays, sorted(int(b) for b in agreed), barrier))
+    schedule = (check_schedule(engine, args.schedule, args.context, target.config.vocab_size)
+                if args.schedule and world.size == 1 else None)
     parts: list[Any] = [rounds]
     if world.size > 1:
         parts = [None] * world.size
@@ -166,6 +183,10 @@ def main() -> int:
                   "build_seconds": build_s, "max_memory_gib_rank0": mem,
                   "agreed_round_cost_ms": {b: {s: 1000 * v for s, v in row.items()}
                                            for b, row in agreed.items()},
+                  "agreed_verify_cost_ms": {str(t): 1000 * c for t, c in
+                                            zip(verify.tokens, verify.costs)},
+                  "graph_captures": captures, "graph_pool_gib": graph_bytes / 2**30,
+                  "schedule_check": schedule,
                   "rounds_per_rank": parts, "command": " ".join(sys.argv)}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -175,9 +196,57 @@ def main() -> int:
     return 0
 
 
+def check_schedule(engine: Any, n: int, context: int, vocab: int) -> dict[str, Any]:
+    """`--schedule`: `n` requests (prompts of 16 .. 512 tokens, outputs of 32 .. 256) admitted
+    a few per round, every engine step timed; per kind (decode only, with a prefill) the
+    measured seconds against the table's price of the rounds' decode part."""
+    import random
+
+    from adaptive_dist.policy.budgets import shape_cost
+    from workers.sampling import SamplingParams
+
+    rng = random.Random(7)
+    spec = engine.config.spec
+    cuda = engine.worker.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    lengths = [p for p in (16, 64, 200, 512) if p + 256 <= context] or [8]
+    outputs = [o for o in (32, 64, 128, 256) if max(lengths) + o <= context] or [8]
+    pending = [([rng.randrange(vocab) for _ in range(rng.choice(lengths))],
+                rng.choice(outputs)) for _ in range(n)]
+    kinds: dict[str, dict[str, float]] = {k: {"rounds": 0, "measured_s": 0.0, "priced_s": 0.0}
+                                          for k in ("decode", "prefill")}
+    planned: list[Any] = []
+    sync()
+    last = time.perf_counter()
+    while pending or engine.scheduler.has_work:
+        for _ in range(min(len(pending), rng.choice((0, 0, 1, 4)))):
+            ids, out = pending.pop()
+            engine.add(ids, SamplingParams(max_new_tokens=out))
+        engine.step()
+        now = time.perf_counter()
+        plan = engine.last_plan
+        # with overlap a step's time is the device's round: it waits for the round before
+        if plan.cluster_requests and plan.shape is not None:
+            kind = kinds["prefill" if plan.extend_tokens else "decode"]
+            kind["rounds"] += 1
+            kind["measured_s"] += now - last
+            kind["priced_s"] += shape_cost(spec.round_cost, spec.verify_cost, plan.steps,
+                                           plan.shape.verify_tokens, plan.batch_pad)
+        last = now
+    engine.drain()
+    for kind in kinds.values():
+        kind["measured_over_priced"] = (kind["measured_s"] / kind["priced_s"]
+                                        if kind["priced_s"] else None)
+    print(f"== schedule: {kinds}", flush=True)
+    return kinds
+
+
 def finish(result: dict, path: Path) -> None:
     """GPU busy per (bucket, depth) and rank: GPU kernel time per round over the agreed round
     cost (the start-up median, taken with every rank in step); write JSON and plot, print."""
+    if not result["rounds_per_rank"][0]:   # --no-profile
+        write_json(path, result)
+        return
     for part in result["rounds_per_rank"]:
         for bucket, row in part.items():
             for steps, rec in row.items():

@@ -97,3 +97,30 @@ class StaticAttention:
         values = gather_kv(pool.v[layer_id], self.slots, num_q_heads, head_dim, query.dtype)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
                                               scale=head_dim ** -0.5)
+
+
+class PackedAttention:
+    """Attention of a packed forward's tokens over their rows' pages, through a padded grid (the
+    reference path, CPU): token `j` of row `b` at window slot `k` is scattered to grid slot
+    `b * width + k` (padding tokens to a spare slot), the grid runs as a padded batch (each row
+    gathers its KV once for all of its slots), and the outputs are gathered back. The same rule
+    as the width-1 padded batch the fused kernels run over the packed tokens directly: token
+    (b, k) writes KV index `cached[b] + k` and sees `0 .. cached[b] + k`."""
+
+    def __init__(self, grid: PaddedBatch, index: torch.Tensor, pool: KVPool) -> None:
+        self.inner = StaticAttention(grid, pool)
+        self.index, self.slots_ = index, grid.batch * grid.width
+
+    def _grid(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros((self.slots_ + 1, *x.shape[1:]))
+        out.index_copy_(0, self.index, x)
+        return out[:self.slots_]
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        out = self.inner.forward(layer_id, self._grid(q), self._grid(k), self._grid(v))
+        return torch.cat([out, out.new_zeros((1, *out.shape[1:]))])[self.index]
+
+    def forward_last(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("a packed forward attends every token (forward)")

@@ -313,9 +313,11 @@ class EagleWorker:
                          self.phases.body(key, bufs, self.slots.reach))
         return lambda: [call() for call in calls] and None
 
-    def target_body(self, tokens: int) -> Callable[[], None]:
-        """The packed verify forward at `tokens` tokens: its graph's replay, or its body."""
+    def target_body(self, tokens: int, context: int = 0) -> Callable[[], None]:
+        """The packed verify forward at `tokens` tokens: its graph's replay, or its eager body
+        over the pages `context` positions need (as an eager round of dummy rows reads)."""
         key = GraphKey("target", tokens=tokens)
         if self.table is not None and key in self.table:
             return lambda: self.table.replay(key)
-        return self.phases.body(key, None, self.slots.reach)
+        reach = min(pages_for(max(context, 1), self.config.page_size), self.slots.reach)
+        return self.phases.body(key, None, reach)

@@ -52,6 +52,9 @@ from typing import Callable
 
 import torch
 
+from workers import kernels
+from workers.attention import PaddedBatch
+from workers.attention.static_backend import PackedAttention
 from workers.spec_decode import (
     SALT_SAMPLE,
     draft_step,
@@ -178,8 +181,17 @@ class RoundPhases:
         if buf.drafts.shape[1]:
             drafted = buf.drafts[row, (k - 1).clamp(0, buf.drafts.shape[1] - 1)]
             ids = torch.where(k > 0, drafted, ids)
-        attn = models.padded_attn(models.target_kv, slots.pages_of(slot, reach), pos,
-                                  real.to(torch.int64), 1)
+        if kernels.enabled(pos):   # each token a width-1 row of its request's pages
+            attn = models.padded_attn(models.target_kv, slots.pages_of(slot, reach), pos,
+                                      real.to(torch.int64), 1)
+        else:   # the reference: through a [rows, S+1] grid, each row's KV gathered once
+            width = buf.drafts.shape[1] + 1
+            rows = buf.rows
+            count = (rows != slots.dummy).to(torch.int64) * (buf.budget + 1)
+            grid = PaddedBatch(slots.pages_of(rows, reach), slots.cache_len[rows], count, width)
+            index = torch.where(real, row * width + k,
+                                torch.full_like(row, rows.shape[0] * width))
+            attn = PackedAttention(grid, index, models.target_kv)
         hidden = models.target(ids, pos, attn)
         logits = models.target.compute_logits(hidden)
         buf.packed_hidden[:tokens] = hidden

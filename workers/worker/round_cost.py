@@ -40,7 +40,7 @@ class TimedWorker(Protocol):
 
     def collect(self, launched: Any) -> Any: ...
 
-    def target_body(self, tokens: int) -> Callable[[], None]: ...
+    def target_body(self, tokens: int, context: int = 0) -> Callable[[], None]: ...
 
 
 def measure_tiers(worker: TimedWorker, tiers: RuntimeStatePool, buckets: Sequence[int],
@@ -88,7 +88,7 @@ def measure_targets(worker: TimedWorker, ladder: Sequence[int], repeats: int = 5
     worker.slots.round_rows.fill_(worker.slots.dummy)
     table: dict[int, float] = {}
     for tokens in ladder:
-        body = worker.target_body(tokens)
+        body = worker.target_body(tokens, context)
         times = []
         for _ in range(repeats + 1):
             worker.slots.set_dummy_length(context)
