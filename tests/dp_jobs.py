@@ -6,7 +6,9 @@ consensus spans every rank, on the prompts of its own replica.
 """
 from __future__ import annotations
 
+import json
 import random
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -97,6 +99,31 @@ class LocalOnly(RoundCoordinator):
         return super()._decide_previous(replace(cluster, pooled=mine))
 
 
+class LocalShape(RoundCoordinator):
+    """The hazard: each rank picks the next round's shape from its OWN value curve (the other
+    ranks' curves ignored), so ranks would run different draft forwards or verify tokens."""
+
+    def _decide_shape(self, cluster, plan):  # noqa: ANN001 - same signature as the parent
+        mine = self.rule.curve(self._survivals)
+        return super()._decide_shape(replace(cluster, values_sum=mine), plan)
+
+
+class Tampered(RoundCoordinator):
+    """Rank-local state that differs between the ranks of one replica (its EMAs, its clock):
+    per-request budgets must not read it."""
+
+    def __init__(self, *args: Any, offset: float = 0.0, **kw: Any) -> None:
+        base = time.perf_counter
+        super().__init__(*args, clock=lambda: base() * (1.0 + offset), **kw)
+        self.offset = offset
+
+    def end_round(self, accepts, plan=None, shadow=None, requests=None,  # noqa: ANN001
+                  shadow_rows=None) -> None:
+        super().end_round(accepts, plan, shadow, requests, shadow_rows)
+        self.local = replace(self.local, ema=self.local.ema + self.offset,
+                             ema_fail=self.local.ema_fail * (1.0 + self.offset))
+
+
 class SkipsDummy(Engine):
     """The hazard: an idle rank skips the dummy forwards of the round."""
 
@@ -119,6 +146,10 @@ def _spec(mode: str) -> AdaptiveConfig:
     cfg = AdaptiveConfig(warmup_batches=1, update_interval=1, ema_alpha=0.5, lockstep_check_every=4)
     if mode == "forced":  # the static policy underneath: only the forced switches move the depth
         return cfg.replace(policy="static", candidate_steps=(1, 2, 3, 5, 7))
+    if mode == "perrequest":   # per-request budgets on a fixed synthetic table (no timing)
+        from engine_fixtures import per_request_config
+
+        return per_request_config(per_token=0.05).replace(lockstep_check_every=4)
     if mode == "goodput":  # the cost table is measured and agreed at start-up
         # starts at depth 0 (the head's cache lags) and leaves it on the catch-up's shadow
         # checks or a probe; timed rounds move the table, the same on every rank
@@ -183,16 +214,52 @@ def generate_job(rank: int, root: str, dp: int, modes: list[str], prompts: list[
                          "graph_rounds": engine.stats.graph_rounds,
                          "captures": [captured, captures_after],
                          "round_cost": engine.planner.config.to_dict().get("round_cost"),
+                         "shapes": sorted(engine.planner.stats.rounds_at_shape),
+                         "draft_tokens": engine.planner.stats.draft_tokens,
+                         "drafts": engine.planner.stats.drafts,
                          "log": [e.signature() for e in ctx.recorder.log[start:]]}
         return out
     finally:
         ctx.shutdown()
 
 
+def budgets_job(rank: int, root: str, prompts: list[list[list[int]]],
+                new_tokens: list[list[int]], log_dir: str) -> dict:
+    """Per-request budgets on dp 1 x attn-tp 2 (one replica over two ranks) with each rank's
+    local state (EMAs, clock) made different: every rank's round log and outputs."""
+    from workers.round_log import RoundLog
+
+    ctx, layout, par = setup(1)
+    try:
+        world = layout.group("world")
+        guard = ctx.guard(world, check_every=4)
+        target, head = load(root, par)
+        spec = _spec("perrequest")
+        cfg = EngineConfig(spec=spec, max_batch_size=4, page_size=4, dp=1, attn_tp=2,
+                           max_context_len=target.config.max_position_embeddings)
+        engine = build_engine(cfg, target, head, group=world, guard=guard)
+        engine.planner = Tampered(spec, world, guard=guard, offset=0.37 * rank,
+                                  verify_ladder=cfg.verify_ladder)
+        path = f"{log_dir}/rank{rank}.jsonl"
+        engine.round_log = RoundLog(path, rank)
+        reqs = engine.generate(prompts[0], [SamplingParams(max_new_tokens=n)
+                                            for n in new_tokens[0]])
+        engine.round_log.close()
+        guard.check(engine.planner.round, engine.planner.decision_digest())
+        engine.close()
+        guard.close()
+        return {"outputs": [r.output_ids for r in reqs], "ema": engine.planner.ema,
+                "log": [{k: v for k, v in json.loads(line).items() if k != "rank"}
+                        for line in open(path)]}
+    finally:
+        ctx.shutdown()
+
+
 def hazard_job(rank: int, root: str, hazard: str, prompts: list[list[list[int]]],
                new_tokens: list[list[int]], timeout: float = 4.0) -> dict:
-    """`local_only`: ranks decide their depth alone; `skip_dummy`: an idle rank skips its dummy
-    forwards. Returns what was raised and how long it took (the harness bounds the wait)."""
+    """`local_only`: ranks decide their depth alone; `local_shape`: ranks pick the next round's
+    shape (per-request budgets) from their own value curve alone; `skip_dummy`: an idle rank
+    skips its dummy forwards. Returns what was raised and how long it took (the harness bounds the wait)."""
     import time
 
     ctx, layout, par = setup(2, timeout=timeout)
@@ -200,12 +267,14 @@ def hazard_job(rank: int, root: str, hazard: str, prompts: list[list[list[int]]]
     guard = ctx.guard(world, check_every=16)
     guard.exit_on_watchdog = False
     target, head = load(root, par)
-    spec = _spec("ema")
+    spec = _spec("perrequest" if hazard == "local_shape" else "ema")
     cfg = EngineConfig(spec=spec, max_batch_size=4, page_size=4, dp=2, attn_tp=layout.attn_tp,
                        max_context_len=target.config.max_position_embeddings)
     engine = build_engine(cfg, target, head, group=world, guard=guard)
     if hazard == "local_only":
         engine.planner = LocalOnly(spec, world, guard=guard)
+    elif hazard == "local_shape":
+        engine.planner = LocalShape(spec, world, guard=guard, verify_ladder=cfg.verify_ladder)
     elif hazard == "skip_dummy":
         engine = SkipsDummy(cfg, engine.worker, engine.scheduler, engine.planner, guard)
     t0 = time.monotonic()

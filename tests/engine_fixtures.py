@@ -143,3 +143,27 @@ class ScriptPlanner:
     def end_round(self, accepts, executed=None, plan=None, shadow=None, requests=None,
                   shadow_rows=None) -> None:
         assert all(a == 0 for a in accepts) or plan.steps > 0
+
+
+def synthetic_costs(buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+                    depths: tuple[int, ...] = (0, 1, 3, 7), draft: float = 0.3,
+                    fixed: float = 1.0, per_token: float = 0.02,
+                    top_tokens: int = 1024) -> tuple[dict, dict]:
+    """A consistent pair of cost tables (round_cost by bucket and depth, verify_cost by token
+    rung) for per-request runs that must not depend on a timed measurement: the verify forward
+    costs `fixed + per_token * tokens`, each draft forward `draft`, so a chain round costs
+    `draft * S + verify(bucket x (S + 1))`."""
+    from adaptive_dist.shape import token_bucket, token_ladder
+
+    ladder = token_ladder(top_tokens)
+    verify = {t: fixed + per_token * t for t in ladder}
+    rounds = {str(b): {str(s): draft * s + verify[token_bucket(b * (s + 1), ladder)]
+                       for s in depths} for b in buckets}
+    return rounds, {str(t): c for t, c in verify.items()}
+
+
+def per_request_config(**kw) -> AdaptiveConfig:
+    """goodput with per-request budgets, deciding on `synthetic_costs` (keywords: theirs)."""
+    rounds, verify = synthetic_costs(**kw)
+    return AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=3,
+                          per_request=True, round_cost=rounds, verify_cost=verify)

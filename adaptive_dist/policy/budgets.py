@@ -212,7 +212,9 @@ def shape_cost(table: "RoundCost", verify: "VerifyCost", steps: int, tokens: int
     row = dict(table.rows[i])
     bucket = table.buckets[i] if table.buckets is not None else batch
     full = token_bucket(bucket * (steps + 1), verify.tokens)
-    return row[steps] - verify.cost(full) + verify.cost(tokens)
+    # NOTE: a table whose chain rounds cost less than their own verify forward (measured on
+    # other hardware, say) would price a shape at or below zero: held to a tenth of the chain's
+    return max(row[steps] - verify.cost(full) + verify.cost(tokens), 0.1 * row[steps])
 
 
 def choose_shape(summed: Sequence[int], candidates: Sequence[int], ladder: Sequence[int],

@@ -58,10 +58,16 @@ def _close_and_check_pages(engine: Engine) -> None:
 
 
 def _captures_per_bucket(steps: int) -> int:
-    """Graphs a tier captures per bucket: verify + accept (twice: device sampling, greedy-only),
-    and twice more for the processed verify (top-k, min_tokens, penalties, logprobs); when
-    speculating also the whole draft loop (twice) and draft-extend + slot update."""
+    """Graphs a tier captures per bucket: the acceptance (twice: device sampling, greedy-only),
+    and twice more with the logits processing (top-k, min_tokens, penalties, logprobs); when
+    speculating also the whole draft loop (twice) and draft-extend + slot update. The target's
+    packed verify forward is captured once per token rung (`_target_captures`), for every
+    tier."""
     return 4 if steps == 0 else 7
+
+
+def _target_captures(engine) -> int:
+    return len(engine.worker.table.of("target"))
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +106,9 @@ def test_cuda_graph_replay_equals_eager(gpu_pair, prompts, reference, steps: int
     # a static run builds only its own tier (and the padded prefill: one graph per shape)
     prefill = len(engine.worker.prefill_runner.graphs)
     assert prefill == 30   # buckets 1, 2, 4 x widths 32 .. 512 (the context) x greedy or not
+    assert _target_captures(engine) == len(engine.config.verify_ladder)
     assert runner.capture and runner.num_captures == _captures_per_bucket(steps) * len(
-        engine.worker.buckets) + prefill
+        engine.worker.buckets) + prefill + _target_captures(engine)
     assert _outputs(engine, prompts, _params(len(prompts))) == reference
     assert engine.stats.graph_rounds == engine.stats.rounds > 0
     _close_and_check_pages(engine)
@@ -131,11 +138,13 @@ def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference
     runner, pool = engine.worker.graphs, engine.pool
     captured = runner.num_captures
     assert captured == sum(_captures_per_bucket(s) for s in pool.states) * len(
-        engine.worker.buckets) + len(engine.worker.prefill_runner.graphs)
-    growth = {s: st.nbytes - st.payload.nbytes for s, st in pool.states.items()}
-    for steps, state in pool.states.items():
-        assert growth[steps] >= 0 and all(e.graph is not None
-                                          for e in state.payload.graphs.values())
+        engine.worker.buckets) + len(engine.worker.prefill_runner.graphs) + _target_captures(
+        engine)
+    shared = engine.worker.buffers.nbytes   # counted in the first tier's state
+    growth = {s: st.nbytes - (shared if i == 0 else 0)
+              for i, (s, st) in enumerate(pool.states.items())}
+    assert all(g >= 0 for g in growth.values())
+    assert all(e.graph is not None for e in engine.worker.table.entries.values())
     pool_bytes = runner.pool_bytes()
     print(f"graph pool {pool_bytes} B; growth of the shared pool while each tier captured: {growth}")
     # a tier may fit in segments an earlier tier left free: the growths (and the padded

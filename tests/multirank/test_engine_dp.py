@@ -119,8 +119,8 @@ def _check_outputs(results: list, modes: list[str], reference) -> None:
 
 def test_dp2_lossless_in_lockstep_under_heterogeneous_load(model_dir: Path) -> None:
     modes = ["nospec", "static1", "static3", "static7", "ema", "forced", "goodput",
-             "nospec+overlap", "static3+overlap", "ema+overlap", "forced+overlap",
-             "goodput+overlap"]
+             "perrequest", "nospec+overlap", "static3+overlap", "ema+overlap", "forced+overlap",
+             "goodput+overlap", "perrequest+overlap"]
     results = run_ranks(dp_jobs.generate_job, 2, str(model_dir), 2, modes, PROMPTS, NEW,
                         timeout=240)
     _check_outputs(results, modes, _reference(model_dir, PROMPTS, NEW))
@@ -136,14 +136,22 @@ def test_dp2_lossless_in_lockstep_under_heterogeneous_load(model_dir: Path) -> N
     assert forced["switches"] >= forced["rounds"] - 2 and len(set(
         s for _, s in forced["timeline"])) >= 3, "a switch every round"
     assert busy["static7"]["hist"].get(0, 0) > 0 and busy["static7"]["hist"].get(7, 0) > 0
+    _check_per_request(busy, "perrequest")
     # goodput: both ranks hold the same agreed cost table (every tier, every bucket)
     assert idle["goodput"]["round_cost"] == busy["goodput"]["round_cost"]
     assert all(set(row) == {"0", "1", "3", "7"} for row in busy["goodput"]["round_cost"].values())
 
 
+def _check_per_request(busy: dict, mode: str) -> None:
+    """The per-request run took several shapes and its requests drafted below the deepest."""
+    run = busy[mode]
+    assert len({(s, t) for s, _, t in run["shapes"]}) >= 3, run["shapes"]
+    assert 0 < run["draft_tokens"] < 7 * run["drafts"], (run["draft_tokens"], run["drafts"])
+
+
 def test_dp2_attn_tp2_lossless_in_lockstep(model_dir: Path) -> None:
     """Four ranks: two replicas, each splitting its attention over two ranks; replica 1 light."""
-    modes = ["static3", "ema", "forced", "ema+overlap", "goodput"]
+    modes = ["static3", "ema", "forced", "ema+overlap", "goodput", "perrequest"]
     prompts, new = PROMPTS[::-1], NEW[::-1]
     results = run_ranks(dp_jobs.generate_job, 4, str(model_dir), 2, modes, prompts, new,
                         timeout=300)
@@ -174,7 +182,24 @@ def test_dp2_sampling_matches_target_distribution(tmp_path: Path) -> None:
 
 # ---- the hazards ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("hazard", ["local_only", "skip_dummy"])
+def test_attn_tp_ranks_of_a_replica_pick_the_same_budgets(model_dir: Path, tmp_path: Path
+                                                          ) -> None:
+    """One replica over two ranks, each rank's own state (its EMAs, its clock) made different:
+    the budgets read only what both ranks have (the replica's requests and their accepted
+    lengths) and the agreed shape, so both ranks log the same rounds, request for request, and
+    the output is plain greedy's."""
+    prompts, new = [random_prompts(4, 256, seed=31)], [[18, 9, 25, 12]]
+    results = run_ranks(dp_jobs.budgets_job, 2, str(model_dir), prompts, new, str(tmp_path),
+                        timeout=180)
+    a, b = (r.value for r in results)
+    assert a["ema"] != b["ema"]                       # the local state did differ
+    assert a["log"] == b["log"] and a["outputs"] == b["outputs"]
+    assert a["outputs"] == _reference(model_dir, prompts, new)[0]
+    drafts = {q["draft"] for rec in a["log"] if rec["kind"] == "decode" for q in rec["requests"]}
+    assert len(drafts) > 1
+
+
+@pytest.mark.parametrize("hazard", ["local_only", "local_shape", "skip_dummy"])
 def test_hazard_raises_on_every_rank_in_bounded_time(model_dir: Path, hazard: str) -> None:
     # replica 0 repeats one token (its drafts are accepted), replica 1 random text; replica 0
     # finishes early, so with skip_dummy it stops joining the forwards replica 1 still runs
@@ -190,6 +215,11 @@ def test_hazard_raises_on_every_rank_in_bounded_time(model_dir: Path, hazard: st
         for res in results:
             assert res.value["raised"] == "DivergenceError"
             assert "decisions differ" in res.value["message"], res.value["message"]
+    if hazard == "local_shape":   # caught in the pre-flight of the round that would run it
+        for res in results:
+            assert res.value["raised"] == "DivergenceError"
+            msg = res.value["message"]
+            assert "pre-flight" in msg and ("tokens" in msg or "steps" in msg), msg
 
 
 # ---- the command --------------------------------------------------------------------------------

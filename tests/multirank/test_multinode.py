@@ -197,16 +197,19 @@ def test_generate_on_two_nodes_equals_one_process(rdzv, mode, prompts_file, refe
 
 
 def _frontend_config(nodes: TwoNodes) -> tuple[dict, int]:
-    """The frontend's configuration (its command line) and which node's launcher it runs
-    under."""
+    """The frontend's configuration (its environment: nothing of it is on a command line)
+    and which node's launcher it runs under."""
     for node, launcher in enumerate(nodes.procs):
         for pid in descendants(launcher.pid):
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
             if b"workers.server.frontend" in argv:
-                return json.loads(argv[argv.index(b"workers.server.frontend") + 1]), node
+                prefix = b"ADAPTIVE_DIST_FRONTEND_CONFIG="
+                return json.loads(next(e[len(prefix):] for e in env
+                                       if e.startswith(prefix))), node
     raise AssertionError(f"no frontend process under either launcher:\n{nodes.output()}")
 
 

@@ -1,0 +1,201 @@
+"""Per-request budgets (issue 32): each request drafts its own number of tokens inside a round
+shape (draft forwards, packed verify tokens) the coordinator agrees.
+
+- lossless: greedy output equals plain greedy token for token, eager and on the (emulated) graph
+  path, with and without overlap; sampling keeps the target's joint law (chi-square);
+- the budgets really vary inside a round and the shapes across rounds (the round log says so);
+- the rule's pure parts: the fill fits its shape and is prefix-closed per request, the value
+  curve grows with the tokens, the shape choice maximises expected tokens per second;
+- refusals by name (config keys, flags, cost tables).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, VerifyCost
+from adaptive_dist.policy.budgets import (
+    VALUE_SCALE,
+    SurvivalTracker,
+    choose_shape,
+    fill_budgets,
+    shape_cost,
+    value_curve,
+)
+from adaptive_dist.shape import RoundShape, token_bucket, token_ladder
+from engine_fixtures import (
+    check_pages_back,
+    engine_for,
+    lossless_params,
+    per_request_config,
+    random_prompts,
+    synthetic_costs,
+    tiny_pair,
+)
+from workers.round_log import RoundLog, read_round_log
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair(seed=1)
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    return random_prompts(10, pair[0].config.vocab_size, seed=4)
+
+
+@pytest.fixture(scope="module")
+def reference(pair, prompts):
+    engine = engine_for(pair[0], None, "nospec")
+    return [r.output_ids for r in engine.generate(prompts, lossless_params(len(prompts)))]
+
+
+def _logged(engine, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / f"{name}.jsonl"
+    engine.round_log = RoundLog(path)
+    return path
+
+
+def _check_log(path: Path) -> list[dict]:
+    lines = read_round_log(path)
+    for rec in lines:
+        if rec["kind"] != "decode":
+            continue
+        drafts = [q["draft"] for q in rec["requests"]]
+        assert rec["verify_tokens"] == sum(d + 1 for d in drafts) <= rec["padded_tokens"]
+        assert all(0 <= q["accepted"] <= q["draft"] <= rec["draft_forwards"]
+                   for q in rec["requests"])
+    return lines
+
+
+@pytest.mark.parametrize("graphs,overlap", [(False, False), (True, False), (False, True)],
+                         ids=["eager", "graph-path", "overlap"])
+def test_greedy_per_request_equals_plain_greedy(pair, prompts, reference, tmp_path, graphs,
+                                                overlap) -> None:
+    engine = engine_for(*pair, "ema", config=per_request_config(per_token=0.05),
+                        cuda_graphs=graphs, overlap=overlap)
+    log = _logged(engine, tmp_path, "greedy")
+    out = engine.generate(prompts, lossless_params(len(prompts)))
+    engine.round_log.close()
+    assert [r.output_ids for r in out] == reference
+    lines = [r for r in _check_log(log) if r["kind"] == "decode"]
+    # inside one round requests drafted differently, and the rounds took several shapes
+    assert any(len({q["draft"] for q in r["requests"]}) > 1 for r in lines)
+    assert len({(r["draft_forwards"], r["padded_tokens"]) for r in lines}) >= 3
+    assert any(q["accepted"] > 0 for r in lines for q in r["requests"])
+    assert engine.planner.stats.draft_tokens == sum(q["draft"] for r in lines
+                                                    for q in r["requests"])
+    check_pages_back(engine)
+
+
+def test_per_request_sampling_keeps_the_target_law() -> None:
+    from sampling_reference import VOCAB, check_keeps_target_law
+    from engine_fixtures import tiny_config
+
+    target, head = tiny_pair(seed=2, eps=1.0, cfg=tiny_config(vocab=VOCAB, hidden=32))
+    engine = engine_for(target, head, "ema", config=per_request_config(per_token=0.05),
+                        max_batch=64)
+    check_keeps_target_law(engine, target)
+    stats = engine.planner.stats
+    assert 0 < stats.draft_tokens < 3 * stats.drafts * 7   # budgets below the deepest draft
+
+
+# ---- the rule's pure parts ---------------------------------------------------------------------
+
+def test_fill_fits_the_shape_and_takes_the_most_likely_positions() -> None:
+    survivals = [[0.9, 0.8, 0.7], [0.1, 0.01, 0.001], [0.95, 0.94, 0.93]]
+    # 3 requests, 8 tokens: 3 own + position 1 of each (3) + the 2 best others (request 2's
+    # positions 2 and 3: 0.94, 0.93 beat request 0's 0.8)
+    budgets = fill_budgets(survivals, RoundShape(3, 8))
+    assert budgets == (1, 1, 3) and RoundShape(3, 8).fits(budgets)
+    assert fill_budgets(survivals, RoundShape(3, 12)) == (3, 3, 3)
+    assert fill_budgets(survivals, RoundShape(1, 12)) == (1, 1, 1)
+    assert fill_budgets(survivals, RoundShape(3, 4)) == (0, 0, 1)   # the likeliest first
+    assert fill_budgets(survivals, RoundShape(0, 4)) == (0, 0, 0)
+
+
+def test_value_curve_grows_with_tokens_and_depth() -> None:
+    survivals = [[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], [0.2] + [0.02] * 6]
+    ladder = token_ladder(16)
+    curve = value_curve(survivals, (0, 1, 3, 7), ladder)
+    rows = [curve[i * len(ladder):(i + 1) * len(ladder)] for i in range(4)]
+    for row in rows:
+        assert row == sorted(row)
+    assert rows[0][-1] == 2 * VALUE_SCALE          # depth 0: the requests' own tokens
+    assert rows[3][-1] == round((2 + sum(survivals[0]) + sum(survivals[1])) * VALUE_SCALE)
+
+
+def test_shape_choice_maximises_tokens_per_second() -> None:
+    rounds, verify = synthetic_costs(per_token=0.05)
+    table, vc = RoundCost.parse(rounds), VerifyCost.parse(verify)
+    ladder = token_ladder(64)
+    # one request that accepts everything, one that accepts nothing
+    survivals = [[0.99] * 7, [0.01] * 7]
+    curve = value_curve(survivals, (0, 1, 3, 7), ladder)
+    shape, rate = choose_shape(curve, (0, 1, 3, 7), ladder, 2, 2, table, vc)
+    best = max(((s, t) for s in (0, 1, 3, 7) for t in ladder if t >= 2),
+               key=lambda st: (curve[(0, 1, 3, 7).index(st[0]) * len(ladder)
+                                     + ladder.index(st[1])] / VALUE_SCALE
+                               / shape_cost(table, vc, st[0], st[1], 2)))
+    assert (shape.draft_forwards, shape.verify_tokens) == best
+    assert shape.draft_forwards == 7 and shape.verify_tokens < 16   # not the full chain
+    assert rate > 0
+
+
+def test_tracker_learns_a_request_in_a_round_or_two() -> None:
+    tracker = SurvivalTracker(7)
+    for _ in range(2):
+        tracker.observe([1, 2], [3, 3], [3, 0])
+    good, bad = tracker.survival(1), tracker.survival(2)
+    assert good[2] > 0.6 and good[6] > 0.3      # past its drafts too: its own rate
+    assert bad[0] < 0.3 and bad[6] < 1e-3
+
+
+# ---- refusals ------------------------------------------------------------------------------------
+
+def test_per_request_keys_are_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="per_request"):
+        AdaptiveConfig(policy="ema", per_request=True)
+    with pytest.raises(ConfigError, match="verify_cost"):
+        AdaptiveConfig(policy="goodput", candidate_steps=(0, 1), initial_steps=1,
+                       verify_cost={"1": 1.0})
+    with pytest.raises(ConfigError, match="per_request"):
+        AdaptiveConfig(policy="goodput", per_request="yes")
+
+
+def test_a_verify_table_without_the_engines_rungs_is_refused(pair) -> None:
+    rounds, verify = synthetic_costs(top_tokens=8)
+    cfg = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=3,
+                         per_request=True, round_cost=rounds, verify_cost=verify)
+    with pytest.raises(ConfigError, match="verify_cost: no cost for"):
+        engine_for(*pair, "ema", config=cfg)
+
+
+def test_flags_refused_by_name(tmp_path) -> None:
+    from workers.settings import SpecChoice
+
+    with pytest.raises(ValueError, match="--per-request needs --policy goodput"):
+        SpecChoice(adaptive=True, policy="ema", per_request=True).build()
+    with pytest.raises(ValueError, match="--per-request applies to --adaptive"):
+        SpecChoice(per_request=True).build()
+    chain_only = tmp_path / "chain.json"
+    chain_only.write_text(json.dumps({"agreed_round_cost_ms": {"1": {
+        "0": 5.0, "1": 5.5, "3": 6.0, "7": 7.0}}}))
+    with pytest.raises(ConfigError, match="agreed_verify_cost_ms"):
+        SpecChoice(adaptive=True, per_request=True, model_costs=str(chain_only)).build()
+    with pytest.raises(ConfigError, match="--model-costs applies to --adaptive --policy goodput"):
+        SpecChoice(adaptive=True, policy="ema", model_costs=str(chain_only)).build()
+    spec = SpecChoice(adaptive=True, policy="goodput", model_costs=str(chain_only)).build()
+    assert spec.round_cost.rows[0][-1] == (7, 0.007) and not spec.needs_round_cost
+
+
+def test_token_ladder_holds_every_full_chain() -> None:
+    ladder = token_ladder(64 * 8)
+    for bucket in (1, 2, 4, 8, 16, 32, 64):
+        for steps in (0, 1, 3, 7):
+            assert bucket * (steps + 1) in ladder
+    assert all(b / a <= 1.5 for a, b in zip(ladder[1:], ladder[2:]))
+    assert token_bucket(65, ladder) == 96
