@@ -27,6 +27,8 @@ of a round are the fill of its agreed shape, from the estimates as they stand.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from dataclasses import replace
@@ -158,26 +160,34 @@ class SurvivalTracker:
 
 
 # ---- the fill, the value curve --------------------------------------------------------------------
-def _order(survivals: Sequence[Sequence[float]], steps: int) -> list[tuple[float, int, int]]:
+def _order(survivals: Sequence[Sequence[float]], steps: int) -> tuple[list, list, list]:
     """The places a round at ``steps`` draft forwards can fill, in the order they are filled:
-    (value, request, position) — position 1 of every request first (when ``steps >= 1``), then
-    the rest by value, larger first (ties: earlier request, then earlier position)."""
-    first = sorted(((s[0], i, 1) for i, s in enumerate(survivals) if steps >= 1),
-                   key=lambda x: (-x[0], x[1]))
-    rest = sorted(((s[k - 1], i, k) for i, s in enumerate(survivals)
-                   for k in range(2, steps + 1)), key=lambda x: (-x[0], x[1], x[2]))
-    return first + rest
+    position 1 of every request first (when ``steps >= 1``), then the rest by value, larger
+    first (ties: earlier request, then earlier position) -> (values, requests, positions)."""
+    n = len(survivals)
+    if steps < 1 or n == 0:
+        return [], [], []
+    surv = np.asarray(survivals, dtype=np.float64)[:, :steps]
+    req = np.repeat(np.arange(n), steps).reshape(n, steps)
+    pos = np.tile(np.arange(1, steps + 1), n).reshape(n, steps)
+    first = np.lexsort((req[:, 0], -surv[:, 0]))
+    rest_v, rest_r, rest_p = surv[:, 1:].ravel(), req[:, 1:].ravel(), pos[:, 1:].ravel()
+    rest = np.lexsort((rest_p, rest_r, -rest_v))
+    values = np.concatenate([surv[first, 0], rest_v[rest]])
+    return (values, np.concatenate([req[first, 0], rest_r[rest]]),
+            np.concatenate([pos[first, 0], rest_p[rest]]))
 
 
 def fill_budgets(survivals: Sequence[Sequence[float]], shape: RoundShape) -> tuple[int, ...]:
     """Each request's draft tokens in ``shape``: its own token plus the ``T - n`` places of
     ``_order`` that fit (every request at most S)."""
     n = len(survivals)
-    budgets = [0] * n
-    room = shape.verify_tokens - n
-    for _, i, k in _order(survivals, shape.draft_forwards)[:max(room, 0)]:
-        budgets[i] = max(budgets[i], k)
-    return tuple(budgets)
+    budgets = np.zeros(n, dtype=np.int64)
+    room = max(shape.verify_tokens - n, 0)
+    _, reqs, positions = _order(survivals, shape.draft_forwards)
+    if room and len(reqs):
+        np.maximum.at(budgets, reqs[:room], positions[:room])
+    return tuple(int(b) for b in budgets)
 
 
 def value_curve(survivals: Sequence[Sequence[float]], candidates: Sequence[int],
@@ -188,14 +198,12 @@ def value_curve(survivals: Sequence[Sequence[float]], candidates: Sequence[int],
     every rank's requests); it gets the requests alone."""
     n = len(survivals)
     out = []
+    rooms = np.clip(np.asarray(ladder, dtype=np.int64) - n, 0, None)
     for s in candidates:
-        values = [v for v, _, _ in _order(survivals, s)]
-        prefix = [0.0]
-        for v in values:
-            prefix.append(prefix[-1] + v)
-        for t in ladder:
-            room = min(max(t - n, 0), len(values))
-            out.append(round((n + prefix[room]) * VALUE_SCALE))
+        values = _order(survivals, s)[0]
+        prefix = np.concatenate([[0.0], np.cumsum(values)])
+        got = prefix[np.minimum(rooms, len(values))]
+        out.extend(int(round((n + v) * VALUE_SCALE)) for v in got.tolist())
     return out
 
 

@@ -199,45 +199,79 @@ def main() -> int:
 def check_schedule(engine: Any, n: int, context: int, vocab: int) -> dict[str, Any]:
     """`--schedule`: `n` requests (prompts of 16 .. 512 tokens, outputs of 32 .. 256) admitted
     a few per round, every engine step timed; per kind (decode only, with a prefill) the
-    measured seconds against the table's price of the rounds' decode part."""
+    measured seconds against the table's price of the rounds' decode part. Every round is kept
+    (its time, the time the host waited for the device in it, its price, shape, batch and the
+    KV positions its verify tokens read), and a least-squares fit of the decode rounds' excess
+    over their price to the positions read says what the table leaves out."""
     import random
+
+    import numpy as np
 
     from adaptive_dist.policy.budgets import shape_cost
     from workers.sampling import SamplingParams
 
     rng = random.Random(7)
     spec = engine.config.spec
-    cuda = engine.worker.device.type == "cuda"
+    worker = engine.worker
+    cuda = worker.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     lengths = [p for p in (16, 64, 200, 512) if p + 256 <= context] or [8]
     outputs = [o for o in (32, 64, 128, 256) if max(lengths) + o <= context] or [8]
     pending = [([rng.randrange(vocab) for _ in range(rng.choice(lengths))],
                 rng.choice(outputs)) for _ in range(n)]
-    kinds: dict[str, dict[str, float]] = {k: {"rounds": 0, "measured_s": 0.0, "priced_s": 0.0}
-                                          for k in ("decode", "prefill")}
-    planned: list[Any] = []
+    waited = [0.0]
+    collect = worker.collect
+
+    def timed_collect(launched: Any) -> Any:
+        if launched.done is not None:
+            t = time.perf_counter()
+            launched.done.synchronize()
+            waited[0] += time.perf_counter() - t
+        return collect(launched)
+    worker.collect = timed_collect
+    rounds: list[dict[str, Any]] = []
     sync()
     last = time.perf_counter()
     while pending or engine.scheduler.has_work:
         for _ in range(min(len(pending), rng.choice((0, 0, 1, 4)))):
             ids, out = pending.pop()
             engine.add(ids, SamplingParams(max_new_tokens=out))
+        waited[0] = 0.0
+        running = {r.rid: r.num_tokens for r in engine.scheduler.running}
         engine.step()
         now = time.perf_counter()
         plan = engine.last_plan
-        # with overlap a step's time is the device's round: it waits for the round before
         if plan.cluster_requests and plan.shape is not None:
-            kind = kinds["prefill" if plan.extend_tokens else "decode"]
-            kind["rounds"] += 1
-            kind["measured_s"] += now - last
-            kind["priced_s"] += shape_cost(spec.round_cost, spec.verify_cost, plan.steps,
-                                           plan.shape.verify_tokens, plan.batch_pad)
+            budget = plan.budget_of()
+            read = sum((budget.get(rid, 0) + 1) * ctx for rid, ctx in running.items())
+            rounds.append({"kind": "prefill" if plan.extend_tokens else "decode",
+                           "seconds": now - last, "waited": waited[0],
+                           "priced": shape_cost(spec.round_cost, spec.verify_cost, plan.steps,
+                                                plan.shape.verify_tokens, plan.batch_pad),
+                           "steps": plan.steps, "tokens": plan.shape.verify_tokens,
+                           "batch": plan.batch_pad, "requests": len(running),
+                           "positions_read": read, "prefill_tokens": plan.extend_tokens})
         last = now
     engine.drain()
-    for kind in kinds.values():
-        kind["measured_over_priced"] = (kind["measured_s"] / kind["priced_s"]
-                                        if kind["priced_s"] else None)
-    print(f"== schedule: {kinds}", flush=True)
+    worker.collect = collect
+    kinds: dict[str, dict[str, Any]] = {}
+    for kind in ("decode", "prefill"):
+        mine = [r for r in rounds if r["kind"] == kind]
+        measured, priced = sum(r["seconds"] for r in mine), sum(r["priced"] for r in mine)
+        kinds[kind] = {"rounds": len(mine), "measured_s": measured, "priced_s": priced,
+                       "measured_over_priced": measured / priced if priced else None,
+                       "host_bound_rounds": sum(1 for r in mine if r["waited"] < 1e-4)}
+    dec = [r for r in rounds if r["kind"] == "decode"][5:]   # past the first rounds' ramp
+    if len(dec) > 3:
+        x = np.array([[1.0, r["positions_read"]] for r in dec])
+        y = np.array([r["seconds"] - r["priced"] for r in dec])
+        (base, per_position), *_ = np.linalg.lstsq(x, y, rcond=None)
+        fitted = sum(r["priced"] + base + per_position * r["positions_read"] for r in dec)
+        kinds["decode_fit"] = {"excess_base_ms": 1e3 * base,
+                               "ms_per_million_positions": 1e9 * per_position,
+                               "measured_over_fitted": sum(r["seconds"] for r in dec) / fitted}
+    print(f"== schedule: {json.dumps(kinds, indent=1)}", flush=True)
+    kinds["rounds"] = rounds
     return kinds
 
 

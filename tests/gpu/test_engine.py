@@ -166,6 +166,27 @@ def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_per_request_graphs_equal_plain_greedy(gpu_pair, prompts, reference, overlap) -> None:
+    """Per-request budgets on the CUDA-graph path (the packed verify forward per token rung,
+    the acceptance and the draft loop per depth and bucket, replayed): plain greedy's tokens,
+    every round through the graphs, requests drafting differently inside a round."""
+    from engine_fixtures import per_request_config
+
+    engine = _engine(*gpu_pair, "ema", graphs=True, device="cuda", overlap=overlap,
+                     config=per_request_config(per_token=0.05))
+    captured = engine.worker.graphs.num_captures
+    assert _outputs(engine, prompts, _params(len(prompts))) == reference
+    stats = engine.planner.stats
+    assert engine.stats.graph_rounds == engine.stats.rounds > 0
+    assert len({(s, t) for s, _, t in stats.rounds_at_shape}) >= 3
+    assert 0 < stats.draft_tokens < 7 * stats.drafts
+    assert engine.worker.graphs.num_captures == captured
+    _close_and_check_pages(engine)
+
+
+@gpu
+@needs_cuda
 def test_depth_0_catch_up_graphs_equal_eager(gpu_pair, prompts, reference) -> None:
     """Depth-0 rounds (the head's cache lagging) and the catch-up forward, replayed from CUDA
     graphs, leave the draft cache as the eager rounds do: with the same schedule of depths the
