@@ -25,6 +25,7 @@ from adaptive_dist.coordinator import RoundCoordinator, RoundOutcome, RoundRepor
 from adaptive_dist.policy import DepthPolicy, depth_policy
 from adaptive_dist.outputs import OutputError, check_output_dir, check_output_file, write_lines
 from adaptive_dist.startup import agree_settings, all_ranks_or_none, exchange
+from adaptive_dist.shape import token_ladder
 from adaptive_dist.trace import RANK_FILE, TraceRound
 
 
@@ -73,9 +74,14 @@ def shadow_checks(full: list[int], steps: int) -> Optional[tuple[int, int, int]]
 
 
 def replay(trace: list[TraceRound], config: AdaptiveConfig, group: Group,
-           guard: Optional[LockstepGuard] = None, progress=None) -> ReplayResult:
-    """Replay ``trace`` on this rank in lockstep with the other members of ``group``."""
-    ctrl = RoundCoordinator(config, group, guard=guard, clock=None)  # replays are untimed
+           guard: Optional[LockstepGuard] = None, progress=None,
+           verify_ladder: Optional[list[int]] = None) -> ReplayResult:
+    """Replay ``trace`` on this rank in lockstep with the other members of ``group``
+    (``verify_ladder``: the token rungs per-request budgets choose from, the same on every
+    rank). With per-request budgets each request's accept length is capped at its own budget,
+    and requests are known by their ``ids`` (else their place in the round)."""
+    ctrl = RoundCoordinator(config, group, guard=guard, clock=None,  # replays are untimed
+                            verify_ladder=verify_ladder)
     records: list[dict] = []
     times: list[float] = []
     r = 0
@@ -85,15 +91,20 @@ def replay(trace: list[TraceRound], config: AdaptiveConfig, group: Group,
         tokens = item.num_tokens if item is not None and item.num_tokens is not None else len(full)
         can_graph = item.can_graph if item is not None else True
         t0 = time.perf_counter()
+        ids = (tuple(item.ids) if item is not None and item.ids is not None
+               else tuple(range(len(full))))
         with guard.round(r) if guard is not None else nullcontext():
-            plan = ctrl.begin_round(RoundReport(len(full), tokens, can_graph, done=item is None))
+            plan = ctrl.begin_round(RoundReport(len(full), tokens, can_graph, done=item is None,
+                                                requests=ids))
         times.append((time.perf_counter() - t0) * 1e6)
         out = ctrl.last_outcome
         if out is not None and out.decision.counted:
             records.append(outcome_record(out, group.global_rank, ctrl.policy))
         if plan.all_done:
             break
-        ctrl.end_round([min(a, plan.steps) for a in full], shadow=shadow_checks(full, plan.steps))
+        budget = plan.budget_of()
+        ctrl.end_round([min(a, budget[i]) for a, i in zip(full, ids)],
+                       shadow=shadow_checks(full, plan.steps))
         r += 1
         if progress is not None:
             progress.update(1)
@@ -189,6 +200,8 @@ def check_outputs(out: Optional[str], record_dir: Optional[str], trace_dir: str,
         return
     check_output_file(out, "--out")
     p, d = Path(out), Path(trace_dir)
+    if d.is_file() and p.resolve() == d.resolve():
+        raise OutputError(f"--out {out!r} would overwrite the round log --trace {trace_dir!r}")
     if d.is_dir() and p.parent.resolve() == d.resolve() and RANK_FILE.fullmatch(p.name):
         raise OutputError(f"--out {out!r} would overwrite a trace file of --trace {trace_dir!r}")
 
@@ -217,11 +230,16 @@ def run_consensus(ctx: DistContext, trace_dir: str, policy: str, config_path: Op
                       world, "checking the output paths")
     trace = all_ranks_or_none(lambda: load_trace(trace_dir, ctx.rank, ctx.world_size), world,
                               "loading traces")
-    longest = max(exchange(len(trace), world, "loading traces"))
+    sizes = exchange((len(trace), max((len(t.accept) for t in trace), default=0)), world,
+                     "loading traces")
+    longest = max(n for n, _ in sizes)
+    # per-request budgets choose verify tokens up to every rank's largest round at the deepest
+    # candidate (the same rungs on every rank)
+    ladder = list(token_ladder(max(max(b for _, b in sizes), 1) * (config.max_steps + 1)))
     guard = ctx.guard(world, check_every=config.lockstep_check_every) if ctx.recorder else None
     bar = _progress(longest) if show_progress and world.is_first else None
     try:
-        result = replay(trace, config, dp, guard, bar)
+        result = replay(trace, config, dp, guard, bar, ladder)
     finally:
         if bar is not None:
             bar.close()

@@ -1,9 +1,19 @@
 """Acceptance traces for consensus-only mode: ``DIR/rank{R}.jsonl``, one JSON object per round.
 
 Each line is ``{"accept": [a, ...]}`` (per request, the draft tokens it would accept with unlimited
-steps; ``[]`` is an idle round), with optional ``"num_tokens"`` (int >= 0) and ``"can_graph"``
-(bool). Bad lines are refused with the file, the line number and the key; so are unreadable files,
-invalid UTF-8, duplicate keys, and ``rank{R}.jsonl`` files for ranks the job does not have.
+steps; ``[]`` is an idle round), with optional ``"num_tokens"`` (int >= 0), ``"can_graph"``
+(bool) and ``"ids"`` (one request id per accept: what per-request budgets key their estimates
+on; without it a request is its place in the list). Bad lines are refused with the file, the
+line number and the key; so are unreadable files, invalid UTF-8, duplicate keys, and
+``rank{R}.jsonl`` files for ranks the job does not have.
+
+An engine's round log (``--round-log``, ``workers.round_log``) is a trace too: ``--trace FILE``
+(one rank), or the per-rank files it writes (``FILE`` with ``.rank<R>`` before its suffix).
+Each decode line becomes a round of its requests (ids kept); a prefill's prompt tokens go to the
+round they ran in. A request that accepted fewer drafts than it drafted gives its exact accept
+length; one that accepted all of them gives that many — a lower bound (the log cannot say how
+far past its drafts it would have gone), so a replay that drafts deeper than the run did sees
+no more than the run saw.
 """
 from __future__ import annotations
 
@@ -23,9 +33,10 @@ class TraceRound:
     accept: tuple[int, ...]
     num_tokens: int | None = None
     can_graph: bool = True
+    ids: tuple[int, ...] | None = None
 
 
-ALLOWED_KEYS = ("accept", "num_tokens", "can_graph")
+ALLOWED_KEYS = ("accept", "num_tokens", "can_graph", "ids")
 MAX_COUNT = 2 ** 53  # counts travel in float64 consensus vectors: exact below this
 RANK_FILE = re.compile(r"rank(\d+)\.jsonl")
 
@@ -54,8 +65,63 @@ def check_trace_dir(trace_dir: str | Path, world_size: int) -> None:
                          f"number of ranks? (move or remove the extra files)")
 
 
+def round_log_file(trace: str | Path, rank: int, world_size: int) -> Path:
+    """The round log rank ``rank`` replays when ``--trace`` names a file: the file itself for
+    one rank, else its ``.rank<R>`` sibling."""
+    path = Path(trace)
+    return path if world_size == 1 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def load_round_log(path: Path) -> list[TraceRound]:
+    """A round log as a trace (see the module docstring)."""
+    if not path.is_file():
+        raise TraceError(f"round log {str(path)!r} does not exist")
+    rounds: dict[int, dict] = {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"round log {str(path)!r} cannot be read: {exc}") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        rec = _loads(line, where)
+        try:
+            r, kind, reqs = rec["round"], rec["kind"], rec["requests"]
+            entry = rounds.setdefault(int(r), {"accept": [], "ids": [], "tokens": 0,
+                                               "graph": bool(rec.get("graph", True))})
+            if kind == "prefill":
+                entry["tokens"] += int(rec["verify_tokens"])
+            elif kind == "decode":
+                for q in reqs:
+                    entry["ids"].append(int(q["id"]))
+                    entry["accept"].append(int(q["accepted"]))
+            else:
+                raise TraceError(f"{where}: kind={kind!r}; allowed: 'decode', 'prefill'")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TraceError(f"{where}: not a round-log line ({exc})") from None
+    if not rounds:
+        return []
+    out = []
+    for r in range(max(rounds) + 1):
+        e = rounds.get(r)
+        out.append(TraceRound((), 0) if e is None else
+                   TraceRound(tuple(e["accept"]), e["tokens"], e["graph"], tuple(e["ids"])))
+    return out
+
+
+def is_round_log(trace: str | Path) -> bool:
+    """Whether ``--trace`` names a round-log file (or the stem of per-rank ones)."""
+    path = Path(trace)
+    return not path.is_dir() and (path.is_file() or path.with_name(
+        f"{path.stem}.rank0{path.suffix}").is_file())
+
+
 def load_trace(trace_dir: str | Path, rank: int, world_size: Optional[int] = None) -> list[TraceRound]:
-    """This rank's trace. With ``world_size``, also refuse files for ranks beyond it."""
+    """This rank's trace (a trace directory, or a round log: ``is_round_log``). With
+    ``world_size``, also refuse files for ranks beyond it."""
+    if is_round_log(trace_dir):
+        return load_round_log(round_log_file(trace_dir, rank, world_size or 1))
     if world_size is not None:
         check_trace_dir(trace_dir, world_size)
     path = trace_path(trace_dir, rank)
@@ -125,7 +191,11 @@ def parse_round(line: str, where: str) -> TraceRound:
     can_graph = obj.get("can_graph", True)
     if not isinstance(can_graph, bool):
         raise TraceError(f"{where}: 'can_graph'={can_graph!r} must be true or false")
-    return TraceRound(tuple(acc), num_tokens, can_graph)
+    ids = obj.get("ids")
+    if ids is not None and (not isinstance(ids, list) or len(ids) != len(acc)
+                            or any(not _is_int(i) for i in ids) or len(set(ids)) != len(ids)):
+        raise TraceError(f"{where}: 'ids'={ids!r} must be distinct integers, one per accept")
+    return TraceRound(tuple(acc), num_tokens, can_graph, None if ids is None else tuple(ids))
 
 
 def _is_int(v: object) -> bool:
