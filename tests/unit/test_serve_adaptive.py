@@ -71,3 +71,38 @@ def test_queue_bound_answers_503_and_the_rest_complete(server) -> None:
             s.__exit__(None, None, None)
     assert metric(server.url, "requests_total", outcome="unavailable") >= 1
     assert wait_until(lambda: kv_back_to_full(server.url)), metrics(server.url)
+
+
+def test_per_request_server_serves_the_reference_and_logs_its_rounds(tmp_path) -> None:
+    """`serve --adaptive --per-request --model-costs FILE --round-log FILE`: concurrent greedy
+    requests equal the offline reference; the round log holds the rounds' shapes, which move,
+    and every request's budget inside its round's shape."""
+    from workers.round_log import read_round_log
+
+    log = tmp_path / "rounds.jsonl"
+    costs = tmp_path / "costs.json"
+    from engine_fixtures import synthetic_costs
+
+    rounds, verify = synthetic_costs(per_token=0.05)
+    costs.write_text(json.dumps({"agreed_round_cost_ms": {
+        b: {s: 1e3 * c for s, c in row.items()} for b, row in rounds.items()},
+        "agreed_verify_cost_ms": {t: 1e3 * c for t, c in verify.items()}}))
+    proc = start_server(["--adaptive", "--per-request", "--model-costs", str(costs),
+                         "--round-log", str(log), "--max-batch-size", "4",
+                         "--max-model-len", "512"])
+    try:
+        prompts = PROMPTS[:6]
+        reference = offline_greedy(prompts, MAX_TOKENS)
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="x", max_retries=0)
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(lambda p: client.completions.create(
+                model="tiny_pair", prompt=p, max_tokens=MAX_TOKENS,
+                temperature=0).choices[0].text, prompts))
+        assert texts == [decode(r) for r in reference]
+    finally:
+        proc.stop()
+    decode_lines = [r for r in read_round_log(log) if r["kind"] == "decode"]
+    assert decode_lines and all(r["verify_tokens"] <= r["padded_tokens"] for r in decode_lines)
+    assert len({(r["draft_forwards"], r["padded_tokens"]) for r in decode_lines}) >= 2
+    assert all(q["accepted"] <= q["draft"] <= r["draft_forwards"]
+               for r in decode_lines for q in r["requests"])
