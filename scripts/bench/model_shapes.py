@@ -58,6 +58,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--schedule", type=int, default=0, metavar="N",
                    help="then time N requests' rounds against the table's prices (one rank)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled replays")
+    p.add_argument("--cost-context", type=int, default=0, metavar="C",
+                   help="also measure both tables with the dummy rows reading C positions of "
+                        "distinct pages; --schedule then prices each round between the two by "
+                        "its requests' mean length")
     p.add_argument("--tiny", action="store_true",
                    help="a small model of the same layout on the CPU (a smoke test of this script)")
     p.add_argument("--out", default="runs/bench_model_shapes")
@@ -164,7 +168,19 @@ def main() -> int:
                else (lambda: None))
     rounds = ({} if args.no_profile else
               profile_rounds(engine, args.replays, sorted(int(b) for b in agreed), barrier))
-    schedule = (check_schedule(engine, args.schedule, args.context, target.config.vocab_size)
+    at_context = None
+    if args.cost_context:
+        from adaptive_dist.config import RoundCost, VerifyCost
+
+        t2 = time.perf_counter()
+        chain = engine.measure_round_costs(context=args.cost_context)
+        vcost = engine.worker.measure_verify_costs(context=args.cost_context)
+        at_context = {"context": args.cost_context, "seconds": time.perf_counter() - t2,
+                      "round_cost": RoundCost.parse({str(b): {str(k): v for k, v in row.items()}
+                                                     for b, row in chain.items()}),
+                      "verify_cost": VerifyCost.parse({str(t): c for t, c in vcost.items()})}
+    schedule = (check_schedule(engine, args.schedule, args.context, target.config.vocab_size,
+                               at_context)
                 if args.schedule and world.size == 1 else None)
     parts: list[Any] = [rounds]
     if world.size > 1:
@@ -186,6 +202,12 @@ def main() -> int:
                   "agreed_verify_cost_ms": {str(t): 1000 * c for t, c in
                                             zip(verify.tokens, verify.costs)},
                   "graph_captures": captures, "graph_pool_gib": graph_bytes / 2**30,
+                  "at_context": None if at_context is None else {
+                      "context": at_context["context"], "seconds": at_context["seconds"],
+                      "round_cost_ms": {b: {s: 1e3 * v for s, v in row.items()} for b, row in
+                                        at_context["round_cost"].to_json().items()},
+                      "verify_cost_ms": {t: 1e3 * v for t, v in
+                                         at_context["verify_cost"].to_json().items()}},
                   "schedule_check": schedule,
                   "rounds_per_rank": parts, "command": " ".join(sys.argv)}
         out = Path(args.out)
@@ -196,7 +218,12 @@ def main() -> int:
     return 0
 
 
-def check_schedule(engine: Any, n: int, context: int, vocab: int) -> dict[str, Any]:
+PROFILE_AT = (150, 170)
+"""The schedule's rounds profiled (kernel time and the costliest kernels): past the arrivals."""
+
+
+def check_schedule(engine: Any, n: int, context: int, vocab: int,
+                   at_context: dict[str, Any] | None = None) -> dict[str, Any]:
     """`--schedule`: `n` requests (prompts of 16 .. 512 tokens, outputs of 32 .. 256) admitted
     a few per round, every engine step timed; per kind (decode only, with a prefill) the
     measured seconds against the table's price of the rounds' decode part. Every round is kept
@@ -230,9 +257,32 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int) -> dict[str, A
         return collect(launched)
     worker.collect = timed_collect
     rounds: list[dict[str, Any]] = []
+    profiled: dict[str, Any] = {}
+    prof = None
     sync()
     last = time.perf_counter()
     while pending or engine.scheduler.has_work:
+        if cuda and len(rounds) == PROFILE_AT[0]:   # a window of rounds under the profiler
+            from torch.profiler import ProfilerActivity, profile
+
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
+            profiled["first_round"] = len(rounds)
+        if prof is not None and len(rounds) == PROFILE_AT[1]:
+            sync()
+            prof.__exit__(None, None, None)
+            events = prof.key_averages()
+            kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                             key=lambda e: -e.self_device_time_total)
+            span = rounds[PROFILE_AT[0]:PROFILE_AT[1]]
+            profiled.update(
+                rounds=len(span), wall_ms=1e3 * sum(r["seconds"] for r in span),
+                priced_ms=1e3 * sum(r["priced"] for r in span),
+                kernel_ms=sum(e.self_device_time_total for e in kernels) / 1e3,
+                top=[{"name": e.key[:90], "ms": e.self_device_time_total / 1e3,
+                      "calls": e.count} for e in kernels[:25]])
+            print(f"== profiled rounds: {json.dumps(profiled, indent=1)}", flush=True)
+            prof = None
         for _ in range(min(len(pending), rng.choice((0, 0, 1, 4)))):
             ids, out = pending.pop()
             engine.add(ids, SamplingParams(max_new_tokens=out))
@@ -244,13 +294,22 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int) -> dict[str, A
         if plan.cluster_requests and plan.shape is not None:
             budget = plan.budget_of()
             read = sum((budget.get(rid, 0) + 1) * ctx for rid, ctx in running.items())
+            mean_ctx = sum(running.values()) / max(len(running), 1)
+            priced_ctx = None
+            if at_context is not None:   # between the tables at 0 and at C, by the mean length
+                hi = shape_cost(at_context["round_cost"], at_context["verify_cost"], plan.steps,
+                                plan.shape.verify_tokens, plan.batch_pad)
+                lo = shape_cost(spec.round_cost, spec.verify_cost, plan.steps,
+                                plan.shape.verify_tokens, plan.batch_pad)
+                priced_ctx = lo + (hi - lo) * mean_ctx / at_context["context"]
             rounds.append({"kind": "prefill" if plan.extend_tokens else "decode",
                            "seconds": now - last, "waited": waited[0],
                            "priced": shape_cost(spec.round_cost, spec.verify_cost, plan.steps,
                                                 plan.shape.verify_tokens, plan.batch_pad),
                            "steps": plan.steps, "tokens": plan.shape.verify_tokens,
                            "batch": plan.batch_pad, "requests": len(running),
-                           "positions_read": read, "prefill_tokens": plan.extend_tokens})
+                           "positions_read": read, "prefill_tokens": plan.extend_tokens,
+                           "mean_context": mean_ctx, "priced_at_context": priced_ctx})
         last = now
     engine.drain()
     worker.collect = collect
@@ -261,6 +320,9 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int) -> dict[str, A
         kinds[kind] = {"rounds": len(mine), "measured_s": measured, "priced_s": priced,
                        "measured_over_priced": measured / priced if priced else None,
                        "host_bound_rounds": sum(1 for r in mine if r["waited"] < 1e-4)}
+        if at_context is not None and mine:
+            ctx_priced = sum(r["priced_at_context"] for r in mine)
+            kinds[kind]["measured_over_priced_at_context"] = measured / ctx_priced
     dec = [r for r in rounds if r["kind"] == "decode"][5:]   # past the first rounds' ramp
     if len(dec) > 3:
         x = np.array([[1.0, r["positions_read"]] for r in dec])
@@ -272,6 +334,7 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int) -> dict[str, A
                                "measured_over_fitted": sum(r["seconds"] for r in dec) / fitted}
     print(f"== schedule: {json.dumps(kinds, indent=1)}", flush=True)
     kinds["rounds"] = rounds
+    kinds["profiled"] = profiled
     return kinds
 
 

@@ -46,6 +46,7 @@ class SlotState:
                  device: torch.device, vocab: int) -> None:
         slots, reach = config.max_batch_size + 1, config.pages_per_request
         self.device = device
+        self.page_size, self.pool_pages = config.page_size, config.pool_pages
         self.dummy = config.max_batch_size
 
         def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
@@ -197,8 +198,17 @@ class SlotState:
 
     def set_dummy_length(self, tokens: int) -> None:
         """The dummy slot's cache length: how many positions the dummy rows' attention reads
-        (0 but in measurements; every forward that writes the slot sets it back to 0)."""
+        (0 but in measurements; every forward that writes the slot sets it back to 0). Above 0
+        its page table points at distinct pages (pages 1.. of the pools, free at start-up), so a
+        measurement's attention reads memory as a request of that length does, not one page
+        over and over; at 0 it is the dummy page again. Dummy rows never write those pages
+        (their K/V go to the dummy page)."""
         self.cache_len[self.dummy] = tokens
+        row = self.pages[self.dummy]
+        row.fill_(DUMMY_PAGE)
+        if tokens > 0:
+            n = min(-(-tokens // self.page_size), row.shape[0], self.pool_pages - 1)
+            row[:n] = torch.arange(1, n + 1, device=row.device)
 
 
 @dataclass
