@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 
 MAX_LOGPROBS = 20
 """The most alternatives `logprobs` / `prompt_logprobs` may ask for (OpenAI's limit)."""
+MAX_STOP_IDS = 8
+"""Stop token ids a request may have (end-of-sequence ids of real tokenizers are 1-3): the
+scheduler's output buffer and the worker's slots hold that many per request."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,19 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+class PendingPromptLogprobs(NamedTuple):
+    """A prefill's prompt logprobs on their way to the host (filled by a copy the device runs
+    before the next round's results; `Scheduler.commit_round` reads them with those): rows
+    `offset .. offset + count` of the prefill's token logprobs [R], top logprobs [R, K] and their
+    ids [R, K] are this request's prompt tokens 1 .. P-1."""
+
+    token_lp: torch.Tensor
+    top_lp: torch.Tensor
+    top_ids: torch.Tensor
+    offset: int
+    count: int
 
 
 def _number(x: object) -> bool:

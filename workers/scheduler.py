@@ -17,18 +17,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
 import numpy as np
 
 from workers.kv_cache import PageAllocator
-from workers.sampling import SamplingParams, TokenLogprob
-
-
-MAX_STOP_IDS = 8
-"""Stop token ids a request may have (end-of-sequence ids of real tokenizers are 1-3)."""
+from workers.sampling import MAX_STOP_IDS, PendingPromptLogprobs, SamplingParams, TokenLogprob
 
 
 class OutputBuffer:
@@ -92,19 +88,6 @@ class OutputBuffer:
         self.tokens[slots[:, None], count[:, None] + col] = cand
         self.count[slots] = count + n
         return stopped, ~stopped & (n >= room)
-
-
-class PendingPromptLogprobs(NamedTuple):
-    """A prefill's prompt logprobs on their way to the host (filled by a copy the device runs
-    before the next round's results; `Scheduler.commit_round` reads them with those): rows
-    `offset .. offset + count` of the prefill's token logprobs [R], top logprobs [R, K] and their
-    ids [R, K] are this request's prompt tokens 1 .. P-1."""
-
-    token_lp: torch.Tensor
-    top_lp: torch.Tensor
-    top_ids: torch.Tensor
-    offset: int
-    count: int
 
 
 @dataclass(eq=False)

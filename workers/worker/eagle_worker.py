@@ -30,12 +30,12 @@ from workers.config import EngineConfig
 from workers.cuda_graphs import CudaGraphRunner
 from workers.kv_cache import pages_for
 from workers.runtime_state import RuntimeStatePool, SpecRuntimeState
-from workers.scheduler import Request
 from workers.worker.draft_lag import DraftLag
 from workers.worker.graph_table import GraphKey, GraphTable
 from workers.worker.models import RankModels
 from workers.worker.phases import RoundPhases, round_phases
 from workers.worker.prefill import PrefillRunner
+from workers.worker.request import SlotRequest
 from workers.worker.round_cost import measure_targets, measure_tiers
 from workers.worker.slots import (SHADOW_COLUMNS, RoundBuffers, SlotState, StepBuffers,
                                   logprob_width)
@@ -88,7 +88,7 @@ class EagleWorker:
             raise RuntimeError("no runtime state applied; call apply_runtime_state first")
         return self.state.steps
 
-    def can_use_graph(self, reqs: Sequence[Request]) -> bool:
+    def can_use_graph(self, reqs: Sequence[SlotRequest]) -> bool:
         """Whether this rank could run a round over `reqs` through the CUDA graphs (an idle rank
         always can: it runs dummy rows). The controller ANDs this over the ranks."""
         return bool(self.buckets) and not self.graphs.closed and len(reqs) <= self.buckets[-1]
@@ -145,7 +145,7 @@ class EagleWorker:
         self.prefill_runner.capture(self.graphs, self.buckets)
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[Request], pad_tokens: int, pad_requests: int, width: int = 0,
+    def prefill(self, reqs: list[SlotRequest], pad_tokens: int, pad_requests: int, width: int = 0,
                 graph: bool = False) -> None:
         """Run new requests' prompts through the target (and the head); their first token is
         drawn on the device into their slot (the host reads it with the round's tokens). Every
@@ -158,7 +158,7 @@ class EagleWorker:
 
     # ---- the speculative round ------------------------------------------------------------------
     @torch.inference_mode()
-    def spec_round(self, reqs: list[Request], batch_pad: int, graph_bucket: int | None = None,
+    def spec_round(self, reqs: list[SlotRequest], batch_pad: int, graph_bucket: int | None = None,
                    shape: RoundShape | None = None,
                    budgets: Sequence[int] | None = None) -> "RoundResult":
         """One round at the depth in force over `reqs`, padded to `batch_pad` rows (the plan's
@@ -175,7 +175,7 @@ class EagleWorker:
         return RoundShape(self.steps, token_bucket(batch_pad * (self.steps + 1), self.ladder))
 
     @torch.inference_mode()
-    def launch(self, reqs: list[Request], batch_pad: int, graph_bucket: int | None = None,
+    def launch(self, reqs: list[SlotRequest], batch_pad: int, graph_bucket: int | None = None,
                shape: RoundShape | None = None,
                budgets: Sequence[int] | None = None) -> "LaunchedRound":
         """Queue one round (as `spec_round`) and the copy of its results to the host; returns
@@ -264,7 +264,7 @@ class EagleWorker:
                            shadow=rows[:, end:].copy() if launched.shadow else None,
                            logprobs=logprobs)
 
-    def _reach(self, reqs: Sequence[Request], bucket: int | None) -> int:
+    def _reach(self, reqs: Sequence[SlotRequest], bucket: int | None) -> int:
         """Pages of KV each row may read: the captured reach for graphs, else what this batch
         needs (attention is local to the rank, so eager ranks may differ)."""
         full = self.slots.reach

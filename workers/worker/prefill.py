@@ -34,10 +34,11 @@ from workers.attention.base import upload
 from workers.config import EngineConfig
 from workers.cuda_graphs import CudaGraphRunner, GraphEntry
 from workers.kv_cache import pages_for
-from workers.scheduler import PendingPromptLogprobs, Request
+from workers.sampling import PendingPromptLogprobs
 from workers.spec_decode import SALT_SAMPLE, sample_tokens, token_logprobs
 from workers.worker.draft_lag import DraftLag
 from workers.worker.models import RankModels
+from workers.worker.request import SlotRequest
 from workers.worker.slots import SlotState, logprob_width
 
 PROMPT_LOGPROB_ROWS = 512
@@ -111,7 +112,7 @@ class PrefillRunner:
               defer: bool = False) -> Callable[[], None]:
         return lambda: self.padded(rows, width, greedy, defer)
 
-    def run(self, reqs: list[Request], pad_tokens: int, pad_requests: int, width: int,
+    def run(self, reqs: list[SlotRequest], pad_tokens: int, pad_requests: int, width: int,
             graph: bool, depth: int | None) -> None:
         """Prefill `reqs` at the agreed sizes (see `EagleWorker.prefill`); `depth`: the tier in
         force (at 0 a padded prefill may defer the head's part)."""
@@ -149,7 +150,7 @@ class PrefillRunner:
             self.lag.mark_deferred(slots)
         self._finish(reqs, hidden if scoring else None, [i * slots for i in range(len(reqs))])
 
-    def _finish(self, reqs: list[Request], hidden: torch.Tensor | None,
+    def _finish(self, reqs: list[SlotRequest], hidden: torch.Tensor | None,
                 starts: list[int]) -> None:
         """After a prefill's forwards: the prompt logprobs of the requests that ask for them
         (from `hidden`, the prefill's features; request i's prompt at rows `starts[i]` ..), then
@@ -158,7 +159,7 @@ class PrefillRunner:
             self._prompt_logprobs(reqs, hidden, starts)
         self.slots.rewind(reqs)
 
-    def _prompt_logprobs(self, reqs: list[Request], hidden: torch.Tensor,
+    def _prompt_logprobs(self, reqs: list[SlotRequest], hidden: torch.Tensor,
                          starts: list[int]) -> None:
         """Each asking request's prompt logprobs: the target's raw log-probability of prompt
         token i given tokens 0 .. i-1 (i >= 1) and the most likely tokens there, from the
@@ -226,7 +227,7 @@ class PrefillRunner:
         self._filled(rows, lens, first, defer)
         return hidden
 
-    def _ragged(self, reqs: list[Request], pad_tokens: int,
+    def _ragged(self, reqs: list[SlotRequest], pad_tokens: int,
                 pad_requests: int) -> tuple[torch.Tensor, list[int]]:
         """The prefill through `attention_backend`: every prompt's tokens back to back, padded to
         the agreed `pad_tokens` and `pad_requests`. Returns the target's features of every token

@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from workers.runtime_state import RuntimeStatePool
-from workers.scheduler import Request
+from workers.worker.request import SlotRequest
 from workers.worker.slots import SlotState
 
 COST_CHAIN = 8
@@ -35,7 +35,7 @@ class TimedWorker(Protocol):
     device: torch.device
     slots: SlotState
 
-    def launch(self, reqs: list[Request], batch_pad: int,
+    def launch(self, reqs: list[SlotRequest], batch_pad: int,
                graph_bucket: int | None = None) -> Any: ...
 
     def collect(self, launched: Any) -> Any: ...

@@ -25,9 +25,9 @@ import torch
 from workers.attention.base import upload
 from workers.config import EngineConfig
 from workers.kv_cache import DUMMY_PAGE
-from workers.sampling import MAX_LOGPROBS
-from workers.scheduler import MAX_STOP_IDS, Request
+from workers.sampling import MAX_LOGPROBS, MAX_STOP_IDS
 from workers.spec_decode import Controls
+from workers.worker.request import SlotRequest
 
 SHADOW_COLUMNS = 2  # depth 0 with a head: the catch-up's (hits, checks) per row, after the tokens
 
@@ -106,7 +106,7 @@ class SlotState:
             return self.temperature[:bp], self.top_p[:bp], self.seed[:bp]
         return self.temperature[rows], self.top_p[rows], self.seed[rows]
 
-    def admit(self, reqs: list[Request]) -> None:
+    def admit(self, reqs: list[SlotRequest]) -> None:
         """Page tables and sampling settings of newly admitted requests into their slots (two
         host-to-device copies, whatever the number of requests)."""
         if not reqs:
@@ -123,7 +123,7 @@ class SlotState:
         self.top_p.index_copy_(0, slots, top_p)
         self._admit_controls(reqs)
 
-    def _admit_controls(self, reqs: list[Request]) -> None:
+    def _admit_controls(self, reqs: list[SlotRequest]) -> None:
         """The controls of newly admitted processed requests, and neutral ones for any other
         request whose slot held a processed one (nothing at all when neither is admitted: a
         request that uses none of the features costs what it cost before them). A penalised
@@ -165,7 +165,7 @@ class SlotState:
             self.seen.index_put_((flat_slots, flat_ids.clamp(0, self.vocab - 1)),
                                  torch.ones_like(flat_ids, dtype=torch.bool))
 
-    def rewind(self, reqs: list[Request]) -> None:
+    def rewind(self, reqs: list[SlotRequest]) -> None:
         """After their prefill: processed requests step back one position (n = P - 1, the last
         token the prompt's last), so their first round's verify draws the first token at window
         position 0, with the processing (the prefill's draw, unprocessed, is dropped; the head's

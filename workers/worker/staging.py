@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workers.scheduler import Request
+from workers.worker.request import SlotRequest
 
 
 @dataclass
@@ -76,7 +76,7 @@ class LaunchedRound:
     staging its results land in, and the event recorded after that copy (None on the CPU, where
     the round ran at launch)."""
 
-    reqs: list[Request]
+    reqs: list[SlotRequest]
     host: torch.Tensor
     done: Any
     steps: int
