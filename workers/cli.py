@@ -24,6 +24,7 @@ from adaptive_dist.cli import seconds
 from workers.loading import DEFAULT_MODEL
 from workers.settings import (
     ATTENTION_BACKENDS,
+    DTYPES,
     MLP_SCATTERS,
     ClusterShape,
     GenerateSettings,
@@ -124,6 +125,19 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=seconds, default=60.0, metavar="S",
                    help="seconds a collective may take before the job stops with an error; a "
                         "finite number > 0 (default: 60)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="the weights' and the KV cache's dtype: auto (the default) loads a "
+                        "checkpoint in its own dtype (config.json's torch_dtype) on CUDA and in "
+                        "float32 on the CPU")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=None, metavar="F",
+                   help="the fraction of the GPU's total memory this engine may use; the KV "
+                        "pool gets what is left after the weights, the activations and the CUDA "
+                        "graphs, at most what --max-batch-size full contexts need (default: "
+                        "that pool); CUDA only")
+    p.add_argument("--kv-cache-memory", type=byte_count, default=None, metavar="BYTES",
+                   help="the KV pool's size per rank, in bytes or with a K, M, G or T suffix "
+                        "(powers of 1024), at most what --max-batch-size full contexts need "
+                        "(default: that pool); not with --gpu-memory-utilization")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -144,6 +158,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print one JSON object (outputs and statistics) as the last line")
 
 
+def fraction(text: str) -> float:
+    """argparse type of `--gpu-memory-utilization`: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be a fraction in (0, 1] of the GPU's "
+                                         f"total memory")
+    return value
+
+
+def byte_count(text: str) -> int:
+    """argparse type of `--kv-cache-memory`: bytes, or a number with K/M/G/T."""
+    from workers.memory import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 # ---- settings ---------------------------------------------------------------------------------
 
 def launch_settings(args: argparse.Namespace) -> LaunchSettings:
@@ -158,7 +194,9 @@ def launch_settings(args: argparse.Namespace) -> LaunchSettings:
         padded_prefill_tokens=args.padded_prefill_tokens, catchup_rounds=args.catchup_rounds,
         defer_prefill_width=args.defer_prefill_width, max_batch_size=args.max_batch_size,
         eager=args.eager, overlap=args.overlap, mlp_scatter=args.mlp_scatter,
-        moe_parallel=args.moe_parallel, timeout=args.timeout, round_log=args.round_log)
+        moe_parallel=args.moe_parallel, timeout=args.timeout, round_log=args.round_log,
+        dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory)
 
 
 def generate_settings(args: argparse.Namespace) -> GenerateSettings:

@@ -41,6 +41,7 @@ from adaptive_dist.shape import RoundShape
 from adaptive_dist.startup import (agree_round_cost, agree_verify_cost, derived_settings,
                                    probe_after_catchup)
 from collectives import Group, LockstepGuard
+from workers import startup_log
 from workers.attention import make_backend
 from workers.config import EngineConfig
 from workers.kv_cache import PageAllocator
@@ -431,13 +432,21 @@ def build_engine(config: EngineConfig, target: torch.nn.Module, head: torch.nn.M
         # before the first of them can arrive
         spec = probe_after_catchup(spec, config.catchup_rounds)
     derived = derived_settings(config.spec, spec)
+    timeline = startup_log.current()
     if spec.needs_round_cost and spec.round_cost is None:
         # goodput: measure this rank's round costs on the built tiers and agree the table (the
         # element-wise maximum over the ranks) before the planner, whose hash includes it
-        spec = agree_round_cost(spec, measure_round_costs(config, worker, pool), group)
+        with timeline.timed("cost table") as step:
+            measured = measure_round_costs(config, worker, pool)
+            step["text"] = (f"{sum(map(len, measured.values()))} rounds priced (depths "
+                            f"{list(pool.states)} x buckets {list(measured)})")
+        spec = agree_round_cost(spec, measured, group)
     if spec.needs_round_cost:
         # per-request budgets: the verify forward's cost at every token rung, likewise
-        spec = agree_verify_cost(spec, worker.measure_verify_costs(), group)
+        with timeline.timed("verify costs") as step:
+            verify = worker.measure_verify_costs()
+            step["text"] = f"{len(verify)} token rungs priced"
+        spec = agree_verify_cost(spec, verify, group)
     if derived and group.is_first:
         say(f"effective configuration (derived for catchup_rounds {config.catchup_rounds}): "
             f"{derived}; digest {spec.digest()}")

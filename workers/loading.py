@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_MODEL", "Prompt", "read_prompts", "assign_replicas", "encode_prompt",
            "model_digest", "pair_digest", "model_paths", "load_pair", "load_models",
-           "load_tokenizer_for", "check_tokenizer"]
+           "load_tokenizer_for", "check_tokenizer", "resolve_dtype"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,33 @@ def load_models(paths: "ModelPaths", par: Any = None, device: str = "cpu", with_
         raise ValueError(f"--model {str(model_flag)!r} has no draft head (no eagle/ beside "
                          f"target/); give --draft-model DRAFT_DIR, or run --no-spec")
     return target, load_eagle(paths.draft, target)
+
+
+def resolve_dtype(flag: str, device: str, paths: "ModelPaths") -> tuple[Any, str]:
+    """(torch dtype, why) of `--dtype flag` on `device` for the pair `paths` names: auto is the
+    checkpoint's own dtype (config.json's `torch_dtype`; float32 when it names none) on CUDA, as
+    vLLM's and SGLang's `--dtype auto`, and float32 on the CPU (the bundled pair and the CPU
+    tests run float32). `ValueError` naming the flag for a dtype this GPU lacks."""
+    import torch
+
+    from workers.model.loader import checkpoint_dtype
+    from workers.settings import DTYPES
+
+    if flag not in DTYPES:
+        raise ValueError(f"--dtype {flag}: allowed: {', '.join(DTYPES)}")
+    if flag != "auto":
+        dtype, why = getattr(torch, flag), f"--dtype {flag}"
+    elif device != "cuda":
+        dtype, why = torch.float32, "--dtype auto on the CPU"
+    else:
+        stored = checkpoint_dtype(paths.target)
+        dtype, why = ((stored, "--dtype auto: the checkpoint's torch_dtype") if stored is not None
+                      else (torch.float32, "--dtype auto: the checkpoint names no torch_dtype"))
+    if device == "cuda" and dtype == torch.bfloat16 and torch.cuda.is_available() \
+            and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"--dtype {flag}: bfloat16 ({why.split(': ')[-1]}) is not supported by "
+                         f"this GPU; give --dtype float16 or float32")
+    return dtype, why
 
 
 def load_tokenizer_for(paths: "ModelPaths", vocab_size: Optional[int] = None) -> "Tokenizer":

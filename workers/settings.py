@@ -19,6 +19,8 @@ ATTENTION_BACKENDS = ("torch", "flashinfer")
 """Attention of the ragged forwards (prefill): `--attention-backend`, `EngineConfig.attention_backend`."""
 MLP_SCATTERS = ("reduce_scatter", "all_reduce")
 """How MLP outputs return to the DP replicas: `--mlp-scatter`, `ModelParallel.scatter`."""
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+"""The weights' (and so the KV cache's) dtype: `--dtype` (`workers.loading.resolve_dtype`)."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,14 @@ class LaunchSettings:
     """`--timeout`: seconds a collective may take."""
     round_log: Optional[str] = None
     """`--round-log FILE`: one JSON line per rank per round (`workers.round_log`)."""
+    dtype: str = "auto"
+    """`--dtype`: auto (the checkpoint's torch_dtype on CUDA, float32 on the CPU), bfloat16,
+    float16 or float32 (`workers.loading.resolve_dtype`)."""
+    gpu_memory_utilization: Optional[float] = None
+    """`--gpu-memory-utilization F`: the fraction of the GPU's memory this engine may use; the
+    KV pool gets what is left (`workers.memory`). CUDA only."""
+    kv_cache_memory: Optional[int] = None
+    """`--kv-cache-memory BYTES`: the KV pool's bytes per rank (`workers.memory`)."""
 
     @property
     def resolved_device(self) -> str:
@@ -151,6 +161,18 @@ class LaunchSettings:
         for key in ("max_batch_size", "padded_prefill_tokens", "catchup_rounds",
                     "defer_prefill_width"):
             check_size(key, getattr(self, key), "--" + key.replace("_", "-"))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype}: allowed: {', '.join(DTYPES)}")
+        if self.gpu_memory_utilization is not None:
+            from workers.memory import check_utilization
+
+            if self.kv_cache_memory is not None:
+                raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization} and "
+                                 f"--kv-cache-memory {self.kv_cache_memory}: give one (the "
+                                 f"second sizes the KV pool outright)")
+            check_utilization(self.gpu_memory_utilization, device)
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"--kv-cache-memory {self.kv_cache_memory}: must be > 0 bytes")
         if self.round_log is not None:
             from pathlib import Path
 

@@ -4,8 +4,9 @@ A model directory holds ``config.json`` and its weights in any format ``workers.
 reads (safetensors or ``pytorch_model.bin``, one file or shards with an index). Each rank reads
 only its slice of every split tensor: the attention projections' slice of its attention-TP group,
 the MLP's and the vocabulary's slice of the world (see ``workers.model.parallel``).
-Weights are converted to ``dtype`` (float32 by default) on load; ``save_pretrained`` writes
-bfloat16 by default.
+Weights are converted to ``dtype`` (float32 by default) on load; ``checkpoint_dtype`` reads
+the dtype a checkpoint says it is stored in (what ``--dtype auto`` loads on a GPU);
+``save_pretrained`` writes bfloat16 by default.
 
 * ``load_llama(dir)``: a target (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
   ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``,
@@ -104,6 +105,31 @@ def _load_into(module: nn.Module, weights: WeightFiles) -> None:
 def _materialize(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
     module.to_empty(device=device)
     module.to(dtype)  # floating-point tensors only: integer buffers (d2t, t2d) keep theirs
+
+
+CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                     "float32": torch.float32}
+"""The dtypes a checkpoint's ``torch_dtype`` (or transformers' newer ``dtype``) may name for
+``--dtype auto`` (``float``, ``half`` and ``torch.``-prefixed spellings read the same)."""
+
+
+def checkpoint_dtype(path: str | Path) -> torch.dtype | None:
+    """The dtype ``config.json`` says the weights are stored in (``torch_dtype``, or ``dtype``
+    as transformers >= 4.56 writes it); None when it names none. ``CheckpointError`` naming the
+    file and key for a value that is not a floating-point dtype."""
+    root = Path(path)
+    raw = read_config(root)
+    for key in ("torch_dtype", "dtype"):
+        value = raw.get(key)
+        if value is None:
+            continue
+        name = str(value).removeprefix("torch.")
+        name = {"float": "float32", "half": "float16"}.get(name, name)
+        if not isinstance(value, str) or name not in CHECKPOINT_DTYPES:
+            raise CheckpointError(f"{str(root / CONFIG_FILE)!r}: {key}={value!r}; allowed: "
+                                  f"{', '.join(CHECKPOINT_DTYPES)}")
+        return CHECKPOINT_DTYPES[name]
+    return None
 
 
 def target_config(path: str | Path) -> LlamaConfig:

@@ -20,11 +20,13 @@ Prefill (padded or ragged, and the padded prefill's CUDA graphs) is `PrefillRunn
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import torch
 
 from adaptive_dist.shape import RoundShape, token_bucket
+from workers import startup_log
 from workers.attention.base import AttentionBackend
 from workers.config import EngineConfig
 from workers.cuda_graphs import CudaGraphRunner
@@ -117,6 +119,10 @@ class EagleWorker:
             before = self.graphs.pool_bytes()
             self._capture(bufs)
             nbytes += self.graphs.pool_bytes() - before
+        else:
+            startup_log.current().step(f"depth {steps}", f"buffers "
+                                       f"{startup_log.fmt_bytes(nbytes)}; eager (no CUDA graphs)",
+                                       buffer_bytes=nbytes)
         return SpecRuntimeState(steps=steps, payload=bufs, nbytes=nbytes)
 
     def apply_runtime_state(self, state: SpecRuntimeState) -> None:
@@ -131,12 +137,21 @@ class EagleWorker:
         bufs.rows.fill_(self.slots.dummy)
         bufs.budget.zero_()
         reach = self.slots.reach
+        start, count, pool = time.perf_counter(), len(self.table), self.graphs.pool_bytes()
         for tokens in sorted(self.ladder, reverse=True):
             self.phases.capture_target(self.table, tokens, reach)
+        if len(self.table) > count:   # the first state: the verify forward, every depth's
+            now, size = time.perf_counter(), self.graphs.pool_bytes()
+            startup_log.captured("verify forward", len(self.table) - count, now - start,
+                                 size - pool, rungs=list(self.ladder))
+            start, count, pool = now, len(self.table), size
         for bucket in sorted(self.buckets, reverse=True):
             self.phases.capture(self.table, bufs, bucket, reach)
             self.lag.capture(self.table, bufs, bucket, reach)
         self.slots.set_dummy_length(0)
+        startup_log.captured(f"depth {bufs.steps}", len(self.table) - count,
+                             time.perf_counter() - start, self.graphs.pool_bytes() - pool,
+                             buckets=list(self.buckets))
 
     # ---- prefill ------------------------------------------------------------------------------
     def capture_prefill(self) -> None:

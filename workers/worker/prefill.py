@@ -24,11 +24,13 @@ read with the next round's results.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
 import torch
 
+from workers import startup_log
 from workers.attention import ForwardMode, build_metadata
 from workers.attention.base import upload
 from workers.config import EngineConfig
@@ -94,6 +96,7 @@ class PrefillRunner:
         deferrable = self.lag.deferred_len is not None
         before = graphs.pool_bytes()
         for rows in sorted(buckets, reverse=True):
+            start, count, pool = time.perf_counter(), len(graphs.entries), graphs.pool_bytes()
             width = 32
             while rows * width <= self.cap and width <= max(longest, 32):
                 for greedy in (False, True):
@@ -105,6 +108,11 @@ class PrefillRunner:
                         self.graphs_without_head[(rows, width, greedy)] = graphs.capture_body(
                             f"prefill/rows={rows}/width={width}/greedy={greedy}/deferred", body)
                 width *= 2
+            if len(graphs.entries) > count:
+                startup_log.captured(f"prefill graphs, {rows} rows", len(graphs.entries) - count,
+                                     time.perf_counter() - start, graphs.pool_bytes() - pool,
+                                     rows=rows, widths=sorted({w for r, w, _ in self.graphs
+                                                               if r == rows}))
         self.slots.set_dummy_length(0)
         self.graph_bytes = graphs.pool_bytes() - before
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from workers import startup_log
 from workers.runtime_state import RuntimeStatePool
 from workers.worker.request import SlotRequest
 from workers.worker.slots import SlotState
@@ -53,6 +54,7 @@ def measure_tiers(worker: TimedWorker, tiers: RuntimeStatePool, buckets: Sequenc
     (their attention reads that many positions of the dummy page)."""
     sync = (torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None))
     table: dict[int, dict[int, float]] = {}
+    begun, total = time.perf_counter(), len(buckets) * len(tiers.states) * (repeats + 1)
     for bucket in buckets:
         graph = bucket if graphs else None
         for steps in tiers.states:
@@ -60,6 +62,9 @@ def measure_tiers(worker: TimedWorker, tiers: RuntimeStatePool, buckets: Sequenc
             chain = catchup_every if steps == 0 and catchup_every is not None else COST_CHAIN
             times = []
             for _ in range(repeats + 1):  # the first is a warm-up
+                startup_log.current().progress(
+                    "cost table", sum(map(len, table.values())) * (repeats + 1) + len(times),
+                    total, f"chains of rounds; bucket {bucket}, depth {steps}", since=begun)
                 sync()
                 start = time.perf_counter()
                 queued = []   # launched, not read yet
@@ -87,7 +92,10 @@ def measure_targets(worker: TimedWorker, ladder: Sequence[int], repeats: int = 5
     sync = (torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None))
     worker.slots.round_rows.fill_(worker.slots.dummy)
     table: dict[int, float] = {}
+    begun = time.perf_counter()
     for tokens in ladder:
+        startup_log.current().progress("verify costs", len(table), len(ladder),
+                                       f"{tokens} tokens", since=begun)
         body = worker.target_body(tokens, context)
         times = []
         for _ in range(repeats + 1):
