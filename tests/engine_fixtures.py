@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
-from adaptive_dist.config import AdaptiveConfig, load_config
+from adaptive_dist.config import AdaptiveConfig
 from adaptive_dist.coordinator import RoundPlan, RoundReport, RoundStats
-from workers.config import EngineConfig, no_spec
+from workers.config import EngineConfig
 from workers.engine import Engine, build_engine
 from workers.model import EagleConfig, EagleHead, LlamaConfig, LlamaForCausalLM, save_pretrained
+from workers.settings import SpecChoice
 
 # NOTE: these models are tiny; with more than one thread, OpenMP spin-waits dominate (and on a
 # shared 2-core machine make every forward ~50x slower). Tests that import this module run on one.
@@ -92,13 +93,14 @@ def random_prompts(n: int, vocab: int, seed: int, lo: int = 1, hi: int = 24) -> 
 def engine_config(mode: str = "static", steps: int = 3, config: AdaptiveConfig | None = None,
                   max_batch: int = 4, num_pages: int | None = None, page_size: int = 4,
                   device: str = "cpu", max_context: int = 512, **kw) -> EngineConfig:
-    """An `EngineConfig` in `mode` "nospec", "static" (at `steps`) or "ema" (adaptive, `config`)."""
-    if mode == "nospec":
-        spec = no_spec()
-    elif mode == "ema":
-        spec = config if config is not None else AdaptiveConfig()
+    """An `EngineConfig` in `mode` "nospec" (`--no-spec`), "static" (`--steps steps`) or "ema"
+    (`config`, else `--adaptive`): the speculative settings those flags build
+    (`SpecChoice.build`)."""
+    if mode == "ema" and config is not None:
+        spec = config
     else:
-        spec = load_config(None, "static", initial_steps=steps)
+        spec = SpecChoice(no_spec=mode == "nospec", adaptive=mode == "ema",
+                          steps=steps if mode not in ("nospec", "ema") else None).build()
     return EngineConfig(spec=spec, max_batch_size=max_batch, page_size=page_size,
                         num_pages=num_pages, max_context_len=max_context, device=device, **kw)
 

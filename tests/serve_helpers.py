@@ -2,8 +2,13 @@
 speculation through the engine), HTTP helpers and prompts."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+import logging
+import os
+import subprocess
+import threading
 import time
 from typing import Any, Optional
 
@@ -15,7 +20,7 @@ from scripts.bench.server_process import ServerProcess
 
 # GPU ranks generate a few hundred tokens in well under a second: tests that must catch a request
 # in flight give it a longer context there
-ON_GPU = __import__("os").environ.get("ADAPTIVE_DIST_TEST_DEVICE") == "cuda"
+ON_GPU = os.environ.get("ADAPTIVE_DIST_TEST_DEVICE") == "cuda"
 LONG_CONTEXT = 2048 if ON_GPU else 512
 
 PROMPTS = ["def fib(n):", "import os\n", "x = [", "class Foo:\n    def __init__(self",
@@ -103,166 +108,136 @@ def start_server(args: list[str], nproc: int = 1) -> ServerProcess:
     return ServerProcess(args + extra, free_port(), nproc=nproc).wait_ready()
 
 
-# ---- the rank side without the frontend: the test drives the ranks' inboxes itself ---------------
+# ---- the ranks as `serve` starts them, with the test in the frontend's place -------------------
 
 def drive_ranks_job(rank: int, serve_argv: list[str], script: list[dict],
                     timeout_s: float = 60.0) -> dict:
-    """One rank of a serving cluster built by the real launch code (`launch._build_loop`: the
-    engine, `EngineAdapter`, `RankLoop`), with this test as the frontend: rank 0 also runs
-    `_Driver`, which PUSHes `script` (``protocol.Generate`` fields, without ``seq``) to every rank's
-    real inbox — messages the HTTP frontend would refuse among them — waits for every request's
-    outcome, then sends ``Shutdown``. Returns this rank's refusals (rid, loop round), how its loop
-    ended and, on rank 0, every outcome."""
-    import contextlib
-    import threading
-
-    import zmq
-
+    """One rank of a serving job started by the product's own start-up
+    (`launch.serve_rank`: the HTTP port, the process group, the job's secret, the inboxes and
+    the address exchange, the engine, `RankLoop`), with a `ScriptedFrontend` in the frontend's
+    place: it sends `script` (``protocol.Generate`` fields, without ``seq``) to every rank's
+    inbox through the product's `ClusterClient` — messages the HTTP API would refuse among them
+    — waits for every request's outcome, then stops the job. Returns what this rank logged of
+    its refusals (rid, round) and of how its loop ended, its exit code and, on rank 0, every
+    outcome."""
     from adaptive_dist.cli import build_parser
-    from collectives import init_distributed
-    from workers.server.channel import Endpoints, JobKey
-    from workers.server.engine_glue import Refused
-    from workers.server.inbox import Inbox, Outbox
     from workers.server.cli import serve_settings
-    from workers.server.launch import _build_loop, gather_addresses, rank_role
-    from workers.server.protocol import RankAddress
-    from workers.server.rank import StopFlag
+    from workers.server.launch import serve_rank
 
-    settings = serve_settings(build_parser().parse_args(["serve", *serve_argv]))
-    role = rank_role(settings.launch.shape)
-    ctx = init_distributed(timeout_s=timeout_s, backend="gloo", record=True)
-    zctx = zmq.Context()
-    endpoints = Endpoints()                 # one host: private ipc endpoints
-    inbox = Inbox(zctx, endpoints, DRIVER_KEY)
-    first = ctx.layout(dp=1)
-    pg = first.group("world").control_pg if ctx.distributed else None
-    pull = endpoints.address_for("frontend") if rank == 0 else None
-    ranks, pulls = gather_addresses(RankAddress(rank, role.dp_rank, role.is_leader,
-                                                inbox.address), pull, pg)
-    driver = _Driver(zctx, pulls[0], ranks, script, timeout_s) if rank == 0 else None
-    outbox = Outbox(zctx, pulls[0], DRIVER_KEY)
-    closers = contextlib.ExitStack()
-    refusals: list[tuple[str, int]] = []
-    try:
-        loop = _build_loop(ctx, first, settings, role, inbox, outbox, StopFlag(), None, closers)
-        add = loop.adapter.add
-
-        def recording_add(msg):          # the real add; notes which requests it refused, when
-            try:
-                add(msg)
-            except Refused:
-                refusals.append((repr(msg.rid), loop.adapter.rounds))
-                raise
-
-        loop.adapter.add = recording_add
-        thread = threading.Thread(target=driver.run, daemon=True) if driver else None
-        if thread is not None:
-            thread.start()
-        result = loop.run()
-        if thread is not None:
-            thread.join(timeout=10)
-    finally:
-        closers.close()
-        outbox.close()
-        inbox.close()
-        if driver is not None:
-            driver.close()
-        zctx.term()
-        endpoints.close()
-    if ctx.distributed:
-        ctx.shutdown()
-    return {"refusals": refusals, "exit": (result.reason, result.error),
-            "outcomes": driver.outcomes if driver else None,
-            "driver_error": driver.error if driver else None}
+    settings = serve_settings(build_parser().parse_args(["serve", *serve_argv, "--port", "0"]))
+    frontend = ScriptedFrontend(script, timeout_s)
+    with RankLog() as seen:
+        code = serve_rank(settings, start_frontend=frontend.start)
+    started = frontend.thread is not None
+    return {"refusals": seen.refusals, "exit": seen.exit, "code": code,
+            "outcomes": frontend.outcomes if started else None,
+            "driver_error": frontend.error if started else None}
 
 
-def _driver_key():
-    from workers.server.channel import JobKey
+class RankLog(logging.Handler):
+    """What a rank's serving loop logs of its refusals (``(repr(rid), round)``, in order) and of
+    how it ended (``(reason, error)``)."""
 
-    return JobKey("the secret of the test's own serving job")
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.refusals: list[tuple[str, int]] = []
+        self.exit: Optional[tuple[str, bool]] = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("request %.80r refused in round %d"):
+            self.refusals.append((repr(record.args[0]), record.args[1]))
+        elif record.msg == "stopping: %s":
+            self.exit = (record.args[0], record.levelno >= logging.ERROR)
+
+    def __enter__(self) -> "RankLog":
+        logging.getLogger("adaptive_dist.serve").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        logging.getLogger("adaptive_dist.serve").removeHandler(self)
 
 
-DRIVER_KEY = _driver_key()
+class ScriptedFrontend:
+    """The test in the frontend's place: the product's `ClusterClient` (sealed sends in ``seq``
+    order, the output pump) in a thread of rank 0, without the HTTP API in front of it. Once
+    every rank is ready it sends the script's ``Generate`` messages as they are, follows each
+    request (`ClusterClient.track`) to its outcome, then stops the job as the frontend does
+    (``Shutdown``, then the linger). Rank 0 holds it as it holds the frontend's process
+    (`launch.FrontendProcess`)."""
 
-
-class _Driver:
-    """The test's frontend: sequenced sends to every rank (sealed with the job's key, as the
-    frontend seals them), outcomes from the leaders."""
-
-    def __init__(self, zctx, pull_address: str, ranks: list, script: list[dict],
-                 timeout_s: float) -> None:
-        import zmq
-
-        from workers.server.channel import Signer, Verifier
-
-        self.signer = Signer(DRIVER_KEY.control)
-        self.verifier = Verifier(DRIVER_KEY.output, "the test's driver")
-        self.pull = zctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.bind(pull_address)
-        self.push = []
-        for r in ranks:
-            sock = zctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.connect(r.address)
-            self.push.append(sock)
+    def __init__(self, script: list[dict], timeout_s: float) -> None:
         self.script, self.timeout_s = script, timeout_s
-        self.seq = 0
         self.outcomes: dict[str, Any] = {}
-        self.tokens: dict[str, list[int]] = {}
         self.error: Optional[str] = None
+        self.thread: Optional[threading.Thread] = None
+        self.pid = os.getpid()
+        self.returncode: Optional[int] = None
 
-    def send(self, cls, **fields) -> None:
-        from workers.server import protocol
+    def start(self, config: Any, secret: str) -> "ScriptedFrontend":
+        """`launch.serve_rank`'s `start_frontend`."""
+        self.thread = threading.Thread(target=asyncio.run, args=(self._run(config, secret),),
+                                       name="scripted-frontend", daemon=True)
+        self.thread.start()
+        return self
 
-        self.seq += 1
-        msg = cls(seq=self.seq, **fields)
-        data = json.dumps({"type": cls.__name__, **msg.__dict__}).encode()   # NaN allowed
-        assert protocol.decode(data).seq == self.seq
-        sealed = self.signer.seal(data)
-        for sock in self.push:
-            sock.send(sealed)
+    async def _run(self, config: Any, secret: str) -> None:
+        from workers.server.channel import JobKey
+        from workers.server.cluster import ClusterClient
+        from workers.server.metrics import FrontendMetrics
+        from workers.server.protocol import Generate
 
-    def run(self) -> None:
-        from workers.server.protocol import Generate, Shutdown
-
+        cluster = ClusterClient(config, FrontendMetrics(), JobKey(secret))
+        ready = asyncio.Event()
+        cluster.on_ready.append(ready.set)
+        pump = asyncio.ensure_future(cluster.pump())
         try:
-            for fields in self.script:
-                self.send(Generate, **fields)
-            self._collect({repr(f["rid"]) if not isinstance(f["rid"], str) else f["rid"]
-                           for f in self.script})
+            await asyncio.wait_for(ready.wait(), self.timeout_s)
+            sink: asyncio.Queue = asyncio.Queue()
+            rids = [f["rid"] if isinstance(f["rid"], str) else repr(f["rid"])
+                    for f in self.script]
+            for index, (rid, fields) in enumerate(zip(rids, self.script)):
+                cluster.track(rid, index, fields["dp_rank"], 0, 0, sink)
+                cluster.send(Generate, **fields)
+            await asyncio.wait_for(self._collect(sink, rids), self.timeout_s)
         except Exception as err:   # reported by rank 0's result; the ranks are still stopped
             self.error = f"{type(err).__name__}: {err}"
         finally:
-            self.send(Shutdown, reason="the test is done")
+            cluster.fail("the test is done", orderly=True)
+            await cluster.stopping.wait()
+            pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+            cluster.close()
+            self.returncode = 0
 
-    def _collect(self, rids: set[str]) -> None:
-        import zmq
+    async def _collect(self, sink: asyncio.Queue, rids: list[str]) -> None:
+        from workers.server.cluster import Failure
 
-        from workers.server import protocol
-        from workers.server.protocol import RequestError, StepOutput
-
-        deadline = time.monotonic() + self.timeout_s
-        while set(self.outcomes) < rids:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no outcome for {sorted(rids - set(self.outcomes))}")
-            if not self.pull.poll(200, zmq.POLLIN):
+        tokens: dict[str, list[int]] = {}
+        while len(self.outcomes) < len(set(rids)):
+            index, event = await sink.get()
+            rid = rids[index]
+            if isinstance(event, Failure):
+                self.outcomes[rid] = ("refused", event.status, event.param, event.message)
                 continue
-            payload = self.verifier.open(self.pull.recv())
-            assert payload is not None, self.verifier.dropped
-            msg = protocol.decode(payload)
-            if isinstance(msg, RequestError):
-                self.outcomes[msg.rid] = ("refused", msg.status, msg.param, msg.message)
-            elif isinstance(msg, StepOutput):
-                for d in msg.deltas:
-                    self.tokens.setdefault(d.rid, []).extend(d.token_ids)
-                    if d.finish_reason is not None:
-                        self.outcomes[d.rid] = ("done", self.tokens[d.rid], d.finish_reason)
+            tokens.setdefault(rid, []).extend(event.token_ids)
+            if event.finish_reason is not None:
+                self.outcomes[rid] = ("done", tokens[rid], event.finish_reason)
 
-    def close(self) -> None:
-        for sock in self.push:
-            sock.close()
-        self.pull.close()
+    # ---- what rank 0 asks of its frontend's process
+    def poll(self) -> Optional[int]:
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.thread is not None:
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                raise subprocess.TimeoutExpired("the scripted frontend", timeout or 0.0)
+        return self.returncode or 0
+
+    def terminate(self) -> None:
+        """A thread takes no signal: it ends at its own deadline."""
+
+    kill = terminate
 
 
 # Generate fields (beside rid, dp_rank, prompt_ids) that no rank can run -> the field at fault;

@@ -7,9 +7,8 @@ launch and computes in float32 like the torch code it replaces (why: ``docs/ARCH
 ``spec_decode.verify``), ``lag_append`` (the depth-0 lag ring, ``workers.worker.draft_lag``),
 ``uniforms`` (the counter-based uniforms of sampled rows, bit-identical to the torch code) and
 ``padded_attention`` (causal attention of a padded batch over its paged KV, online softmax,
-grouped-query heads; per (slot, head) at width 1 (a draft step), tiled with ``tl.dot`` at widths
->= ``TILED_WIDTH`` — a verify window, draft-extend, a prefill —, each block of K/V loaded once for
-every slot of the row and every query head of its KV head; float64 keeps the per-slot kernel).
+grouped-query heads; per (slot, head) at the round's widths, tiled with ``tl.dot`` at prefill
+widths >= ``TILED_WIDTH``; float64 keeps the per-slot kernel).
 
 ``enabled(x)`` says whether the model code uses them for tensor ``x``: on CUDA tensors when triton
 imports, unless ``ADAPTIVE_DIST_FUSED=0``. The kernels run wherever triton runs, on a CPU under
@@ -46,8 +45,7 @@ def _pow2(n: int) -> int:
 
 
 TILE_ELEMENTS = 2048  # elements per program of the token-tiled kernels (rope, store_kv)
-TILED_WIDTH = 2       # padded attention at this width and above runs tiled (one program per
-                      # row tile and KV head: a row's K/V read once, not once per slot and head)
+TILED_WIDTH = 32      # padded attention at this width and above (prefill) runs tiled
 TILE_QUERIES = 64     # query vectors (token slots x heads of one KV head) per tiled program
 TILED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float64: the per-slot kernel
 

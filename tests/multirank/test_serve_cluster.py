@@ -284,6 +284,7 @@ def test_a_replica_refuses_what_it_cannot_run_on_every_rank_in_the_same_round(la
     check_outcomes(outcomes, reference)
     for r in results:
         assert r.value["exit"] == ("the frontend asked to stop (the test is done)", False)
+        assert r.value["code"] == 0
     refusals = [r.value["refusals"] for r in results]
     if layout == "dp_2":                                 # only replica 1's rank saw them
         assert refusals[0] == [] and len(refusals[1]) == len(BAD_GENERATES) + 1

@@ -63,12 +63,11 @@ def test_rope_and_silu_mul(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 def test_padded_attention_matches_static_backend(dtype: torch.dtype, heads: tuple) -> None:
-    """Width 1 (a draft step: the per-slot kernel): rows of different cache lengths, a dummy
-    row, grouped-query heads, a stored head dim wider than the model's: the kernel's outputs
-    equal the static backend's (which also wrote K/V)."""
+    """Rows of different cache lengths, a dummy row, grouped-query heads, a stored head dim wider
+    than the model's: the kernel's outputs equal the static backend's (which also wrote K/V)."""
     torch.manual_seed(2)
     hq, hkv = heads
-    page_size, dim, width = 4, 8, 1
+    page_size, dim, width = 4, 8, 3
     pool = KVPool(1, 16, page_size, hkv, dim + 8, dtype=dtype, device=DEV)  # stored channels beyond D
     for t in (pool.k[0], pool.v[0]):
         t.normal_()
@@ -78,7 +77,7 @@ def test_padded_attention_matches_static_backend(dtype: torch.dtype, heads: tupl
     page_tab[1, :2] = torch.tensor([2, 5])
     page_tab = page_tab.to(DEV)
     cached = torch.tensor([11, 2, 0], device=DEV)
-    qo_len = torch.tensor([1, 1, 0], device=DEV)  # row 2 is a dummy row
+    qo_len = torch.tensor([3, 2, 0], device=DEV)  # row 2 is a dummy row
     meta = PaddedBatch(page_tab, cached, qo_len, width)
     q = torch.randn(3 * width, hq, dim, device=DEV).to(dtype)
     k = torch.randn(3 * width, hkv, dim, device=DEV).to(dtype)
@@ -91,26 +90,18 @@ def test_padded_attention_matches_static_backend(dtype: torch.dtype, heads: tupl
     assert torch.isfinite(out).all()
 
 
-BF16 = [(torch.bfloat16, (8, 2), 72)] if torch.cuda.is_available() else []
-"""bfloat16 products need a GPU (the interpreter's dot has no bfloat16)."""
-
-
-@pytest.mark.parametrize("dtype,heads,width", [(d, h, w) for d in (torch.float32, torch.float16)
-                                               for h in ((4, 4), (8, 2), (6, 2))
-                                               for w in (72, 8)]
-                         + [(torch.float32, (8, 2), 2)] + BF16
-                         + [(torch.float64, (4, 4), 72)])   # per-slot kernel: slow interpreted
-def test_tiled_padded_attention_matches_static_backend(dtype: torch.dtype, heads: tuple,
-                                                       width: int) -> None:
-    """Widths >= TILED_WIDTH: the tiled kernel (a prefill's several programs per row; a verify
-    window's one; grouped query heads, 3 per KV head too; float64 takes the per-slot kernel)
-    against the static backend's eager attention, with rows that start at different cache
-    lengths, a short row and a dummy row."""
+@pytest.mark.parametrize("dtype,heads", [(d, h) for d in (torch.float32, torch.float16)
+                                         for h in ((4, 4), (8, 2), (6, 2))]
+                         + [(torch.float64, (4, 4))])   # per-slot kernel: slow interpreted
+def test_tiled_padded_attention_matches_static_backend(dtype: torch.dtype, heads: tuple) -> None:
+    """Prefill widths (>= TILED_WIDTH): the tiled kernel (several programs per row, grouped
+    query heads, 3 per KV head too; float64 takes the per-slot kernel) against the static
+    backend's eager attention, with rows that start at different cache lengths, a short row and
+    a dummy row."""
     torch.manual_seed(9)
     hq, hkv = heads
-    page_size, dim = 4, 16
-    if width > 64:   # a prefill's row: more than one tile
-        assert kernels.TILE_QUERIES // (1 << (hq // hkv - 1).bit_length()) < width
+    page_size, dim, width = 4, 16, 2 * kernels.TILED_WIDTH + 8
+    assert kernels.TILE_QUERIES // (1 << (hq // hkv - 1).bit_length()) < width  # > 1 tile a row
     pool = KVPool(1, 64, page_size, hkv, dim, dtype=dtype, device=DEV)
     for t in (pool.k[0], pool.v[0]):
         t.normal_()
@@ -120,7 +111,7 @@ def test_tiled_padded_attention_matches_static_backend(dtype: torch.dtype, heads
     page_tab[1, :11] = torch.arange(30, 41)
     page_tab = page_tab.to(DEV)
     cached = torch.tensor([7, 0, 0], device=DEV)
-    qo_len = torch.tensor([width, min(13, width - 1), 0], device=DEV)  # full, short, dummy
+    qo_len = torch.tensor([width, 13, 0], device=DEV)  # a full row, a short one, a dummy row
     meta = PaddedBatch(page_tab, cached, qo_len, width)
     q = torch.randn(3 * width, hq, dim, device=DEV).to(dtype)
     k = torch.randn(3 * width, hkv, dim, device=DEV).to(dtype)
@@ -194,16 +185,13 @@ def test_static_attention_fused_store_matches_eager(monkeypatch: pytest.MonkeyPa
     (the dummy page aside: padding rows race into it) and gives the eager path's outputs; so does
     `forward_last` (the kernel at width 1 for each row's last new token)."""
     torch.manual_seed(4)
-    # bfloat16 at width 3 runs the tiled kernel, whose bfloat16 products need a GPU (the
-    # interpreter's dot has none): width 1 there (the store kernel is what this checks)
-    width = 1 if dtype == torch.bfloat16 and DEV == "cpu" else 3
-    page_size, dim, hq, hkv = 4, 8, 4, 2
+    page_size, dim, width, hq, hkv = 4, 8, 3, 4, 2
     page_tab = torch.full((3, 5), DUMMY_PAGE, dtype=torch.int64)
     page_tab[0, :4] = torch.tensor([3, 7, 1, 9])
     page_tab[1, :2] = torch.tensor([2, 5])
     page_tab = page_tab.to(DEV)
     meta = PaddedBatch(page_tab, torch.tensor([11, 2, 90], device=DEV),
-                       torch.tensor([width, min(2, width), 0], device=DEV), width)
+                       torch.tensor([3, 2, 0], device=DEV), width)
     q = torch.randn(3 * width, hq, dim, device=DEV).to(dtype)
     kv = torch.randn(3 * width, 2 * hkv * dim, device=DEV).to(dtype)   # k, v: strided views
     k, v = kv[:, :hkv * dim].view(-1, hkv, dim), kv[:, hkv * dim:].view(-1, hkv, dim)

@@ -21,6 +21,7 @@ def test_one_rank_refuses_what_it_cannot_run_and_keeps_serving() -> None:
     value = result.value
     assert value["driver_error"] is None, value["driver_error"]
     assert value["exit"] == ("the frontend asked to stop (the test is done)", False)
+    assert value["code"] == 0
     check_outcomes(value["outcomes"], offline_greedy([PROMPTS[0]], 8)[0])
     assert len(value["refusals"]) == len(BAD_GENERATES)
 

@@ -169,14 +169,22 @@ class ClusterClient:
         return loads
 
     # ---- control messages ------------------------------------------------------------------------
-    def _broadcast(self, msg: Any) -> None:
-        data = self._signer.seal(protocol.encode(msg))
+    def send(self, kind: type, **fields: Any) -> None:
+        """PUSH one control message (``Generate``, ``Abort``, ``Shutdown``: `fields` without
+        ``seq``) to every rank with the next ``seq``, sealed once: every rank applies the
+        messages in ``seq`` order."""
+        self.seq += 1
+        data = self._signer.seal(protocol.encode(kind(seq=self.seq, **fields)))
         for sock in self._push.values():
             sock.send(data, zmq.NOBLOCK)
 
-    def _next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
+    def track(self, rid: str, index: int, dp_rank: int, prompt_tokens: int, max_tokens: int,
+              sink: asyncio.Queue) -> Tracker:
+        """Follow request `rid` on DP group `dp_rank`: its events (``Tokens``, or a
+        ``Failure`` when a rank refuses it or the cluster stops) arrive in `sink`."""
+        tracker = Tracker(rid, index, dp_rank, prompt_tokens, max_tokens, sink)
+        self.trackers[rid] = tracker
+        return tracker
 
     def submit(self, rid: str, index: int, prompt_ids: list[int], max_tokens: int,
                temperature: float, top_p: float, seed: int, dp_rank: Optional[int],
@@ -185,17 +193,17 @@ class ClusterClient:
         """Route and send one sub-request; its events arrive in `sink`. `sampling`: the
         ``Generate`` sampling fields (top_k, min_tokens, penalties, logprobs, ...)."""
         group = self.router.choose(self.loads(), dp_rank)
-        tracker = Tracker(rid, index, group, len(prompt_ids), max_tokens, sink)
-        self.trackers[rid] = tracker
-        self._broadcast(Generate(self._next_seq(), rid, group, list(prompt_ids), max_tokens,
-                                 temperature, top_p, seed, time.time(), list(stop_token_ids),
-                                 ignore_eos, **sampling))
+        tracker = self.track(rid, index, group, len(prompt_ids), max_tokens, sink)
+        self.send(Generate, rid=rid, dp_rank=group, prompt_ids=list(prompt_ids),
+                  max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                  sent_at=time.time(), stop_token_ids=list(stop_token_ids),
+                  ignore_eos=ignore_eos, **sampling)
         return tracker
 
     def abort(self, rid: str) -> None:
         """Finish `rid` early on its rank (no-op once it finished or the cluster failed)."""
         if self.trackers.pop(rid, None) is not None and self.failure is None:
-            self._broadcast(Abort(self._next_seq(), rid))
+            self.send(Abort, rid=rid)
 
     def fail(self, message: str, orderly: bool = False, status: int = 503) -> None:
         """Stop serving: answer everything in flight, refuse the rest, stop the ranks.
@@ -210,7 +218,7 @@ class ClusterClient:
                                                         f"{message}")))
         self.trackers.clear()
         try:
-            self._broadcast(Shutdown(self._next_seq(), message, error=not orderly))
+            self.send(Shutdown, reason=message, error=not orderly)
         except zmq.ZMQError as err:
             log.warning("could not send Shutdown to the ranks: %s", err)
         if not orderly:

@@ -25,10 +25,11 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 if TYPE_CHECKING:
     from collectives import DistContext, ParallelLayout
+    from workers.server.protocol import FrontendConfig
     from workers.settings import ClusterShape, ServeSettings
 
 log = logging.getLogger("adaptive_dist.serve")
@@ -140,7 +141,26 @@ def spawn_frontend(config: Any, secret: str) -> subprocess.Popen:
                             pass_fds=fds)
 
 
-def stop_frontend(proc: subprocess.Popen, wait_s: float) -> Optional[int]:
+class FrontendProcess(Protocol):
+    """What rank 0 holds of the frontend it started (`spawn_frontend`: a `subprocess.Popen`)."""
+
+    pid: int
+    returncode: Optional[int]
+
+    def poll(self) -> Optional[int]: ...
+
+    def wait(self, timeout: Optional[float] = None) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+FrontendStarter = Callable[["FrontendConfig", str], FrontendProcess]
+"""Starts the frontend from its configuration and the job's secret (`spawn_frontend`)."""
+
+
+def stop_frontend(proc: FrontendProcess, wait_s: float) -> Optional[int]:
     """Wait up to `wait_s` for the frontend to exit by itself, then terminate (then kill) it."""
     for action in (None, proc.terminate, proc.kill):
         if action is not None:
@@ -206,7 +226,7 @@ def cmd_serve(settings: "ServeSettings") -> int:
     from adaptive_dist.failures import EXIT_INTERNAL, describe_failure, say
 
     try:
-        code = _serve(settings)
+        code = serve_rank(settings)
     except BaseException as exc:  # one line and the documented exit code, as every command
         described = describe_failure(exc) if isinstance(exc, Exception) else None
         if described is None:
@@ -223,7 +243,11 @@ def cmd_serve(settings: "ServeSettings") -> int:
     os._exit(code)
 
 
-def _serve(settings: "ServeSettings") -> int:
+def serve_rank(settings: "ServeSettings",
+               start_frontend: FrontendStarter = spawn_frontend) -> int:
+    """`serve` on this rank, start to end: the HTTP port (rank 0), the process group, the job's
+    secret, the inbox and the address exchange, the frontend (rank 0: `start_frontend`), the
+    engine, the loop, and everything closed again. Returns the exit code."""
     import zmq
 
     from collectives import init_distributed
@@ -252,7 +276,7 @@ def _serve(settings: "ServeSettings") -> int:
     stop = StopFlag()
     signals = _Signals(stop)
     signals.install(inbox.wakeup_fd)
-    frontend: Optional[subprocess.Popen] = None
+    frontend: Optional[FrontendProcess] = None
     alarm_r: Optional[int] = None
     outbox = heartbeat = None
     failed = True
@@ -270,7 +294,7 @@ def _serve(settings: "ServeSettings") -> int:
         if role.rank == 0:
             alarm_r, alarm_w = os.pipe()
             port = http.getsockname()[1]      # --port 0: the one the system gave
-            frontend = spawn_frontend(FrontendConfig(
+            frontend = start_frontend(FrontendConfig(
                 host=settings.host, port=port, pull_address=pull, ranks=ranks,
                 dp=role.dp,
                 model_name=settings.served_model_name or Path(launch.model).resolve().name,
@@ -341,7 +365,7 @@ class _StuckWatch(threading.Thread):
     frozen (the frontend declared it dead and, on this host, killed it): leave now, exit 4,
     rather than after the collective's failure diagnosis or its timeout."""
 
-    def __init__(self, frontend: subprocess.Popen, alarm: int, cleanup: Any,
+    def __init__(self, frontend: FrontendProcess, alarm: int, cleanup: Any,
                  grace_s: float = 1.5) -> None:
         super().__init__(name="stuck-watch", daemon=True)
         self.frontend, self.alarm, self.grace_s = frontend, alarm, grace_s
@@ -407,7 +431,7 @@ def job_secret(ctx: Any, role: RankRole) -> tuple[str, Any]:
 
 def _build_loop(ctx: "DistContext", first: "ParallelLayout", settings: "ServeSettings",
                 role: RankRole, inbox: Any, outbox: Any, stop: Any,
-                frontend: Optional[subprocess.Popen], closers: contextlib.ExitStack) -> Any:
+                frontend: Optional[FrontendProcess], closers: contextlib.ExitStack) -> Any:
     """Load the model, build the engine (every rank agrees every setting), announce readiness;
     the loop to run."""
     from workers.launch import start_engine
@@ -442,7 +466,7 @@ def _build_loop(ctx: "DistContext", first: "ParallelLayout", settings: "ServeSet
     return loop
 
 
-def _frontend_check(frontend: Optional[subprocess.Popen]) -> Any:
+def _frontend_check(frontend: Optional[FrontendProcess]) -> Any:
     """Rank 0's liveness check of its frontend (None: nothing to check on other ranks)."""
     def check() -> Optional[str]:
         if frontend is not None and frontend.poll() is not None:

@@ -103,7 +103,8 @@ class RankLoop:
             try:
                 self.adapter.add(msg)
             except Refused as err:    # every rank of the replica alike (EngineAdapter.add)
-                log.info("request %.80r refused: %s", msg.rid, err)
+                log.info("request %.80r refused in round %d: %s", msg.rid, self.adapter.rounds,
+                         err)
                 if self.outbox is not None:
                     self.outbox.send(RequestError(_text(msg.rid), self.dp_rank, err.message,
                                                   err.status, err.param))

@@ -9,10 +9,10 @@ tokens this round (its budget; a chain: every `d_b = S`):
 2. target: one forward of the round's verify tokens packed back to back — `[x_n, d_1 .. d_{d_b}]`
    of each request at positions `n .. n+d_b`, `sum(d_b + 1) <= T`, padded to `T` with dummy
    tokens — so its cost follows the tokens, not `Bp x (S + 1)`. Each token attends over its own
-   request's pages up to its position (the linear layers run the packed tokens; attention
-   scatters them into the [rows, max_steps + 1] grid of the rows' windows, so each request's
-   K/V is read once for all its tokens), so the forward's shape depends on `T` alone and one
-   graph per token rung serves every depth and batch;
+   request's pages up to its position (on a GPU the fused padded attention at width 1 over the
+   T tokens, each a row with its request's page table; the reference path scatters them into
+   the [rows, max_steps + 1] grid of the rows' windows), so the forward's shape depends on `T`
+   alone and one graph per token rung serves every depth and batch;
 3. accept: each request's window `[0 .. S]` gathered from the packed outputs (positions beyond
    `d_b` repeat the last, and are never read: at most `d_b` drafts count), then acceptance on
    the device (greedy: exact match; sampling: rejection sampling) -> `a <= d_b` drafts + bonus;
@@ -53,6 +53,7 @@ from typing import Callable
 
 import torch
 
+from workers import kernels
 from workers.attention import PaddedBatch
 from workers.attention.static_backend import PackedAttention
 from workers.spec_decode import (
@@ -181,14 +182,20 @@ class RoundPhases:
         if buf.drafts.shape[1]:
             drafted = buf.drafts[row, (k - 1).clamp(0, buf.drafts.shape[1] - 1)]
             ids = torch.where(k > 0, drafted, ids)
-        # attention through a [rows, max_steps + 1] grid of the rows' windows: each request's
-        # K/V read once for all of its tokens (and, on a GPU, every query head of a KV head)
-        width = buf.drafts.shape[1] + 1
-        rows = buf.rows
-        count = (rows != slots.dummy).to(torch.int64) * (buf.budget + 1)
-        grid = PaddedBatch(slots.pages_of(rows, reach), slots.cache_len[rows], count, width)
-        index = torch.where(real, row * width + k, torch.full_like(row, rows.shape[0] * width))
-        attn = PackedAttention(grid, index, models.target_kv)
+        if kernels.enabled(pos):
+            # each token a width-1 row of its request's pages: the fused kernel's programs are
+            # the tokens' (a [rows, max_steps + 1] grid would launch every batch slot's, the
+            # dummy ones too: measured 1.2 ms more per 8B round at batch 1)
+            attn = models.padded_attn(models.target_kv, slots.pages_of(slot, reach), pos,
+                                      real.to(torch.int64), 1)
+        else:   # the reference: through a [rows, S+1] grid, each row's KV gathered once
+            width = buf.drafts.shape[1] + 1
+            rows = buf.rows
+            count = (rows != slots.dummy).to(torch.int64) * (buf.budget + 1)
+            grid = PaddedBatch(slots.pages_of(rows, reach), slots.cache_len[rows], count, width)
+            index = torch.where(real, row * width + k,
+                                torch.full_like(row, rows.shape[0] * width))
+            attn = PackedAttention(grid, index, models.target_kv)
         hidden = models.target(ids, pos, attn)
         logits = models.target.compute_logits(hidden)
         buf.packed_hidden[:tokens] = hidden
