@@ -103,8 +103,11 @@ def _load_into(module: nn.Module, weights: WeightFiles) -> None:
 
 
 def _materialize(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
-    module.to_empty(device=device)
+    # NOTE: the dtype first, on the meta device (free), then the memory: materialising in
+    # float32 and converting would allocate a bfloat16 model's weights twice over (an 8B model:
+    # 32 GB, then 16 GB more, the float32 blocks left in the caching allocator) and convert them
     module.to(dtype)  # floating-point tensors only: integer buffers (d2t, t2d) keep theirs
+    module.to_empty(device=device)
 
 
 CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
