@@ -139,6 +139,10 @@ class RoundStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list = field(default_factory=list)
+    # per-request budgets: the estimates against what happened, per tenth of predicted survival:
+    # [sum of predicted s(k), positions that survived, positions drafted] of every drafted
+    # position (``policy.budgets``)
+    calibration: list = field(default_factory=lambda: [[0.0, 0, 0] for _ in range(10)])
 
     def count_drafts(self, accepts: Sequence[int], steps: int,
                      budgets: Optional[Sequence[int]] = None) -> None:
@@ -190,6 +194,7 @@ class RoundCoordinator:
                 raise ValueError("per-request budgets need the engine's verify_ladder")
             self.rule = PerRequestRule(config, self.ladder)
         self._survivals: list[list[float]] = []
+        self._predicted: dict[int, dict[int, list[float]]] = {}   # round -> rid -> s(1..K)
         self.config = config
         self.group = group
         self.guard = guard
@@ -268,6 +273,7 @@ class RoundCoordinator:
                                  f"every request's id)")
             self._survivals = self.rule.survivals(r.requests)
             values = self.rule.curve(self._survivals)
+            self._predicted[self.round] = dict(zip(r.requests, self._survivals))
         now = self._clock() if self._clock is not None else None
         period = -1.0 if now is None or self._last_begin is None else now - self._last_begin
         self._last_begin = now
@@ -378,6 +384,7 @@ class RoundCoordinator:
             of = plan.budget_of()
             budgets = [of[rid] for rid in rids]
             if self.rule is not None:
+                self._calibrate(plan.round, rids, budgets, accepts)
                 self.rule.tracker.observe(rids, budgets, accepts)
                 if shadow_rows is not None:
                     self.rule.tracker.observe_shadow(rids, shadow_rows)
@@ -386,6 +393,26 @@ class RoundCoordinator:
         self.stats.resets += observed.reset
         self.stats.shadow_rounds += observed.shadow
         self._prev_n_req = len(accepts)
+
+    def _calibrate(self, round_: int, rids: Sequence[int], budgets: Sequence[int],
+                   accepts: Sequence[int]) -> None:
+        """Every drafted position of round ``round_`` against its predicted survival (the
+        estimates the round's budgets were filled from; rounds reported before are dropped)."""
+        predicted = self._predicted.pop(round_, None)
+        for old in [r for r in self._predicted if r < round_]:
+            del self._predicted[old]
+        if predicted is None:
+            return
+        bins = self.stats.calibration
+        for rid, d, a in zip(rids, budgets, accepts):
+            surv = predicted.get(rid)
+            if surv is None:
+                continue
+            for k in range(min(d, len(surv))):
+                cell = bins[min(int(surv[k] * 10), 9)]
+                cell[0] += surv[k]
+                cell[1] += int(k < a)
+                cell[2] += 1
 
     def _time_previous(self, cluster: consensus.ClusterRound) -> None:
         """goodput with ``cost_alpha`` > 0: move the offset of the previous round's batch row

@@ -48,6 +48,8 @@ TILE_ELEMENTS = 2048  # elements per program of the token-tiled kernels (rope, s
 TILED_WIDTH = 32      # padded attention at this width and above (prefill) runs tiled
 TILE_QUERIES = 64     # query vectors (token slots x heads of one KV head) per tiled program
 TILED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float64: the per-slot kernel
+GROUPED_DTYPES = (torch.float16, torch.bfloat16)  # width 1 with grouped heads, on a GPU: tiled
+GROUPED_QUERIES = 16  # query vectors per program at width 1 (tl.dot's least rows)
 
 
 def _tile_tokens(per_token: int) -> int:
@@ -447,6 +449,17 @@ def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
             page_tab.stride(0), width, groups, page_tab.shape[1] * page_size, dim, scale,
             PAGE=page_size, BLOCK_W=block_w, GROUPS=group_slots, BLOCK_D=max(16, _pow2(dim)),
             BLOCK_N=64, IEEE=q.dtype == torch.float32, num_warps=4)
+    elif tokens and width == 1 and groups > 1 and q.is_cuda and q.dtype in GROUPED_DTYPES:
+        # one program per token and KV head: each block of K/V loaded once for the query heads
+        # that share it (the per-slot kernel loads it once per query head)
+        group_slots = _pow2(groups)
+        block_w = max(1, GROUPED_QUERIES // group_slots)
+        _kernels().padded_attention_tiled[(tokens, kv_heads)](
+            q, k_flat, v_flat, page_tab, cached, out, q.stride(0), q.stride(1),
+            k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
+            page_tab.stride(0), 1, groups, page_tab.shape[1] * page_size, dim, scale,
+            PAGE=page_size, BLOCK_W=block_w, GROUPS=group_slots, BLOCK_D=max(16, _pow2(dim)),
+            BLOCK_N=64, IEEE=False, num_warps=4)
     elif tokens:
         _kernels().padded_attention[(tokens, heads)](
             q, k_flat, v_flat, page_tab, cached, out, q.stride(0), q.stride(1),

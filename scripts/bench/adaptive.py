@@ -547,7 +547,8 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
     out.update(gc_full_collections=pauses.count, gc_seconds=pauses.seconds)
     out.update(switches=stats.switches, probes=stats.probes, resets=stats.resets,
                timeline=[list(x) for x in stats.steps_timeline],
-               rounds_at_steps={str(k): v for k, v in sorted(stats.rounds_at_steps.items())})
+               rounds_at_steps={str(k): v for k, v in sorted(stats.rounds_at_steps.items())},
+               calibration=[list(c) for c in stats.calibration])
     if engine.planner.round_cost is not None:  # goodput: the table its last decision read
         out.update(timed_rounds=stats.timed_rounds,
                    live_round_cost=engine.planner.round_cost.to_json(),
@@ -694,6 +695,8 @@ def summarise(workload: str, batch: int, policy: str, rep: int, parts: list[dict
             "gc_full_collections": sum(p.get("gc_full_collections", 0) for p in parts),
             "gc_seconds": max(p.get("gc_seconds", 0.0) for p in parts),
             "rounds_at_steps": lead["rounds_at_steps"], "timeline": lead["timeline"],
+            "calibration": [[sum(p["calibration"][i][j] for p in leaders) for j in range(3)]
+                            for i in range(10)] if "calibration" in lead else None,
             "phase_rounds": lead["phase_rounds"]}
 
 

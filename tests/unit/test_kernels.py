@@ -288,3 +288,45 @@ def test_uniforms_kernel_is_bit_identical_to_the_torch_hash() -> None:
         got = kernels.uniforms(seed.to(DEV), counter.to(DEV), salt, n).cpu()
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (salt, n)
     assert kernels.uniforms(seed[:0].to(DEV), counter[:0].to(DEV), 1, 4).shape == (0, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped width-1 path is CUDA's")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(8, 2), (32, 8), (6, 2)])
+def test_grouped_width_one_attention_matches_static_backend(dtype: torch.dtype,
+                                                            heads: tuple) -> None:
+    """Width 1 with grouped query heads on a GPU (a draft step, the packed verify's tokens): one
+    program per token and KV head, against the static backend's eager attention, rows of
+    different lengths (long ones: several K/V blocks), a dummy row."""
+    torch.manual_seed(13)
+    hq, hkv = heads
+    page_size, dim, rows = 16, 128, 5
+    pool = KVPool(1, 64, page_size, hkv, dim, dtype=dtype, device="cuda")
+    for t in (pool.k[0], pool.v[0]):
+        t.normal_()
+    reach = 12
+    page_tab = torch.full((rows, reach), DUMMY_PAGE, dtype=torch.int64)
+    for r in range(rows - 1):
+        page_tab[r] = torch.arange(1 + r * reach, 1 + (r + 1) * reach) % 63 + 1
+    page_tab = page_tab.cuda()
+    cached = torch.tensor([0, 15, 64, 170, 0], device="cuda")
+    qo_len = torch.tensor([1, 1, 1, 1, 0], device="cuda")
+    meta = PaddedBatch(page_tab, cached, qo_len, 1)
+    q = torch.randn(rows, hq, dim, device="cuda").to(dtype)
+    k = torch.randn(rows, hkv, dim, device="cuda").to(dtype)
+    v = torch.randn(rows, hkv, dim, device="cuda").to(dtype)
+    ref_pool = KVPool(1, 64, page_size, hkv, dim, dtype=dtype, device="cuda")
+    ref_pool.k[0].copy_(pool.k[0])
+    ref_pool.v[0].copy_(pool.v[0])
+    import workers.kernels as K
+
+    enabled = K.enabled
+    try:
+        K.enabled = lambda x: False      # the eager reference on the same device
+        ref = StaticAttention(meta, ref_pool).forward(0, q, k, v)
+    finally:
+        K.enabled = enabled
+    StaticAttention(meta, pool)._store(0, k, v)
+    out = kernels.padded_attention(q, pool.k[0], pool.v[0], page_tab, cached, 1, dim ** -0.5)
+    torch.testing.assert_close(out[:rows - 1].float(), ref[:rows - 1].float(), atol=2e-2,
+                               rtol=2e-2)
