@@ -20,18 +20,8 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from adaptive_dist.cli import seconds
-from workers.loading import DEFAULT_MODEL
-from workers.settings import (
-    ATTENTION_BACKENDS,
-    DTYPES,
-    MLP_SCATTERS,
-    ClusterShape,
-    GenerateSettings,
-    LaunchSettings,
-    SamplingFlags,
-    SpecChoice,
-)
+from workers.options import add_flags, from_flags
+from workers.settings import GenerateSettings, LaunchSettings, SamplingFlags
 
 if TYPE_CHECKING:
     from workers.launch import Cluster
@@ -51,161 +41,26 @@ def register(subparsers: Any) -> None:
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags shared by `generate` and `serve`: model, mode, cluster shape, device."""
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--steps", type=int, metavar="K",
-                      help="static speculation with K draft steps (default: 3)")
-    mode.add_argument("--adaptive", action="store_true",
-                      help="adaptive draft depth over candidate tiers, chosen by --policy: ema "
-                           "(the acceptance ladder, default) or goodput (expected tokens per "
-                           "measured round cost; it may turn speculation off)")
-    mode.add_argument("--no-spec", action="store_true", help="plain decoding with the target")
-    p.add_argument("--policy", choices=("ema", "goodput"), default=None,
-                   help="with --adaptive: ema (the acceptance ladder, default) or goodput "
-                        "(expected tokens per unit of measured round cost)")
-    p.add_argument("--config", metavar="FILE", help="JSON file of adaptive settings (--adaptive only)")
-    p.add_argument("--per-request", action="store_true",
-                   help="with --adaptive: per-request budgets — every request drafts what its own "
-                        "acceptance pays for, inside a round shape (draft forwards, verify "
-                        "tokens) agreed every round; implies --policy goodput")
-    p.add_argument("--model-costs", metavar="FILE", default=None,
-                   help="with --adaptive --policy goodput: decide on this cost table file "
-                        "(docs/data/cost_tables/*.json) instead of measuring one at start-up "
-                        "(a CPU run priced as the GPU the table was measured on)")
-    p.add_argument("--round-log", metavar="FILE", default=None,
-                   help="write one JSON line per rank per round (shape, each request's draft "
-                        "and accepted tokens; docs/cli.md); with several ranks each writes "
-                        "FILE with .rank<R> before its suffix")
-    p.add_argument("--model", default=str(DEFAULT_MODEL), metavar="DIR",
-                   help="the target: a Hugging Face directory (config.json, weights, "
-                        "tokenizer.json; Llama, Qwen2, Qwen3, and the MoE families Qwen3-MoE, "
-                        "Mixtral, Qwen2-MoE), or a directory holding target/ and eagle/ "
-                        "(default: the bundled tiny pair)")
-    p.add_argument("--draft-model", default=None, metavar="DRAFT_DIR",
-                   help="the draft head: an EAGLE (our layout or the EAGLE project's) or EAGLE-3 "
-                        "(SGLang's or the speculators library's layout) head directory "
-                        "(default: DIR/eagle when --model DIR holds target/)")
-    p.add_argument("--dp", type=int, default=1,
-                   help="DP-attention replicas (each owns its requests and KV cache; default: 1)")
-    p.add_argument("--attn-tp", type=int, default=None,
-                   help="ranks that split one replica's attention (default: world / dp)")
-    p.add_argument("--tp", type=int, default=None, metavar="N",
-                   help="plain tensor parallelism over N ranks (the same as --dp 1 --attn-tp N)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="default: cuda for --attention-backend flashinfer, else cpu")
-    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="torch",
-                   help="attention of the ragged prefill forwards, those beyond "
-                        "--padded-prefill-tokens (flashinfer needs a CUDA GPU; default: torch)")
-    p.add_argument("--padded-prefill-tokens", type=int, default=4096, metavar="N",
-                   help="a prefill of at most N token slots (requests bucket x longest-prompt "
-                        "bucket) runs padded, as a CUDA graph per shape (0: every prefill ragged; "
-                        "default: 4096)")
-    p.add_argument("--catchup-rounds", type=int, default=32, metavar="N",
-                   help="at depth 0 (a goodput policy's plain rounds) the draft head's cache "
-                        "lags up to N rounds, then one head forward catches it up (default: 32)")
-    p.add_argument("--defer-prefill-width", type=int, default=256, metavar="N",
-                   help="at depth 0 with a draft head, a padded prefill whose longest prompt fits "
-                        "N token slots leaves the head's part to the next catch-up (0: never; "
-                        "default: 256)")
-    p.add_argument("--max-batch-size", type=int, default=16, metavar="B",
-                   help="requests per replica at once (default: 16)")
-    p.add_argument("--eager", action="store_true",
-                   help="no CUDA graphs (on a CUDA device speculative rounds replay graphs "
-                        "per tier and batch bucket by default)")
-    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
-                   help="launch round r+1 before reading round r, so the host's bookkeeping runs "
-                        "while the GPU computes (auto, the default: on with CUDA)")
-    p.add_argument("--mlp-scatter", choices=MLP_SCATTERS, default="reduce_scatter",
-                   help="how MLP outputs return to the DP replicas (the same values; default: "
-                        "reduce_scatter)")
-    p.add_argument("--moe-parallel", choices=("tp", "ep"), default="tp",
-                   help="a MoE target's experts: every rank a slice of every expert's width (tp), "
-                        "or E/world whole experts per rank (ep); the same collectives either way "
-                        "(default: tp)")
-    p.add_argument("--timeout", type=seconds, default=60.0, metavar="S",
-                   help="seconds a collective may take before the job stops with an error; a "
-                        "finite number > 0 (default: 60)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="the weights' and the KV cache's dtype: auto (the default) loads a "
-                        "checkpoint in its own dtype (config.json's torch_dtype) on CUDA and in "
-                        "float32 on the CPU")
-    p.add_argument("--gpu-memory-utilization", type=fraction, default=None, metavar="F",
-                   help="the fraction of the GPU's total memory this engine may use; the KV "
-                        "pool gets what is left after the weights, the activations and the CUDA "
-                        "graphs, at most what --max-batch-size full contexts need (default: "
-                        "that pool); CUDA only")
-    p.add_argument("--kv-cache-memory", type=byte_count, default=None, metavar="BYTES",
-                   help="the KV pool's size per rank, in bytes or with a K, M, G or T suffix "
-                        "(powers of 1024), at most what --max-batch-size full contexts need "
-                        "(default: that pool); not with --gpu-memory-utilization")
+    """Flags shared by `generate` and `serve`: model, mode, cluster shape, device, the engine's
+    own (one per declaration of `workers.settings.LaunchSettings`)."""
+    add_flags(p, LaunchSettings)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of `generate`."""
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="one prompt")
-    src.add_argument("--prompts", metavar="FILE.jsonl",
-                     help='one {"prompt": "...", "dp_rank": k (optional)} per line')
-    add_engine_arguments(p)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling mass, in (0, 1] (default: 1.0)")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
-                   help="tokens to generate per prompt at most, >= 1; a prompt also ends at the "
-                        "model's end-of-sequence token (default: 128)")
-    p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed S+i (default: 0)")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (outputs and statistics) as the last line")
-
-
-def fraction(text: str) -> float:
-    """argparse type of `--gpu-memory-utilization`: a number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be a fraction in (0, 1] of the GPU's "
-                                         f"total memory")
-    return value
-
-
-def byte_count(text: str) -> int:
-    """argparse type of `--kv-cache-memory`: bytes, or a number with K/M/G/T."""
-    from workers.memory import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+    """The flags of `generate` (one per declaration of `workers.settings.GenerateSettings`)."""
+    add_flags(p, GenerateSettings)
 
 
 # ---- settings ---------------------------------------------------------------------------------
 
 def launch_settings(args: argparse.Namespace) -> LaunchSettings:
     """The engine's flags (`add_engine_arguments`), typed: the one place that reads them."""
-    return LaunchSettings(
-        model=args.model, draft_model=args.draft_model,
-        shape=ClusterShape(dp=args.dp, attn_tp=args.attn_tp, tp=args.tp),
-        spec=SpecChoice(steps=args.steps, adaptive=args.adaptive, no_spec=args.no_spec,
-                        policy=args.policy, config=args.config,
-                        per_request=args.per_request, model_costs=args.model_costs),
-        device=args.device, attention_backend=args.attention_backend,
-        padded_prefill_tokens=args.padded_prefill_tokens, catchup_rounds=args.catchup_rounds,
-        defer_prefill_width=args.defer_prefill_width, max_batch_size=args.max_batch_size,
-        eager=args.eager, overlap=args.overlap, mlp_scatter=args.mlp_scatter,
-        moe_parallel=args.moe_parallel, timeout=args.timeout, round_log=args.round_log,
-        dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory=args.kv_cache_memory)
+    return from_flags(LaunchSettings, args)
 
 
 def generate_settings(args: argparse.Namespace) -> GenerateSettings:
     """`generate`'s flags (`add_arguments`), typed."""
-    return GenerateSettings(
-        launch=launch_settings(args), prompt=args.prompt, prompts=args.prompts,
-        sampling=SamplingFlags(temperature=args.temperature, top_p=args.top_p,
-                               max_new_tokens=args.max_new_tokens),
-        seed=args.seed, json=args.json)
+    return from_flags(GenerateSettings, args)
 
 
 # ---- run --------------------------------------------------------------------------------------
@@ -276,7 +131,7 @@ def _sizes(launch: LaunchSettings, sampling: SamplingFlags, model_cfg: Any, prom
                              f"{new} = {n + new} exceeds the "
                              f"model's context of {context} tokens")
     longest = max(len(ids) for ids in encoded) + new
-    return {"max_batch_size": max(1, min(launch.max_batch_size, busiest)),
+    return {"max_batch_size": max(1, min(launch.engine.max_batch_size, busiest)),
             "max_context_len": longest}
 
 

@@ -1,8 +1,16 @@
 """`EngineConfig`: every size and switch of one engine, built once and passed whole.
 
+Each setting is declared once, here (`workers.options.setting`: name, type, default, check, and
+the help of its flag when the command line sets it). `EngineOptions` holds the settings the
+engine commands take as flags (`generate` and `serve` derive their flags from it and carry the
+values as given in `LaunchSettings.engine`); `EngineConfig` adds what start-up derives (the
+speculative settings, the cluster's degrees, the device, the sizes) and checks every value.
+
 The speculative settings (`spec`: policy, depth tiers, graph buckets) are the adaptive layer's
 `AdaptiveConfig`; plain decoding is the static policy at depth 0. Everything a round's shapes
 depend on is derived here, in one place (`max_steps`, KV pages per request, pool size, buckets).
+
+Importing this module imports no torch (the parsers read the declarations).
 """
 from __future__ import annotations
 
@@ -13,26 +21,13 @@ from typing import Any
 from adaptive_dist.config import AdaptiveConfig, load_config
 from adaptive_dist.policy import pick_bucket
 from adaptive_dist.shape import token_ladder
-from workers.kv_cache import pages_for
+from workers.attention import BACKENDS
 from workers.model.config import MOE_PARALLEL
-from workers.settings import ATTENTION_BACKENDS, MLP_SCATTERS
+from workers.model.parallel import SCATTERS
+from workers.options import check_values, setting, values
 
 MAX_STEPS_LIMIT = 32
 """The deepest draft a run may ask for (a verify forward of `steps + 1` tokens per request)."""
-
-MINIMUMS = {"max_batch_size": 1, "max_context_len": 1, "page_size": 1, "dp": 1, "attn_tp": 1,
-            "catchup_rounds": 1, "padded_prefill_tokens": 0, "defer_prefill_width": 0}
-"""The smallest value of every integer size of `EngineConfig` (and of the flags that set them)."""
-
-
-def check_size(key: str, value: Any, flag: str | None = None) -> None:
-    """`ValueError` unless `value` is an integer of at least `MINIMUMS[key]`: named by the flag
-    (`--max-batch-size 0: must be >= 1`) when `flag` is given, else by the setting."""
-    minimum = MINIMUMS[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        if flag is not None:
-            raise ValueError(f"{flag} {value}: must be >= {minimum}")
-        raise ValueError(f"{key}={value!r}: must be an integer >= {minimum}")
 
 
 def check_depth(max_steps: int, where: str | None = None) -> None:
@@ -50,69 +45,95 @@ def no_spec() -> AdaptiveConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Sizes and switches of one engine (identical on every rank; agreed at start-up)."""
+class EngineOptions:
+    """The engine's settings the engine commands take as flags, each declared once (its flag is
+    ``--`` and its name with ``-``). As given: `EngineConfig` checks them, and
+    `LaunchSettings.check` names the flag of a bad one."""
 
-    spec: AdaptiveConfig = field(default_factory=no_spec)
-    """Policy, depth tiers and CUDA-graph buckets (static depth 0: no speculation)."""
-    max_batch_size: int = 16
-    """Requests one rank runs at once."""
-    max_context_len: int = 2048
-    """Prompt + generated tokens of one request."""
-    page_size: int = 16
-    """Tokens per KV page."""
-    num_pages: int | None = None
-    """KV pages per pool (dummy page included); None: room for max_batch_size full contexts."""
-    attention_backend: str = "torch"
+    attention_backend: str = setting(
+        "torch", choices=BACKENDS,
+        help="attention of the ragged prefill forwards, those beyond --padded-prefill-tokens "
+             "(flashinfer needs a CUDA GPU; default: torch)")
     """Attention of the ragged forwards (prefill): torch or flashinfer."""
-    device: str = "cpu"
-    cuda_graphs: bool = False
-    """Capture the speculative round's forwards per (depth, batch bucket) (CUDA only)."""
-    dp: int = 1
-    """DP-attention replicas; world = dp x attn_tp."""
-    attn_tp: int = 1
-    """Ranks that split one replica's attention."""
-    mlp_scatter: str = "reduce_scatter"
-    """How the MLP output goes back to the replicas (see workers.model.parallel)."""
-    moe_parallel: str = "tp"
-    """How a MoE target's experts split over the ranks: tp (width) or ep (whole experts); see
-    workers.model.moe."""
-    padded_prefill_tokens: int = 4096
+    padded_prefill_tokens: int = setting(
+        4096, minimum=0, metavar="N",
+        help="a prefill of at most N token slots (requests bucket x longest-prompt bucket) runs "
+             "padded, as a CUDA graph per shape (0: every prefill ragged; default: 4096)")
     """A prefill of at most this many token slots (requests bucket x longest-prompt bucket) runs
     padded, as a CUDA graph per shape with `cuda_graphs`; larger ones run ragged through
     `attention_backend` (0: every prefill ragged)."""
-    catchup_rounds: int = 32
+    catchup_rounds: int = setting(
+        32, minimum=1, metavar="N",
+        help="at depth 0 (a goodput policy's plain rounds) the draft head's cache lags up to N "
+             "rounds, then one head forward catches it up (default: 32)")
     """With a draft head and a depth-0 tier: depth-0 rounds the head's cache may lag behind the
     target's before one head forward over them catches it up (the lag ring holds that many
     tokens and target features per slot; see `workers.worker.draft_lag`)."""
-    defer_prefill_width: int = 256
+    defer_prefill_width: int = setting(
+        256, minimum=0, metavar="N",
+        help="at depth 0 with a draft head, a padded prefill whose longest prompt fits N token "
+             "slots leaves the head's part to the next catch-up (0: never; default: 256)")
     """With a draft head and a depth-0 tier: a padded prefill run at depth 0 whose width (the
     longest prompt's bucket, a power of two >= 32) is at most this many tokens skips the head; the
     prompt's head inputs (tokens and target features) wait in a per-slot buffer of the widest
     such width and the head runs over them with the next catch-up of the draft cache, one forward
     for every prompt admitted since the last (0: the head always runs in the prefill). The buffer
     holds `max_batch_size + 1` slots x this width of features (`target.feature_size` each)."""
+    max_batch_size: int = setting(
+        16, minimum=1, metavar="B", help="requests per replica at once (default: 16)")
+    """Requests one rank runs at once."""
+    mlp_scatter: str = setting(
+        "reduce_scatter", choices=SCATTERS,
+        help="how MLP outputs return to the DP replicas (the same values; default: "
+             "reduce_scatter)")
+    """How the MLP output goes back to the replicas (see workers.model.parallel)."""
+    moe_parallel: str = setting(
+        "tp", choices=MOE_PARALLEL,
+        help="a MoE target's experts: every rank a slice of every expert's width (tp), or "
+             "E/world whole experts per rank (ep); the same collectives either way "
+             "(default: tp)")
+    """How a MoE target's experts split over the ranks: tp (width) or ep (whole experts); see
+    workers.model.moe."""
+
+
+@dataclass(frozen=True)
+class EngineConfig(EngineOptions):
+    """Sizes and switches of one engine (identical on every rank; agreed at start-up): the
+    `EngineOptions` and what start-up derives."""
+
+    spec: AdaptiveConfig = field(default_factory=no_spec)
+    """Policy, depth tiers and CUDA-graph buckets (static depth 0: no speculation)."""
+    max_context_len: int = setting(2048, minimum=1)
+    """Prompt + generated tokens of one request."""
+    page_size: int = setting(16, minimum=1)
+    """Tokens per KV page."""
+    num_pages: int | None = None
+    """KV pages per pool (dummy page included); None: room for max_batch_size full contexts."""
+    device: str = "cpu"
+    cuda_graphs: bool = False
+    """Capture the speculative round's forwards per (depth, batch bucket) (CUDA only)."""
+    dp: int = setting(1, minimum=1)
+    """DP-attention replicas; world = dp x attn_tp."""
+    attn_tp: int = setting(1, minimum=1)
+    """Ranks that split one replica's attention."""
     overlap: bool = False
     """Launch round r+1 before reading round r's results (the host's work of a round runs while
     the device computes the next one); see `workers.engine`."""
 
     def __post_init__(self) -> None:
-        for key in MINIMUMS:
-            check_size(key, getattr(self, key))
+        check_values(self)
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages}: must be >= 2 (one is the dummy page)")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={self.attention_backend!r}; allowed: "
-                             f"{', '.join(ATTENTION_BACKENDS)}")
-        if self.mlp_scatter not in MLP_SCATTERS:
-            raise ValueError(f"mlp_scatter={self.mlp_scatter!r}; allowed: "
-                             f"{', '.join(MLP_SCATTERS)}")
-        if self.moe_parallel not in MOE_PARALLEL:
-            raise ValueError(f"moe_parallel={self.moe_parallel!r}; allowed: {', '.join(MOE_PARALLEL)}")
         check_depth(self.max_steps)
         if self.max_steps + 2 > self.max_context_len:
             raise ValueError(f"draft depth {self.max_steps} does not fit a context of "
                              f"{self.max_context_len} tokens")
+
+    @classmethod
+    def from_options(cls, options: EngineOptions, **derived: Any) -> "EngineConfig":
+        """The configuration of `options` (as the command line gave them) and what start-up
+        derived (`derived` replaces an option of the same name: generate's batch size)."""
+        return cls(**{**values(options), **derived})
 
     # ---- derived ------------------------------------------------------------------------------
     @property
@@ -136,6 +157,8 @@ class EngineConfig:
 
     @property
     def pages_per_request(self) -> int:
+        from workers.kv_cache import pages_for
+
         return pages_for(self.max_kv_tokens, self.page_size)
 
     @property

@@ -115,9 +115,10 @@ def _prepare(ctx: "DistContext", launch: "LaunchSettings", paths: Optional["Mode
         raise ValueError(f"--model/--draft-model ({paths.describe()}): cannot be read "
                          f"({err.strerror})") from None
     settings = {"--model/--draft-model (contents)": digest, "--device": launch.resolved_device,
-                "--attention-backend": launch.attention_backend, "--eager": launch.eager,
-                "--overlap": launch.overlap,
-                "--mlp-scatter": launch.mlp_scatter, "--moe-parallel": launch.moe_parallel,
+                "--attention-backend": launch.engine.attention_backend,
+                "--eager": launch.eager, "--overlap": launch.overlap,
+                "--mlp-scatter": launch.engine.mlp_scatter,
+                "--moe-parallel": launch.engine.moe_parallel,
                 "--timeout": ctx.timeout_s,
                 "--dp": degrees[0], "--attn-tp": degrees[1],
                 "--steps/--adaptive/--no-spec/--config": spec.to_dict()}
@@ -183,7 +184,8 @@ def _start_engine(ctx: "DistContext", launch: "LaunchSettings", closers: context
     if dp != 1:
         layout = ctx.layout(dp=dp)
     world = layout.group("world")
-    par = ModelParallel.from_layout(layout, launch.mlp_scatter, moe=launch.moe_parallel)
+    par = ModelParallel.from_layout(layout, launch.engine.mlp_scatter,
+                                    moe=launch.engine.moe_parallel)
     on_gpu = settings["--device"] == "cuda"
     device = "cpu" if not on_gpu else (str(ctx.device) if ctx.device.type == "cuda" else "cuda")
     # every rank must take the same path through the memory profile (its forwards are collective)
@@ -228,15 +230,10 @@ def _start_engine(ctx: "DistContext", launch: "LaunchSettings", closers: context
                   f"rank in {str(dtype_used[0]).removeprefix('torch.')} ({dtype_used[1]})",
                   seconds=load_s, file_bytes=files, weight_bytes=weights,
                   dtype=str(dtype_used[0]).removeprefix("torch."))
-    config = EngineConfig(spec=spec, attention_backend=launch.attention_backend, device=device,
-                          cuda_graphs=on_gpu and not launch.eager,
-                          overlap=launch.overlap == "on" or (launch.overlap == "auto" and on_gpu),
-                          dp=dp, attn_tp=attn_tp, mlp_scatter=launch.mlp_scatter,
-                          moe_parallel=launch.moe_parallel,
-                          padded_prefill_tokens=launch.padded_prefill_tokens,
-                          catchup_rounds=launch.catchup_rounds,
-                          defer_prefill_width=launch.defer_prefill_width,
-                          **size_for(target.config, dp))
+    config = EngineConfig.from_options(  # the engine's flags as given, and what start-up derived
+        launch.engine, spec=spec, device=device, cuda_graphs=on_gpu and not launch.eager,
+        overlap=launch.overlap == "on" or (launch.overlap == "auto" and on_gpu),
+        dp=dp, attn_tp=attn_tp, **size_for(target.config, dp))
     config = _size_kv_pool(config, launch, target, head, world, baseline, weights, timeline)
     engine_settings = {f"engine {k}": v for k, v in config.to_dict().items()
                        if k not in ("spec", "device")}  # cuda:0 on rank 0, cuda:1 on rank 1

@@ -20,9 +20,13 @@ if TYPE_CHECKING:
     from workers.model_files import ModelPaths
     from workers.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_MODEL", "Prompt", "read_prompts", "assign_replicas", "encode_prompt",
-           "model_digest", "pair_digest", "model_paths", "load_pair", "load_models",
-           "load_tokenizer_for", "check_tokenizer", "resolve_dtype"]
+__all__ = ["DEFAULT_MODEL", "DTYPES", "Prompt", "read_prompts", "assign_replicas",
+           "encode_prompt", "model_digest", "pair_digest", "model_paths", "load_pair",
+           "load_models", "load_tokenizer_for", "check_tokenizer", "resolve_dtype"]
+
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+"""The weights' (and so the KV cache's) dtype a pair loads in (`resolve_dtype`, `--dtype`)."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,6 @@ def resolve_dtype(flag: str, device: str, paths: "ModelPaths") -> tuple[Any, str
     import torch
 
     from workers.model.loader import checkpoint_dtype
-    from workers.settings import DTYPES
 
     if flag not in DTYPES:
         raise ValueError(f"--dtype {flag}: allowed: {', '.join(DTYPES)}")

@@ -3,24 +3,54 @@ for, parsed once at the CLI (`workers.cli`, `workers.server.cli`) and handed who
 (`workers.launch`, `workers.loading`, `workers.server.launch`), which never sees an argparse
 namespace.
 
-Importing this module imports only the standard library (the parsers use its choices).
+Each setting is declared once, as a field (`workers.options.setting`: name, type, default, the
+help of its flag, its check); the parsers' flags (`workers.options.add_flags`) and the settings
+of a parsed command line (`from_flags`) are derived from the declarations. The engine's own
+settings are declared on the engine's configuration (`workers.config.EngineOptions`, carried in
+`LaunchSettings.engine`); the choices come from where their meaning lives (the policies from
+`adaptive_dist.config`, the dtypes from `workers.loading`, the backends, scatters and MoE modes
+through `EngineOptions`).
+
+Importing this module imports no torch (the parsers are built from it).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
+
+from adaptive_dist.cli import seconds
+from adaptive_dist.config import POLICIES
+from workers.config import EngineOptions
+from workers.loading import DEFAULT_MODEL, DTYPES
+from workers.options import check_flags, nested, setting
 
 if TYPE_CHECKING:
     from adaptive_dist.config import AdaptiveConfig
     from workers.model_files import ModelPaths
     from workers.sampling import SamplingParams
 
-ATTENTION_BACKENDS = ("torch", "flashinfer")
-"""Attention of the ragged forwards (prefill): `--attention-backend`, `EngineConfig.attention_backend`."""
-MLP_SCATTERS = ("reduce_scatter", "all_reduce")
-"""How MLP outputs return to the DP replicas: `--mlp-scatter`, `ModelParallel.scatter`."""
-DTYPES = ("auto", "bfloat16", "float16", "float32")
-"""The weights' (and so the KV cache's) dtype: `--dtype` (`workers.loading.resolve_dtype`)."""
+
+def fraction(text: str) -> float:
+    """argparse type of `--gpu-memory-utilization`: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be a fraction in (0, 1] of the GPU's "
+                                         f"total memory")
+    return value
+
+
+def byte_count(text: str) -> int:
+    """argparse type of `--kv-cache-memory`: bytes, or a number with K/M/G/T."""
+    from workers.memory import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -28,9 +58,13 @@ class ClusterShape:
     """The cluster's degrees as given: `--dp`, `--attn-tp`, `--tp` (`--tp N` is the shorthand of
     `--dp 1 --attn-tp N`: plain tensor parallelism). The MLP's group, `mlp_tp`, is the world."""
 
-    dp: int = 1
-    attn_tp: Optional[int] = None
-    tp: Optional[int] = None
+    dp: int = setting(
+        1, help="DP-attention replicas (each owns its requests and KV cache; default: 1)")
+    attn_tp: Optional[int] = setting(
+        None, help="ranks that split one replica's attention (default: world / dp)")
+    tp: Optional[int] = setting(
+        None, metavar="N",
+        help="plain tensor parallelism over N ranks (the same as --dp 1 --attn-tp N)")
 
     def resolve(self, world: int) -> tuple[int, int]:
         """(dp, attn_tp) for a job of `world` ranks; `ValueError` naming the flags."""
@@ -59,14 +93,32 @@ class SpecChoice:
     """The decoding mode as given: `--steps K`, `--adaptive [--policy P] [--config FILE]` or
     `--no-spec`."""
 
-    steps: Optional[int] = None
-    adaptive: bool = False
-    no_spec: bool = False
-    policy: Optional[str] = None
-    config: Optional[str] = None
-    per_request: bool = False
+    steps: Optional[int] = setting(
+        None, one_of="mode", metavar="K",
+        help="static speculation with K draft steps (default: 3)")
+    adaptive: bool = setting(
+        False, one_of="mode",
+        help="adaptive draft depth over candidate tiers, chosen by --policy: ema (the acceptance "
+             "ladder, default) or goodput (expected tokens per measured round cost; it may turn "
+             "speculation off)")
+    no_spec: bool = setting(False, one_of="mode", help="plain decoding with the target")
+    policy: Optional[str] = setting(
+        None, choices=tuple(p for p in POLICIES if p != "static"),
+        help="with --adaptive: ema (the acceptance ladder, default) or goodput (expected tokens "
+             "per unit of measured round cost)")
+    config: Optional[str] = setting(
+        None, metavar="FILE", help="JSON file of adaptive settings (--adaptive only)")
+    per_request: bool = setting(
+        False,
+        help="with --adaptive: per-request budgets — every request drafts what its own "
+             "acceptance pays for, inside a round shape (draft forwards, verify tokens) agreed "
+             "every round; implies --policy goodput")
     """`--per-request`: per-request budgets (goodput)."""
-    model_costs: Optional[str] = None
+    model_costs: Optional[str] = setting(
+        None, metavar="FILE",
+        help="with --adaptive --policy goodput: decide on this cost table file "
+             "(docs/data/cost_tables/*.json) instead of measuring one at start-up (a CPU run "
+             "priced as the GPU the table was measured on)")
     """`--model-costs FILE`: decide on this cost table instead of measuring one at start-up."""
 
     def build(self) -> "AdaptiveConfig":
@@ -111,58 +163,83 @@ class LaunchSettings:
     share them: `workers.cli.add_engine_arguments`). Plain values as given; `check`,
     `ClusterShape.resolve` and `SpecChoice.build` validate them, on every rank, at start-up."""
 
-    model: Optional[str] = None
-    """`--model`: a model directory, or one holding target/ and eagle/ (None: the bundled pair)."""
-    draft_model: Optional[str] = None
-    shape: ClusterShape = field(default_factory=ClusterShape)
-    spec: SpecChoice = field(default_factory=SpecChoice)
-    device: Optional[str] = None
-    """`--device` as given (None: see `resolved_device`)."""
-    attention_backend: str = "torch"
-    padded_prefill_tokens: int = 4096
-    catchup_rounds: int = 32
-    defer_prefill_width: int = 256
-    max_batch_size: int = 16
-    eager: bool = False
-    overlap: str = "auto"
-    mlp_scatter: str = "reduce_scatter"
-    moe_parallel: str = "tp"
-    timeout: float = 60.0
-    """`--timeout`: seconds a collective may take."""
-    round_log: Optional[str] = None
+    spec: SpecChoice = nested(SpecChoice)
+    round_log: Optional[str] = setting(
+        None, metavar="FILE",
+        help="write one JSON line per rank per round (shape, each request's draft and accepted "
+             "tokens; docs/cli.md); with several ranks each writes FILE with .rank<R> before its "
+             "suffix")
     """`--round-log FILE`: one JSON line per rank per round (`workers.round_log`)."""
-    dtype: str = "auto"
+    model: str = setting(
+        str(DEFAULT_MODEL), metavar="DIR",
+        help="the target: a Hugging Face directory (config.json, weights, tokenizer.json; "
+             "Llama, Qwen2, Qwen3, and the MoE families Qwen3-MoE, Mixtral, Qwen2-MoE), or a "
+             "directory holding target/ and eagle/ (default: the bundled tiny pair)")
+    """`--model`: a model directory, or one holding target/ and eagle/."""
+    draft_model: Optional[str] = setting(
+        None, metavar="DRAFT_DIR",
+        help="the draft head: an EAGLE (our layout or the EAGLE project's) or EAGLE-3 (SGLang's "
+             "or the speculators library's layout) head directory (default: DIR/eagle when "
+             "--model DIR holds target/)")
+    shape: ClusterShape = nested(ClusterShape)
+    device: Optional[str] = setting(
+        None, choices=("cpu", "cuda"),
+        help="default: cuda for --attention-backend flashinfer, else cpu")
+    """`--device` as given (None: see `resolved_device`)."""
+    engine: EngineOptions = nested(EngineOptions)
+    """The engine's own settings (`workers.config.EngineOptions`: a flag each)."""
+    eager: bool = setting(
+        False,
+        help="no CUDA graphs (on a CUDA device speculative rounds replay graphs per tier and "
+             "batch bucket by default)")
+    overlap: str = setting(
+        "auto", choices=("auto", "on", "off"),
+        help="launch round r+1 before reading round r, so the host's bookkeeping runs while the "
+             "GPU computes (auto, the default: on with CUDA)")
+    timeout: float = setting(
+        60.0, parse=seconds, metavar="S",
+        help="seconds a collective may take before the job stops with an error; a finite "
+             "number > 0 (default: 60)")
+    """`--timeout`: seconds a collective may take."""
+    dtype: str = setting(
+        "auto", choices=DTYPES,
+        help="the weights' and the KV cache's dtype: auto (the default) loads a checkpoint in "
+             "its own dtype (config.json's torch_dtype) on CUDA and in float32 on the CPU")
     """`--dtype`: auto (the checkpoint's torch_dtype on CUDA, float32 on the CPU), bfloat16,
     float16 or float32 (`workers.loading.resolve_dtype`)."""
-    gpu_memory_utilization: Optional[float] = None
+    gpu_memory_utilization: Optional[float] = setting(
+        None, parse=fraction, metavar="F",
+        help="the fraction of the GPU's total memory this engine may use; the KV pool gets what "
+             "is left after the weights, the activations and the CUDA graphs, at most what "
+             "--max-batch-size full contexts need (default: that pool); CUDA only")
     """`--gpu-memory-utilization F`: the fraction of the GPU's memory this engine may use; the
     KV pool gets what is left (`workers.memory`). CUDA only."""
-    kv_cache_memory: Optional[int] = None
+    kv_cache_memory: Optional[int] = setting(
+        None, parse=byte_count, metavar="BYTES",
+        help="the KV pool's size per rank, in bytes or with a K, M, G or T suffix (powers of "
+             "1024), at most what --max-batch-size full contexts need (default: that pool); not "
+             "with --gpu-memory-utilization")
     """`--kv-cache-memory BYTES`: the KV pool's bytes per rank (`workers.memory`)."""
 
     @property
     def resolved_device(self) -> str:
         """`--device`, else cuda for `--attention-backend flashinfer`, else cpu."""
-        return self.device or ("cuda" if self.attention_backend == "flashinfer" else "cpu")
+        return self.device or ("cuda" if self.engine.attention_backend == "flashinfer"
+                               else "cpu")
 
     def check(self) -> None:
-        """`ValueError` naming the flag for a device this machine lacks or a size out of range
-        (the engine's own checks, `workers.config.check_size`, named by the flags)."""
+        """`ValueError` naming the flag for a device this machine lacks, or a value its
+        declaration's check refuses (`workers.options.check_flags`: a size out of range, a
+        choice not allowed)."""
         import torch
-
-        from workers.config import check_size
 
         device = self.resolved_device
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: this torch build or machine has no CUDA device; "
                              "use --device cpu")
-        if self.attention_backend == "flashinfer" and device != "cuda":
+        if self.engine.attention_backend == "flashinfer" and device != "cuda":
             raise ValueError("--attention-backend flashinfer needs --device cuda")
-        for key in ("max_batch_size", "padded_prefill_tokens", "catchup_rounds",
-                    "defer_prefill_width"):
-            check_size(key, getattr(self, key), "--" + key.replace("_", "-"))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype {self.dtype}: allowed: {', '.join(DTYPES)}")
+        check_flags(self)
         if self.gpu_memory_utilization is not None:
             from workers.memory import check_utilization
 
@@ -193,9 +270,12 @@ class LaunchSettings:
 class SamplingFlags:
     """`generate`'s sampling flags as given (`params` validates them)."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_new_tokens: int = 128
+    temperature: float = setting(0.0, help="0 = greedy (default)")
+    top_p: float = setting(1.0, help="nucleus sampling mass, in (0, 1] (default: 1.0)")
+    max_new_tokens: int = setting(
+        128, metavar="N",
+        help="tokens to generate per prompt at most, >= 1; a prompt also ends at the model's "
+             "end-of-sequence token (default: 128)")
 
     def params(self, stop_token_ids: tuple[int, ...] = ()) -> "SamplingParams":
         """The `SamplingParams` of every prompt; `ValueError` naming the flag."""
@@ -219,14 +299,17 @@ class SamplingFlags:
 class GenerateSettings:
     """The `generate` command: the engine's settings, the prompts, sampling and output."""
 
-    launch: LaunchSettings
-    prompt: Optional[str] = None
+    prompt: Optional[str] = setting(None, one_of="prompts", required=True, help="one prompt")
     """`--prompt` (one of `prompt`, `prompts`)."""
-    prompts: Optional[str] = None
+    prompts: Optional[str] = setting(
+        None, one_of="prompts", required=True, metavar="FILE.jsonl",
+        help='one {"prompt": "...", "dp_rank": k (optional)} per line')
     """`--prompts FILE.jsonl`."""
-    sampling: SamplingFlags = field(default_factory=SamplingFlags)
-    seed: int = 0
-    json: bool = False
+    launch: LaunchSettings = nested(LaunchSettings)
+    sampling: SamplingFlags = nested(SamplingFlags)
+    seed: int = setting(0, help="prompt i samples with seed S+i (default: 0)")
+    json: bool = setting(
+        False, help="print one JSON object (outputs and statistics) as the last line")
 
 
 @dataclass(frozen=True)

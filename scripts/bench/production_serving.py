@@ -144,8 +144,8 @@ def _measure_main(out: Path, context: int, repeats: int, flags: list[str]) -> in
     def job(ctx: Any, _: Any, closers: Any) -> Optional[str]:
         start = time.perf_counter()
         cluster = start_engine(ctx, launch, closers, extra={},
-                               size_for=lambda cfg, dp: serving_sizes(cfg, launch.max_batch_size,
-                                                                      settings.max_model_len))
+                               size_for=lambda cfg, dp: serving_sizes(
+                                   cfg, launch.engine.max_batch_size, settings.max_model_len))
         built = time.perf_counter() - start
         engine = cluster.engine
         table = engine.measure_round_costs(repeats=repeats, context=context)

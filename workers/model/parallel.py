@@ -22,12 +22,19 @@ all-reduce over the world); with one rank every collective is a no-op. Layers re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from collectives import Group, ParallelLayout, ops
+import collectives  # its names load on first use: this module imports no torch until a call
 from workers.model.config import MOE_PARALLEL
-from workers.settings import MLP_SCATTERS as SCATTERS
+
+if TYPE_CHECKING:
+    import torch
+
+    from collectives import Group, ParallelLayout
+
+SCATTERS = ("reduce_scatter", "all_reduce")
+"""How `scatter_sum` returns MLP outputs to the DP replicas (`ModelParallel.scatter`,
+`--mlp-scatter`): the same values through different collectives."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,7 +59,7 @@ class ModelParallel:
     @staticmethod
     def single(device: torch.device | str = "cpu", moe: str = "tp") -> "ModelParallel":
         """One process: every group of size 1, every collective a no-op."""
-        g = Group.single(device)
+        g = collectives.Group.single(device)
         return ModelParallel(attn=g, mlp=g, dp=g, moe=moe)
 
     @staticmethod
@@ -70,19 +77,19 @@ class ModelParallel:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every replica's rows of ``x``, concatenated in replica order (no-op at dp = 1)."""
-        return ops.all_gather(x, self.dp)
+        return collectives.ops.all_gather(x, self.dp)
 
     def scatter_sum(self, y: torch.Tensor) -> torch.Tensor:
         """This replica's rows of ``y`` summed over every rank of the world."""
         if self.dp.size == 1:
-            return ops.all_reduce(y, self.mlp)
+            return collectives.ops.all_reduce(y, self.mlp)
         if self.scatter == "all_reduce":
-            return ops.all_reduce(y, self.mlp).chunk(self.dp.size)[self.replica]
-        return ops.all_reduce(ops.reduce_scatter(y, self.dp), self.attn)
+            return collectives.ops.all_reduce(y, self.mlp).chunk(self.dp.size)[self.replica]
+        return collectives.ops.all_reduce(collectives.ops.reduce_scatter(y, self.dp), self.attn)
 
     def gather_columns(self, y: torch.Tensor) -> torch.Tensor:
         """[R, C] column shards of every rank of the world -> [R, world·C] (rank order)."""
-        return ops.all_gather(y, self.mlp, dim=1)
+        return collectives.ops.all_gather(y, self.mlp, dim=1)
 
     def own_rows(self, y: torch.Tensor) -> torch.Tensor:
         """This replica's rows of a tensor laid out as ``gather`` returns it."""

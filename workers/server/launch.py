@@ -298,7 +298,7 @@ def serve_rank(settings: "ServeSettings",
                 host=settings.host, port=port, pull_address=pull, ranks=ranks,
                 dp=role.dp,
                 model_name=settings.served_model_name or Path(launch.model).resolve().name,
-                max_batch_size=launch.max_batch_size, max_queue=settings.max_queue,
+                max_batch_size=launch.engine.max_batch_size, max_queue=settings.max_queue,
                 routing=settings.routing, parent_pid=os.getpid(),
                 dead_after_s=min(launch.timeout, 10.0),
                 chat_template=settings.chat_template, http_fd=http.fileno(),
@@ -442,8 +442,8 @@ def _build_loop(ctx: "DistContext", first: "ParallelLayout", settings: "ServeSet
     launch = settings.launch
     cluster = start_engine(
         ctx, launch, closers, extra={"--max-model-len": settings.max_model_len,
-                                     "--max-batch-size": launch.max_batch_size},
-        size_for=lambda cfg, dp: serving_sizes(cfg, launch.max_batch_size,
+                                     "--max-batch-size": launch.engine.max_batch_size},
+        size_for=lambda cfg, dp: serving_sizes(cfg, launch.engine.max_batch_size,
                                                settings.max_model_len),
         first_layout=first)
     mcfg, engine, tok = cluster.target.config, cluster.engine, cluster.tokenizer
@@ -461,7 +461,7 @@ def _build_loop(ctx: "DistContext", first: "ParallelLayout", settings: "ServeSet
     if role.is_leader:
         loop.announce()
     log.info("serving: %s, DP replica %d of %d (attention over %d ranks), batch %d, context %d",
-             mode, role.dp_rank, role.dp, role.attn_tp, launch.max_batch_size,
+             mode, role.dp_rank, role.dp, role.attn_tp, launch.engine.max_batch_size,
              cluster.config.max_context_len)
     return loop
 
