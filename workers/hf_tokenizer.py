@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from workers.model_files import bos_token_id, eos_token_ids, read_json
-from workers.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from workers.model_files import (TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, bos_token_id,
+                                  eos_token_ids, read_json)
 
 
 def _token_text(value: Any) -> Optional[str]:

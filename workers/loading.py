@@ -180,7 +180,7 @@ def check_tokenizer(tok: "Tokenizer", paths: "ModelPaths", vocab_size: int) -> N
     """`ValueError` naming the file when the target's tokenizer `tok` produces ids the model
     (`vocab_size`) does not have."""
     from workers.model_files import CONFIG_FILE
-    from workers.tokenizer import TOKENIZER_FILE
+    from workers.model_files import TOKENIZER_FILE
 
     where = paths.target / (TOKENIZER_FILE if (paths.target / TOKENIZER_FILE).is_file()
                             else CONFIG_FILE)

@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 BUNDLED = Path(__file__).resolve().parent / "assets" / "tiny_pair"
 
 

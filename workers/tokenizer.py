@@ -30,13 +30,13 @@ import re
 from pathlib import Path
 from typing import Optional, Protocol, Sequence
 
+from workers.model_files import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+
 BOS_ID = 256
 EOS_ID = 257
 PAD_ID = 258
 NUM_BYTES = 256
 VOCAB_SIZE = 264
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 BYTE_MARKER = ("adaptive_dist_tokenizer", "bytes")
 """The `tokenizer_config.json` entry that keeps the byte tokenizer for a directory whose
 `tokenizer.json` is the byte vocabulary (the bundled pair's, written for clients)."""

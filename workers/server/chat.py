@@ -26,8 +26,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from workers.model_files import TOKENIZER_CONFIG_FILE
+
 TEMPLATE_FILE = "chat_template.jinja"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
