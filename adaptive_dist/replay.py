@@ -22,7 +22,7 @@ from collectives import CollectiveTimeoutError, DistContext, DivergenceError, Gr
 from adaptive_dist import __version__, consensus
 from adaptive_dist.config import AdaptiveConfig, ConfigError
 from adaptive_dist.coordinator import RoundCoordinator, RoundOutcome, RoundReport
-from adaptive_dist.policy import DepthPolicy, depth_policy
+from adaptive_dist.policy import DepthPolicy, Shadow, depth_policy
 from adaptive_dist.outputs import OutputError, check_output_dir, check_output_file, write_lines
 from adaptive_dist.startup import agree_settings, all_ranks_or_none, exchange
 from adaptive_dist.shape import token_ladder
@@ -70,7 +70,7 @@ def shadow_checks(full: list[int], steps: int) -> Optional[tuple[int, int, int]]
     or for an idle round. Only a policy that measures nothing at depth 0 (goodput) reads them."""
     if steps != 0 or not full:
         return None
-    return sum(1 for a in full if a >= 1), len(full), len(full)
+    return Shadow(sum(1 for a in full if a >= 1), len(full), len(full))
 
 
 def replay(trace: list[TraceRound], config: AdaptiveConfig, group: Group,

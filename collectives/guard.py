@@ -377,11 +377,6 @@ class LockstepGuard:
             time.sleep(0.02)
         return mine
 
-    @property
-    def published(self) -> bool:
-        """This rank posted its log after a failure."""
-        return self._published
-
     def publish_log(self, store: Optional[dist.Store] = None) -> None:
         """Post this rank's recent collective log to the store (once), so peers stuck in another
         collective can still name the divergence after this rank has raised and left."""

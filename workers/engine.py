@@ -37,6 +37,7 @@ import torch
 
 from adaptive_dist.failures import say
 from adaptive_dist.coordinator import Executed, RoundCoordinator, RoundPlan, RoundReport, RoundStats
+from adaptive_dist.policy import Shadow
 from adaptive_dist.shape import RoundShape
 from adaptive_dist.startup import (agree_round_cost, agree_verify_cost, derived_settings,
                                    probe_after_catchup)
@@ -316,8 +317,8 @@ class Engine:
             accepts = result.accept.tolist()
             if result.shadow is not None and len(reqs):
                 checks = result.shadow[:, 1]
-                shadow = (int(result.shadow[:, 0].sum()), int(checks.sum()),
-                          int((checks > 0).sum()))
+                shadow = Shadow(int(result.shadow[:, 0].sum()), int(checks.sum()),
+                                int((checks > 0).sum()))
                 shadow_rows = [tuple(x) for x in result.shadow.tolist()]
             if self.round_log is not None:
                 self.round_log.decode(plan, launched.executed, rids, budgets, accepts)

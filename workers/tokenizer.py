@@ -85,11 +85,6 @@ def encode_with_specials(text: str) -> list[int]:
     return ids + encode(text[start:])
 
 
-def is_special(token_id: int) -> bool:
-    """Whether ``token_id`` is not a byte."""
-    return token_id >= NUM_BYTES
-
-
 class Tokenizer(Protocol):
     """What the commands need from a tokenizer."""
 

@@ -47,6 +47,15 @@ class RankEstimate:
     weight: int = 0
 
 
+class Shadow(NamedTuple):
+    """A depth-0 round's shadow checks on one rank (the draft head's greedy guesses checked
+    against committed tokens by the catch-up): guesses right, guesses, rows that had any."""
+
+    hits: int
+    checks: int
+    rows: int
+
+
 class Observed(NamedTuple):
     """What a round's report did to the estimate (for the statistics)."""
 

@@ -7,16 +7,26 @@ import math
 import pytest
 
 from adaptive_dist.config import AdaptiveConfig
-from adaptive_dist.policy import (
-    PolicyState,
-    decide,
-    depth_policy,
-    ema_update,
-    is_decision_point,
-    ladder_walk,
-    pick_bucket,
-    reduce_emas,
-)
+from adaptive_dist.policy import PolicyState, depth_policy
+from adaptive_dist.policy.reducers import reduce_emas
+from adaptive_dist.policy.rules import ema_update, is_decision_point, ladder_walk, pick_bucket
+
+
+def decide(cfg, *args, **kw):
+    """One round's decision under ``cfg``'s policy (the policy object applied once)."""
+    return depth_policy(cfg).decide(*args, **kw)
+
+
+def initial_ema(cfg):
+    return depth_policy(cfg).initial_ema()
+
+
+def measures_acceptance(cfg, steps):
+    return depth_policy(cfg).measures_acceptance(steps)
+
+
+def round_update(cfg, *args):
+    return depth_policy(cfg).round_update(*args)
 
 C137 = (1, 3, 7)
 C12358 = (1, 2, 3, 5, 8)
@@ -353,25 +363,23 @@ class TestPickBucket:
 # ====================================================================================== goodput
 # docs/policy.md, "goodput". Costs are dyadic where possible so expected values are exact.
 from adaptive_dist.config import RoundCost  # noqa: E402
-from adaptive_dist.policy import (  # noqa: E402
+from adaptive_dist.policy.goodput import (  # noqa: E402
     GoodputState,
-    acceptance_rate,
-    cluster_rate,
     cost_row,
-    decision_points_upto,
-    ema_fail_update,
     expected_accepted,
     goodput_pick,
     goodput_score,
     goodput_scores,
-    initial_ema,
-    measures_acceptance,
-    live_rates,
     mixture_expected,
     probe_due,
-    round_update,
     shadow_update,
     surprise,
+)
+from adaptive_dist.policy.reducers import cluster_rate, live_rates  # noqa: E402
+from adaptive_dist.policy.rules import (  # noqa: E402
+    acceptance_rate,
+    decision_points_upto,
+    ema_fail_update,
 )
 
 FLAT = {"1": 1.25, "3": 1.5, "7": 2.0}
