@@ -24,6 +24,7 @@ draft that does not fit its target.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -102,12 +103,45 @@ def _load_into(module: nn.Module, weights: WeightFiles) -> None:
             param.copy_(weights.read(stored(name), tuple(shape), shard))
 
 
-def _materialize(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
-    # NOTE: the dtype first, on the meta device (free), then the memory: materialising in
-    # float32 and converting would allocate a bfloat16 model's weights twice over (an 8B model:
-    # 32 GB, then 16 GB more, the float32 blocks left in the caching allocator) and convert them
-    module.to(dtype)  # floating-point tensors only: integer buffers (d2t, t2d) keep theirs
-    module.to_empty(device=device)
+_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_",
+                   "xavier_uniform_", "xavier_normal_", "trunc_normal_", "zeros_", "ones_",
+                   "constant_")
+
+
+@contextlib.contextmanager
+def _building(device: torch.device | str, dtype: torch.dtype) -> Iterator[None]:
+    """Modules built in the block get their tensors on ``device`` in ``dtype`` (floating-point
+    factories without a dtype), uninitialised: ``torch.nn.init``'s initialisers are skipped,
+    the weights are loaded next. Not on the meta device and converted after: meta tensors run
+    torch's Python reference kernels, whose first call imports ``torch._dynamo`` (3.5-7 s of a
+    start-up on the 2-core CPU), and a float32 model converted to bfloat16 is allocated twice
+    (an 8B model: 32 GB, then 16 GB more, the float32 blocks left in the caching allocator)."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    previous = torch.get_default_dtype()
+    for name in _INIT_FUNCTIONS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _materialize(module: nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point buffers a module made with a dtype of its own follow ``dtype`` (as
+    ``module.to(dtype)`` casts them; integer buffers, d2t and t2d, keep theirs), without a
+    cast of the parameters, which are in ``dtype`` already (a cast re-fuses the fused weights:
+    ``workers.model.layers.FusedOwner``)."""
+    if any(p.is_floating_point() and p.dtype != dtype for p in module.parameters()):
+        module.to(dtype)
+        return
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                sub._buffers[name] = buf.to(dtype)
 
 
 CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -164,9 +198,9 @@ def load_llama(path: str | Path, par: ModelParallel | None = None,
         cfg.check_tp(par.attn.size, par.mlp.size, moe_parallel=par.moe)
     except ValueError as err:
         raise _in_file(root, err) from None
-    with torch.device("meta"):
+    with _building(device, dtype):
         model = LlamaForCausalLM(cfg, par)
-    _materialize(model, device, dtype)
+    _materialize(model, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     _load_into(model, weights)
@@ -211,9 +245,9 @@ def load_eagle(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype | 
     cfg = draft_config(root, target, weights)
     ref = target.lm_head.weight
     kind = Eagle3Head if isinstance(cfg, Eagle3Config) else EagleHead
-    with torch.device("meta"):
+    with _building(device or ref.device, dtype or ref.dtype):
         head = kind(cfg, target)
-    _materialize(head, device or ref.device, dtype or ref.dtype)
+    _materialize(head, dtype or ref.dtype)
     _load_into(head, weights)
     if isinstance(head, Eagle3Head):
         _load_vocab_map(head, weights)
