@@ -105,6 +105,8 @@ def start_server(args: list[str], nproc: int = 1) -> ServerProcess:
 
     device = os.environ.get("ADAPTIVE_DIST_TEST_DEVICE")
     extra = ["--device", device] if device and "--device" not in args else []
+    if extra and "--dtype" not in args:   # the CPU reference runs float32 (--dtype auto: bf16)
+        extra += ["--dtype", "float32"]
     return ServerProcess(args + extra, free_port(), nproc=nproc).wait_ready()
 
 
