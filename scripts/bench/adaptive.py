@@ -471,11 +471,12 @@ def modelled_seconds(rounds: dict[tuple, int], table: RoundCost,
     return total
 
 
-def oracle_pricing(engine: Engine, verify: Any) -> collections.Counter:
+def oracle_pricing(engine: Engine, verify: Any, group: Any = None) -> collections.Counter:
     """The per-request oracle's shapes (`ORACLE`): every round the engine ran, as the counter
     (steps, padded batch, verify tokens) -> rounds it returns, filled as rounds are reported:
     draft forwards the smallest candidate >= the largest accept (0 when no request accepted a
-    draft), verify tokens the rung holding sum(accept + 1)."""
+    draft), verify tokens the rung holding sum(accept + 1); over a cluster (`group`, every rank
+    reporting every round) the largest of the ranks', as the ranks would have agreed."""
     from adaptive_dist.shape import token_bucket
 
     shapes: collections.Counter = collections.Counter()
@@ -486,11 +487,17 @@ def oracle_pricing(engine: Engine, verify: Any) -> collections.Counter:
 
     def priced_end_round(accepts: Any, plan: Any = None, **kw: Any) -> None:
         end_round(accepts, plan=plan, **kw)
-        if plan is None or not plan.cluster_requests or not len(accepts):
-            return
-        top = max(accepts)
+        top = max(accepts, default=0)
         steps = next(d for d in depths if d >= top) if top else 0
-        tokens = token_bucket(sum(a + 1 for a in accepts), rungs)
+        tokens = token_bucket(sum(a + 1 for a in accepts), rungs) if len(accepts) else 0
+        if group is not None and group.size > 1:   # every rank reports every round
+            import torch.distributed as dist
+
+            both = torch.tensor([steps, tokens], dtype=torch.int64)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group.control_pg)
+            steps, tokens = (int(x) for x in both)
+        if plan is None or not plan.cluster_requests or not tokens:
+            return
         shapes[(steps, plan.batch_pad, tokens)] += 1
 
     planner.end_round = priced_end_round
@@ -501,7 +508,7 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
                device: str, batch: int | None = None, spread: float = 0.0,
                model: RoundCost | None = None, window: int | None = None,
                lengths_of: list[list[int]] | None = None, verify: Any = None,
-               oracle: bool = False) -> dict[str, Any]:
+               oracle: bool = False, group: Any = None) -> dict[str, Any]:
     """Every phase on this replica; per phase: seconds and tokens; and the policy's trace.
     `batch`: run each phase's prompts arriving continuously, at most `batch` at once (None: the
     phase is one closed batch); `spread`: the requests' budgets vary (`budgets`); `model`: a
@@ -513,7 +520,7 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
     `oracle`: price every round as the per-request oracle (`ORACLE`, `oracle_pricing`)."""
     out: dict[str, Any] = {"phases": [], "phase_rounds": []}
     round0 = engine.planner.round
-    priced = oracle_pricing(engine, verify) if oracle else None
+    priced = oracle_pricing(engine, verify, group) if oracle else None
     pauses = GcPauses()
     active: list[Any] = []
     for prompts in phases:
@@ -624,7 +631,7 @@ def main() -> int:
                              batch if args.waves > 1 or window else None,
                              args.length_spread, args.model_costs, window, lengths_of,
                              verify=args.verify_costs,
-                             oracle=split_policy(policy)[0] == ORACLE)
+                             oracle=split_policy(policy)[0] == ORACLE, group=world)
             parts: list[Any] = [res]
             if world.size > 1:
                 import torch.distributed as dist
