@@ -337,7 +337,7 @@ def profile_engine(config: "EngineConfig", target: torch.nn.Module,
                 if peak > out.activations:
                     out.activations, out.largest = peak, name
         worker.close()
-        del worker, pool, forwards
+        del worker, pool, forwards, runner
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -155,12 +155,21 @@ class Timeline:
                 pass   # a diagnostic file must not stop a start-up
 
 
-def captured(what: str, graphs: int, seconds: float, pool_bytes: int, **data: Any) -> None:
-    """Report a batch of CUDA-graph captures to the open timeline (one line)."""
-    text = (f"{graphs} CUDA graph{'s' if graphs != 1 else ''} in {seconds:.1f} s, graph pool "
-            f"+{fmt_bytes(pool_bytes)}")
-    current().step(what, text, seconds=seconds, graphs=graphs, graph_pool_bytes=pool_bytes,
-                   **data)
+def reserved(device: Any) -> int:
+    """Bytes torch's caching allocator holds on `device` (0 off CUDA): what a step's memory
+    grew by, cheaply (the graph pool's exact size needs a memory snapshot, once, at the end)."""
+    import torch
+
+    dev = torch.device(device)
+    return int(torch.cuda.memory_reserved(dev)) if dev.type == "cuda" else 0
+
+
+def captured(what: str, graphs: int, seconds: float, grew: int, **data: Any) -> None:
+    """Report a batch of CUDA-graph captures to the open timeline (one line): `grew`, what the
+    caching allocator's reserved memory grew by (the graph pool and the warm-ups' blocks)."""
+    text = (f"{graphs} CUDA graph{'s' if graphs != 1 else ''} in {seconds:.1f} s, memory "
+            f"+{fmt_bytes(grew)}")
+    current().step(what, text, seconds=seconds, graphs=graphs, reserved_growth=grew, **data)
 
 
 class _Silent(Timeline):

@@ -137,21 +137,22 @@ class EagleWorker:
         bufs.rows.fill_(self.slots.dummy)
         bufs.budget.zero_()
         reach = self.slots.reach
-        start, count, pool = time.perf_counter(), len(self.table), self.graphs.pool_bytes()
+        start, count = time.perf_counter(), len(self.table)
+        held = startup_log.reserved(self.device)
         for tokens in sorted(self.ladder, reverse=True):
             self.phases.capture_target(self.table, tokens, reach)
         if len(self.table) > count:   # the first state: the verify forward, every depth's
-            now, size = time.perf_counter(), self.graphs.pool_bytes()
+            now, size = time.perf_counter(), startup_log.reserved(self.device)
             startup_log.captured("verify forward", len(self.table) - count, now - start,
-                                 size - pool, rungs=list(self.ladder))
-            start, count, pool = now, len(self.table), size
+                                 size - held, rungs=list(self.ladder))
+            start, count, held = now, len(self.table), size
         for bucket in sorted(self.buckets, reverse=True):
             self.phases.capture(self.table, bufs, bucket, reach)
             self.lag.capture(self.table, bufs, bucket, reach)
         self.slots.set_dummy_length(0)
         startup_log.captured(f"depth {bufs.steps}", len(self.table) - count,
-                             time.perf_counter() - start, self.graphs.pool_bytes() - pool,
-                             buckets=list(self.buckets))
+                             time.perf_counter() - start,
+                             startup_log.reserved(self.device) - held, buckets=list(self.buckets))
 
     # ---- prefill ------------------------------------------------------------------------------
     def capture_prefill(self) -> None:

@@ -96,7 +96,8 @@ class PrefillRunner:
         deferrable = self.lag.deferred_len is not None
         before = graphs.pool_bytes()
         for rows in sorted(buckets, reverse=True):
-            start, count, pool = time.perf_counter(), len(graphs.entries), graphs.pool_bytes()
+            start, count = time.perf_counter(), len(graphs.entries)
+            held = startup_log.reserved(graphs.device)
             width = 32
             while rows * width <= self.cap and width <= max(longest, 32):
                 for greedy in (False, True):
@@ -110,7 +111,8 @@ class PrefillRunner:
                 width *= 2
             if len(graphs.entries) > count:
                 startup_log.captured(f"prefill graphs, {rows} rows", len(graphs.entries) - count,
-                                     time.perf_counter() - start, graphs.pool_bytes() - pool,
+                                     time.perf_counter() - start,
+                                     startup_log.reserved(graphs.device) - held,
                                      rows=rows, widths=sorted({w for r, w, _ in self.graphs
                                                                if r == rows}))
         self.slots.set_dummy_length(0)
