@@ -439,7 +439,7 @@ def build_engine(config: EngineConfig, target: torch.nn.Module, head: torch.nn.M
         # element-wise maximum over the ranks) before the planner, whose hash includes it
         with timeline.timed("cost table") as step:
             measured = measure_round_costs(config, worker, pool)
-            step["text"] = (f"{sum(map(len, measured.values()))} rounds priced (depths "
+            step["text"] = (f"{sum(map(len, measured.values()))} round costs (depths "
                             f"{list(pool.states)} x buckets {list(measured)})")
         spec = agree_round_cost(spec, measured, group)
     if spec.needs_round_cost:

@@ -38,9 +38,9 @@ if TYPE_CHECKING:
 
 GRAPH_BYTES_PER_CAPTURE = 14 << 20
 """Graph pool per captured graph at a hidden size of 4096 in bfloat16 (scaled by hidden size x
-element size): one H200 run at Llama-3.1-8B shape held 4.8 GiB for 346 captures (228 round
-graphs and 118 padded prefill graphs; 2026-12-03, docs/results.md). An estimate: the start-up
-log prints the measured pool beside it."""
+element size): one H200 run at Llama-3.1-8B shape held 4.8 GiB for 342 captures (228 round
+graphs and 114 padded prefill graphs at batch 64, context 1024; 2026-12-03, commit 09a80bc).
+An estimate: the start-up log prints the measured pool beside it."""
 
 RAGGED_PROFILE_TOKENS = 8192
 """The ragged prefill's activations are measured at this many tokens at most and scaled

@@ -249,13 +249,18 @@ def two_servers(args: argparse.Namespace, base: list[str]) -> dict[str, Any]:
                 **summarize(s.events())})
         out["gpu"] = gpu
         out["ok"] = all(a["status"] == 200 and a["text"] is not None for a in answers)
+        if gpu.get("total_mib"):   # each within its share of the GPU (nvidia-smi's count)
+            cap = args.utilization * gpu["total_mib"]
+            out["within_budget"] = [s["gpu_mib"] is not None and s["gpu_mib"] <= cap
+                                    for s in out["servers"]]
     finally:
         for s in servers:
             s.stop()
     say(f"two servers: {'both answered' if out.get('ok') else 'FAILED'}; GPU "
         f"{out.get('gpu', {}).get('used_mib', '-')} of {out.get('gpu', {}).get('total_mib', '-')} "
         f"MiB used while both ran; per server "
-        f"{[s.get('gpu_mib') for s in out['servers']]} MiB")
+        f"{[s.get('gpu_mib') for s in out['servers']]} MiB (within "
+        f"{args.utilization:g} of the GPU: {out.get('within_budget', '-')})")
     return out
 
 
