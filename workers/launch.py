@@ -339,7 +339,7 @@ def _report_memory(engine: "Engine", weights: int, baseline: Any, launch: "Launc
     if launch.gpu_memory_utilization is not None and baseline is not None:
         budget = int(launch.gpu_memory_utilization * baseline.total)
     timeline.step("memory", memory.split_text(split, budget), split=split)
-    if budget is not None and split["process"] > budget:
+    if budget is not None and split.get("process", 0) > budget:
         timeline.say(f"warning: this process holds {fmt_bytes(split['process'])}, "
                      f"{fmt_bytes(split['process'] - budget)} more than "
                      f"--gpu-memory-utilization {launch.gpu_memory_utilization} allows "

@@ -131,6 +131,7 @@ class Profile:
     buffers: int = 0                # the worker's static buffers (every tier's)
     activations: int = 0            # the largest forward's transient peak
     largest: str = ""               # which forward that was
+    forwards: list = field(default_factory=list)   # the forwards it ran, by name
     graphs_estimate: int = 0        # the graph pool, estimated
     non_torch: int = 0              # device memory outside torch's allocator start-up added
     seconds: float = 0.0
@@ -326,6 +327,7 @@ def profile_engine(config: "EngineConfig", target: torch.nn.Module,
         forwards.append((f"round at depth {config.max_steps} x {batch} rows",
                          lambda: worker.spec_round([], batch, None), 1.0))
         for name, run, scale in forwards:
+            out.forwards.append(name)
             sync()
             if device.type == "cuda":
                 before = torch.cuda.memory_allocated(device)

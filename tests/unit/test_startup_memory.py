@@ -218,3 +218,31 @@ def test_the_profile_counts_the_captures_the_engine_makes(mode):
         built.prefill_runner.graphs_without_head)
     prof = memory.profile_engine(engine.config, target, head if mode != "nospec" else None)
     assert prof.captures == real and prof.round_graphs == len(built.table) > 0
+
+
+def test_the_utilization_path_sizes_the_pool_from_the_profile(capsys):
+    """`--gpu-memory-utilization`'s steps end to end on the CPU (the profile's forwards run, a
+    device of 1 GiB stands in for the GPU's numbers)."""
+    from collectives import Group
+    from workers.launch import _size_kv_pool
+
+    target, head = tiny_pair(seed=1, dtype=torch.float32)
+    config = engine_for(target, head, "static", max_batch=4, cuda_graphs=True,
+                        padded_prefill_tokens=64).config
+    prof = memory.profile_engine(config, target, head)
+    assert [n.split(" ")[0] for n in prof.forwards] == ["padded", "ragged", "round"]
+    assert prof.captures > 0 and prof.graphs_estimate > 0
+
+    class Launch:
+        gpu_memory_utilization, kv_cache_memory = 0.5, None
+
+    base = memory.Baseline(torch.device("cpu"), total=1 << 30, free=1 << 30, reserved=0,
+                           allocated=0)
+    base.non_torch_growth = lambda: 0          # type: ignore[method-assign]
+    timeline = startup_log.Timeline(printing=True)
+    sized = _size_kv_pool(config, Launch(), target, head, Group.single("cpu", name="world"),
+                          base, memory.weight_bytes(target, head), timeline)
+    assert sized.num_pages is None          # 512 MiB holds what 4 requests need
+    err = capsys.readouterr().err
+    assert "memory profile:" in err and "from --gpu-memory-utilization 0.5: 512.0 MiB (0.5 of " \
+        "1.00 GiB) less weights" in err and "(capped at what the batch needs)" in err
