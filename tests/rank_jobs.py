@@ -12,7 +12,8 @@ import torch
 
 import collectives as C
 from adaptive_dist.config import AdaptiveConfig, load_config
-from adaptive_dist.coordinator import RoundCoordinator, RoundReport
+from adaptive_dist.coordinator import Executed, RoundCoordinator, RoundReport
+from adaptive_dist.shape import RoundShape
 from adaptive_dist.replay import replay, run_consensus
 from adaptive_dist.startup import agree_config
 from adaptive_dist.trace import load_trace
@@ -121,7 +122,8 @@ def _misbehave(ctx: C.DistContext, guard, ctrl, dp, rank: int, mode: str, rounds
             if not (mode == "skip_op" and bad and r == bad_round):
                 C.ops.all_reduce(x, dp)
             if mode == "executed" and bad and r == bad_round:
-                ctrl.ran((7, plan.use_graph, plan.batch_bucket, "spec"))
+                ctrl.ran(Executed(RoundShape(7, plan.shape.verify_tokens), plan.use_graph,
+                                  plan.batch_bucket))
                 ctrl.end_round([1, 2])
             else:
                 ctrl.end_round([1, 2])

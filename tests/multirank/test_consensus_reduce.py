@@ -107,7 +107,7 @@ def test_reduced_round_equals_the_gathered_one(reducer, policy, world):
               [max(col) for col in zip(*(e[layout.n_sum:] for e in enc))]
         assert layout.agreed(red)
         got = layout.decode(red)
-        want = consensus.ClusterRound.from_matrix([v.values() for v in vecs], pol.pooled)
+        want = consensus.ClusterRound.from_matrix([v.row() for v in vecs], pol.pooled)
         assert dataclasses.replace(got, pooled=None) == dataclasses.replace(want, pooled=None)
         assert (got.pooled is None) == (want.pooled is None)
         if got.pooled is not None:   # every field the reducer reads

@@ -21,7 +21,7 @@ from multirank import run_ranks
 def overlap_job(rank: int, d_ms: float, rounds: int, overlap: bool, scheme: str = "reduce") -> dict:
     import collectives as C
     from adaptive_dist.config import AdaptiveConfig
-    from adaptive_dist.coordinator import RoundCoordinator, RoundReport
+    from adaptive_dist.coordinator import Executed, RoundCoordinator, RoundReport
 
     ctx = C.init_distributed(timeout_s=60.0, backend="gloo", record=False)
     world = ctx.layout().group("world")
@@ -49,7 +49,7 @@ def overlap_job(rank: int, d_ms: float, rounds: int, overlap: bool, scheme: str 
         plan = ctrl.begin_round(RoundReport(5, 0, True))
         host.append(time.perf_counter() - h0)
         launched = launch(plan)
-        ctrl.ran((plan.steps, plan.use_graph, plan.batch_bucket, "spec"))
+        ctrl.ran(Executed(plan.shape, plan.use_graph, plan.batch_bucket))
         if not overlap:
             collect(launched)
             continue
