@@ -116,18 +116,26 @@ def agree_round_cost(config: AdaptiveConfig, measured: MeasuredCost,
         config.replace(round_cost=table)  # validated against the candidates, with key names
         return table
 
-    mine = all_ranks_or_none(local, group, what)
-    views = exchange(mine, group, what)
-    shapes: dict[str, list[int]] = {}
-    for rank, view in zip(group.ranks, views):
-        shapes.setdefault(repr(sorted(int(b) for b in view)), []).append(rank)
-    if len(shapes) > 1:
-        shown = "; ".join(f"ranks {rs} have {s}" for s, rs in shapes.items())
-        raise ConfigMismatchError(f"{what}: ranks measured different batch buckets, refusing "
-                                  f"to run: {shown}")
+    views = _exchange_tables(local, group, what, "batch buckets")
     agreed = {b: {s: max(view[b][s] for view in views) for s in row}
               for b, row in views[0].items()}
     return config.replace(round_cost=agreed)
+
+
+def _exchange_tables(local: Callable[[], dict], group: "Group", what: str,
+                     keys: str) -> list[dict]:
+    """Every member's table (``local()`` on every member, refused on every member if it fails
+    on any), refused with ``ConfigMismatchError`` naming the ranks unless every table has the
+    same top-level keys (``keys``: what they are, for the message)."""
+    views = exchange(all_ranks_or_none(local, group, what), group, what)
+    seen: dict[str, list[int]] = {}
+    for rank, view in zip(group.ranks, views):
+        seen.setdefault(repr(sorted(int(k) for k in view)), []).append(rank)
+    if len(seen) > 1:
+        shown = "; ".join(f"ranks {rs} have {s}" for s, rs in seen.items())
+        raise ConfigMismatchError(f"{what}: ranks measured different {keys}, refusing "
+                                  f"to run: {shown}")
+    return views
 
 
 def agree_verify_cost(config: AdaptiveConfig, measured: Mapping[int, float],
@@ -144,15 +152,7 @@ def agree_verify_cost(config: AdaptiveConfig, measured: Mapping[int, float],
         config.replace(verify_cost=table)   # validated, with key names
         return table
 
-    mine = all_ranks_or_none(local, group, what)
-    views = exchange(mine, group, what)
-    counts: dict[str, list[int]] = {}
-    for rank, view in zip(group.ranks, views):
-        counts.setdefault(repr(sorted(int(t) for t in view)), []).append(rank)
-    if len(counts) > 1:
-        shown = "; ".join(f"ranks {rs} have {s}" for s, rs in counts.items())
-        raise ConfigMismatchError(f"{what}: ranks measured different token counts, refusing "
-                                  f"to run: {shown}")
+    views = _exchange_tables(local, group, what, "token counts")
     return config.replace(verify_cost={t: max(view[t] for view in views) for t in views[0]})
 
 
