@@ -2,9 +2,9 @@
 same steps as data (`Timeline.events`; with ``ADAPTIVE_DIST_STARTUP_LOG=FILE`` also one JSON line
 per event in FILE, for `scripts.bench.startup`).
 
-    [rank 0] start-up    0.0 s  begin: device cuda:0, 139.8 GiB total, 139.1 GiB free
-    [rank 0] start-up   11.2 s  loading: 16.06 GB in 11.2 s (1.43 GB/s), bfloat16 ...
-    [rank 0] start-up   24.0 s  cost table: 12/28 chains (bucket 8, depth 3), 6.1 s
+    [start-up    0.0 s] begin: cuda:0, 139.10 GiB free of 139.80 GiB, 1 rank(s); ...
+    [start-up   11.2 s] loading: 16.06 GB of weight files in 11.2 s (1.43 GB/s); ...
+    [start-up   24.0 s] cost table: 12/168 (chains of rounds; bucket 8, depth 3), 6.1 s
 
 The engine's start-up code opens a timeline (`active`) around what it builds; the code it calls
 (the worker's captures, the round-cost measurement) reports through `current()`, which is a
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -144,9 +145,10 @@ class Timeline:
     def _emit(self, line: str, event: Optional[dict[str, Any]]) -> None:
         if not self.printing:
             return
-        from adaptive_dist.failures import say
-
-        say(f"start-up {self.elapsed():6.1f} s  {line}")
+        # NOTE: not `[rank R] ...`: that prefix is a failure's one line per rank (the tests and
+        # users read it so); only the group's first rank prints these
+        sys.stderr.write(f"[start-up {self.elapsed():6.1f} s] {line}\n")
+        sys.stderr.flush()
         if self.file and event is not None:
             try:
                 with open(self.file, "a", encoding="utf-8") as f:

@@ -67,8 +67,8 @@ def test_generate_on_the_cpu_runs_float32_and_prints_the_timeline(capsys, model_
     code, out, err = _run(capsys, "--prompt", "def f(", "--steps", "3", "--model", str(model_dir),
                           "--max-new-tokens", "8", "--json")
     assert code == 0
-    lines = [ln for ln in err.splitlines() if " start-up " in ln]
-    steps = [ln.split(" s  ", 1)[1].split(":")[0] for ln in lines]
+    lines = [ln for ln in err.splitlines() if ln.startswith("[start-up ")]
+    steps = [ln.split(" s] ", 1)[1].split(":")[0] for ln in lines]
     assert steps[:3] == ["begin", "loading", "KV pool"] and steps[-2:] == ["memory", "ready"]
     assert "depth 3" in steps and "warm-up" in steps
     assert "in float32 (--dtype auto on the CPU)" in err
