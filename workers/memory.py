@@ -380,6 +380,8 @@ def memory_split(device: torch.device, weights: int, kv: int, graphs: int,
         out.update(
             other_torch=max(0, reserved - base_reserved - weights - kv - graphs),
             peak_allocated=int(torch.cuda.max_memory_allocated(device)),
+            activations=int(torch.cuda.max_memory_allocated(device)
+                            - torch.cuda.memory_allocated(device)),
             non_torch=baseline.non_torch_growth() if baseline is not None else 0,
             free=int(free), total=int(total))
         out["process"] = reserved - base_reserved + out["non_torch"]
@@ -395,7 +397,8 @@ def split_text(split: dict[str, int], budget: Optional[int] = None) -> str:
     parts = [f"weights {fmt_bytes(split['weights'])}", f"KV {fmt_bytes(split['kv'])}",
              f"CUDA graphs {fmt_bytes(split['graphs'])}"]
     if "other_torch" in split:
-        parts += [f"buffers and cached activations {fmt_bytes(split['other_torch'])}",
+        parts += [f"buffers and cached blocks {fmt_bytes(split['other_torch'])} (start-up's "
+                  f"activation peak {fmt_bytes(split['activations'])})",
                   f"outside torch {fmt_bytes(split['non_torch'])}",
                   f"= this process {fmt_bytes(split['process'])}"
                   + (f" of a budget of {fmt_bytes(budget)}" if budget else ""),
