@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -374,6 +375,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (`timeout`) unwinds like Ctrl-C: the servers started are stopped, what finished
+    # is in OUT/startup.json already
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.count:
         write_json(out / "count.json", count(args))
