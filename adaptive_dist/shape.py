@@ -9,6 +9,10 @@ requests' verify tokens back to back, ``sum(d_i + 1) <= T``, and pads the rest. 
 ``S`` for every request is the shape ``(S, sum(S + 1))``; depth 0 is ``S = 0``, one verify token
 per request.
 
+A round may instead be a draft tree (``TreeShape``: steps S, top-k K, N verify tokens per
+request, the root included): every request drafts the tree and verifies N tokens, so the verify
+forward runs ``rows * N`` tokens; top-k 1 is the chain.
+
 ``T`` comes from ``TOKEN_LADDER``: powers of two and 1.5 times powers of two, so a padded verify
 costs at most 1.5x its real tokens, every full chain ``batch bucket x (S + 1)`` with a
 power-of-two bucket and ``S + 1`` a power of two is on it exactly, and the engine captures one
@@ -27,11 +31,25 @@ class RoundShape:
 
     draft_forwards: int
     verify_tokens: int
+    topk: int = 1
+    """A draft tree's top-k (``TreeShape``); 1: a chain."""
+    tree_tokens: int = 0
+    """A draft tree's verify tokens per request N, the root included (0: a chain)."""
 
     def __post_init__(self) -> None:
         if self.draft_forwards < 0 or self.verify_tokens < 0:
             raise ValueError(f"RoundShape({self.draft_forwards}, {self.verify_tokens}): both "
                              f"must be >= 0")
+        if self.topk > 1:
+            TreeShape(self.draft_forwards, self.topk, self.tree_tokens)
+        elif self.tree_tokens:
+            raise ValueError(f"RoundShape: tree_tokens={self.tree_tokens} needs topk > 1")
+
+    @property
+    def tree(self) -> "TreeShape | None":
+        """The draft tree of a tree round (None: a chain)."""
+        return (TreeShape(self.draft_forwards, self.topk, self.tree_tokens) if self.topk > 1
+                else None)
 
     @property
     def width(self) -> int:
@@ -41,11 +59,48 @@ class RoundShape:
     def fits(self, budgets: Sequence[int]) -> bool:
         """Whether requests drafting ``budgets`` tokens each fit the shape (``d_i <= S`` and
         ``sum(d_i + 1) <= T``)."""
+        if self.topk > 1:   # a tree: every request its whole tree of N tokens
+            return (all(d == self.draft_forwards for d in budgets)
+                    and len(budgets) * self.tree_tokens <= self.verify_tokens)
         return (all(0 <= d <= self.draft_forwards for d in budgets)
                 and sum(budgets) + len(budgets) <= self.verify_tokens)
 
     def to_json(self) -> dict:
-        return {"draft_forwards": self.draft_forwards, "verify_tokens": self.verify_tokens}
+        out = {"draft_forwards": self.draft_forwards, "verify_tokens": self.verify_tokens}
+        if self.topk > 1:
+            out.update(topk=self.topk, tree_tokens=self.tree_tokens)
+        return out
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """An EAGLE-2 draft tree: ``steps`` (S) draft steps, each expanding the ``topk`` (K) most
+    likely children of the K best frontier nodes by cumulative draft log-probability; the
+    request then verifies ``tokens`` (N) tokens: its last committed token (the root) and the
+    N - 1 best of the tree's ``nodes`` (K + (S - 1) K^2). ``K = 1`` is the chain of depth S
+    (N = S + 1). The verify forward of a round over ``B`` padded rows runs ``B * N`` tokens."""
+
+    steps: int
+    topk: int
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.topk < 1:
+            raise ValueError(f"a draft tree needs --steps >= 1 and --speculative-eagle-topk >= "
+                             f"1, not steps {self.steps}, top-k {self.topk}")
+        if not 2 <= self.tokens <= self.nodes + 1:
+            raise ValueError(f"--speculative-num-draft-tokens {self.tokens}: a tree of "
+                             f"{self.steps} steps at top-k {self.topk} has {self.nodes} nodes, "
+                             f"so it verifies 2 .. {self.nodes + 1} tokens (the root included)")
+
+    @property
+    def nodes(self) -> int:
+        """The tree's draft nodes: K at the first step, K^2 candidates at each later one."""
+        return self.topk + (self.steps - 1) * self.topk * self.topk
+
+    def round_shape(self, rows: int) -> RoundShape:
+        """The round over ``rows`` padded rows: S draft forwards, ``rows * N`` verify tokens."""
+        return RoundShape(self.steps, rows * self.tokens, self.topk, self.tokens)
 
 
 def token_ladder(top: int) -> tuple[int, ...]:

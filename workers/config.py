@@ -20,7 +20,7 @@ from typing import Any
 
 from adaptive_dist.config import AdaptiveConfig, load_config
 from adaptive_dist.policy import pick_bucket
-from adaptive_dist.shape import token_ladder
+from adaptive_dist.shape import TreeShape, token_ladder
 from workers.attention import BACKENDS
 from workers.model.config import MOE_PARALLEL
 from workers.model.parallel import SCATTERS
@@ -37,6 +37,34 @@ def check_depth(max_steps: int, where: str | None = None) -> None:
         named = f"{where}: " if where else ""
         raise ValueError(f"{named}draft depth {max_steps} is beyond the maximum of "
                          f"{MAX_STEPS_LIMIT} steps")
+
+
+def check_tree(config: "EngineConfig") -> None:
+    """`ValueError` naming the flag for a draft tree the engine does not run: a tree needs the
+    static policy (`--steps`), eager rounds (no CUDA graphs), the torch attention backend and
+    `--speculative-num-draft-tokens`; top-k 1 is the chain (N = --steps + 1)."""
+    k, n = config.speculative_eagle_topk, config.speculative_num_draft_tokens
+    if k == 1:
+        if n not in (0, config.max_steps + 1):
+            raise ValueError(f"--speculative-num-draft-tokens {n} with --speculative-eagle-topk 1:"
+                             f" top-k 1 is the chain, which verifies --steps + 1 = "
+                             f"{config.max_steps + 1} tokens")
+        return
+    spec = config.spec
+    if spec.adaptive or spec.per_request:
+        raise ValueError(f"--speculative-eagle-topk {k}: draft trees run at a static depth "
+                         f"(--steps); --adaptive and --per-request are not implemented with them")
+    if n == 0:
+        raise ValueError(f"--speculative-eagle-topk {k} needs --speculative-num-draft-tokens N "
+                         f"(the tokens each request verifies, the root included)")
+    if config.cuda_graphs:
+        raise ValueError(f"--speculative-eagle-topk {k}: draft trees run eager (--eager); their "
+                         f"CUDA graphs are not implemented")
+    if config.attention_backend != "torch":
+        raise ValueError(f"--speculative-eagle-topk {k}: draft trees need --attention-backend "
+                         f"torch (the {config.attention_backend} backend's tree mask is not "
+                         f"implemented)")
+    TreeShape(spec.initial_steps, k, n)
 
 
 def no_spec() -> AdaptiveConfig:
@@ -94,6 +122,16 @@ class EngineOptions:
              "(default: tp)")
     """How a MoE target's experts split over the ranks: tp (width) or ep (whole experts); see
     workers.model.moe."""
+    speculative_eagle_topk: int = setting(
+        1, minimum=1, metavar="K",
+        help="draft trees (EAGLE-2): each draft step expands the K most likely children of the "
+             "K best nodes by cumulative draft log-probability (1: a chain; default: 1)")
+    """Top-k of a draft tree (1: the chain); see `adaptive_dist.shape.TreeShape`."""
+    speculative_num_draft_tokens: int = setting(
+        0, minimum=0, metavar="N",
+        help="with --speculative-eagle-topk K > 1: tokens each request verifies per round, its "
+             "last token and the tree's N-1 best nodes (0: --steps + 1, the chain's; default: 0)")
+    """Verify tokens per request of a draft tree, the root included (0: the chain's S + 1)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +166,8 @@ class EngineConfig(EngineOptions):
         if self.max_steps + 2 > self.max_context_len:
             raise ValueError(f"draft depth {self.max_steps} does not fit a context of "
                              f"{self.max_context_len} tokens")
+        if self.speculative:
+            check_tree(self)
 
     @classmethod
     def from_options(cls, options: EngineOptions, **derived: Any) -> "EngineConfig":
@@ -144,6 +184,14 @@ class EngineConfig(EngineOptions):
     @property
     def speculative(self) -> bool:
         return self.max_steps > 0
+
+    @property
+    def tree(self) -> TreeShape | None:
+        """The draft tree every round drafts (`--speculative-eagle-topk` > 1), None: chains."""
+        if not self.speculative or self.speculative_eagle_topk == 1:
+            return None
+        return TreeShape(self.spec.initial_steps, self.speculative_eagle_topk,
+                         self.speculative_num_draft_tokens)
 
     @property
     def world_size(self) -> int:

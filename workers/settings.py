@@ -240,6 +240,10 @@ class LaunchSettings:
         if self.engine.attention_backend == "flashinfer" and device != "cuda":
             raise ValueError("--attention-backend flashinfer needs --device cuda")
         check_flags(self)
+        tree = self.engine.speculative_eagle_topk > 1 or self.engine.speculative_num_draft_tokens
+        if tree and self.spec.no_spec:
+            raise ValueError("--speculative-eagle-topk / --speculative-num-draft-tokens: draft "
+                             "trees speculate; not with --no-spec")
         if self.gpu_memory_utilization is not None:
             from workers.memory import check_utilization
 
