@@ -19,6 +19,9 @@ experts' weights are views of two stacked buffers per block (``[E, 2F, d]``, ``[
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -101,6 +104,7 @@ class MoeBlock(FusedOwner):
         self._fused = (self.gate_up, self.down)
         for stack in self._fused:
             stack.fuse()
+        self.seen: list[torch.Tensor] | None = None   # `routed_experts` records here
         self.shared_expert: LlamaMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if spec.shared_expert_size is not None:
@@ -118,6 +122,8 @@ class MoeBlock(FusedOwner):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = self.par.gather(x)
         ids, weights = self.route(tokens)
+        if self.seen is not None:
+            self.seen.append(ids.detach().reshape(-1))
         if kernels.enabled(tokens) and tokens.dtype in moe_kernels.DTYPES:
             local = self.fused(tokens, ids, weights)
         else:
@@ -157,3 +163,32 @@ class MoeBlock(FusedOwner):
             w = (weights * (ids == e).to(weights.dtype)).sum(dim=-1, keepdim=True)
             out = out + self.experts[str(e)](tokens) * w
         return out
+
+
+class RoutedExperts:
+    """What `routed_experts` recorded: per MoE block of the model, in module order, the expert
+    ids its forwards routed (kept after the context closes)."""
+
+    def __init__(self, blocks: list[MoeBlock]) -> None:
+        self.ids: list[list[torch.Tensor]] = [[] for _ in blocks]
+
+    def counts(self) -> list[int]:
+        """Distinct experts routed per MoE block (over every forward recorded; 0 for a block
+        that ran none). Reads the device once per block."""
+        return [int(torch.cat(ids).unique().numel()) if ids else 0 for ids in self.ids]
+
+
+@contextmanager
+def routed_experts(model: nn.Module) -> Iterator[RoutedExperts]:
+    """Record the experts every MoE block of `model` routes while the context is open (eager
+    forwards only: a CUDA graph's replay runs no Python), e.g. the distinct experts per layer of
+    one round; nothing for a dense model (no blocks)."""
+    blocks = [m for m in model.modules() if isinstance(m, MoeBlock)]
+    record = RoutedExperts(blocks)
+    for block, ids in zip(blocks, record.ids):
+        block.seen = ids
+    try:
+        yield record
+    finally:
+        for block in blocks:
+            block.seen = None

@@ -2,32 +2,48 @@
 of the packed verify forward alone at every token rung.
 
 What the goodput policy weighs depths with (`adaptive_dist.startup.agree_round_cost` agrees the
-ranks' tables). The rounds run on dummy rows, through the CUDA graphs when the worker has them.
-A round's shape prices as its tier's full chain at its bucket (`measure_tiers`: every row drafting
-every step, `bucket x (steps + 1)` verify tokens) with the verify forward's part exchanged for the
-one its own token count costs (`measure_targets`): per-request budgets change only the verify
-forward's tokens. Each sample of a round is a chain of `COST_CHAIN` rounds run as the engine runs them — back to back, each
-read after the next is launched, with overlap; launched and read one by one without — divided by
-its length; at depth 0 with a draft head the chain is the catch-up interval (`catchup_every`
-rounds), which holds one catch-up of the draft cache, so the tier's share of it is in the cost.
-The median of `repeats` chains after a warm-up chain. Collective: every rank measures the same
-tiers and buckets in the same order.
+ranks' tables). The rounds run through the CUDA graphs when the worker has them. A round's shape
+prices as its tier's full chain at its bucket (`measure_tiers`: every row drafting every step,
+`bucket x (steps + 1)` verify tokens) with the verify forward's part exchanged for the one its
+own token count costs (`measure_targets`): per-request budgets change only the verify forward's
+tokens. Each sample of a round is a chain of `COST_CHAIN` rounds run as the engine runs them —
+back to back, each read after the next is launched, with overlap; launched and read one by one
+without — divided by its length; at depth 0 with a draft head the chain is the catch-up interval
+(`catchup_every` rounds), which holds one catch-up of the draft cache, so the tier's share of it
+is in the cost. The median of `repeats` chains after a warm-up chain. Collective: every rank
+measures the same tiers and buckets in the same order.
+
+The rows are routed like traffic (`TrafficRows`): a round's rows are real rows in borrowed
+request slots, each with its own last token, feature and draft tokens (seeded, different per DP
+replica, the same on a replica's ranks), so a MoE target's router spreads them over the experts
+as it spreads a batch of requests; dummy rows, which all share the dummy slot's inputs, would all
+pick the same top-k experts and price every batch above 1 as if it read `top_k` experts' weights.
+Their page tables read `context` positions of free pages and point every position they write at
+the dummy page, so a measurement writes no KV outside it; the slots' state is restored after.
+`routing_check` counts the distinct experts per MoE layer of such a round against a round of
+real requests.
 """
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
 from workers import startup_log
+from workers.kv_cache import DUMMY_PAGE
 from workers.runtime_state import RuntimeStatePool
+from workers.sampling import SamplingParams
 from workers.worker.request import SlotRequest
 from workers.worker.slots import SlotState
 
 COST_CHAIN = 8
 """Rounds per sample (but at depth 0 with a head: its catch-up interval)."""
+
+TRAFFIC_SEED = 36
+"""The measurement rows' inputs are drawn from this seed plus the DP replica."""
 
 
 class TimedWorker(Protocol):
@@ -35,6 +51,10 @@ class TimedWorker(Protocol):
 
     device: torch.device
     slots: SlotState
+    config: Any       # EngineConfig: max_steps
+    models: Any       # RankModels: the target (its DP replica)
+    buffers: Any      # RoundBuffers: rows, budget, drafts
+    lag: Any          # DraftLag: the ring's lengths, when built
 
     def launch(self, reqs: list[SlotRequest], batch_pad: int,
                graph_bucket: int | None = None) -> Any: ...
@@ -44,68 +64,205 @@ class TimedWorker(Protocol):
     def target_body(self, tokens: int, context: int = 0) -> Callable[[], None]: ...
 
 
+@dataclass
+class TrafficRow:
+    """A measurement row as `EagleWorker.launch` reads a request: its slot, greedy sampling (the
+    variant an all-dummy round ran), the tokens it may hold (the eager path's attention reach)."""
+
+    slot: int
+    num_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    pages: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    seed: int = 0
+    pending_prompt_logprobs: Optional[Any] = None
+
+
+class TrafficRows:
+    """Request slots `0 .. n-1` borrowed as the measurement's rows (`n`: at most `rows`, and the
+    worker's request slots), set up as requests whose caches hold `context` positions.
+
+    `start()` gives every row a random last token, feature (N(0, 1)) and draft tokens, its cache
+    length `context`, an empty lag ring: call it before every chain (a chain's rounds then
+    advance the rows as a request's rounds advance it: the committed tokens are the model's
+    own). The page table of a row reads `context // page_size` free pages (1 ..; a start-up
+    measurement's: no request holds them) and every later position, the ones it writes, from the
+    dummy page. `restore()` puts the slots' state back. `context` is capped so that a chain of
+    `chain` rounds at the deepest depth stays inside a slot's pages."""
+
+    def __init__(self, worker: TimedWorker, rows: int, context: int = 0,
+                 chain: int = COST_CHAIN) -> None:
+        slots = worker.slots
+        self.worker, self.slots = worker, slots
+        self.count = max(0, min(rows, slots.dummy))
+        n = self.count
+        self.growth = chain * (worker.config.max_steps + 1)
+        room = slots.reach * slots.page_size - self.growth - 1
+        self.context = max(0, min(context, room))
+        replica = worker.models.target.par.replica
+        gen = torch.Generator().manual_seed(TRAFFIC_SEED + 1000 * replica)
+        vocab, dev = slots.vocab, slots.device
+        self.tokens = torch.randint(0, vocab, (n,), generator=gen).to(dev)
+        self.features = torch.randn(n, slots.feature.shape[1], generator=gen).to(
+            dev, slots.feature.dtype)
+        drafts = worker.buffers.drafts
+        self.drafts = torch.randint(0, vocab, (n, drafts.shape[1]), generator=gen).to(dev)
+        readable = min(self.context // slots.page_size, slots.reach, slots.pool_pages - 1)
+        self.table = torch.full((slots.reach,), DUMMY_PAGE, dtype=torch.int64, device=dev)
+        self.table[:readable] = torch.arange(1, readable + 1, device=dev)
+        lag = worker.lag
+        self._ring = lag.ring_len if getattr(lag, "built", False) else None
+        self._saved = [t[:n].clone() for t in self._state()]
+
+    def _state(self) -> list[torch.Tensor]:
+        slots = self.slots
+        state = [slots.pages, slots.cache_len, slots.last_token, slots.feature]
+        return state + ([self._ring] if self._ring is not None else [])
+
+    def requests(self, bucket: int) -> list[TrafficRow]:
+        """The rows of a round padded to `bucket` (the rows beyond them: dummy rows)."""
+        top = self.context + self.growth
+        return [TrafficRow(slot=s, num_tokens=top) for s in range(min(bucket, self.count))]
+
+    def start(self) -> None:
+        """Every row's inputs as at the start of a chain (device copies, in stream order)."""
+        n, slots = self.count, self.slots
+        if not n:
+            return
+        slots.pages[:n] = self.table
+        slots.cache_len[:n] = self.context
+        slots.last_token[:n] = self.tokens
+        slots.feature[:n] = self.features
+        self.worker.buffers.drafts[:n] = self.drafts
+        if self._ring is not None:
+            self._ring[:n] = 0
+
+    def restore(self) -> None:
+        """The borrowed slots' state as it was, the round's rows all dummy rows again."""
+        n = self.count
+        for tensor, saved in zip(self._state(), self._saved):
+            tensor[:n] = saved
+        self.worker.buffers.rows.fill_(self.slots.dummy)
+        self.worker.buffers.budget.zero_()
+
+    def __enter__(self) -> "TrafficRows":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
+
+
 def measure_tiers(worker: TimedWorker, tiers: RuntimeStatePool, buckets: Sequence[int],
                   graphs: bool, overlap: bool, catchup_every: int | None,
                   repeats: int = 5, context: int = 0) -> dict[int, dict[int, float]]:
     """Seconds of one round per bucket and tier: {bucket: {steps: seconds}}. Applies each of
     `tiers`' states in turn (the last stays applied); `graphs`: replay each bucket's graphs;
     `overlap`: one round in flight while the next is launched; `catchup_every`: the catch-up
-    interval of depth 0 with a head (None: no lag ring); `context`: the dummy rows' cache length
-    (their attention reads that many positions of the dummy page)."""
+    interval of depth 0 with a head (None: no lag ring); `context`: the cache length of the
+    rows (`TrafficRows`) when each chain starts."""
     sync = (torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None))
     table: dict[int, dict[int, float]] = {}
     begun, total = time.perf_counter(), len(buckets) * len(tiers.states) * (repeats + 1)
-    for bucket in buckets:
-        graph = bucket if graphs else None
-        for steps in tiers.states:
-            tiers.apply(steps)
-            chain = catchup_every if steps == 0 and catchup_every is not None else COST_CHAIN
-            times = []
-            for _ in range(repeats + 1):  # the first is a warm-up
-                startup_log.current().progress(
-                    "cost table", sum(map(len, table.values())) * (repeats + 1) + len(times),
-                    total, f"chains of rounds; bucket {bucket}, depth {steps}", since=begun)
-                sync()
-                start = time.perf_counter()
-                queued = []   # launched, not read yet
-                in_flight = 1 if overlap else 0   # as the engine runs rounds
-                for _ in range(chain):
-                    if context:
-                        worker.slots.set_dummy_length(context)
-                    queued.append(worker.launch([], bucket, graph))
-                    if len(queued) > in_flight:
-                        worker.collect(queued.pop(0))
-                for handle in queued:
-                    worker.collect(handle)
-                sync()
-                times.append((time.perf_counter() - start) / chain)
-            table.setdefault(bucket, {})[steps] = statistics.median(times[1:])
-    worker.slots.set_dummy_length(0)
+    longest = max(COST_CHAIN, catchup_every or 0)
+    with TrafficRows(worker, max(buckets), context, longest) as rows:
+        for bucket in buckets:
+            graph = bucket if graphs else None
+            reqs = rows.requests(bucket)
+            for steps in tiers.states:
+                tiers.apply(steps)
+                chain = catchup_every if steps == 0 and catchup_every is not None else COST_CHAIN
+                times = []
+                for _ in range(repeats + 1):  # the first is a warm-up
+                    startup_log.current().progress(
+                        "cost table", sum(map(len, table.values())) * (repeats + 1) + len(times),
+                        total, f"chains of rounds; bucket {bucket}, depth {steps}", since=begun)
+                    rows.start()
+                    sync()
+                    start = time.perf_counter()
+                    queued = []   # launched, not read yet
+                    in_flight = 1 if overlap else 0   # as the engine runs rounds
+                    for _ in range(chain):
+                        queued.append(worker.launch(reqs, bucket, graph))
+                        if len(queued) > in_flight:
+                            worker.collect(queued.pop(0))
+                    for handle in queued:
+                        worker.collect(handle)
+                    sync()
+                    times.append((time.perf_counter() - start) / chain)
+                table.setdefault(bucket, {})[steps] = statistics.median(times[1:])
     return table
+
+
+def stage_tokens(worker: TimedWorker, rows: TrafficRows, tokens: int) -> None:
+    """The round buffers' rows and budgets for a packed verify forward of `tokens` tokens over
+    `rows`: as many rows as hold them, each bringing at most `max_steps + 1` tokens (its last
+    token and drafts), the tokens beyond the rows' room padding."""
+    bufs, width = worker.buffers, worker.config.max_steps + 1
+    bufs.rows.fill_(worker.slots.dummy)
+    bufs.budget.zero_()
+    used = min(rows.count, -(-tokens // width)) if tokens else 0
+    if not used:
+        return
+    base, extra = divmod(min(tokens, used * width), used)
+    budget = [base + (1 if r < extra else 0) - 1 for r in range(used)]
+    bufs.rows[:used] = torch.arange(used, device=bufs.rows.device)
+    bufs.budget[:used] = torch.tensor(budget, dtype=bufs.budget.dtype).to(bufs.budget.device)
 
 
 def measure_targets(worker: TimedWorker, ladder: Sequence[int], repeats: int = 5,
                     context: int = 0) -> dict[int, float]:
     """Seconds of the packed verify forward alone per token rung: {tokens: seconds}, each the
-    median of `repeats` chains of `COST_CHAIN` forwards after a warm-up chain, on dummy tokens
-    (whose attention reads `context` positions of the dummy page)."""
+    median of `repeats` chains of `COST_CHAIN` forwards after a warm-up chain, on the tokens of
+    `TrafficRows` (`stage_tokens`; their attention reads `context` positions)."""
     sync = (torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None))
-    worker.slots.round_rows.fill_(worker.slots.dummy)
     table: dict[int, float] = {}
     begun = time.perf_counter()
-    for tokens in ladder:
-        startup_log.current().progress("verify costs", len(table), len(ladder),
-                                       f"{tokens} tokens", since=begun)
-        body = worker.target_body(tokens, context)
-        times = []
-        for _ in range(repeats + 1):
-            worker.slots.set_dummy_length(context)
-            sync()
-            start = time.perf_counter()
-            for _ in range(COST_CHAIN):
-                body()
-            sync()
-            times.append((time.perf_counter() - start) / COST_CHAIN)
-        table[tokens] = statistics.median(times[1:])
-    worker.slots.set_dummy_length(0)
+    top = -(-max(ladder) // (worker.config.max_steps + 1))
+    with TrafficRows(worker, top, context, chain=1) as rows:
+        for tokens in ladder:
+            startup_log.current().progress("verify costs", len(table), len(ladder),
+                                           f"{tokens} tokens", since=begun)
+            body = worker.target_body(tokens, rows.context + rows.growth)
+            times = []
+            for _ in range(repeats + 1):
+                rows.start()
+                stage_tokens(worker, rows, tokens)
+                sync()
+                start = time.perf_counter()
+                for _ in range(COST_CHAIN):
+                    body()
+                sync()
+                times.append((time.perf_counter() - start) / COST_CHAIN)
+            table[tokens] = statistics.median(times[1:])
     return table
+
+
+# ---- the check: does a measurement round route like traffic? ----------------------------------
+
+def measurement_routing(worker: TimedWorker, bucket: int, context: int = 0,
+                        dummy: bool = False) -> list[int]:
+    """Distinct experts per MoE layer of the target in one eager round of the measurement at
+    `bucket` rows and the depth in force (`dummy`: the all-dummy round the measurement ran
+    before `TrafficRows`); [] for a dense target. Leaves the slots as it found them."""
+    from workers.model.moe import routed_experts
+
+    lag = worker.lag
+    behind = lag.rounds_behind
+    with TrafficRows(worker, bucket, context) as rows, \
+            routed_experts(worker.models.target) as seen:
+        rows.start()
+        worker.collect(worker.launch([] if dummy else rows.requests(bucket), bucket, None))
+    lag.rounds_behind = behind    # the ring's lengths are restored: no catch-up owed
+    return seen.counts()
+
+
+def round_routing(worker: TimedWorker, reqs: list[SlotRequest], bucket: int) -> list[int]:
+    """Distinct experts per MoE layer of the target in one eager round over the admitted
+    requests `reqs` padded to `bucket` rows, at the depth in force. The round advances the
+    requests' slots on the device and nobody commits its tokens: for a diagnostic at the end
+    of a run."""
+    from workers.model.moe import routed_experts
+
+    with routed_experts(worker.models.target) as seen:
+        worker.collect(worker.launch(list(reqs), bucket, None))
+    return seen.counts()
