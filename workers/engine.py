@@ -169,6 +169,10 @@ class Engine:
         if rid in self.live:
             raise ValueError(f"request id {rid} is already in use")
         req = Request(rid, list(prompt_ids), params, seed=seed)
+        if params.processed and getattr(self.worker, "tree", None) is not None:
+            raise ValueError(f"request {rid}: top-k, min_tokens, penalties and logprobs are not "
+                             f"implemented with draft trees (--speculative-eagle-topk "
+                             f"{self.config.speculative_eagle_topk})")
         self.scheduler.add(req)
         self.live[rid] = req
         self._next_rid = max(self._next_rid, rid + 1)

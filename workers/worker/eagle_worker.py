@@ -42,6 +42,7 @@ from workers.worker.round_cost import measure_targets, measure_tiers
 from workers.worker.slots import (SHADOW_COLUMNS, RoundBuffers, SlotState, StepBuffers,
                                   logprob_width)
 from workers.worker.staging import HostStage, LaunchedRound, RoundResult
+from workers.worker.tree import TreeRound
 
 
 class EagleWorker:
@@ -71,6 +72,9 @@ class EagleWorker:
             SHADOW_COLUMNS if self.models.speculative else 0, self.device)
         self.phases = RoundPhases(self.slots, self.models, self.lag, self.buffers)
         self.prefill_runner = PrefillRunner(config, self.slots, self.models, self.lag)
+        # draft trees (--speculative-eagle-topk > 1): eager rounds of `workers.worker.tree`
+        self.tree = (TreeRound(config.tree, self.slots, self.models)
+                     if config.tree is not None and self.models.speculative else None)
         # host staging of a round (rows and budgets in, results out), two sets: with overlap the
         # next round is staged while the device may still copy the previous one's
         top = self.slots.round_rows.shape[0]
@@ -211,7 +215,17 @@ class EagleWorker:
         if steps != bufs.steps:
             raise RuntimeError(f"the round's shape drafts {steps} tokens but the depth in force "
                                f"is {bufs.steps}: the runtime state was not applied")
-        if tokens not in self.ladder:
+        if self.tree is not None and steps > 0:
+            # a tree round: the agreed batch's trees, N tokens per row (the plan's chain
+            # bucket does not apply); the same shape on every rank of the cluster
+            shape = self.tree.tree.round_shape(bp)
+            tokens = shape.verify_tokens
+            if graph_bucket is not None:
+                raise RuntimeError("draft trees run eager; the plan says CUDA graphs")
+            if any(r.params.processed for r in reqs):
+                raise RuntimeError("top-k, min_tokens, penalties and logprobs are not "
+                                   "implemented with draft trees (--speculative-eagle-topk)")
+        elif tokens not in self.ladder:
             raise RuntimeError(f"the round's shape verifies {tokens} tokens, not a rung of this "
                                f"worker's ladder {list(self.ladder)}")
         budgets = [steps] * len(reqs) if budgets is None else list(budgets)
@@ -234,7 +248,11 @@ class EagleWorker:
         reach = self._reach(reqs, graph_bucket)
         if bufs.steps > 0 and self.lag.behind:
             self.lag.catch_up(bufs, bp, reach, graph_bucket)   # drafting resumes: first the cache
+        if shape.tree is not None:   # draft, verify, accept and commit; then draft-extend
+            self.tree.run(bufs, bp, reach, greedy)
         for phase in round_phases(bufs.steps):
+            if shape.tree is not None and phase != "extend":
+                continue
             key = GraphKey(phase, tokens=tokens) if phase == "target" else GraphKey(
                 phase, batch=bp, steps=steps, greedy=greedy or phase == "extend",
                 processed=processed and phase == "accept")

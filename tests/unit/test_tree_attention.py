@@ -1,0 +1,132 @@
+"""Tree attention (issue 35 §3) against a dense reference nobody here wrote: per request, the
+context's K/V and the tree nodes' K/V laid out densely, an explicit boolean mask (every node sees
+the whole context, itself and its ancestors), plain
+`torch.nn.functional.scaled_dot_product_attention`. Random trees, random context lengths, grouped
+query heads, float32 tolerance; and the commit of an accepted path into contiguous positions."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.attention.tree import TreeAttention, TreeKV, commit
+from workers.kv_cache import DUMMY_PAGE, KVPool
+from workers.worker.tree import ancestors
+
+PAGE, PAGES, HQ, HKV, D = 4, 40, 4, 2, 8
+
+
+def _random_parents(rng: random.Random, nodes: int) -> list[int]:
+    """A random tree in topological order: node 0 the root (its own parent)."""
+    return [0] + [rng.randrange(i) for i in range(1, nodes)]
+
+
+def _case(seed: int, batch: int, nodes: int):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    pool = KVPool(1, PAGES, PAGE, HKV, D, dtype=torch.float32, device=torch.device("cpu"))
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    reach = 5
+    free = list(range(1, PAGES))
+    rng.shuffle(free)
+    pages = torch.tensor([[free.pop() for _ in range(reach)] for _ in range(batch)])
+    cached = torch.tensor([rng.randint(0, reach * PAGE - nodes) for _ in range(batch)])
+    parents = torch.tensor([_random_parents(rng, nodes) for _ in range(batch)])
+    return pool, pages, cached, parents
+
+
+def _dense_reference(pool, pages, cached, parents, q, k, v):
+    """Per request: context K/V read page by page, the nodes' K/V after it, an explicit mask."""
+    batch, nodes = parents.shape
+    out = torch.zeros(batch, nodes, HQ, D)
+    for b in range(batch):
+        n = int(cached[b])
+        ctx = [int(pages[b, i // PAGE]) * PAGE + i % PAGE for i in range(n)]
+        keys = torch.cat([pool.k[0].view(-1, HKV, D)[ctx], k[b]])              # [n+N, Hkv, D]
+        values = torch.cat([pool.v[0].view(-1, HKV, D)[ctx], v[b]])
+        mask = torch.zeros(nodes, n + nodes, dtype=torch.bool)
+        mask[:, :n] = True
+        for i in range(nodes):
+            j = i
+            while True:
+                mask[i, n + j] = True
+                if j == 0:
+                    break
+                j = int(parents[b, j])
+        rep = HQ // HKV
+        ref = F.scaled_dot_product_attention(
+            q[b].transpose(0, 1), keys.repeat_interleave(rep, 1).transpose(0, 1),
+            values.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask)
+        out[b] = ref.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("seed,batch,nodes", [(0, 1, 2), (1, 3, 8), (2, 4, 13), (3, 2, 1)])
+def test_tree_attention_equals_dense_mask_reference(seed: int, batch: int, nodes: int) -> None:
+    pool, pages, cached, parents = _case(seed, batch, nodes)
+    q = torch.randn(batch, nodes, HQ, D)
+    k = torch.randn(batch, nodes, HKV, D)
+    v = torch.randn(batch, nodes, HKV, D)
+    before = pool.k[0].clone()
+    memory = TreeKV(1, batch, nodes, HKV, D, torch.float32, torch.device("cpu"))
+    attn = TreeAttention(pool, pages, cached, memory, 0, ancestors(parents, nodes))
+    out = attn.forward(0, q.reshape(-1, HQ, D), k.reshape(-1, HKV, D), v.reshape(-1, HKV, D))
+    ref = _dense_reference(pool, pages, cached, parents, q, k, v)
+    torch.testing.assert_close(out.view(batch, nodes, HQ, D), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool.k[0], before), "a tree forward writes no page"
+
+
+def test_tree_attention_in_steps_sees_earlier_steps_nodes() -> None:
+    """The draft's way: the nodes arrive a level per forward; each level's forward writes its
+    slots of the store and attends to the ancestors earlier forwards stored."""
+    batch, nodes = 2, 7
+    pool, pages, cached, _ = _case(5, batch, nodes)
+    parents = torch.tensor([[0, 0, 0, 1, 1, 2, 2]] * batch)     # root, two levels of two
+    q = torch.randn(batch, nodes, HQ, D)
+    k = torch.randn(batch, nodes, HKV, D)
+    v = torch.randn(batch, nodes, HKV, D)
+    ref = _dense_reference(pool, pages, cached, parents, q, k, v)
+    memory = TreeKV(1, batch, nodes, HKV, D, torch.float32, torch.device("cpu"))
+    mask = ancestors(parents, nodes)
+    for start, end in ((0, 1), (1, 3), (3, 7)):
+        attn = TreeAttention(pool, pages, cached, memory, start, mask[:, start:end])
+        out = attn.forward(0, q[:, start:end].reshape(-1, HQ, D),
+                           k[:, start:end].reshape(-1, HKV, D), v[:, start:end].reshape(-1, HKV, D))
+        torch.testing.assert_close(out.view(batch, end - start, HQ, D), ref[:, start:end],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_commit_writes_the_path_contiguously_and_nothing_else() -> None:
+    batch, nodes = 3, 6
+    pool, pages, cached, _ = _case(7, batch, nodes)
+    memory = TreeKV(1, batch, nodes, HKV, D, torch.float32, torch.device("cpu"))
+    memory.k.normal_()
+    memory.v.normal_()
+    path = torch.tensor([[0, 2, 5], [0, 1, 1], [0, 3, 4]])
+    count = torch.tensor([3, 2, 0])
+    before_k = pool.k[0].clone()
+    commit(pool, memory, pages, cached, path, count)
+    flat_k, flat_v = pool.k[0].view(-1, HKV, D), pool.v[0].view(-1, HKV, D)
+    touched = set()
+    for b in range(batch):
+        for j in range(int(count[b])):
+            pos = int(cached[b]) + j
+            slot = int(pages[b, pos // PAGE]) * PAGE + pos % PAGE
+            touched.add(slot)
+            assert torch.equal(flat_k[slot], memory.k[0, b, path[b, j]])
+            assert torch.equal(flat_v[slot], memory.v[0, b, path[b, j]])
+    before = before_k.view(-1, HKV, D)
+    for slot in range(flat_k.shape[0]):
+        if slot not in touched and slot // PAGE != DUMMY_PAGE:
+            assert torch.equal(flat_k[slot], before[slot]), slot
+
+
+def test_ancestors_mask() -> None:
+    parents = torch.tensor([[0, 0, 1, 0, 3, 2]])
+    mask = ancestors(parents, 3)[0]
+    expect = {0: {0}, 1: {0, 1}, 2: {0, 1, 2}, 3: {0, 3}, 4: {0, 3, 4}, 5: {0, 1, 2, 5}}
+    for i, seen in expect.items():
+        assert {j for j in range(6) if mask[i, j]} == seen

@@ -1,0 +1,224 @@
+"""Draft trees in the engine (issue 35 §1, §3): greedy tree speculation equals plain greedy
+decoding token for token (the tiny random pair in float64, the bundled pair in float32, a
+transformers-built checkpoint whose outputs are transformers' `generate`'s); top-k 1 is the chain
+exactly; the verify set is the N-1 best nodes, closed under ancestors, ancestors first; what
+trees do not run is refused by name."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaptive_dist.config import load_config
+from adaptive_dist.shape import RoundShape, TreeShape
+from engine_fixtures import (check_pages_back, engine_config, engine_for, lossless_params,
+                             random_prompts, tiny_pair)
+from workers.config import EngineConfig
+from workers.sampling import SamplingParams
+from workers.worker.tree import TreeRound
+
+SHAPES = [(3, 2, 6), (3, 4, 8), (2, 3, 12), (5, 2, 8), (1, 4, 5)]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair(seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(12, vocab=64, seed=7)
+
+
+@pytest.fixture(scope="module")
+def reference(pair, prompts) -> list[list[int]]:
+    engine = engine_for(pair[0], None, "nospec")
+    return [r.output_ids for r in engine.generate(prompts, lossless_params(len(prompts)))]
+
+
+def tree_engine(target, head, steps: int, topk: int, tokens: int, **kw):
+    return engine_for(target, head, "static", steps=steps, speculative_eagle_topk=topk,
+                      speculative_num_draft_tokens=tokens, **kw)
+
+
+@pytest.mark.parametrize("steps,topk,tokens", SHAPES)
+def test_greedy_tree_equals_plain_greedy(pair, prompts, reference, steps, topk, tokens) -> None:
+    engine = tree_engine(*pair, steps, topk, tokens)
+    out = engine.generate(prompts, lossless_params(len(prompts)))
+    assert [r.output_ids for r in out] == reference
+    hist = engine.stats.accept_histogram
+    assert sum(v for a, v in hist.items() if a > 0) > 0, hist
+    check_pages_back(engine)
+
+
+def test_greedy_tree_with_overlap_and_continuous_batching(pair, prompts, reference) -> None:
+    engine = tree_engine(*pair, 4, 2, 9, overlap=True, max_batch=3)
+    out = engine.generate(prompts, lossless_params(len(prompts)))
+    assert [r.output_ids for r in out] == reference
+    check_pages_back(engine)
+
+
+def test_top_k_1_is_the_chain(pair, prompts) -> None:
+    """--speculative-eagle-topk 1 --speculative-num-draft-tokens S+1 runs the chain's code:
+    the same tokens, accept lengths and round shapes."""
+    chain = engine_for(*pair, "static", steps=3)
+    same = tree_engine(*pair, 3, 1, 4)
+    assert same.worker.tree is None and same.config.tree is None
+    params = lossless_params(len(prompts))
+    assert ([r.output_ids for r in chain.generate(prompts, params)]
+            == [r.output_ids for r in same.generate(prompts, params)])
+    assert chain.stats.accept_histogram == same.stats.accept_histogram
+    assert chain.planner.stats.rounds_at_shape == same.planner.stats.rounds_at_shape
+
+
+def test_tree_accepts_at_least_the_chain_on_average(pair, prompts) -> None:
+    """Equal draft steps: a tree that verifies every node accepts at least as much per round as
+    the chain (its greedy path is one of the tree's)."""
+    params = lossless_params(len(prompts))
+
+    def mean_accept(engine) -> float:
+        engine.generate(prompts, params)
+        hist = engine.stats.accept_histogram
+        return sum(a * v for a, v in hist.items()) / sum(hist.values())
+    chain = mean_accept(engine_for(*pair, "static", steps=3))
+    tree = mean_accept(tree_engine(*pair, 3, 2, TreeShape(3, 2, 2).nodes + 1))
+    assert tree >= chain, (tree, chain)
+
+
+# ---- the verify set ----------------------------------------------------------------------------
+
+def test_select_keeps_the_best_nodes_closed_under_ancestors(pair) -> None:
+    """Random scores that decrease along every path (as cumulative log-probabilities do), ties
+    included: the N-1 chosen are the best, each one's parent is chosen or the root, parents come
+    first."""
+    gen = torch.Generator().manual_seed(3)
+    shape = TreeShape(4, 3, 14)
+    engine = tree_engine(*pair, 4, 3, 14)
+    round_ = TreeRound(shape, engine.worker.slots, engine.worker.models)
+    k, m = shape.topk, shape.nodes
+    rows = torch.full((5,), engine.worker.slots.dummy)
+    parent = [-1] * k
+    for step in range(2, shape.steps + 1):
+        first = k + (step - 3) * k * k if step > 2 else 0
+        width = k if step == 2 else k * k
+        parent += [first + int(torch.randint(width, (1,), generator=gen)) for _ in range(k * k)]
+    parent_t = torch.tensor(parent).expand(5, m)
+    score = torch.zeros(5, m)
+    for i in range(m):
+        step = torch.rand(5, generator=gen).round(decimals=1)   # ties and zero steps
+        score[:, i] = (0.0 if parent[i] < 0 else score[:, parent[i]]) - step
+    depth = torch.zeros(5, m, dtype=torch.int64)
+    for i in range(m):
+        depth[:, i] = 1 if parent[i] < 0 else depth[:, parent[i]] + 1
+    tree = round_.select(rows, score, torch.arange(m).expand(5, m), parent_t, depth)
+    for b in range(5):
+        chosen = tree.tokens[b, 1:].tolist()          # token = node id here
+        assert chosen == sorted(chosen)
+        assert sorted(score[b, chosen].tolist()) == sorted(score[b].tolist())[-len(chosen):]
+        for i, node in enumerate(chosen, start=1):
+            p = parent[node]
+            assert (p < 0 and tree.parent[b, i] == 0) or chosen[tree.parent[b, i] - 1] == p
+            assert tree.parent[b, i] < i
+            assert tree.depth[b, i] == depth[b, node]
+
+
+# ---- real checkpoints ----------------------------------------------------------------------------
+
+BUNDLED = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny_pair"
+FRESH_PROMPTS = [
+    "def merge_intervals(spans):\n    ",
+    "The lighthouse keeper wrote in her log that the storm",
+    "for idx, (name, val) in enumerate(sorted(table.items())):\n",
+]
+
+
+def test_bundled_pair_float32_tree_equals_no_spec() -> None:
+    from workers.loading import encode_prompt, load_pair
+
+    target, head = load_pair(BUNDLED)
+    prompts = [encode_prompt(p, target.config) for p in FRESH_PROMPTS]
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=target.config.eos_token_ids)
+    reference = [r.output_ids for r in engine_for(target, None, "nospec").generate(prompts, params)]
+    for steps, topk, tokens in ((3, 2, 6), (5, 4, 8)):
+        out = tree_engine(target, head, steps, topk, tokens).generate(prompts, params)
+        assert [r.output_ids for r in out] == reference, (steps, topk, tokens)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_transformers_checkpoint_tree_equals_generate(tmp_path: Path, kind: str) -> None:
+    """A bigram target built and saved by transformers, a head drafting its bigram in SGLang's
+    layout (as the parity suite makes them): greedy trees give transformers' `generate`."""
+    pytest.importorskip("transformers")
+    from hf_models import (bigram_target, draft_vocab, head_config, hf_generate,
+                           oracle_eagle3_tensors, oracle_eagle_tensors, save_target, set_eos,
+                           write_head)
+    from test_hf_parity import N_NEW, PROMPTS, SPEC_CASES, choose_eos
+    from workers.model import load_eagle, load_llama
+
+    layout, fmt, head_fmt, eps = SPEC_CASES[kind]
+    model, perm = bigram_target(seed=21, eps=eps)
+    set_eos(model, choose_eos(model, PROMPTS))
+    reference = [hf_generate(model, p, N_NEW)[0] for p in PROMPTS]
+    target = load_llama(save_target(model, tmp_path / "target", "safetensors"))
+    if kind == "eagle3":
+        cfg = head_config("eagle3", model, 32, [0, 1, 2])
+        tensors = oracle_eagle3_tensors(cfg, model, perm, draft_vocab(32, seed=3), seed=4)
+    else:
+        cfg = head_config("eagle", model)
+        tensors = oracle_eagle_tensors(cfg, model, seed=4)
+    head = load_eagle(write_head(tmp_path / "head", cfg, tensors, head_fmt, "v5"), target)
+    params = SamplingParams(max_new_tokens=N_NEW, stop_token_ids=target.config.eos_token_ids)
+    hist: dict[int, int] = {}
+    for steps, topk, tokens in ((3, 2, 7), (4, 4, 10)):
+        engine = tree_engine(target, head, steps, topk, tokens)
+        assert [r.output_ids for r in engine.generate(PROMPTS, params)] == reference
+        for a, v in engine.stats.accept_histogram.items():
+            hist[a] = hist.get(a, 0) + v
+    assert hist.get(0, 0) > 0 and sum(v for a, v in hist.items() if a >= 2) > 0, hist
+
+
+# ---- refused by name -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(speculative_eagle_topk=2), "needs --speculative-num-draft-tokens"),
+    (dict(speculative_num_draft_tokens=7), "top-k 1 is the chain"),
+    (dict(speculative_eagle_topk=2, speculative_num_draft_tokens=40), "verifies 2 .. 11"),
+    (dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6, cuda_graphs=True),
+     "CUDA graphs are not implemented"),
+    (dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6,
+          attention_backend="flashinfer"), "--attention-backend torch"),
+])
+def test_unsupported_trees_are_refused_by_name(changes, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(spec=load_config(None, "static", initial_steps=3), **changes)
+
+
+def test_adaptive_trees_are_refused() -> None:
+    with pytest.raises(ValueError, match="--adaptive and --per-request"):
+        engine_config("ema", speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+
+
+def test_no_spec_refuses_the_tree_flags() -> None:
+    from workers.settings import LaunchSettings, SpecChoice
+
+    launch = LaunchSettings(spec=SpecChoice(no_spec=True),
+                            engine=engine_config("nospec", speculative_eagle_topk=2))
+    with pytest.raises(ValueError, match="not with --no-spec"):
+        launch.check()
+
+
+def test_processed_requests_are_refused_with_trees(pair) -> None:
+    engine = tree_engine(*pair, 3, 2, 6)
+    with pytest.raises(ValueError, match="not implemented with draft trees"):
+        engine.add([1, 2, 3], SamplingParams(max_new_tokens=4, logprobs=2))
+
+
+def test_tree_shape_is_typed() -> None:
+    shape = TreeShape(3, 2, 6).round_shape(4)
+    assert shape == RoundShape(3, 24, 2, 6) and shape.tree == TreeShape(3, 2, 6)
+    assert shape.fits([3, 3, 3, 3]) and not shape.fits([2])
+    assert RoundShape(3, 16).tree is None and RoundShape(3, 16).to_json() == {
+        "draft_forwards": 3, "verify_tokens": 16}
+    with pytest.raises(ValueError, match="needs topk > 1"):
+        RoundShape(3, 16, 1, 4)
