@@ -13,7 +13,7 @@ import torch
 from adaptive_dist.config import load_config
 from adaptive_dist.shape import RoundShape, TreeShape
 from engine_fixtures import (check_pages_back, engine_config, engine_for, lossless_params,
-                             random_prompts, tiny_pair)
+                             random_prompts, tiny_config, tiny_pair)
 from workers.config import EngineConfig
 from workers.sampling import SamplingParams
 from workers.worker.tree import TreeRound
@@ -84,6 +84,40 @@ def test_tree_accepts_at_least_the_chain_on_average(pair, prompts) -> None:
     chain = mean_accept(engine_for(*pair, "static", steps=3))
     tree = mean_accept(tree_engine(*pair, 3, 2, TreeShape(3, 2, 2).nodes + 1))
     assert tree >= chain, (tree, chain)
+
+
+# ---- sampling: multi-branch rejection keeps the target's distribution ---------------------------
+
+@pytest.mark.parametrize("topk,tokens,temperature,top_p",
+                         [(2, 6, 1.0, 1.0), (2, 6, 0.7, 0.8), (4, 8, 0.7, 0.8)])
+def test_tree_sampling_matches_target_distribution(topk, tokens, temperature, top_p) -> None:
+    """The first three tokens of 8000 sampled requests (trees of 3 steps over a random head that
+    is often wrong: siblings rejected, residuals drawn) against the target's exact joint law,
+    computed independently (dense attention, no cache, every prefix enumerated)."""
+    from sampling_reference import ALPHA, PROMPT, VOCAB, chi_square_pvalue, exact_joint
+
+    target, head = tiny_pair(seed=2, eps=1.0, cfg=tiny_config(vocab=VOCAB, hidden=32))
+    engine = tree_engine(target, head, 3, topk, tokens, max_batch=64)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=3)
+    out = engine.generate([PROMPT] * 8000, params, seed=1000)
+    counts = torch.zeros(VOCAB ** 3)
+    for req in out:
+        t0, t1, t2 = req.output_ids
+        counts[(t0 * VOCAB + t1) * VOCAB + t2] += 1
+    hist = engine.stats.accept_histogram
+    assert hist[0] > 0 and hist[2] + hist[3] > 0, f"no rejections or no deep accepts: {hist}"
+    assert chi_square_pvalue(counts, exact_joint(target, temperature, top_p)) > ALPHA
+    hotter = exact_joint(target, temperature * 1.3, top_p)
+    assert chi_square_pvalue(counts, hotter) < ALPHA, "the test cannot tell a 30% hotter target"
+
+
+def test_greedy_rows_of_a_sampled_tree_round_stay_greedy(pair, prompts, reference) -> None:
+    engine = tree_engine(*pair, 3, 2, 6)
+    params = [p if i % 2 else SamplingParams(temperature=0.9, max_new_tokens=p.max_new_tokens)
+              for i, p in enumerate(lossless_params(len(prompts)))]
+    out = engine.generate(prompts, params, seeds=list(range(len(prompts))))
+    assert [r.output_ids for r in out][1::2] == reference[1::2]
+    check_pages_back(engine)
 
 
 # ---- the verify set ----------------------------------------------------------------------------
