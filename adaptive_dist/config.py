@@ -1,7 +1,11 @@
 """The adaptive layer's configuration: one frozen dataclass, strict validation, a stable hash.
 
-Every key, its default and what is allowed is listed in ``FIELDS`` docs below; a JSON file may set
-any subset. Validation errors name the key, the value and what is allowed.
+``AdaptiveConfig``'s fields are the keys every policy reads; each policy's own keys are its
+section (``PolicySection``, declared beside the policy: ``adaptive_dist.policy.ladder.EmaSection``,
+``adaptive_dist.policy.goodput.GoodputSection``), one per registered policy
+(``adaptive_dist.policy.registry``). A JSON file may set any subset, a policy's keys inside its
+section (``{"goodput": {"switch_margin": 0.1}}``) or at the top level (the older spelling, still
+accepted). Validation errors name the key, the value and what is allowed.
 """
 from __future__ import annotations
 
@@ -12,20 +16,46 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 REDUCERS = ("weighted_mean", "min", "max", "mixture")
-FLOAT_KEYS = ("ema_alpha", "up_hysteresis", "down_hysteresis", "switch_margin", "cost_alpha",
-              "reset_nats")
-POLICIES = ("static", "ema", "goodput")   # one class each in adaptive_dist.policy
-REMOVED_KEYS = {
-    "probe_backoff": "goodput's probes all wait probe_every decision points now",
-    "zero_via_smallest": "goodput's switch to depth 0 goes straight to 0 now",
-}
-"""Keys a config may no longer set, each with what replaced it: refused by name (a file that
-still sets one asks for a behaviour the code no longer has). Removed by issue 26: neither moved
-any production-priced goal row by 1% at batch 1, 16 or 64 (docs/policy.md, "Knobs and their
-measurements")."""
+
+
+class _PolicyNames:
+    """The names of the registered policies (``adaptive_dist.policy.registry``), read when used,
+    so a policy registered later is a ``--policy`` choice too: ``in``, iteration (registration
+    order), ``len``, ``==`` with a tuple. ``adaptive``: only the policies that may change the
+    depth (True), only those that may not (False), every one (None)."""
+
+    def __init__(self, adaptive: Optional[bool] = None) -> None:
+        self.adaptive = adaptive
+
+    def _names(self) -> tuple[str, ...]:
+        from adaptive_dist.policy.registry import policy_names
+
+        return policy_names(self.adaptive)
+
+    def __iter__(self) -> Any:
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == tuple(other) if isinstance(other, (tuple, list, _PolicyNames)) \
+            else NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+POLICIES: Any = _PolicyNames()
+"""Every registered policy's name (static, ema, goodput, then any registered later)."""
+ADAPTIVE_POLICIES: Any = _PolicyNames(adaptive=True)
+"""The registered policies that may change the depth (``--adaptive --policy``'s choices)."""
 INT_KEY = re.compile(r"0|[1-9][0-9]*")  # an integer written as a JSON key: "0", "7", "64"
 
 
@@ -143,13 +173,69 @@ class VerifyCost:
         return {str(t): c for t, c in zip(self.tokens, self.costs)}
 
 
-@dataclass(frozen=True)
+class PolicySection:
+    """Base of a policy's own configuration section: a frozen dataclass of the keys only that
+    policy reads, each a field with its default (``DepthPolicy.Section``). A JSON file sets them
+    inside an object named after the policy (``{"goodput": {"switch_margin": 0.1}}``) or, the
+    older spelling, at the top level (``{"switch_margin": 0.1}``); the effective configuration
+    (``to_dict``, the digest) lists them at the top level, as it always has.
+
+    ``removed``: keys the section no longer has, each with what replaced it (refused by name).
+    The checks that read other keys are the policy's ``check_section``; ``__post_init__`` only
+    brings values to their canonical form (a float field's ``0`` is ``0.0``: the same setting
+    must hash the same)."""
+
+    removed: ClassVar[dict[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        _floats(self)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def to_json(self) -> dict:
+        return {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _floats(obj: Any) -> None:
+    """Every field annotated ``float`` holding a finite number, as a float (``0`` -> ``0.0``)."""
+    for f in dataclasses.fields(obj):
+        if f.type in ("float", float):
+            v = getattr(obj, f.name)
+            if is_number(v):
+                object.__setattr__(obj, f.name, float(v))
+
+
+def _json_value(v: Any) -> Any:
+    """A setting's JSON form: a table's ``to_json()``, a tuple as a list, anything else as it is."""
+    if hasattr(v, "to_json"):
+        return v.to_json()
+    if isinstance(v, tuple):
+        return list(v)
+    return v
+
+
+def _sections() -> dict[str, type]:
+    """Every registered policy's section class, by policy name (policies without keys left out)."""
+    from adaptive_dist.policy.registry import policy_sections
+
+    return policy_sections()
+
+
+@dataclass(frozen=True, init=False)
 class AdaptiveConfig:
-    """Policy and consensus settings (rules in docs/policy.md; the ladder is SGLang-compatible)."""
+    """Policy and consensus settings (rules in docs/policy.md; the ladder is SGLang-compatible).
+
+    The fields below are the keys every policy reads; each policy's own keys are its section
+    (``DepthPolicy.Section``, a ``PolicySection``), held in ``sections`` for every registered
+    policy and read as attributes (``config.switch_margin``) or as keyword arguments
+    (``AdaptiveConfig(policy="goodput", switch_margin=0.1)``, ``config.replace(...)``)."""
 
     policy: str = "ema"
-    """``ema`` (adaptive: the EMA ladder), ``goodput`` (adaptive: the best expected tokens per
-    unit of round cost) or ``static`` (stay at ``initial_steps``)."""
+    """The registered policy (``adaptive_dist.policy.registry``): ``ema`` (adaptive: the EMA
+    ladder), ``goodput`` (adaptive: the best expected tokens per unit of round cost) or
+    ``static`` (stay at ``initial_steps``)."""
     candidate_steps: tuple[int, ...] = (1, 3, 7)
     """Draft depths the policy may choose; sorted ascending, at least two distinct, each >= 1
     (0, no speculation, is allowed for ``goodput`` and ``static``)."""
@@ -161,10 +247,6 @@ class AdaptiveConfig:
     """Counted rounds before the first decision point (>= 0)."""
     update_interval: int = 5
     """Counted rounds between decision points (>= 1)."""
-    up_hysteresis: float = 0.0
-    """Added to the rise threshold ``c[i] - 0.5``."""
-    down_hysteresis: float = -0.25
-    """Added to the drop threshold ``c[i-1] - 0.5``."""
     min_dwell_rounds: int = 0
     """No switch within this many counted rounds of the previous switch: a switch at counted
     round c needs c - (counted round of the last switch) >= min_dwell_rounds (>= 0)."""
@@ -175,51 +257,60 @@ class AdaptiveConfig:
     """Padded batch sizes that have CUDA graphs; a larger cluster-wide batch runs eager."""
     lockstep_check_every: int = 16
     """Rounds between lockstep hash checks across ranks (>= 1)."""
-    round_cost: Optional[RoundCost] = None
-    """goodput: the relative cost of a round at each candidate depth, one table
-    (``{"<steps>": cost}``) or one row per padded batch (``{"<bucket>": {"<steps>": cost}}``).
-    ``None`` until the engine has measured and agreed it (``agree_round_cost``); consensus-only
-    mode needs it in the config file. Refused for the other policies."""
-    switch_margin: float = 0.05
-    """goodput: switch only when the best score beats the current one by this share (>= 0)."""
-    probe_every: int = 8
-    """goodput: at depth 0, probe the smallest positive depth after this many decision points
-    (>= 1)."""
-    reset_nats: float = 8.0
-    """goodput: a round that measures acceptance and whose accept lengths are more than this many
-    nats likelier under their own acceptance rate than under the rank's EMAs (the geometric
-    model's log-likelihood ratio, ``policy.surprise``) restarts the rank's EMAs from that round
-    alone: a new regime is taken at once instead of over ``~1/ema_alpha`` rounds. At batch 1 it
-    takes a round far off the EMAs (a request that accepts all 7 drafts against a rate of 0.3:
-    8.4 nats; one that rejects the first against 0.85: 1.9); 16 requests that each reject at
-    once at depth 7 against 0.85 give 30. With it on, a rank's first measurement replaces the
-    start values too. (>= 0; 0: off — the EMAs follow ``ema_alpha`` alone.)"""
-    per_request: bool = False
-    """goodput: per-request budgets (``--per-request``): every request drafts what its own
-    acceptance pays for, inside a round shape (draft forwards, verify tokens) the cluster agrees
-    every round (``adaptive_dist.policy.budgets``); false: one depth for the whole batch."""
-    verify_cost: Optional[VerifyCost] = None
-    """goodput with ``per_request``: seconds of the packed verify forward at each token count
-    (``{"<tokens>": seconds}``), measured and agreed at start-up like ``round_cost`` (or given:
-    ``--model-costs``)."""
-    cost_alpha: float = 0.0
-    """goodput: EMA weight of a timed round in its cost-table row's offset (in [0, 1]; 0: the
-    table stays as agreed at start-up). The engine's rounds are timed (seconds from one round's
-    begin to the next's, the slowest rank's), so a table in other units must keep 0."""
+    sections: tuple[tuple[str, PolicySection], ...] = ()
+    """(policy name, its section) for every registered policy that has keys, in registration
+    order (the ema ladder's hysteresis, goodput's cost table and knobs: see their classes)."""
+
+    def __init__(self, policy: str = "ema", candidate_steps: Any = (1, 3, 7),
+                 initial_steps: int = 3, ema_alpha: float = 0.2, warmup_batches: int = 10,
+                 update_interval: int = 5, min_dwell_rounds: int = 0,
+                 reducer: str = "weighted_mean", graph_buckets: Any = (1, 2, 4, 8, 16, 32, 64),
+                 lockstep_check_every: int = 16,
+                 sections: Any = (), **keys: Any) -> None:
+        """The core keys by name; ``keys``: any registered policy's section keys, flat (over the
+        values of ``sections``, a tuple of pairs or a mapping policy -> section or dict)."""
+        core = dict(policy=policy, candidate_steps=candidate_steps, initial_steps=initial_steps,
+                    ema_alpha=ema_alpha, warmup_batches=warmup_batches,
+                    update_interval=update_interval, min_dwell_rounds=min_dwell_rounds,
+                    reducer=reducer, graph_buckets=graph_buckets,
+                    lockstep_check_every=lockstep_check_every)
+        for name, value in core.items():
+            object.__setattr__(self, name, value)
+        given = dict(sections.items() if isinstance(sections, dict) else sections)
+        built: list[tuple[str, PolicySection]] = []
+        where: dict[str, PolicySection] = {}
+        for name, cls in _sections().items():
+            have = given.pop(name, None)
+            values = ({f.name: getattr(have, f.name) for f in dataclasses.fields(have)}
+                      if isinstance(have, PolicySection) else dict(have or {}))
+            values.update({k: keys.pop(k) for k in cls.keys() if k in keys})
+            section = cls(**values)
+            built.append((name, section))
+            where.update((k, section) for k in cls.keys())
+        if keys or given:
+            extra = ", ".join(repr(k) for k in [*keys, *given])
+            raise TypeError(f"AdaptiveConfig got unexpected keyword argument(s) {extra}")
+        object.__setattr__(self, "sections", tuple(built))
+        object.__setattr__(self, "_where", where)
+        self.__post_init__()
+
+    def __getattr__(self, name: str) -> Any:
+        """A section key read as an attribute (``config.probe_every``)."""
+        section = self.__dict__.get("_where", {}).get(name)
+        if section is None:
+            raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+        return getattr(section, name)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidate_steps",
                            _as_int_tuple("candidate_steps", self.candidate_steps, minimum=0))
-        if self.round_cost is not None:
-            object.__setattr__(self, "round_cost", RoundCost.parse(self.round_cost))
-        if self.verify_cost is not None:
-            object.__setattr__(self, "verify_cost", VerifyCost.parse(self.verify_cost))
         object.__setattr__(self, "graph_buckets", _as_int_tuple("graph_buckets", self.graph_buckets))
-        for key in FLOAT_KEYS:  # 0 and 0.0 are the same setting and must hash the same
-            v = getattr(self, key)
-            if is_number(v):
-                object.__setattr__(self, key, float(v))
+        _floats(self)  # 0 and 0.0 are the same setting and must hash the same
         _validate(self)
+
+    def section(self, policy: str) -> Optional[PolicySection]:
+        """The section of ``policy`` (None: that policy has no keys of its own)."""
+        return dict(self.sections).get(policy)
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -232,11 +323,16 @@ class AdaptiveConfig:
         return policy_section(self.policy).adaptive
 
     @property
+    def start_up_needs(self) -> tuple[str, ...]:
+        """The measured inputs the policy still needs before the first round (``DepthPolicy.
+        start_up_needs``; goodput: ``round_cost``, and ``verify_cost`` with per_request, while
+        unset): an engine measures and agrees them (``adaptive_dist.startup.prepare``)."""
+        return tuple(policy_section(self.policy).start_up_needs(self))
+
+    @property
     def needs_round_cost(self) -> bool:
-        """The policy needs a ``round_cost`` table and none is set yet (the engine measures it
-        and calls ``adaptive_dist.startup.agree_round_cost`` before the first round)."""
-        return policy_section(self.policy).uses_round_cost and (
-            self.round_cost is None or (self.per_request and self.verify_cost is None))
+        """The policy still needs measured inputs (``start_up_needs``; the older name)."""
+        return bool(self.start_up_needs)
 
     @property
     def tiers(self) -> tuple[int, ...]:
@@ -250,25 +346,51 @@ class AdaptiveConfig:
 
     # ---- I/O ---------------------------------------------------------------------------------
     @classmethod
+    def core_keys(cls) -> tuple[str, ...]:
+        """The keys every policy reads (the fields but ``sections``)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "sections")
+
+    @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> "AdaptiveConfig":
-        """Build from a dict (a parsed JSON file); unknown keys are refused by name."""
+        """Build from a dict (a parsed JSON file): the core keys, each policy's keys either in
+        its section (``{"goodput": {...}}``) or flat; unknown keys are refused by name."""
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        removed = sorted(set(data) & set(REMOVED_KEYS))
-        if removed:
+        sections = _sections()
+        flat = dict(data)
+        nested: dict[str, dict] = {}
+        for name in sections:
+            if name in flat:
+                given = flat.pop(name)
+                if not isinstance(given, dict):
+                    raise ConfigError(f"{source}: section {name!r}={given!r}: must be a JSON "
+                                      f"object of the {name} policy's keys "
+                                      f"({', '.join(sections[name].keys())})")
+                nested[name] = given
+        removed = {k: why for c in sections.values() for k, why in c.removed.items()}
+        named = sorted(set(flat) | {k for s in nested.values() for k in s})
+        gone = [k for k in named if k in removed]
+        if gone:
             raise ConfigError(
-                f"{source}: key(s) {', '.join(repr(k) for k in removed)} no longer exist ("
-                + "; ".join(f"{k}: {REMOVED_KEYS[k]}" for k in removed)
+                f"{source}: key(s) {', '.join(repr(k) for k in gone)} no longer exist ("
+                + "; ".join(f"{k}: {removed[k]}" for k in gone)
                 + "); drop them from the config")
-        unknown = sorted(set(data) - known)
+        known = set(cls.core_keys()) | {k for c in sections.values() for k in c.keys()}
+        unknown = sorted(set(flat) - known)
+        unknown += [f"{name}.{k}" for name, s in nested.items() for k in s
+                    if k not in sections[name].keys()]
         if unknown:
             raise ConfigError(
                 f"{source}: unknown key(s) {', '.join(repr(k) for k in unknown)}; "
                 f"allowed keys: {', '.join(sorted(known))}"
-            )
+                + "".join(f"; in section {n!r}: {', '.join(c.keys())}"
+                          for n, c in sections.items()))
+        twice = sorted(k for name, s in nested.items() for k in s if k in flat)
+        if twice:
+            raise ConfigError(f"{source}: key(s) {', '.join(repr(k) for k in twice)} given both "
+                              f"at the top level and in their policy's section; give each once")
         try:
-            return cls(**data)
+            return cls(**flat, sections=nested)
         except ConfigError as exc:
             if source == "config":
                 raise
@@ -280,11 +402,10 @@ class AdaptiveConfig:
         return cls.from_dict(read_config_file(path), source=f"config file {str(path)!r}")
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["candidate_steps"] = list(self.candidate_steps)
-        d["graph_buckets"] = list(self.graph_buckets)
-        d["round_cost"] = self.round_cost.to_json() if self.round_cost is not None else None
-        d["verify_cost"] = self.verify_cost.to_json() if self.verify_cost is not None else None
+        """The effective configuration, flat: the core keys, then every section's keys."""
+        d = {k: _json_value(getattr(self, k)) for k in self.core_keys()}
+        for _, section in self.sections:
+            d.update(section.to_json())
         return d
 
     def digest(self) -> str:
@@ -293,7 +414,9 @@ class AdaptiveConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def replace(self, **changes: Any) -> "AdaptiveConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` (core or section keys, by name), validated again."""
+        core = {k: getattr(self, k) for k in self.core_keys()}
+        return AdaptiveConfig(**{**core, "sections": self.sections, **changes})
 
 
 def read_config_file(path: str | Path) -> dict:
@@ -338,8 +461,9 @@ def _validate(c: AdaptiveConfig) -> None:
           "needs at least two distinct candidates (duplicates removed)")
     check(c.candidate_steps[0] > 0 or active.allows_depth_zero, "candidate_steps",
           list(c.candidate_steps),
-          "0 (no speculation) is a candidate of the static and goodput policies only: the ema "
-          "ladder has no acceptance signal at depth 0")
+          f"0 (no speculation) is a candidate of the "
+          f"{' and '.join(n for n in POLICIES if policy_section(n).allows_depth_zero)} policies "
+          f"only: the {c.policy} policy has no acceptance signal at depth 0")
     check(is_int(c.initial_steps), "initial_steps", c.initial_steps, "must be an integer")
     check(c.initial_steps in c.candidate_steps, "initial_steps", c.initial_steps,
           f"must be one of candidate_steps {list(c.candidate_steps)}")
@@ -357,9 +481,9 @@ def _validate(c: AdaptiveConfig) -> None:
 
 
 def policy_section(name: str) -> Any:
-    """The class of the policy called ``name`` (``adaptive_dist.policy``): what it allows, and
-    ``check_section`` for the keys only it reads."""
-    from adaptive_dist.policy import policy_class
+    """The class of the policy called ``name`` (``adaptive_dist.policy.registry``): what it
+    allows, its section and ``check_section`` for the keys only it reads."""
+    from adaptive_dist.policy.registry import policy_class
 
     return policy_class(name)
 

@@ -32,8 +32,6 @@ from adaptive_dist.policy import (
     Decision,
     depth_policy,
     pick_bucket,
-    shifted_costs,
-    update_offsets,
 )
 from adaptive_dist.policy.budgets import PerRequestRule, effective_tokens
 from adaptive_dist.shape import RoundShape, token_ladder
@@ -129,7 +127,7 @@ class RoundStats:
     rounds_at_steps: Counter = field(default_factory=Counter)
     # rounds that ran requests, per (steps, padded batch, verify tokens): what a cost table prices
     rounds_at_shape: Counter = field(default_factory=Counter)
-    timed_rounds: int = 0   # goodput, cost_alpha > 0: rounds whose time moved the cost table
+    timed_rounds: int = 0   # rounds whose time the policy took (goodput, cost_alpha > 0)
     # the latest timed rounds (round, steps, padded batch, slowest rank's seconds), for diagnosis
     timed_samples: deque = field(default_factory=lambda: deque(maxlen=4096))
     # speculation as vLLM's spec-decode metrics count it, from the accept lengths reported to
@@ -173,18 +171,21 @@ class RoundCoordinator:
 
     It holds the depth policy (``self.policy``), the state every rank shares (``self.state``),
     this rank's estimate (``self.local``: its EMAs and weight) and the statistics of the run.
-    A policy that reads ``round_cost`` (goodput) needs it in ``config``: an engine measures it and
-    agrees it with ``adaptive_dist.startup.agree_round_cost`` before building the coordinator."""
+    A policy's measured start-up inputs (``DepthPolicy.start_up_needs``; goodput's ``round_cost``)
+    must be in ``config``: an engine measures and agrees them with ``adaptive_dist.startup.prepare``
+    before building the coordinator."""
 
     def __init__(self, config: AdaptiveConfig, group: Group, *,
                  guard: Optional[LockstepGuard] = None, channel: str = "control",
                  clock: Optional[Callable[[], float]] = time.perf_counter,
                  scheme: str = "reduce", algorithm: str = "doubling",
                  verify_ladder: Optional[Sequence[int]] = None) -> None:
-        if config.needs_round_cost:
-            raise ValueError("the goodput policy needs round_cost (and, with per_request, "
-                             "verify_cost): measure the cost of a round at each depth and call "
-                             "adaptive_dist.startup.agree_round_cost, or set them in the config")
+        if config.start_up_needs:
+            needs = config.start_up_needs
+            raise ValueError(f"the {config.policy} policy needs {' and '.join(needs)}: measure "
+                             f"and agree them over the ranks (adaptive_dist.startup.prepare: "
+                             f"{', '.join('agree_' + n for n in needs)}), or set them in the "
+                             f"config")
         # the verify forward's token rungs (the engine's; every rank the same): a chain's round
         # verifies the rung that holds its tokens, a per-request round any of them
         self.ladder = tuple(verify_ladder) if verify_ladder is not None else None
@@ -198,12 +199,11 @@ class RoundCoordinator:
         self.config = config
         self.group = group
         self.guard = guard
-        # goodput: the cost table decisions read; with cost_alpha > 0 timed rounds move it
-        self.round_cost = config.round_cost
-        self.cost_offsets = (0.0,) * len(config.round_cost.rows) if config.round_cost else ()
         self._clock = clock     # None: rounds are not timed (consensus-only replay)
         self._last_begin: Optional[float] = None
         self.policy = depth_policy(config)
+        # what the policy decides on that timed rounds move (goodput: its live cost table)
+        self.costs = self.policy.live_costs()
         self.state = self.policy.initial_state()   # shared: identical on every rank
         self.local = self.policy.initial_estimate()   # this rank's EMAs and weight
         self.round = 0
@@ -236,6 +236,16 @@ class RoundCoordinator:
     @property
     def steps(self) -> int:
         return self.config.candidate_steps[self.state.index]
+
+    @property
+    def round_cost(self) -> Any:
+        """The cost table the policy's decisions read now (goodput; None: none)."""
+        return self.costs.table if self.costs is not None else None
+
+    @property
+    def cost_offsets(self) -> tuple[float, ...]:
+        """Per row of the cost table, what timed rounds moved it by (``()``: no table)."""
+        return self.costs.offsets if self.costs is not None else ()
 
     @property
     def ema(self) -> float:
@@ -415,13 +425,14 @@ class RoundCoordinator:
                 cell[2] += 1
 
     def _time_previous(self, cluster: consensus.ClusterRound) -> None:
-        """goodput with ``cost_alpha`` > 0: move the offset of the previous round's batch row
-        toward its time, the slowest rank's, less its depth's agreed cost; the live table is the
-        agreed one plus each row's offset (identical on every rank: every input is an agreed
-        cluster value or the agreed plan). Only a steady decode round counts — it and this round run
-        requests and neither prefills — so idle time and prefills stay out."""
-        prev, alpha = self._prev_plan, self.config.cost_alpha
-        if not alpha or prev is None or self.round_cost is None:
+        """A policy that times rounds (``DepthPolicy.times_rounds``; goodput with ``cost_alpha``
+        > 0) gets the previous round's time, the slowest rank's (``round_timed``: goodput moves
+        that batch row's offset toward it less its depth's agreed cost), identical on every rank:
+        every input is an agreed cluster value or the agreed plan. Only a steady decode round
+        counts — it and this round run requests and neither prefills — so idle time and
+        prefills stay out."""
+        prev = self._prev_plan
+        if not self.policy.times_rounds or prev is None or self.costs is None:
             return
         if prev.cluster_requests <= 0 or prev.extend_tokens > 0:
             return
@@ -429,10 +440,8 @@ class RoundCoordinator:
             return
         if cluster.untimed:
             return
-        base, slowest = self.config.round_cost, cluster.period_max
-        self.cost_offsets = update_offsets(base, self.cost_offsets, prev.batch_pad, prev.steps,
-                                           slowest, alpha)
-        self.round_cost = shifted_costs(base, self.cost_offsets)
+        slowest = cluster.period_max
+        self.costs = self.policy.round_timed(self.costs, prev.batch_pad, prev.steps, slowest)
         self.stats.timed_rounds += 1
         self.stats.timed_samples.append((prev.round, prev.steps, prev.batch_pad, slowest))
 

@@ -24,7 +24,8 @@ from adaptive_dist.config import AdaptiveConfig, ConfigError
 from adaptive_dist.coordinator import RoundCoordinator, RoundOutcome, RoundReport
 from adaptive_dist.policy import DepthPolicy, Shadow, depth_policy
 from adaptive_dist.outputs import OutputError, check_output_dir, check_output_file, write_lines
-from adaptive_dist.startup import agree_settings, all_ranks_or_none, exchange
+from adaptive_dist.startup import (agree_settings, all_ranks_or_none, exchange,
+                                   missing_inputs_error)
 from adaptive_dist.shape import token_ladder
 from adaptive_dist.trace import RANK_FILE, TraceRound
 
@@ -52,15 +53,12 @@ def outcome_record(outcome: RoundOutcome, rank: int, policy: DepthPolicy) -> dic
 
 
 def require_round_cost(config: AdaptiveConfig) -> AdaptiveConfig:
-    """Consensus-only mode runs no model, so nothing can measure the cost of a round: the
-    goodput policy needs ``round_cost`` in the config file. Returns ``config``."""
-    if config.needs_round_cost:
-        raise ConfigError(
-            "--policy goodput in consensus-only mode needs round_cost in the --config file "
-            "(no model runs here to measure the cost of a round at each depth): e.g. "
-            '{"round_cost": {"1": 1.2, "3": 1.5, "7": 2.2}} with one relative cost per '
-            "candidate depth, or one such table per padded batch bucket "
-            '{"round_cost": {"8": {...}, "64": {...}}}')
+    """Consensus-only mode runs no model, so nothing can measure what a policy needs at start-up
+    (``DepthPolicy.start_up_needs``; goodput: ``round_cost``): the config file must give it
+    (``adaptive_dist.startup.missing_inputs_error``). Returns ``config``."""
+    error = missing_inputs_error(config)
+    if error is not None:
+        raise error
     return config
 
 

@@ -1,4 +1,6 @@
-"""Start-up agreement of the adaptive layer: the configuration, the goodput cost table.
+"""Start-up agreement of the adaptive layer: the configuration, and what a policy needs from an
+engine before the first round (``prepare``: the values it derives in an engine, the inputs it
+measures; goodput's probe floor and cost tables).
 
 A bad configuration, trace or output path on any rank stops start-up on every rank with the same
 message; ranks whose settings differ refuse to run, naming the settings and the ranks. Everything
@@ -10,7 +12,7 @@ step); here a refusal is a ``ConfigError``, as every input error of the adaptive
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional, Protocol, TypeVar
 
 from adaptive_dist.config import AdaptiveConfig, ConfigError
 from adaptive_dist.policy import policy_class
@@ -23,8 +25,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 __all__ = ["ConfigMismatchError", "agree_settings", "agree_config", "exchange",
-           "all_ranks_or_none", "probe_after_catchup", "derived_settings", "agree_round_cost",
-           "agree_verify_cost", "measured_as_json"]
+           "all_ranks_or_none", "EngineFacts", "prepare", "MEASURES", "missing_inputs_error",
+           "probe_after_catchup", "derived_settings", "agree_round_cost", "agree_verify_cost",
+           "measured_as_json"]
 
 
 class ConfigMismatchError(ConfigError):
@@ -63,7 +66,67 @@ def agree_config(build: Callable[[], AdaptiveConfig], group: "Group",
     return cfg
 
 
-# ---- the goodput policy's engine-side settings ----------------------------------------------------
+# ---- what a policy needs from an engine -----------------------------------------------------------
+
+class EngineFacts(Protocol):
+    """What an engine offers a policy at start-up (``prepare``): one object, the same interface
+    for every policy. An engine provides all of it; a policy takes what it declares."""
+
+    catchup_rounds: int
+    """Depth-0 rounds between the draft cache's catch-ups (what ``DepthPolicy.in_engine`` derives
+    from: goodput's probe floor)."""
+
+    def measure_round_costs(self) -> "MeasuredCost":
+        """Seconds of one round at every tier and padded batch bucket, on this rank (a collective:
+        every rank measures the same tiers and buckets in the same order)."""
+
+    def measure_verify_costs(self) -> Mapping[int, float]:
+        """Seconds of the packed verify forward at each verify-token count, on this rank."""
+
+
+class Measure(NamedTuple):
+    """A measured input an engine can provide: which ``EngineFacts`` method measures it on a rank
+    and how the ranks' measurements become the agreed value in the configuration."""
+
+    method: str
+    agree: Callable[[AdaptiveConfig, Any, "Group"], AdaptiveConfig]
+    example: str   # how a config file gives it instead (consensus-only mode measures nothing)
+
+
+def prepare(config: AdaptiveConfig, engine: EngineFacts, group: "Group"
+            ) -> tuple[AdaptiveConfig, str]:
+    """The effective configuration of ``config`` in ``engine``, and what it derived (``''``: none;
+    ``derived_settings``): first the values the policy derives from the engine
+    (``DepthPolicy.in_engine``, ``probe_after_catchup``), then every measured input the policy
+    still needs (``DepthPolicy.start_up_needs``), each measured by ``engine`` and agreed over
+    ``group`` (``MEASURES``), in the order the policy names them. Call on every rank, after the
+    configuration is agreed and before the ``RoundCoordinator`` (whose hash includes all of it).
+    A policy that needs an input no engine measures is refused by name."""
+    effective = probe_after_catchup(config, engine.catchup_rounds)
+    derived = derived_settings(config, effective)
+    for need in effective.start_up_needs:
+        if need not in MEASURES:
+            raise ConfigError(f"the {effective.policy} policy needs {need!r} at start-up, which "
+                              f"an engine does not measure (it measures "
+                              f"{', '.join(MEASURES)}); set it in the config")
+        measure = MEASURES[need]
+        effective = measure.agree(effective, getattr(engine, measure.method)(), group)
+    return effective, derived
+
+
+def missing_inputs_error(config: AdaptiveConfig) -> Optional[ConfigError]:
+    """Where nothing measures (consensus-only mode): the error for a configuration whose policy
+    still needs measured inputs, naming them and how the file gives them; None when none."""
+    needs = config.start_up_needs
+    if not needs:
+        return None
+    how = "; ".join(f"{n}: {MEASURES[n].example}" if n in MEASURES else n for n in needs)
+    return ConfigError(f"--policy {config.policy} in consensus-only mode needs "
+                       f"{' and '.join(needs)} in the --config file (no model runs here to "
+                       f"measure them): {how}")
+
+
+# ---- the values a policy derives in an engine ----------------------------------------------------
 
 def probe_after_catchup(config: AdaptiveConfig, catchup_rounds: int) -> AdaptiveConfig:
     """The effective configuration of ``config`` in an engine whose draft cache catches up every
@@ -88,7 +151,7 @@ def derived_settings(given: AdaptiveConfig, effective: AdaptiveConfig) -> str:
                      if before[key] != after[key])
 
 
-# ---- the goodput policy's cost table ------------------------------------------------------------
+# ---- measured inputs: the cost tables ------------------------------------------------------------
 
 MeasuredCost = Mapping[int, Mapping[int, float]]
 """A rank's measured round cost: padded batch bucket -> depth (steps) -> seconds per round."""
@@ -109,7 +172,7 @@ def agree_round_cost(config: AdaptiveConfig, measured: MeasuredCost,
     what = "agreeing the round cost table"
 
     def local() -> dict:
-        if not policy_class(config.policy).uses_round_cost:
+        if "round_cost" not in _own_keys(config):
             raise ConfigError(f"agree_round_cost: policy={config.policy!r}; round_cost applies "
                               f"to the goodput policy only")
         table = measured_as_json(measured)
@@ -182,3 +245,23 @@ def measured_as_json(measured: MeasuredCost) -> dict[str, dict[str, float]]:
 def _measured_key(key: Any, name: str, where: str) -> None:
     if isinstance(key, bool) or not isinstance(key, int):
         raise ConfigError(f"{where}: the {name} {key!r} must be an integer")
+
+
+def _own_keys(config: AdaptiveConfig) -> tuple[str, ...]:
+    """The keys of the section of ``config``'s policy."""
+    section = config.section(config.policy)
+    return section.keys() if section is not None else ()
+
+
+MEASURES: dict[str, Measure] = {
+    "round_cost": Measure(
+        "measure_round_costs", agree_round_cost,
+        'e.g. {"round_cost": {"1": 1.2, "3": 1.5, "7": 2.2}} with one relative cost per '
+        'candidate depth, or one such table per padded batch bucket '
+        '{"round_cost": {"8": {...}, "64": {...}}}'),
+    "verify_cost": Measure(
+        "measure_verify_costs", agree_verify_cost,
+        'e.g. {"verify_cost": {"8": 0.004, "16": 0.005}}, seconds of the verify forward per '
+        'token count'),
+}
+"""The measured inputs an engine provides (``EngineFacts``), by the configuration key they set."""

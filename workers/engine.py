@@ -20,8 +20,9 @@ admission reserves KV for that extra round), and the planner decides with statis
 older. Every rank overlaps or none does (the setting is agreed at start-up).
 
 `build_engine` builds the stack from an `EngineConfig` and a loaded target and head: the worker
-and its tiers, the effective speculative settings (and, for goodput, the agreed cost table), the
-planner (a `RoundCoordinator`), then the engine.
+and its tiers, the effective speculative settings (what the policy derives and measures at
+start-up, `adaptive_dist.startup.prepare` over this engine's `EngineFacts`), the planner (a
+`RoundCoordinator`), then the engine.
 """
 from __future__ import annotations
 
@@ -39,8 +40,7 @@ from adaptive_dist.failures import say
 from adaptive_dist.coordinator import Executed, RoundCoordinator, RoundPlan, RoundReport, RoundStats
 from adaptive_dist.policy import Shadow
 from adaptive_dist.shape import RoundShape
-from adaptive_dist.startup import (agree_round_cost, agree_verify_cost, derived_settings,
-                                   probe_after_catchup)
+from adaptive_dist.startup import prepare
 from collectives import Group, LockstepGuard
 from workers import startup_log
 from workers.attention import make_backend
@@ -412,6 +412,29 @@ def measure_round_costs(config: EngineConfig, worker: EagleWorker, pool: Runtime
     return table
 
 
+class EngineFacts:
+    """What this engine offers the policy at start-up (`adaptive_dist.startup.EngineFacts`): its
+    catch-up interval and the measurements of its built tiers, each a step of the start-up
+    timeline. `adaptive_dist.startup.prepare` takes what the policy declares it needs."""
+
+    def __init__(self, config: EngineConfig, worker: EagleWorker, pool: RuntimeStatePool) -> None:
+        self.config, self.worker, self.pool = config, worker, pool
+        self.catchup_rounds = config.catchup_rounds
+
+    def measure_round_costs(self) -> dict[int, dict[int, float]]:
+        with startup_log.current().timed("cost table") as step:
+            measured = measure_round_costs(self.config, self.worker, self.pool)
+            step["text"] = (f"{sum(map(len, measured.values()))} round costs (depths "
+                            f"{list(self.pool.states)} x buckets {list(measured)})")
+        return measured
+
+    def measure_verify_costs(self) -> dict[int, float]:
+        with startup_log.current().timed("verify costs") as step:
+            verify = self.worker.measure_verify_costs()
+            step["text"] = f"{len(verify)} token rungs priced"
+        return verify
+
+
 def build_engine(config: EngineConfig, target: torch.nn.Module, head: torch.nn.Module | None,
                  group: Group | None = None, guard: LockstepGuard | None = None) -> Engine:
     """The engine stack for a loaded `target` (and `head`, unused when `config` does not
@@ -419,10 +442,10 @@ def build_engine(config: EngineConfig, target: torch.nn.Module, head: torch.nn.M
     (default: this process alone). `guard` (multi-rank runs) checks the ranks' collective logs and
     plans every `lockstep_check_every` rounds and arms its watchdog around every round.
 
-    The speculative settings the engine runs are the effective ones: what an engine derives from
-    `config.spec` (`adaptive_dist.startup.probe_after_catchup`; said on the group's first rank
-    when it changes a value) and, for goodput, the cost table measured on the built tiers and
-    agreed; the planner's config hash holds them."""
+    The speculative settings the engine runs are the effective ones: what the policy derives in
+    this engine and the inputs it measures on the built tiers, agreed over `group`
+    (`adaptive_dist.startup.prepare` with this engine's `EngineFacts`; a derived value is said on
+    the group's first rank); the planner's config hash holds them."""
     backend = make_backend(config.attention_backend, config.device)
     worker = EagleWorker(target, head if config.speculative else None, config, backend)
     allocator = PageAllocator(config.pool_pages, config.page_size)
@@ -430,28 +453,17 @@ def build_engine(config: EngineConfig, target: torch.nn.Module, head: torch.nn.M
                           lambda r: config.kv_tokens(len(r.prompt_ids), r.params.max_new_tokens),
                           device=config.device, prompt_logprobs=config.dp == 1)
     group = group if group is not None else Group.single(config.device, name="world")
+    if group.size > 1:
+        # the draft shape sets every round's row counts (a tree's K per draft step, N per
+        # verify): a rank started with another one is named before any device collective
+        from adaptive_dist.startup import agree_settings
+
+        agree_settings({"--steps": config.max_steps,
+                        "--speculative-eagle-topk": config.speculative_eagle_topk,
+                        "--speculative-num-draft-tokens": config.speculative_num_draft_tokens},
+                       group, "draft shape")
     pool = build_tiers(worker, config)
-    spec = config.spec
-    if config.speculative:
-        # goodput at depth 0 learns acceptance from the catch-up's shadow checks: no probe
-        # before the first of them can arrive
-        spec = probe_after_catchup(spec, config.catchup_rounds)
-    derived = derived_settings(config.spec, spec)
-    timeline = startup_log.current()
-    if spec.needs_round_cost and spec.round_cost is None:
-        # goodput: measure this rank's round costs on the built tiers and agree the table (the
-        # element-wise maximum over the ranks) before the planner, whose hash includes it
-        with timeline.timed("cost table") as step:
-            measured = measure_round_costs(config, worker, pool)
-            step["text"] = (f"{sum(map(len, measured.values()))} round costs (depths "
-                            f"{list(pool.states)} x buckets {list(measured)})")
-        spec = agree_round_cost(spec, measured, group)
-    if spec.needs_round_cost:
-        # per-request budgets: the verify forward's cost at every token rung, likewise
-        with timeline.timed("verify costs") as step:
-            verify = worker.measure_verify_costs()
-            step["text"] = f"{len(verify)} token rungs priced"
-        spec = agree_verify_cost(spec, verify, group)
+    spec, derived = prepare(config.spec, EngineFacts(config, worker, pool), group)
     if derived and group.is_first:
         say(f"effective configuration (derived for catchup_rounds {config.catchup_rounds}): "
             f"{derived}; digest {spec.digest()}")

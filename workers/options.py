@@ -36,7 +36,7 @@ class Setting:
     help: Optional[str] = None
     """The flag's help text; None: no flag (a value built in code, still checked)."""
     metavar: Optional[str] = None
-    choices: Optional[tuple] = None
+    choices: Optional[Any] = None   # a tuple, or a container read when used
     minimum: Optional[int] = None
     """The value is an integer of at least this."""
     parse: Optional[Callable[[str], Any]] = None
@@ -52,8 +52,10 @@ def setting(default: Any = MISSING, *, default_factory: Any = MISSING,
             parse: Optional[Callable[[str], Any]] = None, one_of: Optional[str] = None,
             required: bool = False) -> Any:
     """A dataclass field that declares one setting."""
-    meta = {_SETTING: Setting(help, metavar, None if choices is None else tuple(choices),
-                              minimum, parse, one_of, required)}
+    # a list becomes a tuple; any other container stays (a live view, e.g. the registered
+    # policies: a policy registered later is a choice too)
+    meta = {_SETTING: Setting(help, metavar, tuple(choices) if isinstance(choices, list)
+                              else choices, minimum, parse, one_of, required)}
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from adaptive_dist.cli import seconds
-from adaptive_dist.config import POLICIES
+from adaptive_dist.config import ADAPTIVE_POLICIES
 from workers.config import EngineOptions
 from workers.loading import DEFAULT_MODEL, DTYPES
 from workers.options import check_flags, nested, setting
@@ -103,7 +103,7 @@ class SpecChoice:
              "speculation off)")
     no_spec: bool = setting(False, one_of="mode", help="plain decoding with the target")
     policy: Optional[str] = setting(
-        None, choices=tuple(p for p in POLICIES if p != "static"),
+        None, choices=ADAPTIVE_POLICIES,   # the registered adaptive policies, read when used
         help="with --adaptive: ema (the acceptance ladder, default) or goodput (expected tokens "
              "per unit of measured round cost)")
     config: Optional[str] = setting(

@@ -21,7 +21,7 @@ from adaptive_dist.policy.rules import (
 )
 
 if TYPE_CHECKING:
-    from adaptive_dist.config import AdaptiveConfig, RoundCost
+    from adaptive_dist.config import AdaptiveConfig, PolicySection, RoundCost
 
 
 @dataclass(frozen=True)
@@ -91,14 +91,22 @@ class DepthPolicy(Protocol):
     allows_depth_zero: ClassVar[bool]  # 0 (no speculation) may be a candidate
     # the candidates a run gets when its configuration names none (None: AdaptiveConfig's)
     default_candidates: ClassVar[Optional[tuple[int, ...]]]
-    uses_round_cost: ClassVar[bool]   # reads ``round_cost`` (measured and agreed at start-up)
-    keys: ClassVar[tuple[str, ...]]   # the configuration keys only this policy reads
+    # the configuration keys only this policy reads, with their defaults: a frozen dataclass
+    # deriving from ``adaptive_dist.config.PolicySection`` (None: no keys of its own)
+    Section: ClassVar[Optional[type["PolicySection"]]]
     config: "AdaptiveConfig"
 
     @classmethod
     def check_section(cls, config: "AdaptiveConfig") -> None:
         """Validate the keys of this policy's section (every effective configuration holds them,
         whatever its policy); ``ConfigError`` naming the key, the value and what is allowed."""
+
+    @classmethod
+    def start_up_needs(cls, config: "AdaptiveConfig") -> tuple[str, ...]:
+        """The measured inputs this policy still needs before the first round, as the names of
+        its section's keys (goodput: ``round_cost`` while unset): an engine measures each and
+        the ranks agree it (``adaptive_dist.startup.prepare``, which names what it can measure);
+        consensus-only mode, which measures nothing, refuses a config that still needs any."""
 
     def initial_state(self) -> PolicyState:
         """The shared state before any round."""
@@ -141,6 +149,20 @@ class DepthPolicy(Protocol):
         """The effective configuration in an engine whose draft cache catches up every
         ``catchup_rounds`` depth-0 rounds (``config`` itself when the policy does not care)."""
 
+    @property
+    def times_rounds(self) -> bool:
+        """Whether the agreed time of a steady decode round moves what this policy decides on
+        (``round_timed``; goodput with ``cost_alpha`` > 0)."""
+
+    def live_costs(self) -> Any:
+        """What round times move, at the start (None: nothing; goodput: its cost table and a
+        zero offset per row). The coordinator holds it, identical on every rank, and passes
+        its ``table`` to ``decide``."""
+
+    def round_timed(self, costs: Any, batch: int, steps: int, seconds: float) -> Any:
+        """``costs`` after a steady decode round of padded batch ``batch`` at ``steps`` took
+        ``seconds`` (the slowest rank's, agreed)."""
+
     def outcome_fields(self, decision: Decision, local_ema_fail: float) -> dict[str, Any]:
         """What this policy adds to a consensus-only output line (none: ``{}``)."""
 
@@ -158,8 +180,7 @@ class CountingPolicy(abc.ABC):
     adaptive: ClassVar[bool] = True
     allows_depth_zero: ClassVar[bool] = False
     default_candidates: ClassVar[Optional[tuple[int, ...]]] = None
-    uses_round_cost: ClassVar[bool] = False
-    keys: ClassVar[tuple[str, ...]] = ()
+    Section: ClassVar[Optional[type["PolicySection"]]] = None
 
     def __init__(self, config: "AdaptiveConfig") -> None:
         self.config = config
@@ -168,6 +189,10 @@ class CountingPolicy(abc.ABC):
     @classmethod
     def check_section(cls, config: "AdaptiveConfig") -> None:
         return None
+
+    @classmethod
+    def start_up_needs(cls, config: "AdaptiveConfig") -> tuple[str, ...]:
+        return ()
 
     # ---- the rank's estimate ---------------------------------------------------------------
     def initial_state(self) -> PolicyState:
@@ -259,6 +284,16 @@ class CountingPolicy(abc.ABC):
     @classmethod
     def in_engine(cls, config: "AdaptiveConfig", catchup_rounds: int) -> "AdaptiveConfig":
         return config
+
+    @property
+    def times_rounds(self) -> bool:
+        return False
+
+    def live_costs(self) -> Any:
+        return None
+
+    def round_timed(self, costs: Any, batch: int, steps: int, seconds: float) -> Any:
+        return costs
 
     def outcome_fields(self, decision: Decision, local_ema_fail: float) -> dict[str, Any]:
         return {}

@@ -8,7 +8,16 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Optional, Sequence
 
-from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, check, is_int, is_number
+from adaptive_dist.config import (
+    AdaptiveConfig,
+    ConfigError,
+    PolicySection,
+    RoundCost,
+    VerifyCost,
+    check,
+    is_int,
+    is_number,
+)
 from adaptive_dist.policy.base import CountingPolicy, Decision, Observed, PolicyState, RankEstimate
 from adaptive_dist.policy.reducers import Mixture, Pooled, exact_sum
 from adaptive_dist.policy.rules import (
@@ -25,6 +34,72 @@ SURPRISE_RATE_CLIP = 0.01
 """The rank's rate is held to ``[0.01, 0.99]`` in ``surprise``: the EMAs' start values (rate 0
 before the first round of a run that starts at depth 1) must not make one request's round an
 infinite surprise."""
+
+
+# ---- the configuration section -----------------------------------------------------------------
+@dataclass(frozen=True)
+class GoodputSection(PolicySection):
+    """The goodput policy's own keys (checked by ``GoodputPolicy.check_section``)."""
+
+    removed: ClassVar[dict[str, str]] = {
+        "probe_backoff": "goodput's probes all wait probe_every decision points now",
+        "zero_via_smallest": "goodput's switch to depth 0 goes straight to 0 now",
+    }
+    """Keys a config may no longer set, each with what replaced it: refused by name (a file that
+    still sets one asks for a behaviour the code no longer has). Removed by issue 26: neither
+    moved any production-priced goal row by 1% at batch 1, 16 or 64 (docs/policy.md, "Knobs and
+    their measurements")."""
+
+    round_cost: Optional[RoundCost] = None
+    """The relative cost of a round at each candidate depth, one table (``{"<steps>": cost}``)
+    or one row per padded batch (``{"<bucket>": {"<steps>": cost}}``). ``None`` until the engine
+    has measured and agreed it (``start_up_needs``); consensus-only mode needs it in the config
+    file. Refused for the other policies."""
+    switch_margin: float = 0.05
+    """Switch only when the best score beats the current one by this share (>= 0)."""
+    probe_every: int = 8
+    """At depth 0, probe the smallest positive depth after this many decision points (>= 1)."""
+    reset_nats: float = 8.0
+    """A round that measures acceptance and whose accept lengths are more than this many nats
+    likelier under their own acceptance rate than under the rank's EMAs (the geometric model's
+    log-likelihood ratio, ``surprise``) restarts the rank's EMAs from that round alone: a new
+    regime is taken at once instead of over ``~1/ema_alpha`` rounds. At batch 1 it takes a round
+    far off the EMAs (a request that accepts all 7 drafts against a rate of 0.3: 8.4 nats; one
+    that rejects the first against 0.85: 1.9); 16 requests that each reject at once at depth 7
+    against 0.85 give 30. With it on, a rank's first measurement replaces the start values too.
+    (>= 0; 0: off — the EMAs follow ``ema_alpha`` alone.)"""
+    per_request: bool = False
+    """Per-request budgets (``--per-request``): every request drafts what its own acceptance
+    pays for, inside a round shape (draft forwards, verify tokens) the cluster agrees every
+    round (``adaptive_dist.policy.budgets``); false: one depth for the whole batch."""
+    verify_cost: Optional[VerifyCost] = None
+    """With ``per_request``: seconds of the packed verify forward at each token count
+    (``{"<tokens>": seconds}``), measured and agreed at start-up like ``round_cost`` (or given:
+    ``--model-costs``)."""
+    cost_alpha: float = 0.0
+    """EMA weight of a timed round in its cost-table row's offset (in [0, 1]; 0: the table stays
+    as agreed at start-up). The engine's rounds are timed (seconds from one round's begin to the
+    next's, the slowest rank's), so a table in other units must keep 0."""
+
+    def __post_init__(self) -> None:
+        if self.round_cost is not None:
+            object.__setattr__(self, "round_cost", RoundCost.parse(self.round_cost))
+        if self.verify_cost is not None:
+            object.__setattr__(self, "verify_cost", VerifyCost.parse(self.verify_cost))
+        super().__post_init__()
+
+
+@dataclass(frozen=True)
+class LiveCosts:
+    """The cost table goodput decides on in a run: the agreed ``base`` plus an offset per row
+    that timed rounds move (``cost_alpha`` > 0); identical on every rank."""
+
+    base: RoundCost
+    offsets: tuple[float, ...]
+
+    @property
+    def table(self) -> RoundCost:
+        return shifted_costs(self.base, self.offsets) if any(self.offsets) else self.base
 
 
 # ---- the rank's estimate ----------------------------------------------------------------------
@@ -227,9 +302,7 @@ class GoodputPolicy(CountingPolicy):
     # depth 0 among them: at 8B shapes it wins on high-entropy text at every batch (the
     # production-priced runs of docs/results.md and docs/policy.md judge exactly this ladder)
     default_candidates = (0, 1, 3, 7)
-    uses_round_cost = True
-    keys = ("round_cost", "switch_margin", "probe_every", "reset_nats", "cost_alpha",
-            "per_request", "verify_cost")
+    Section = GoodputSection
     OUTCOME_KEYS: ClassVar[tuple[str, ...]] = ("local_ema_fail", "accept_rate", "cost_row",
                                                "probe")
     """Keys this policy adds to each consensus-only output line."""
@@ -264,6 +337,14 @@ class GoodputPolicy(CountingPolicy):
             check(c.policy == cls.name and c.per_request, "verify_cost", c.verify_cost.to_json(),
                   f"applies to the goodput policy with per_request only (policy={c.policy!r}, "
                   f"per_request={c.per_request!r})")
+
+    @classmethod
+    def start_up_needs(cls, config: AdaptiveConfig) -> tuple[str, ...]:
+        """``round_cost`` while unset, and with ``per_request`` ``verify_cost`` while unset."""
+        if config.policy != cls.name:
+            return ()
+        return (("round_cost",) * (config.round_cost is None)
+                + ("verify_cost",) * (config.per_request and config.verify_cost is None))
 
     # ---- the rank's estimate ---------------------------------------------------------------
     def initial_state(self) -> GoodputState:
@@ -368,6 +449,26 @@ class GoodputPolicy(CountingPolicy):
         if new_index != state.index:
             state = self.switch(state, new_index)
         return state, decision
+
+    # ---- timed rounds -----------------------------------------------------------------------
+    @property
+    def times_rounds(self) -> bool:
+        """With ``cost_alpha`` > 0 a timed round moves its row of the live cost table."""
+        return self.config.cost_alpha > 0
+
+    def live_costs(self) -> Optional[LiveCosts]:
+        """The agreed ``round_cost`` with a zero offset per row (None: no table yet)."""
+        table = self.config.round_cost
+        return LiveCosts(table, (0.0,) * len(table.rows)) if table is not None else None
+
+    def round_timed(self, costs: Optional[LiveCosts], batch: int, steps: int,
+                    seconds: float) -> Optional[LiveCosts]:
+        """``costs`` with the offset of batch ``batch``'s row moved toward ``seconds`` less the
+        agreed cost at ``steps`` (``update_offsets``, weight ``cost_alpha``)."""
+        if costs is None or not self.times_rounds:
+            return costs
+        return replace(costs, offsets=update_offsets(costs.base, costs.offsets, batch, steps,
+                                                     seconds, self.config.cost_alpha))
 
     def outcome_fields(self, decision: Decision, local_ema_fail: float) -> dict[str, Any]:
         """The rank's ``local_ema_fail``, the cluster's ``accept_rate`` (null when no rank has

@@ -1,9 +1,10 @@
 """The static policy and the EMA ladder (SGLang-compatible thresholds; docs/policy.md)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from adaptive_dist.config import check, is_number
+from adaptive_dist.config import PolicySection, check, is_number
 from adaptive_dist.policy.base import CountingPolicy, Decision, PolicyState
 from adaptive_dist.policy.rules import ladder_walk
 
@@ -12,6 +13,16 @@ if TYPE_CHECKING:
     from adaptive_dist.policy.reducers import Pooled
 
 HYSTERESIS_LIMIT = 1000.0
+
+
+@dataclass(frozen=True)
+class EmaSection(PolicySection):
+    """The ema ladder's own keys."""
+
+    up_hysteresis: float = 0.0
+    """Added to the rise threshold ``c[i] - 0.5``."""
+    down_hysteresis: float = -0.25
+    """Added to the drop threshold ``c[i-1] - 0.5``."""
 
 
 class StaticPolicy(CountingPolicy):
@@ -36,11 +47,11 @@ class EmaLadderPolicy(CountingPolicy):
     candidate."""
 
     name = "ema"
-    keys = ("up_hysteresis", "down_hysteresis")
+    Section = EmaSection
 
     @classmethod
     def check_section(cls, config: "AdaptiveConfig") -> None:
-        for key in cls.keys:
+        for key in EmaSection.keys():
             v = getattr(config, key)
             check(is_number(v) and -HYSTERESIS_LIMIT < v < HYSTERESIS_LIMIT, key, v,
                   f"must be a finite number in ({-HYSTERESIS_LIMIT:g}, {HYSTERESIS_LIMIT:g})")
