@@ -1,7 +1,8 @@
 """adaptive_dist: adaptive speculative-decoding depth that is safe on DP/TP attention clusters.
 
 Names are loaded on first use (PEP 562), so ``python -m adaptive_dist --help`` and the config
-command do not import torch.
+command do not import torch. The policies (pure Python) are imported here: their package
+registers the built-in ones (``adaptive_dist.registry``).
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 __version__ = "0.1.0"
+
+
+import adaptive_dist.policy  # noqa: E402,F401  (registers the built-in policies; no torch)
 
 
 def __getattr__(name: str) -> Any:

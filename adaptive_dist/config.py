@@ -3,7 +3,7 @@
 ``AdaptiveConfig``'s fields are the keys every policy reads; each policy's own keys are its
 section (``PolicySection``, declared beside the policy: ``adaptive_dist.policy.ladder.EmaSection``,
 ``adaptive_dist.policy.goodput.GoodputSection``), one per registered policy
-(``adaptive_dist.policy.registry``). A JSON file may set any subset, a policy's keys inside its
+(``adaptive_dist.registry``). A JSON file may set any subset, a policy's keys inside its
 section (``{"goodput": {"switch_margin": 0.1}}``) or at the top level (the older spelling, still
 accepted). Validation errors name the key, the value and what is allowed.
 """
@@ -16,13 +16,16 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
+
+from adaptive_dist.registry import (PolicySection, float_fields, json_value, policy_class,
+                                           policy_names, policy_sections)
 
 REDUCERS = ("weighted_mean", "min", "max", "mixture")
 
 
 class _PolicyNames:
-    """The names of the registered policies (``adaptive_dist.policy.registry``), read when used,
+    """The names of the registered policies (``adaptive_dist.registry``), read when used,
     so a policy registered later is a ``--policy`` choice too: ``in``, iteration (registration
     order), ``len``, ``==`` with a tuple. ``adaptive``: only the policies that may change the
     depth (True), only those that may not (False), every one (None)."""
@@ -31,8 +34,6 @@ class _PolicyNames:
         self.adaptive = adaptive
 
     def _names(self) -> tuple[str, ...]:
-        from adaptive_dist.policy.registry import policy_names
-
         return policy_names(self.adaptive)
 
     def __iter__(self) -> Any:
@@ -173,54 +174,16 @@ class VerifyCost:
         return {str(t): c for t, c in zip(self.tokens, self.costs)}
 
 
-class PolicySection:
-    """Base of a policy's own configuration section: a frozen dataclass of the keys only that
-    policy reads, each a field with its default (``DepthPolicy.Section``). A JSON file sets them
-    inside an object named after the policy (``{"goodput": {"switch_margin": 0.1}}``) or, the
-    older spelling, at the top level (``{"switch_margin": 0.1}``); the effective configuration
-    (``to_dict``, the digest) lists them at the top level, as it always has.
-
-    ``removed``: keys the section no longer has, each with what replaced it (refused by name).
-    The checks that read other keys are the policy's ``check_section``; ``__post_init__`` only
-    brings values to their canonical form (a float field's ``0`` is ``0.0``: the same setting
-    must hash the same)."""
-
-    removed: ClassVar[dict[str, str]] = {}
-
-    def __post_init__(self) -> None:
-        _floats(self)
-
-    @classmethod
-    def keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-    def to_json(self) -> dict:
-        return {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-
-def _floats(obj: Any) -> None:
-    """Every field annotated ``float`` holding a finite number, as a float (``0`` -> ``0.0``)."""
-    for f in dataclasses.fields(obj):
-        if f.type in ("float", float):
-            v = getattr(obj, f.name)
-            if is_number(v):
-                object.__setattr__(obj, f.name, float(v))
-
-
-def _json_value(v: Any) -> Any:
-    """A setting's JSON form: a table's ``to_json()``, a tuple as a list, anything else as it is."""
-    if hasattr(v, "to_json"):
-        return v.to_json()
-    if isinstance(v, tuple):
-        return list(v)
-    return v
-
-
 def _sections() -> dict[str, type]:
-    """Every registered policy's section class, by policy name (policies without keys left out)."""
-    from adaptive_dist.policy.registry import policy_sections
-
-    return policy_sections()
+    """Every registered policy's section class, by policy name (policies without keys left out);
+    ``ConfigError`` when a section declares a key every policy reads."""
+    sections = policy_sections()
+    for name, cls in sections.items():
+        clash = [k for k in cls.keys() if k in AdaptiveConfig.core_keys()]
+        if clash:
+            raise ConfigError(f"policy {name!r}: its section's key(s) {clash} are keys every "
+                              f"policy reads")
+    return sections
 
 
 @dataclass(frozen=True, init=False)
@@ -233,7 +196,7 @@ class AdaptiveConfig:
     (``AdaptiveConfig(policy="goodput", switch_margin=0.1)``, ``config.replace(...)``)."""
 
     policy: str = "ema"
-    """The registered policy (``adaptive_dist.policy.registry``): ``ema`` (adaptive: the EMA
+    """The registered policy (``adaptive_dist.registry``): ``ema`` (adaptive: the EMA
     ladder), ``goodput`` (adaptive: the best expected tokens per unit of round cost) or
     ``static`` (stay at ``initial_steps``)."""
     candidate_steps: tuple[int, ...] = (1, 3, 7)
@@ -305,7 +268,7 @@ class AdaptiveConfig:
         object.__setattr__(self, "candidate_steps",
                            _as_int_tuple("candidate_steps", self.candidate_steps, minimum=0))
         object.__setattr__(self, "graph_buckets", _as_int_tuple("graph_buckets", self.graph_buckets))
-        _floats(self)  # 0 and 0.0 are the same setting and must hash the same
+        float_fields(self)  # 0 and 0.0 are the same setting and must hash the same
         _validate(self)
 
     def section(self, policy: str) -> Optional[PolicySection]:
@@ -403,7 +366,7 @@ class AdaptiveConfig:
 
     def to_dict(self) -> dict:
         """The effective configuration, flat: the core keys, then every section's keys."""
-        d = {k: _json_value(getattr(self, k)) for k in self.core_keys()}
+        d = {k: json_value(getattr(self, k)) for k in self.core_keys()}
         for _, section in self.sections:
             d.update(section.to_json())
         return d
@@ -481,10 +444,8 @@ def _validate(c: AdaptiveConfig) -> None:
 
 
 def policy_section(name: str) -> Any:
-    """The class of the policy called ``name`` (``adaptive_dist.policy.registry``): what it
+    """The class of the policy called ``name`` (``adaptive_dist.registry``): what it
     allows, its section and ``check_section`` for the keys only it reads."""
-    from adaptive_dist.policy.registry import policy_class
-
     return policy_class(name)
 
 

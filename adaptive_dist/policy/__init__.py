@@ -1,7 +1,7 @@
 """The depth policies: one ``DepthPolicy`` class per ``policy`` (``static``, ``ema``, ``goodput``),
 each owning its configuration section, its start-up needs, its state and its rules
 (docs/policy.md), as pure functions of agreed inputs: every rank calls ``decide`` with the same
-gathered values and gets the same answer. The registry (``registry.register_policy``) is the one
+gathered values and gets the same answer. The registry (``adaptive_dist.registry``) is the one
 place a policy name becomes its class; the built-in policies register below, and a new one is its
 own module and one ``register_policy`` call.
 
@@ -30,7 +30,7 @@ from adaptive_dist.policy.goodput import (
 )
 from adaptive_dist.policy.ladder import EmaLadderPolicy, StaticPolicy
 from adaptive_dist.policy.reducers import REDUCERS_BY_NAME
-from adaptive_dist.policy.registry import policy_class, register_policy
+from adaptive_dist.registry import policy_class, register_policy
 from adaptive_dist.policy.rules import INITIAL_EMA_FAIL, pick_bucket
 
 for _builtin in (StaticPolicy, EmaLadderPolicy, GoodputPolicy):   # the built-in policies

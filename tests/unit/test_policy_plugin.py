@@ -17,7 +17,7 @@ import toy_policy
 from consensus_reference import phased_traces, write_traces
 from adaptive_dist.cli import main
 from adaptive_dist.config import ADAPTIVE_POLICIES, POLICIES, AdaptiveConfig, ConfigError
-from adaptive_dist.policy.registry import register_policy, unregister_policy
+from adaptive_dist.registry import register_policy, unregister_policy
 from collectives import free_port
 
 TOY = Path(toy_policy.__file__)
@@ -145,3 +145,16 @@ def test_consensus_runs_the_new_policy_on_two_ranks(tmp_path):
         got = [(ln["steps"], ln["switched"]) for ln in mine]
         assert got == expected_schedule(mine, [1, 3, 7], 2, 4, 3)
     assert len({ln["steps"] for ln in lines}) == 3   # every candidate ran
+
+
+def test_builtin_sections_in_both_spellings():
+    """goodput's keys in their section or flat (the older spelling, still in docs/ and the bench
+    data): one setting, one digest, the digest of before the sections."""
+    flat = AdaptiveConfig.from_dict({"policy": "goodput", "switch_margin": 0.1, "up_hysteresis": 1})
+    nested = AdaptiveConfig.from_dict({"policy": "goodput", "goodput": {"switch_margin": 0.1},
+                                       "ema": {"up_hysteresis": 1}})
+    assert flat == nested and flat.digest() == nested.digest() == "223586ae186f5804"
+    with pytest.raises(ConfigError, match="'goodput.swich_margin'"):
+        AdaptiveConfig.from_dict({"goodput": {"swich_margin": 0.1}})
+    with pytest.raises(ConfigError, match="'probe_backoff'.*no longer exist"):
+        AdaptiveConfig.from_dict({"goodput": {"probe_backoff": 2}})

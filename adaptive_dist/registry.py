@@ -8,31 +8,70 @@ start-up (``cls.start_up_needs``, ``adaptive_dist.startup.prepare``). So a new p
 module and one ``register_policy`` call; the built-in ones register in
 ``adaptive_dist.policy.__init__``.
 
-Importing this module imports nothing of the adaptive layer (``adaptive_dist.config`` reads it
-when it is used), so the configuration and the policies do not import each other at load time.
+Here too the base of a section (``PolicySection``). This module imports nothing of the adaptive
+layer: ``adaptive_dist.config`` imports it (the policy names, the sections), the policies import
+both, and importing ``adaptive_dist`` registers the built-in ones (no circle of imports).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+import math
+from typing import Any, ClassVar, Optional
 
 _CLASSES: dict[str, type] = {}
 
 
-def _load_builtins() -> None:
-    """Register the built-in policies (importing the package does it, once; importing this
-    module imports the package first, so this only matters while it is being imported)."""
-    import adaptive_dist.policy  # noqa: F401  (its __init__ registers static, ema, goodput)
+class PolicySection:
+    """Base of a policy's own configuration section: a frozen dataclass of the keys only that
+    policy reads, each a field with its default (``DepthPolicy.Section``). A JSON file sets them
+    inside an object named after the policy (``{"goodput": {"switch_margin": 0.1}}``) or, the
+    older spelling, at the top level (``{"switch_margin": 0.1}``); the effective configuration
+    (``to_dict``, the digest) lists them at the top level, as it always has.
+
+    ``removed``: keys the section no longer has, each with what replaced it (refused by name).
+    The checks that read other keys are the policy's ``check_section``; ``__post_init__`` only
+    brings values to their canonical form (a float field's ``0`` is ``0.0``: the same setting
+    must hash the same)."""
+
+    removed: ClassVar[dict[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        float_fields(self)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def to_json(self) -> dict:
+        return {f.name: json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def float_fields(obj: Any) -> None:
+    """Every field annotated ``float`` holding a finite number, as a float (``0`` -> ``0.0``)."""
+    for f in dataclasses.fields(obj):
+        if f.type in ("float", float):
+            v = getattr(obj, f.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                object.__setattr__(obj, f.name, float(v))
+
+
+def json_value(v: Any) -> Any:
+    """A setting's JSON form: a table's ``to_json()``, a tuple as a list, anything else as it is."""
+    if hasattr(v, "to_json"):
+        return v.to_json()
+    if isinstance(v, tuple):
+        return list(v)
+    return v
+
 
 
 def register_policy(cls: type) -> type:
     """Add the policy class ``cls`` under ``cls.name`` and return it (usable as a decorator).
 
     Refused (``ValueError``) when the name is taken or empty, or when a key of ``cls.Section``
-    (a ``PolicySection`` dataclass, or None) is a key every policy reads or another policy's:
-    a flat key in a config file names exactly one setting."""
-    from adaptive_dist.config import AdaptiveConfig, PolicySection
-
+    (a ``PolicySection`` dataclass, or None) is another policy's (or a policy's name): a flat
+    key in a config file names exactly one setting (one every policy reads is refused when the
+    configuration is built, ``adaptive_dist.config``)."""
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"register_policy({cls.__name__}): name={name!r} must be an identifier")
@@ -47,8 +86,7 @@ def register_policy(cls: type) -> type:
                 and dataclasses.is_dataclass(section)):
             raise ValueError(f"register_policy({cls.__name__}): Section must be a frozen "
                              f"dataclass deriving from adaptive_dist.config.PolicySection")
-        taken = {k: "every policy" for k in AdaptiveConfig.core_keys()}
-        taken.update({n: f"policy {n!r}" for n in _CLASSES})
+        taken = {n: f"policy {n!r}" for n in _CLASSES}
         for other, other_cls in _CLASSES.items():
             if other_cls.Section is not None:
                 taken.update({k: f"policy {other!r}" for k in other_cls.Section.keys()})
@@ -67,21 +105,15 @@ def unregister_policy(name: str) -> None:
 
 def policy_class(name: str) -> Any:
     """The class of the registered policy ``name`` (``KeyError`` when none)."""
-    if not _CLASSES:
-        _load_builtins()
     return _CLASSES[name]
 
 
 def policy_names(adaptive: Optional[bool] = None) -> tuple[str, ...]:
     """The registered policies' names in registration order; ``adaptive`` True/False: only
     those that may / may not change the depth."""
-    if not _CLASSES:
-        _load_builtins()
     return tuple(n for n, c in _CLASSES.items() if adaptive is None or c.adaptive == adaptive)
 
 
 def policy_sections() -> dict[str, type]:
     """Policy name -> its ``Section`` class, for every registered policy that has one."""
-    if not _CLASSES:
-        _load_builtins()
     return {n: c.Section for n, c in _CLASSES.items() if c.Section is not None}
