@@ -1,0 +1,111 @@
+"""Draft trees against chains at equal draft steps (issue 35 §4): accept length per round and
+tokens/s of greedy decoding on the bundled pair (or `--model`), per prompt regime.
+
+    python -m scripts.bench.tree [--device cpu|cuda] [--model DIR] [--steps 3 5]
+        [--trees 2x6 4x8] [--batch 1] [--prompts 6] [--new-tokens 64] [--repeats 3]
+        [--out FILE]
+
+For every regime (code, high-entropy, repetitive; `scripts.bench.common.make_prompts`) and every
+`--steps S` it runs the chain of depth S and each tree `KxN` (top-k K, N verify tokens, the root
+included) at S steps, `--repeats` times interleaved (chain, trees, chain, trees, ...), each
+engine built once and warmed up. A row: accepted drafts per round (the bonus excluded; mean over
+the requests' rounds), the accept histogram, tokens/s over the wall time of `generate` (prefill
+included; no stop token, every request makes `--new-tokens`), and whether the tokens equal the
+chain's (greedy: they must). Trees run eager (no CUDA graphs); on CUDA the chain is timed both
+eager and with graphs. The JSON goes to `--out` (default: stdout only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from scripts.bench.common import (build, encode_prompts, load_pair, make_prompts, static_spec,
+                                  sync, tokenizer)
+from workers.loading import DEFAULT_MODEL
+from workers.sampling import SamplingParams
+
+
+def run(engine: Any, prompts: list[list[int]], new_tokens: int, device: str,
+        batch: int) -> dict:
+    params = SamplingParams(max_new_tokens=new_tokens)
+    hist0 = dict(engine.stats.accept_histogram)
+    sync(device)
+    start = time.perf_counter()
+    reqs = []
+    for i in range(0, len(prompts), batch):
+        reqs += engine.generate(prompts[i:i + batch], params)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    rounds = sum(r.spec_rounds for r in reqs)
+    hist = {k: v - hist0.get(k, 0) for k, v in engine.stats.accept_histogram.items()
+            if v - hist0.get(k, 0)}
+    return {"tokens": sum(len(r.output_ids) for r in reqs), "elapsed_s": elapsed,
+            "rounds": rounds, "accept_per_round": sum(r.accepted for r in reqs) / max(rounds, 1),
+            "hist": {str(k): v for k, v in sorted(hist.items())},
+            "outputs": [r.output_ids for r in reqs]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--steps", type=int, nargs="+", default=[3, 5])
+    p.add_argument("--trees", nargs="+", default=["2x6", "4x8"],
+                   help="KxN: top-k K, N verify tokens (root included)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompts", type=int, default=6, help="prompts per regime")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    target, head = load_pair(args.model, args.device)
+    tok = tokenizer(args.model, None, target.config.vocab_size)
+    regimes = encode_prompts(make_prompts(args.prompts, seed=0), tok.encode)
+    context = max(len(x) for v in regimes.values() for x in v) + args.new_tokens + 64
+    engines: dict[str, Any] = {}
+    for steps in args.steps:
+        engines[f"chain{steps}"] = build(static_spec(steps), target, head, batch=args.batch,
+                                         context=context, device=args.device, graphs=False)
+        if args.device == "cuda":
+            engines[f"chain{steps}/graphs"] = build(static_spec(steps), target, head,
+                                                    batch=args.batch, context=context,
+                                                    device=args.device, graphs=True)
+        for tree in args.trees:
+            k, n = (int(x) for x in tree.split("x"))
+            engines[f"tree{steps}/{tree}"] = build(
+                static_spec(steps), target, head, batch=args.batch, context=context,
+                device=args.device, graphs=False, speculative_eagle_topk=k,
+                speculative_num_draft_tokens=n)
+    for engine in engines.values():
+        engine.warmup()
+    rows: list[dict] = []
+    for regime, prompts in regimes.items():
+        for repeat in range(args.repeats):
+            for name, engine in engines.items():
+                res = run(engine, prompts, args.new_tokens, args.device, args.batch)
+                rows.append({"regime": regime, "engine": name, "repeat": repeat, **res})
+    summary: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        key = f"{row['regime']} {row['engine']}"
+        chain = next(r for r in rows if r["regime"] == row["regime"] and r["repeat"] == row[
+            "repeat"] and r["engine"] == "chain" + row["engine"].split("/")[0].lstrip("chaintre"))
+        s = summary.setdefault(key, {"accept_per_round": row["accept_per_round"],
+                                     "tokens_per_s": [], "equal_to_chain": True})
+        s["tokens_per_s"].append(round(row["tokens"] / row["elapsed_s"], 1))
+        s["equal_to_chain"] &= row["outputs"] == chain["outputs"]
+    for row in rows:
+        del row["outputs"]
+    print(f"{'regime engine':34} {'accept/round':>12} {'tokens/s (repeats)':>28} equal")
+    for key, s in summary.items():
+        print(f"{key:34} {s['accept_per_round']:12.3f} {str(s['tokens_per_s']):>28} "
+              f"{s['equal_to_chain']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "summary": summary, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
