@@ -41,7 +41,7 @@ def check_depth(max_steps: int, where: str | None = None) -> None:
 
 def check_tree(config: "EngineConfig") -> None:
     """`ValueError` naming the flag for a draft tree the engine does not run: a tree needs the
-    static policy (`--steps`), eager rounds (no CUDA graphs), the torch attention backend and
+    static policy (`--steps`), the torch attention backend and
     `--speculative-num-draft-tokens`; top-k 1 is the chain (N = --steps + 1)."""
     k, n = config.speculative_eagle_topk, config.speculative_num_draft_tokens
     if k == 1:
@@ -57,9 +57,6 @@ def check_tree(config: "EngineConfig") -> None:
     if n == 0:
         raise ValueError(f"--speculative-eagle-topk {k} needs --speculative-num-draft-tokens N "
                          f"(the tokens each request verifies, the root included)")
-    if config.cuda_graphs:
-        raise ValueError(f"--speculative-eagle-topk {k}: draft trees run eager (--eager); their "
-                         f"CUDA graphs are not implemented")
     if config.attention_backend != "torch":
         raise ValueError(f"--speculative-eagle-topk {k}: draft trees need --attention-backend "
                          f"torch (the {config.attention_backend} backend's tree mask is not "

@@ -143,6 +143,20 @@ class EagleWorker:
         reach = self.slots.reach
         start, count = time.perf_counter(), len(self.table)
         held = startup_log.reserved(self.device)
+        if self.tree is not None and bufs.steps > 0:   # the tree round, then draft-extend
+            for bucket in sorted(self.buckets, reverse=True):
+                for greedy in (False, True):
+                    self.table.capture(GraphKey("tree", batch=bucket, steps=bufs.steps,
+                                                greedy=greedy),
+                                       lambda b=bucket, g=greedy: self.tree.run(bufs, b, reach, g))
+                key = GraphKey("extend", batch=bucket, steps=bufs.steps)
+                self.table.capture(key, self.phases.body(key, bufs, reach))
+            self.slots.set_dummy_length(0)
+            startup_log.captured(f"tree {self.tree.tree}", len(self.table) - count,
+                                 time.perf_counter() - start,
+                                 startup_log.reserved(self.device) - held,
+                                 buckets=list(self.buckets))
+            return
         for tokens in sorted(self.ladder, reverse=True):
             self.phases.capture_target(self.table, tokens, reach)
         if len(self.table) > count:   # the first state: the verify forward, every depth's
@@ -220,8 +234,6 @@ class EagleWorker:
             # bucket does not apply); the same shape on every rank of the cluster
             shape = self.tree.tree.round_shape(bp)
             tokens = shape.verify_tokens
-            if graph_bucket is not None:
-                raise RuntimeError("draft trees run eager; the plan says CUDA graphs")
             if any(r.params.processed for r in reqs):
                 raise RuntimeError("top-k, min_tokens, penalties and logprobs are not "
                                    "implemented with draft trees (--speculative-eagle-topk)")
@@ -249,7 +261,10 @@ class EagleWorker:
         if bufs.steps > 0 and self.lag.behind:
             self.lag.catch_up(bufs, bp, reach, graph_bucket)   # drafting resumes: first the cache
         if shape.tree is not None:   # draft, verify, accept and commit; then draft-extend
-            self.tree.run(bufs, bp, reach, greedy)
+            if graph_bucket is None:
+                self.tree.run(bufs, bp, reach, greedy)
+            else:
+                self.table.replay(GraphKey("tree", batch=bp, steps=steps, greedy=greedy))
         for phase in round_phases(bufs.steps):
             if shape.tree is not None and phase != "extend":
                 continue

@@ -4,7 +4,9 @@ A round at shape (S draft forwards, T verify tokens) over a padded batch of Bp r
 the draft loop (S, Bp), the target forward over the packed verify tokens (T alone: the same graph
 serves every depth and batch), the acceptance (S, Bp, and its sampling variants) and the
 draft-extend (S, Bp); at depth 0 with a head the catch-up (Bp) and the deferred prompts' forward
-(Bp, width). So the target, the largest part of a round, is captured once per token rung instead
+(Bp, width); a draft tree's round (`workers.worker.tree`) its draft, verify, acceptance and
+KV commit as one graph (S, Bp, greedy or sampling), then the draft-extend. So the target, the
+largest part of a round, is captured once per token rung instead
 of once per (depth, batch, variant).
 
 Without CUDA the table holds the same entries, emulated (`CudaGraphRunner`): `replay` runs the
@@ -17,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 from workers.cuda_graphs import CudaGraphRunner, GraphEntry
 
-PHASES = ("draft", "target", "accept", "extend", "catchup", "pending")
+PHASES = ("draft", "target", "accept", "extend", "catchup", "pending", "tree")
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,8 @@ class GraphKey:
     def name(self) -> str:
         parts = [self.phase] + [f"{k}={v}" for k, v in (
             ("batch", self.batch), ("steps", self.steps), ("tokens", self.tokens))
-            if v or k == "steps" and self.phase in ("draft", "accept", "extend")]
-        if self.phase in ("draft", "accept"):
+            if v or k == "steps" and self.phase in ("draft", "accept", "extend", "tree")]
+        if self.phase in ("draft", "accept", "tree"):
             parts.append(f"greedy={self.greedy}")
         if self.processed:
             parts.append("processed")
