@@ -137,10 +137,23 @@ OVERLAP = "+overlap"
 """A mode's suffix that runs it with `EngineConfig.overlap`."""
 
 
+def _tree(mode: str) -> tuple[int, int, int] | None:
+    """A tree mode's (steps, top-k, verify tokens): "tree3k2n6" -> (3, 2, 6); else None."""
+    mode = mode.removesuffix(OVERLAP)
+    if not mode.startswith("tree"):
+        return None
+    steps, rest = mode[len("tree"):].split("k")
+    topk, tokens = rest.split("n")
+    return int(steps), int(topk), int(tokens)
+
+
 def _spec(mode: str) -> AdaptiveConfig:
+    tree = _tree(mode)
     mode = mode.removesuffix(OVERLAP)
     if mode == "nospec":
         return no_spec()
+    if tree is not None:
+        return load_config(None, "static", initial_steps=tree[0])
     if mode.startswith("static"):
         return load_config(None, "static", initial_steps=int(mode[len("static"):]))
     cfg = AdaptiveConfig(warmup_batches=1, update_interval=1, ema_alpha=0.5, lockstep_check_every=4)
@@ -160,12 +173,14 @@ def _spec(mode: str) -> AdaptiveConfig:
 
 def _engine(mode: str, target, head, world, guard, max_batch: int, dp: int, attn_tp: int,
             graphs: bool = False) -> Engine:
-    spec = _spec(mode)
+    spec, tree = _spec(mode), _tree(mode)
     overlap, mode = mode.endswith(OVERLAP), mode.removesuffix(OVERLAP)
     cfg = EngineConfig(spec=spec, max_batch_size=max_batch, page_size=4,
                        max_context_len=target.config.max_position_embeddings, dp=dp,
                        attn_tp=attn_tp, cuda_graphs=graphs, overlap=overlap,
                        device=str(next(target.parameters()).device))
+    if tree is not None:
+        cfg = cfg.replace(speculative_eagle_topk=tree[1], speculative_num_draft_tokens=tree[2])
     if mode == "forced":  # every tier pre-built, although the policy underneath is static
         cfg = cfg.replace(spec=spec.replace(policy="ema"))
     if mode == "goodput":  # a catch-up every 4 depth-0 rounds: shadow reports (and the probe
@@ -287,4 +302,29 @@ def hazard_job(rank: int, root: str, hazard: str, prompts: list[list[list[int]]]
                 "elapsed": time.monotonic() - t0}
     finally:
         guard.close()
+        ctx.shutdown(aborted=True)
+
+
+def tree_hazard_job(rank: int, root: str, trees: list[tuple[int, int]]) -> dict:
+    """Each rank builds a tree engine of its own (top-k, verify tokens) = `trees[rank]` at 3
+    steps over dp 2: what was raised, where, and how long it took."""
+    from adaptive_dist.startup import ConfigMismatchError
+
+    ctx, layout, par = setup(2, timeout=4.0)
+    world = layout.group("world")
+    target, head = load(root, par)
+    topk, tokens = trees[rank]
+    cfg = EngineConfig(spec=load_config(None, "static", initial_steps=3), max_batch_size=4,
+                       page_size=4, dp=2, attn_tp=layout.attn_tp,
+                       max_context_len=target.config.max_position_embeddings,
+                       speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
+    t0, start = time.monotonic(), ctx.recorder.count
+    try:
+        build_engine(cfg, target, head, group=world)
+        return {"raised": None}
+    except ConfigMismatchError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc),
+                "elapsed": time.monotonic() - t0,
+                "device_collectives": ctx.recorder.count - start}
+    finally:
         ctx.shutdown(aborted=True)

@@ -6,10 +6,11 @@ replica's batch, adaptive depth in lockstep.
   shards of one checkpoint;
 - the engine: greedy outputs equal single-process greedy without speculation, token for token, at
   static depths 1/3/7, adaptive, and with a forced random tier switch every round, under
-  heterogeneous load (one replica with one short request that idles for many rounds, the other with
+  heterogeneous load (draft trees of issue 35 too: top-k 2 and 4; one replica with one short request that idles for many rounds, the other with
   many); every rank made the same decisions and issued the same collectives;
 - the hazards, shown then caught: ranks that decide their depth alone, and an idle rank that skips
-  its dummy forwards, end in an error on every rank in bounded time, never a hang.
+  its dummy forwards, end in an error on every rank in bounded time, never a hang; ranks started
+  with different draft trees are named at start-up, before any device collective.
 """
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ def _check_outputs(results: list, modes: list[str], reference) -> None:
 def test_dp2_lossless_in_lockstep_under_heterogeneous_load(model_dir: Path) -> None:
     modes = ["nospec", "static1", "static3", "static7", "ema", "forced", "goodput",
              "perrequest", "nospec+overlap", "static3+overlap", "ema+overlap", "forced+overlap",
-             "goodput+overlap", "perrequest+overlap"]
+             "goodput+overlap", "perrequest+overlap", "tree3k2n6", "tree4k4n10+overlap"]
     results = run_ranks(dp_jobs.generate_job, 2, str(model_dir), 2, modes, PROMPTS, NEW,
                         timeout=240)
     _check_outputs(results, modes, _reference(model_dir, PROMPTS, NEW))
@@ -137,6 +138,9 @@ def test_dp2_lossless_in_lockstep_under_heterogeneous_load(model_dir: Path) -> N
         s for _, s in forced["timeline"])) >= 3, "a switch every round"
     assert busy["static7"]["hist"].get(0, 0) > 0 and busy["static7"]["hist"].get(7, 0) > 0
     _check_per_request(busy, "perrequest")
+    # the trees (draft trees, issue 35): deep paths accepted, in lockstep (checked above)
+    for mode in ("tree3k2n6", "tree4k4n10+overlap"):
+        assert sum(v for a, v in busy[mode]["hist"].items() if int(a) >= 2) > 0, busy[mode]
     # goodput: both ranks hold the same agreed cost table (every tier, every bucket)
     assert idle["goodput"]["round_cost"] == busy["goodput"]["round_cost"]
     assert all(set(row) == {"0", "1", "3", "7"} for row in busy["goodput"]["round_cost"].values())
@@ -151,7 +155,7 @@ def _check_per_request(busy: dict, mode: str) -> None:
 
 def test_dp2_attn_tp2_lossless_in_lockstep(model_dir: Path) -> None:
     """Four ranks: two replicas, each splitting its attention over two ranks; replica 1 light."""
-    modes = ["static3", "ema", "forced", "ema+overlap", "goodput", "perrequest"]
+    modes = ["static3", "ema", "forced", "ema+overlap", "goodput", "perrequest", "tree3k2n6"]
     prompts, new = PROMPTS[::-1], NEW[::-1]
     results = run_ranks(dp_jobs.generate_job, 4, str(model_dir), 2, modes, prompts, new,
                         timeout=300)
@@ -220,6 +224,20 @@ def test_hazard_raises_on_every_rank_in_bounded_time(model_dir: Path, hazard: st
             assert res.value["raised"] == "DivergenceError"
             msg = res.value["message"]
             assert "pre-flight" in msg and ("tokens" in msg or "steps" in msg), msg
+
+
+def test_ranks_started_with_different_trees_are_named_before_any_collective(model_dir: Path
+                                                                          ) -> None:
+    """A rank that would draft another tree (top-k 4, not 2): every rank refuses at start-up,
+    naming the setting, before any device collective (its rows per draft step would differ)."""
+    results = run_ranks(dp_jobs.tree_hazard_job, 2, str(model_dir), [(2, 6), (4, 6)],
+                        timeout=90)
+    for res in results:
+        value = res.value
+        assert value["raised"] == "ConfigMismatchError", value
+        assert "--speculative-eagle-topk" in value["message"], value["message"]
+        assert "--speculative-num-draft-tokens" not in value["message"], value["message"]
+        assert value["device_collectives"] == 0 and value["elapsed"] < 30, value
 
 
 # ---- the command --------------------------------------------------------------------------------
