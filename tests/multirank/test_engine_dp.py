@@ -5,9 +5,10 @@ replica's batch, adaptive depth in lockstep.
 - the model: logits under dp 2 (and dp 2 x attn-tp 2) equal one process's, each rank loading its
   shards of one checkpoint;
 - the engine: greedy outputs equal single-process greedy without speculation, token for token, at
-  static depths 1/3/7, adaptive, and with a forced random tier switch every round, under
-  heterogeneous load (draft trees of issue 35 too: top-k 2 and 4; one replica with one short request that idles for many rounds, the other with
-  many); every rank made the same decisions and issued the same collectives;
+  static depths 1/3/7, adaptive, with a forced random tier switch every round, and with draft
+  trees (issue 35: top-k 2 and 4), under heterogeneous load (one replica with one short request
+  that idles for many rounds, the other with many); every rank made the same decisions and
+  issued the same collectives;
 - the hazards, shown then caught: ranks that decide their depth alone, and an idle rank that skips
   its dummy forwards, end in an error on every rank in bounded time, never a hang; ranks started
   with different draft trees are named at start-up, before any device collective.
