@@ -36,7 +36,11 @@ For each mode (`no-spec`: `serve --no-spec`; `goodput`: `serve --adaptive --poli
    goodput settles at depth 0). It prices decode rounds only: `served decode` (c over
    bench_serving's mean time per output token) is what it compares with; `served output`
    (bench_serving's output throughput: total output tokens over the run's wall time, prefills
-   and ramp included) is beside it.
+   and ramp included) is beside it. `steady / predicted` takes `c (1 + a)` over bench_serving's
+   median inter-token latency instead: one decode round between prefills (a streamed chunk
+   carries a round's tokens), where the mean TPOT also holds the rounds that waited for other
+   requests' prefills (with `ignore_eos` and equal lengths the requests finish in waves, and a
+   wave of 64 x 1024-token prefills stops decoding for about a second).
 
 Writes OUT/results.json (settings, each mode's tables, every level's bench_serving result line,
 its /metrics deltas, the prediction and the ratios, goodput over no-spec) and
@@ -291,9 +295,16 @@ def compare(row: dict[str, Any], table: dict[str, dict[str, float]]) -> None:
         return
     predicted = row["prediction"]["tokens_per_s"]
     decode = c * 1e3 / bench["mean_tpot_ms"] if bench.get("mean_tpot_ms") else None
+    # between prefills: the median interval between a request's chunks is one decode round (a
+    # chunk carries the round's 1 + accepted tokens); the mean TPOT also holds the rounds that
+    # stopped for other requests' prefills, which the decode-only table does not price
+    tokens = 1.0 + row["prediction"]["accepted_per_request_round"]
+    steady = c * tokens * 1e3 / bench["median_itl_ms"] if bench.get("median_itl_ms") else None
     row["served"] = {"output_tokens_per_s": bench["output_throughput"],
                      "decode_tokens_per_s": decode,
                      "decode_over_prediction": decode / predicted if decode else None,
+                     "steady_decode_tokens_per_s": steady,
+                     "steady_over_prediction": steady / predicted if steady else None,
                      "output_over_prediction": bench["output_throughput"] / predicted}
 
 
@@ -372,7 +383,8 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     head = ["mode", "concurrency", "bucket", "round ms (table)", "predicted tok/s",
-            "served decode tok/s", "decode / predicted", "served output tok/s",
+            "served decode tok/s", "decode / predicted", "steady / predicted",
+            "served output tok/s",
             "TTFT p50 ms", "TPOT mean ms", "rounds at depth"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["rows"]:
@@ -382,10 +394,12 @@ def markdown(report: dict[str, Any]) -> str:
         if s:
             cells += [f"{s['decode_tokens_per_s']:.0f}" if s["decode_tokens_per_s"] else "-",
                       f"{s['decode_over_prediction']:.2f}" if s["decode_over_prediction"] else "-",
+                      f"{s['steady_over_prediction']:.2f}" if s.get("steady_over_prediction")
+                      else "-",
                       f"{s['output_tokens_per_s']:.0f}", f"{b['median_ttft_ms']:.0f}",
                       f"{b['mean_tpot_ms']:.2f}"]
         else:
-            cells += ["failed"] * 5
+            cells += ["failed"] * 6
         depth = r["server"]["rounds_at_depth"]
         cells.append(", ".join(f"{k}: {v:.0f}" for k, v in depth.items()) or "-")
         lines.append("| " + " | ".join(cells) + " |")
