@@ -18,6 +18,13 @@ kernel time per round over the agreed round cost (NCCL kernels count as busy). T
 numbers are costs, not tokens/s. Writes `OUT/<layout>.json` and `OUT/<layout>.png` (with another
 `--shape`: `OUT/<layout>_<shape>.*`).
 
+`--routing` (one rank, a MoE shape) then counts the distinct experts each MoE layer routes in
+one eager round at batch 1, 8 and 64 (`--routing-batches`) and depth `--routing-depth`, three
+ways: the start-up measurement's round (`workers.worker.round_cost.TrafficRows`), the all-dummy
+round it ran before them (every row the same inputs: `top_k` experts), and a round of as many
+requests of random prompts, prefilled (random weights: the nearest to traffic this shape has);
+printed per batch (mean, min, max over the layers) and kept per layer in the JSON's `routing`.
+
 `--schedule N` then checks the table as a cost model (one rank): N requests of mixed prompt
 lengths arrive in a server's order (a few per round, at most `--max-batch` running) and run with
 per-request budgets and overlap on, every round timed from one engine step to the next; the
@@ -62,6 +69,11 @@ def parse_args() -> argparse.Namespace:
                    help="also measure both tables with the dummy rows reading C positions of "
                         "distinct pages; --schedule then prices each round between the two by "
                         "its requests' mean length")
+    p.add_argument("--routing", action="store_true",
+                   help="then count the distinct experts per MoE layer: measurement, dummy and "
+                        "real rounds (one rank, a MoE shape)")
+    p.add_argument("--routing-batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--routing-depth", type=int, default=0, choices=TIERS)
     p.add_argument("--tiny", action="store_true",
                    help="a small model of the same layout on the CPU (a smoke test of this script)")
     p.add_argument("--out", default="runs/bench_model_shapes")
@@ -182,6 +194,9 @@ def main() -> int:
     schedule = (check_schedule(engine, args.schedule, args.context, target.config.vocab_size,
                                at_context)
                 if args.schedule and world.size == 1 else None)
+    routing = (routing_check(engine, args.routing_batches, args.routing_depth, args.context,
+                             target.config.vocab_size)
+               if args.routing and world.size == 1 else None)
     parts: list[Any] = [rounds]
     if world.size > 1:
         parts = [None] * world.size
@@ -208,7 +223,7 @@ def main() -> int:
                                         at_context["round_cost"].to_json().items()},
                       "verify_cost_ms": {t: 1e3 * v for t, v in
                                          at_context["verify_cost"].to_json().items()}},
-                  "schedule_check": schedule,
+                  "schedule_check": schedule, "routing": routing,
                   "rounds_per_rank": parts, "command": " ".join(sys.argv)}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -216,6 +231,48 @@ def main() -> int:
         finish(result, out / f"{stem}.json")
     ctx.shutdown()
     return 0
+
+
+def routing_check(engine: Any, batches: list[int], depth: int, context: int,
+                  vocab: int) -> dict[str, Any]:
+    """`--routing`: per batch, the distinct experts per MoE layer of one eager round at `depth`
+    (the measurement's rows reading `context // 2` positions; the all-dummy rows; `batch`
+    requests of random prompts of 16 .. 64 tokens, prefilled, then retired)."""
+    import random
+
+    from workers.sampling import SamplingParams
+    from workers.worker.round_cost import measurement_routing, round_routing
+
+    if engine.worker.models.target.config.moe is None:
+        raise SystemExit("bench_model_shapes: --routing needs a MoE shape")
+    rng = random.Random(36)
+    worker, out = engine.worker, {"depth": depth, "batches": {}}
+
+    def summary(counts: list[int]) -> str:
+        return f"mean {sum(counts) / len(counts):6.1f} min {min(counts):4d} max {max(counts):4d}"
+
+    for batch in batches:
+        if batch > engine.config.max_batch_size:
+            raise SystemExit(f"bench_model_shapes: --routing-batches {batch} > --max-batch")
+        engine.pool.apply(depth)
+        dummy = measurement_routing(worker, batch, context // 2, dummy=True)
+        measured = measurement_routing(worker, batch, context // 2)
+        reqs = [engine.add([rng.randrange(vocab) for _ in range(rng.randint(16, 64))],
+                           SamplingParams(max_new_tokens=8)) for _ in range(batch)]
+        admitted = engine.scheduler.admit()
+        assert admitted == reqs, "the routing check runs on an idle engine"
+        worker.prefill(admitted, sum(len(r.prompt_ids) for r in admitted), len(admitted))
+        real = round_routing(worker, admitted, batch)
+        for req in admitted:
+            engine.abort(req.rid)
+        engine.scheduler.retire()
+        out["batches"][str(batch)] = {"measured": measured, "dummy": dummy, "real": real}
+        print(f"== routing, batch {batch}, depth {depth}: distinct experts per MoE layer "
+              f"(of {engine.worker.models.target.config.moe.num_experts})\n"
+              f"   measurement {summary(measured)}\n   real        {summary(real)}\n"
+              f"   all-dummy   {summary(dummy)}", flush=True)
+    engine.pool.apply(engine.config.spec.initial_steps)
+    return out
 
 
 PROFILE_AT = (150, 170)
