@@ -1,7 +1,9 @@
-"""MoE targets on the GPU: a transformers-built Qwen3-MoE with an EAGLE-3 head; CUDA-graph rounds
-replay to eager at every depth (float64: the dense expert path; float32: the fused grouped GEMMs
-of ``workers.moe_kernels``), a tier switch captures nothing, and the fused kernels equal the
-sparse torch path at the shapes of a round and of a prefill."""
+"""MoE targets on the GPU: transformers-built Qwen3-MoE and Qwen2-MoE (a gated shared expert) with
+an EAGLE-3 head; CUDA-graph rounds replay to eager at every depth (float64: the dense expert
+path; float32: the fused grouped GEMMs of ``workers.moe_kernels``), a tier switch captures
+nothing; a round's graphs and its eager bodies at the same bucket give the same logits and tokens
+(bfloat16 and float32, on the measurement's rows); the fused kernels equal the sparse torch path
+at the shapes of a round and of a prefill; speculative sampling keeps the target's law."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,12 +21,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA
 VOCAB = 96
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+def moe_dir(request, tmp_path_factory) -> Path:
+    """8 experts (top 2) of width 32, layer 2 dense; qwen2_moe: a shared expert of width 48."""
     pytest.importorskip("transformers")
     from hf_models import moe_pair
-    return moe_pair(tmp_path_factory.mktemp("moe_gpu"), VOCAB, hidden=64, expert_width=32,
-                    max_pos=512)
+    shared = 48 if request.param == "qwen2_moe" else None
+    return moe_pair(tmp_path_factory.mktemp(request.param), VOCAB, hidden=64, expert_width=32,
+                    max_pos=512, shared_expert_width=shared)
 
 
 def _params(n: int) -> list[SamplingParams]:
@@ -63,3 +67,74 @@ def test_fused_moe_equals_the_sparse_path_on_the_gpu(moe_dir, dtype, rows: int) 
     ids, weights = block.route(x)
     tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
     torch.testing.assert_close(block.fused(x, ids, weights), block.sparse(x, ids, weights), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("steps", [0, 3])
+def test_a_round_graph_equals_its_eager_bodies(moe_dir, dtype, steps: int) -> None:
+    """At bucket 8 and the same staged rows (the cost measurement's: varied tokens, so the
+    router spreads them), the captured round and its eager bodies give the same verify logits
+    (the fused MoE path both ways) and the same committed tokens."""
+    from workers.worker.round_cost import TrafficRows
+
+    target = load_llama(moe_dir / "target", dtype=dtype, device="cuda")
+    head = load_eagle(moe_dir / "eagle", target)
+    config = AdaptiveConfig(policy="goodput", candidate_steps=(0, 3), initial_steps=steps,
+                            round_cost={"0": 1.0, "3": 2.0})
+    engine = engine_for(target, head, "ema", device="cuda", cuda_graphs=True, max_batch=8,
+                        config=config)
+    worker, bucket = engine.worker, 8
+    engine.pool.apply(steps)
+    tokens = worker.default_shape(bucket).verify_tokens
+    out = {}
+    with TrafficRows(worker, bucket, context=20) as rows:
+        for graphs in (True, False):
+            rows.start()
+            worker.buffers.rows[:bucket] = torch.arange(bucket, device="cuda")
+            worker.buffers.budget[:bucket] = steps
+            with torch.inference_mode():
+                worker.round_body(bucket, graphs=graphs)()
+            torch.cuda.synchronize()
+            out[graphs] = (worker.buffers.packed_logits[:tokens].float().clone(),
+                           worker.state.payload.out[:bucket, :2 + steps + 1].clone())
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(out[True][0], out[False][0], **tol)
+    assert torch.equal(out[True][1], out[False][1])
+    assert out[True][0].std() > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_speculative_sampling_over_a_moe_target_keeps_its_distribution_on_the_gpu(
+        tmp_path: Path, kind: str) -> None:
+    """Rejection sampling with an EAGLE-3 head (a draft vocabulary of 4 of the 6 target ids) over
+    a transformers-built MoE target in float32 on the GPU (the fused experts; Qwen2-MoE with
+    its shared expert), CUDA graphs on: the joint law of 3 sampled tokens is the target's."""
+    transformers = pytest.importorskip("transformers")
+    from model_fixtures import random_head, write_checkpoint
+    from sampling_reference import VOCAB as V, check_keeps_target_law
+    torch.manual_seed(5)
+    common = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=16)
+    if kind == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, norm_topk_prob=True))
+    else:
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, norm_topk_prob=False, shared_expert_intermediate_size=24))
+    with torch.no_grad():
+        for name, p in model.eval().named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path / "target")
+    reference = load_llama(tmp_path / "target", dtype=torch.float64)   # the law, on the CPU
+    assert (reference.config.moe.shared_expert_size is not None) == (kind == "qwen2_moe")
+    write_checkpoint(random_head("eagle3", reference, [0, 2, 3, 5], seed=4,
+                                 aux_layer_ids=(-1, 0, 1)), tmp_path / "eagle")
+    target = load_llama(tmp_path / "target", dtype=torch.float32, device="cuda")
+    head = load_eagle(tmp_path / "eagle", target)
+    engine = engine_for(target, head, "static", steps=3, max_batch=64, device="cuda",
+                        cuda_graphs=True)
+    check_keeps_target_law(engine, reference, seed=78)
+    engine.close()
