@@ -1,31 +1,56 @@
-"""The fused MoE layer (``workers.moe_kernels``) against the floor its weights set: one
-Qwen3-30B-A3B-shaped sparse MLP (d 2048, 128 experts of width 768, top 8, bfloat16, random
-weights), routed rows N = 1 ... 512 (a decode round of batch B at depth S routes B·(S+1) rows).
+"""The fused MoE layer (``workers.moe_kernels``) and the depth-0 round against the floor their
+weights set, on one GPU, CUDA-graph replayed (the eager figure is the host launching ~25 ops).
 
-    python -m scripts.bench.moe_layer --out OUT
+    python -m scripts.bench.moe_layer --out OUT                # ~3-4 min on one H200
 
-Per N: the median time of the fused path (routing included) over interleaved repeats, the
-experts the rows hit, and the floor = the bytes of those experts' weights (3 · F · d · 2 each)
-over the GPU's memory bandwidth (`--bandwidth`, default the H200's 4.8 TB/s): the time reading
-the weights alone would take. Writes OUT/moe_layer.json and OUT/moe_layer.png.
+1. The layer: one Qwen3-30B-A3B-shaped sparse MLP (d 2048, 128 experts of width 768, top 8,
+   bfloat16, random weights), routed rows N = 1, 2, 4 ... 512 (a decode round of batch B at
+   depth S routes B·(S+1) rows), random inputs (the router spreads them as traffic: at 64 rows
+   about 125 of the 128 experts). Per N, medians over interleaved repeats of `--iters` graph
+   replays: the whole layer (routing, the alignment, the two kernels, the sum), the two Triton
+   kernels alone (their alignment computed once), and the eager layer; the experts the rows hit
+   and the floor = the bytes of those experts' weights (3 · F · d · 2 each) over `--bandwidth`
+   (default 3.25 TB/s, what a cuBLAS GEMV chain reaches on an H200).
+2. The round (`--round-batches`, default 1 8 64; `--no-round` skips it): the Qwen3-30B-A3B-shaped
+   target alone (no head), depth 0, its captured round (the verify forward and the acceptance)
+   replayed over the start-up measurement's rows (`TrafficRows`: varied tokens, caches of
+   `--context` positions); its floor = every weight it reads (attention, norms, routers, the LM
+   head, the embedding rows of the batch, the experts each layer's rows hit, counted in one eager
+   round over the same rows) over the bandwidth. The KV it reads is left out of the floor (about
+   0.1 GB per 1024 positions and row: batch 64 at 1024 reads 6.4 GB more).
+
+Writes OUT/moe_layer.json and OUT/moe_layer.png. `--tiny`: a smoke test of this script on the
+CPU (the tiny-moe shape, triton's interpreter, no graphs, wall-clock timing; the numbers mean
+nothing).
 """
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from scripts.bench.common import gpu_name, pyplot, save, write_json
 
+D, F, E, TOP_K = 2048, 768, 128, 8      # Qwen3-30B-A3B's (--tiny: the tiny-moe shape's)
+SHAPE, DEVICE = "qwen3-30b-a3b", "cuda"
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512])
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--rows", type=int, nargs="+", default=[2 ** i for i in range(10)])
+    p.add_argument("--iters", type=int, default=50, help="graph replays per sample")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s of the GPU's memory")
+    p.add_argument("--bandwidth", type=float, default=3.25e12, help="bytes/s of the GPU's memory")
+    p.add_argument("--round-batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--no-round", action="store_true", help="time the layer only")
+    p.add_argument("--tiny", action="store_true", help="a CPU smoke test of this script")
     p.add_argument("--out", default="runs/moe_layer")
     return p.parse_args()
 
@@ -35,10 +60,10 @@ def block(device: str):
     from workers.model.moe import MoeBlock
     from workers.model.parallel import ModelParallel
 
-    cfg = LlamaConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+    cfg = LlamaConfig(vocab_size=151936, hidden_size=D, intermediate_size=3 * D,
                       num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=4,
                       explicit_head_dim=128, architecture="Qwen3MoeForCausalLM",
-                      moe=MoeSpec(num_experts=128, top_k=8, expert_size=768, norm_topk_prob=True))
+                      moe=MoeSpec(num_experts=E, top_k=TOP_K, expert_size=F, norm_topk_prob=True))
     with torch.device("meta"):
         moe = MoeBlock(cfg, ModelParallel.single(device))
     moe.to_empty(device=device)
@@ -50,62 +75,207 @@ def block(device: str):
     return moe
 
 
-def time_rows(moe, x: torch.Tensor, iters: int) -> float:
-    """Milliseconds per call of the block's fused path (routing, kernels, the sum)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.no_grad():
-        ids, weights = moe.route(x)
-        moe.fused(x, ids, weights)
-        torch.cuda.synchronize()
-        start.record()
+def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
+    """`fn` captured in a CUDA graph (after a warm-up on a side stream); returns its replay
+    (on the CPU: `fn` itself)."""
+    if DEVICE == "cpu":
+        return fn
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def clock(fn: Callable[[], Any], iters: int) -> float:
+    """Milliseconds per call of `fn` over `iters` back-to-back calls (CUDA events)."""
+    if DEVICE == "cpu":
+        fn()
+        begun = time.perf_counter()
         for _ in range(iters):
-            ids, weights = moe.route(x)
-            moe.fused(x, ids, weights)
-        end.record()
-        torch.cuda.synchronize()
+            fn()
+        return 1000 * (time.perf_counter() - begun) / iters
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
 
 
-def main() -> int:
-    args = parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("moe_layer: needs a CUDA GPU")
-    moe = block("cuda")
-    d, f = 2048, 768
-    xs = {n: torch.randn(n, d, device="cuda", dtype=torch.bfloat16) for n in args.rows}
-    samples: dict[int, list[float]] = {n: [] for n in args.rows}
-    for r in range(args.repeats):          # interleaved: every N once per repeat
+def kernels_only(moe, x: torch.Tensor) -> Callable[[], None]:
+    """The two grouped GEMMs of `moe_kernels.fused_moe` over `x`'s routing, aligned once."""
+    from workers import moe_kernels as mk
+
+    ids, weights = moe.route(x)
+    w13 = moe.gate_up.stacked.view(E, 2 * F, -1)
+    w2 = moe.down.stacked
+    rows, block_expert = mk.align(ids, E)
+    blocks, pairs = rows.numel() // mk.BLOCK_M, ids.numel()
+    hidden = torch.empty(rows.numel(), F, dtype=x.dtype, device=x.device)
+    out = torch.zeros(pairs, D, dtype=x.dtype, device=x.device)
+    flat = weights.reshape(-1).contiguous()
+    k = mk._kernels()
+
+    def run() -> None:
+        k.gate_up[(blocks, -(-F // mk.BLOCK_N))](
+            x, rows, block_expert, w13, hidden, pairs, TOP_K, E, D, F, x.stride(0),
+            w13.stride(0), w13.stride(1), BLOCK_M=mk.BLOCK_M, BLOCK_N=mk.BLOCK_N,
+            BLOCK_K=mk.BLOCK_K, IEEE=False)
+        k.down[(blocks, -(-D // mk.BLOCK_N))](
+            hidden, rows, block_expert, w2, flat, out, pairs, E, D, F, w2.stride(0),
+            w2.stride(1), BLOCK_M=mk.BLOCK_M, BLOCK_N=mk.BLOCK_N, BLOCK_K=mk.BLOCK_K,
+            IEEE=False)
+    return run
+
+
+def layer_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    moe = block(DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    xs = {n: torch.randn(n, D, device=DEVICE, generator=gen).to(torch.bfloat16)
+          for n in args.rows}
+    calls: dict[int, dict[str, Callable[[], None]]] = {}
+    with torch.inference_mode():
         for n in args.rows:
-            samples[n].append(time_rows(moe, xs[n], args.iters))
-        print(f"[moe_layer] repeat {r + 1}/{args.repeats} done", flush=True)
-    rows = []
-    for n in args.rows:
-        with torch.no_grad():
+            x = xs[n]
+
+            def layer(x: torch.Tensor = x) -> torch.Tensor:
+                ids, weights = moe.route(x)
+                return moe.fused(x, ids, weights)
+            calls[n] = {"graph": graphed(layer), "kernels": graphed(kernels_only(moe, x)),
+                        "eager": layer}
+        samples: dict[tuple[int, str], list[float]] = {}
+        for r in range(args.repeats):          # interleaved: every N and way once per repeat
+            for n in args.rows:
+                for way, fn in calls[n].items():
+                    samples.setdefault((n, way), []).append(clock(fn, args.iters))
+            print(f"[moe_layer] repeat {r + 1}/{args.repeats} done", flush=True)
+        out = []
+        for n in args.rows:
             hit = int(moe.route(xs[n])[0].unique().numel())
-        floor_ms = 1000 * hit * 3 * f * d * 2 / args.bandwidth
-        ts = sorted(samples[n])
-        med = ts[len(ts) // 2]
-        rows.append({"rows": n, "experts_hit": hit, "median_ms": med, "min_ms": ts[0],
-                     "max_ms": ts[-1], "floor_ms": floor_ms, "over_floor": med / floor_ms})
-        print(f"rows {n:>4}: {med * 1000:8.1f} us (spread {ts[0] * 1000:.1f}-{ts[-1] * 1000:.1f}), "
-              f"{hit:>3} experts hit, weight floor {floor_ms * 1000:6.1f} us, x{med / floor_ms:.2f}")
+            floor_ms = 1000 * hit * 3 * F * D * 2 / args.bandwidth
+            row = {"rows": n, "experts_hit": hit, "floor_ms": floor_ms}
+            for way in ("graph", "kernels", "eager"):
+                ts = sorted(samples[(n, way)])
+                row[f"{way}_ms"] = statistics.median(ts)
+                row[f"{way}_spread_ms"] = [ts[0], ts[-1]]
+                row[f"{way}_over_floor"] = row[f"{way}_ms"] / floor_ms
+            out.append(row)
+            print(f"rows {n:>4}: layer (graph) {row['graph_ms'] * 1e3:7.1f} us, kernels alone "
+                  f"{row['kernels_ms'] * 1e3:7.1f} us, eager {row['eager_ms'] * 1e3:7.1f} us; "
+                  f"{hit:>3} experts hit, floor {floor_ms * 1e3:6.1f} us: graph "
+                  f"x{row['graph_over_floor']:.2f}, kernels x{row['kernels_over_floor']:.2f}",
+                  flush=True)
+    del moe, calls
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def round_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The depth-0 round of the Qwen3-30B-A3B-shaped target (no head) at each batch, graph
+    replayed over the measurement's rows, against its weight floor."""
+    from scripts.bench.common import build, random_pair, static_spec
+    from workers.model import ModelParallel
+    from workers.model.moe import MoeBlock
+    from workers.worker.round_cost import TrafficRows, measurement_routing
+
+    target, _ = random_pair(SHAPE, "eagle3", DEVICE, par=ModelParallel.single(DEVICE), seed=1234)
+    target.reset_buffers()
+    target.eval()
+    batches = sorted(args.round_batches)
+    engine = build(static_spec(0).replace(graph_buckets=tuple(batches)), target, None,
+                   batch=max(batches), context=args.context + args.iters + 8, device=DEVICE,
+                   graphs=DEVICE == "cuda")
+    worker = engine.worker
+    blocks = [m for m in target.modules() if isinstance(m, MoeBlock)]
+    expert_bytes = 3 * F * D * 2
+    every = sum(p.numel() * p.element_size() for p in target.parameters())
+    experts_all = sum(b.gate_up.stacked.numel() * b.gate_up.stacked.element_size()
+                      + b.down.stacked.numel() * b.down.stacked.element_size() for b in blocks)
+    embed = target.model.embed_tokens.weight
+    row_bytes = embed.shape[1] * embed.element_size()
+    out = []
+    for batch in batches:
+        hits = measurement_routing(worker, batch, args.context)
+        with torch.inference_mode():
+            body = worker.round_body(batch)
+        samples = []
+        with TrafficRows(worker, batch, args.context, chain=args.iters + 1) as rows:
+            for _ in range(args.repeats):
+                rows.start()
+                worker.buffers.rows[:batch] = torch.arange(batch, device=DEVICE)
+                worker.buffers.budget[:batch] = 0
+                with torch.inference_mode():
+                    samples.append(clock(body, args.iters))
+        floor_bytes = (every - experts_all - embed.numel() * embed.element_size()
+                       + batch * row_bytes + sum(hits) * expert_bytes)
+        floor_ms = 1000 * floor_bytes / args.bandwidth
+        med = statistics.median(samples)
+        out.append({"batch": batch, "round_ms": med, "spread_ms": [min(samples), max(samples)],
+                    "floor_ms": floor_ms, "over_floor": med / floor_ms,
+                    "floor_gb": floor_bytes / 1e9, "experts_per_layer_mean": sum(hits) / len(hits),
+                    "context": args.context})
+        print(f"round batch {batch:>3}: {med:6.2f} ms (graph replay, depth 0, no head), floor "
+              f"{floor_ms:5.2f} ms ({floor_bytes / 1e9:.2f} GB: {sum(hits) / len(hits):.1f} "
+              f"experts per layer), x{med / floor_ms:.2f}", flush=True)
+    engine.close()
+    return out
+
+
+def main() -> int:
+    global D, F, E, TOP_K, SHAPE, DEVICE
+    args = parse_args()
+    if args.tiny:   # the tiny-moe shape (scripts.gen.make_checkpoint) on the CPU
+        os.environ["TRITON_INTERPRET"] = "1"
+        D, F, E, TOP_K, SHAPE, DEVICE = 64, 32, 8, 2, "tiny-moe", "cpu"
+    elif not torch.cuda.is_available():
+        raise SystemExit("moe_layer: needs a CUDA GPU (or --tiny)")
+    t0 = time.perf_counter()
+    layer = layer_rows(args)
+    rounds = [] if args.no_round else round_rows(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"gpu": gpu_name("cuda"), "torch": torch.__version__, "shape": "Qwen3-30B-A3B sparse MLP",
+    result = {"gpu": gpu_name(DEVICE) if DEVICE == "cuda" else None, "torch": torch.__version__,
+              "shape": f"{SHAPE} sparse MLP (d {D}, {E} experts of {F}, top {TOP_K}), bf16",
               "bandwidth_bytes_per_s": args.bandwidth, "iters": args.iters,
-              "repeats": args.repeats, "rows": rows, "command": " ".join(sys.argv)}
+              "repeats": args.repeats, "rows": layer, "rounds": rounds,
+              "seconds": time.perf_counter() - t0, "command": " ".join(sys.argv)}
     write_json(out / "moe_layer.json", result)
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ns = [r["rows"] for r in rows]
-    ax.plot(ns, [1000 * r["median_ms"] for r in rows], "o-", label="fused MoE (median)")
-    ax.plot(ns, [1000 * r["floor_ms"] for r in rows], "s--", label="weights / bandwidth")
+    fig, axes = plt.subplots(1, 2 if rounds else 1, figsize=(11 if rounds else 6, 4))
+    ax = axes[0] if rounds else axes
+    ns = [r["rows"] for r in layer]
+    for key, style, label in (("graph_ms", "o-", "layer, graph replay"),
+                              ("kernels_ms", "^-", "the two kernels alone"),
+                              ("eager_ms", "x:", "layer, eager"),
+                              ("floor_ms", "s--", "experts hit / bandwidth")):
+        ax.plot(ns, [1000 * r[key] for r in layer], style, label=label)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("routed rows")
     ax.set_ylabel("us per layer")
     ax.set_title("Qwen3-30B-A3B MoE layer, bf16")
     ax.grid(alpha=0.3)
     ax.legend()
+    if rounds:
+        bs = [r["batch"] for r in rounds]
+        axes[1].plot(bs, [r["round_ms"] for r in rounds], "o-", label="depth-0 round (graph)")
+        axes[1].plot(bs, [r["floor_ms"] for r in rounds], "s--", label="weights read / bandwidth")
+        axes[1].set_xscale("log", base=2)
+        axes[1].set_xlabel("batch")
+        axes[1].set_ylabel("ms per round")
+        axes[1].set_title(f"Qwen3-30B-A3B-shaped target, context {args.context}")
+        axes[1].grid(alpha=0.3)
+        axes[1].legend()
     save(fig, out / "moe_layer.png")
     return 0
 
