@@ -286,11 +286,12 @@ class AdaptiveConfig:
         return policy_section(self.policy).adaptive
 
     @property
-    def start_up_needs(self) -> tuple[str, ...]:
-        """The measured inputs the policy still needs before the first round (``DepthPolicy.
-        start_up_needs``; goodput: ``round_cost``, and ``verify_cost`` with per_request, while
-        unset): an engine measures and agrees them (``adaptive_dist.startup.prepare``)."""
-        return tuple(policy_section(self.policy).start_up_needs(self))
+    def start_up_needs(self) -> dict[str, str]:
+        """The measured inputs the policy still needs before the first round, key -> the
+        engine's measurement (``DepthPolicy.start_up_needs``; goodput: ``round_cost``, and
+        ``verify_cost`` with per_request, while unset): an engine measures and agrees them
+        (``adaptive_dist.startup.prepare``)."""
+        return dict(policy_section(self.policy).start_up_needs(self))
 
     @property
     def needs_round_cost(self) -> bool:

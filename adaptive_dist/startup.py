@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 __all__ = ["ConfigMismatchError", "agree_settings", "agree_config", "exchange",
-           "all_ranks_or_none", "EngineFacts", "prepare", "MEASURES", "missing_inputs_error",
+           "all_ranks_or_none", "EngineFacts", "prepare", "agree_measured", "MEASURES", "missing_inputs_error",
            "probe_after_catchup", "derived_settings", "agree_round_cost", "agree_verify_cost",
            "measured_as_json"]
 
@@ -85,12 +85,16 @@ class EngineFacts(Protocol):
 
 
 class Measure(NamedTuple):
-    """A measured input an engine can provide: which ``EngineFacts`` method measures it on a rank
-    and how the ranks' measurements become the agreed value in the configuration."""
+    """A measurement an engine provides (``EngineFacts``) and how the ranks agree it: which method
+    measures it on a rank, its JSON form, how the ranks' tables combine (a round waits for the
+    slowest rank: the element-wise maximum) and, for messages, what it is."""
 
-    method: str
-    agree: Callable[[AdaptiveConfig, Any, "Group"], AdaptiveConfig]
-    example: str   # how a config file gives it instead (consensus-only mode measures nothing)
+    method: str                                 # the EngineFacts method that measures it
+    what: str                                   # "round cost table"
+    keys: str                                   # what its top-level keys are: "batch buckets"
+    as_json: Callable[[Any], dict]              # the measured table in the config's JSON form
+    combine: Callable[[list[dict]], dict]       # every rank's table -> the agreed one
+    example: str                                # how a config file gives it (KEY: the key)
 
 
 def prepare(config: AdaptiveConfig, engine: EngineFacts, group: "Group"
@@ -98,20 +102,42 @@ def prepare(config: AdaptiveConfig, engine: EngineFacts, group: "Group"
     """The effective configuration of ``config`` in ``engine``, and what it derived (``''``: none;
     ``derived_settings``): first the values the policy derives from the engine
     (``DepthPolicy.in_engine``, ``probe_after_catchup``), then every measured input the policy
-    still needs (``DepthPolicy.start_up_needs``), each measured by ``engine`` and agreed over
-    ``group`` (``MEASURES``), in the order the policy names them. Call on every rank, after the
-    configuration is agreed and before the ``RoundCoordinator`` (whose hash includes all of it).
-    A policy that needs an input no engine measures is refused by name."""
+    still needs (``DepthPolicy.start_up_needs``: its key -> the measurement, one of
+    ``MEASURES``), each measured by ``engine`` and agreed over ``group`` (``agree_measured``), in
+    the order the policy names them. Call on every rank, after the configuration is agreed and
+    before the ``RoundCoordinator`` (whose hash includes all of it). A policy that asks for a
+    measurement no engine makes is refused by name."""
     effective = probe_after_catchup(config, engine.catchup_rounds)
     derived = derived_settings(config, effective)
-    for need in effective.start_up_needs:
-        if need not in MEASURES:
-            raise ConfigError(f"the {effective.policy} policy needs {need!r} at start-up, which "
-                              f"an engine does not measure (it measures "
-                              f"{', '.join(MEASURES)}); set it in the config")
-        measure = MEASURES[need]
-        effective = measure.agree(effective, getattr(engine, measure.method)(), group)
+    for key, kind in effective.start_up_needs.items():
+        if kind not in MEASURES:
+            raise ConfigError(f"the {effective.policy} policy needs {key!r} measured as "
+                              f"{kind!r} at start-up, which an engine does not measure (it "
+                              f"measures {', '.join(MEASURES)}); set {key!r} in the config")
+        measured = getattr(engine, MEASURES[kind].method)()
+        effective = agree_measured(effective, key, kind, measured, group)
     return effective, derived
+
+
+def agree_measured(config: AdaptiveConfig, key: str, kind: str, measured: Any,
+                   group: "Group") -> AdaptiveConfig:
+    """``config`` with its key ``key`` set to the cluster's agreed measurement ``kind`` (one of
+    ``MEASURES``): every member's ``measured`` in the JSON form, validated as the policy's
+    section validates ``key`` (a bad table is refused on every rank with the same
+    ``ConfigError``), refused with ``ConfigMismatchError`` naming the ranks unless every member
+    measured the same top-level keys, then combined (the element-wise maximum). Call on every
+    member of ``group`` with its own ``measured``; two exchanges on the control group, none for
+    a size-1 group."""
+    measure = MEASURES[kind]
+    what = f"agreeing the {measure.what}"
+
+    def local() -> dict:
+        table = measure.as_json(measured)
+        config.replace(**{key: table})   # validated by the policy's section, with key names
+        return table
+
+    views = _exchange_tables(local, group, what, measure.keys)
+    return config.replace(**{key: measure.combine(views)})
 
 
 def missing_inputs_error(config: AdaptiveConfig) -> Optional[ConfigError]:
@@ -120,7 +146,8 @@ def missing_inputs_error(config: AdaptiveConfig) -> Optional[ConfigError]:
     needs = config.start_up_needs
     if not needs:
         return None
-    how = "; ".join(f"{n}: {MEASURES[n].example}" if n in MEASURES else n for n in needs)
+    how = "; ".join(MEASURES[kind].example.replace("KEY", key) if kind in MEASURES else key
+                    for key, kind in needs.items())
     return ConfigError(f"--policy {config.policy} in consensus-only mode needs "
                        f"{' and '.join(needs)} in the --config file (no model runs here to "
                        f"measure them): {how}")
@@ -169,20 +196,10 @@ def agree_round_cost(config: AdaptiveConfig, measured: MeasuredCost,
     candidate); a bad or mismatched table is refused on every rank with the same
     ``ConfigError``. Two exchanges on ``group``'s control group; none for a size-1 group.
     """
-    what = "agreeing the round cost table"
-
-    def local() -> dict:
-        if "round_cost" not in _own_keys(config):
-            raise ConfigError(f"agree_round_cost: policy={config.policy!r}; round_cost applies "
-                              f"to the goodput policy only")
-        table = measured_as_json(measured)
-        config.replace(round_cost=table)  # validated against the candidates, with key names
-        return table
-
-    views = _exchange_tables(local, group, what, "batch buckets")
-    agreed = {b: {s: max(view[b][s] for view in views) for s in row}
-              for b, row in views[0].items()}
-    return config.replace(round_cost=agreed)
+    if "round_cost" not in _own_keys(config):
+        raise ConfigError(f"agree_round_cost: policy={config.policy!r}; round_cost applies "
+                          f"to the goodput policy only")
+    return agree_measured(config, "round_cost", "round_costs", measured, group)
 
 
 def _exchange_tables(local: Callable[[], dict], group: "Group", what: str,
@@ -206,17 +223,9 @@ def agree_verify_cost(config: AdaptiveConfig, measured: Mapping[int, float],
     """``config`` with ``verify_cost`` set to the cluster's agreed table (per-request budgets):
     for every verify-token count the maximum of the members' measurements, as
     ``agree_round_cost``; every rank must have measured the same counts."""
-    what = "agreeing the verify cost table"
-
-    def local() -> dict:
-        if not config.per_request:
-            raise ConfigError("agree_verify_cost: verify_cost applies with per_request only")
-        table = {str(t): float(c) for t, c in measured.items()}
-        config.replace(verify_cost=table)   # validated, with key names
-        return table
-
-    views = _exchange_tables(local, group, what, "token counts")
-    return config.replace(verify_cost={t: max(view[t] for view in views) for t in views[0]})
+    if not config.per_request:
+        raise ConfigError("agree_verify_cost: verify_cost applies with per_request only")
+    return agree_measured(config, "verify_cost", "verify_costs", measured, group)
 
 
 def measured_as_json(measured: MeasuredCost) -> dict[str, dict[str, float]]:
@@ -253,15 +262,26 @@ def _own_keys(config: AdaptiveConfig) -> tuple[str, ...]:
     return section.keys() if section is not None else ()
 
 
+def _max_rows(views: list[dict]) -> dict:
+    """Per bucket and depth, the largest of the ranks' seconds."""
+    return {b: {k: max(view[b][k] for view in views) for k in row} for b, row in views[0].items()}
+
+
+def _max_cells(views: list[dict]) -> dict:
+    """Per key, the largest of the ranks' seconds."""
+    return {k: max(view[k] for view in views) for k in views[0]}
+
+
 MEASURES: dict[str, Measure] = {
-    "round_cost": Measure(
-        "measure_round_costs", agree_round_cost,
-        'e.g. {"round_cost": {"1": 1.2, "3": 1.5, "7": 2.2}} with one relative cost per '
-        'candidate depth, or one such table per padded batch bucket '
-        '{"round_cost": {"8": {...}, "64": {...}}}'),
-    "verify_cost": Measure(
-        "measure_verify_costs", agree_verify_cost,
-        'e.g. {"verify_cost": {"8": 0.004, "16": 0.005}}, seconds of the verify forward per '
-        'token count'),
+    "round_costs": Measure(
+        "measure_round_costs", "round cost table", "batch buckets", measured_as_json, _max_rows,
+        'e.g. {"KEY": {"1": 1.2, "3": 1.5, "7": 2.2}} with one relative cost per candidate '
+        'depth, or one such table per padded batch bucket {"KEY": {"8": {...}, "64": {...}}}'),
+    "verify_costs": Measure(
+        "measure_verify_costs", "verify cost table", "token counts",
+        lambda measured: {str(t): float(c) for t, c in measured.items()}, _max_cells,
+        'e.g. {"KEY": {"8": 0.004, "16": 0.005}}, seconds of the verify forward per token '
+        'count'),
 }
-"""The measured inputs an engine provides (``EngineFacts``), by the configuration key they set."""
+"""The measurements an engine provides (``EngineFacts``), by name: what a policy's
+``start_up_needs`` may ask for."""

@@ -102,11 +102,12 @@ class DepthPolicy(Protocol):
         whatever its policy); ``ConfigError`` naming the key, the value and what is allowed."""
 
     @classmethod
-    def start_up_needs(cls, config: "AdaptiveConfig") -> tuple[str, ...]:
-        """The measured inputs this policy still needs before the first round, as the names of
-        its section's keys (goodput: ``round_cost`` while unset): an engine measures each and
-        the ranks agree it (``adaptive_dist.startup.prepare``, which names what it can measure);
-        consensus-only mode, which measures nothing, refuses a config that still needs any."""
+    def start_up_needs(cls, config: "AdaptiveConfig") -> dict[str, str]:
+        """The measured inputs this policy still needs before the first round: its section's
+        key -> the engine's measurement that fills it (``adaptive_dist.startup.MEASURES``;
+        goodput: ``{"round_cost": "round_costs"}`` while unset). An engine measures each and the
+        ranks agree it (``adaptive_dist.startup.prepare``); consensus-only mode, which measures
+        nothing, refuses a config that still needs any."""
 
     def initial_state(self) -> PolicyState:
         """The shared state before any round."""
@@ -191,8 +192,8 @@ class CountingPolicy(abc.ABC):
         return None
 
     @classmethod
-    def start_up_needs(cls, config: "AdaptiveConfig") -> tuple[str, ...]:
-        return ()
+    def start_up_needs(cls, config: "AdaptiveConfig") -> dict[str, str]:
+        return {}
 
     # ---- the rank's estimate ---------------------------------------------------------------
     def initial_state(self) -> PolicyState:

@@ -339,12 +339,15 @@ class GoodputPolicy(CountingPolicy):
                   f"per_request={c.per_request!r})")
 
     @classmethod
-    def start_up_needs(cls, config: AdaptiveConfig) -> tuple[str, ...]:
-        """``round_cost`` while unset, and with ``per_request`` ``verify_cost`` while unset."""
-        if config.policy != cls.name:
-            return ()
-        return (("round_cost",) * (config.round_cost is None)
-                + ("verify_cost",) * (config.per_request and config.verify_cost is None))
+    def start_up_needs(cls, config: AdaptiveConfig) -> dict[str, str]:
+        """``round_cost`` (the engine's ``round_costs``) while unset, and with ``per_request``
+        ``verify_cost`` (``verify_costs``) while unset."""
+        needs: dict[str, str] = {}
+        if config.policy == cls.name and config.round_cost is None:
+            needs["round_cost"] = "round_costs"
+        if config.policy == cls.name and config.per_request and config.verify_cost is None:
+            needs["verify_cost"] = "verify_costs"
+        return needs
 
     # ---- the rank's estimate ---------------------------------------------------------------
     def initial_state(self) -> GoodputState:

@@ -74,9 +74,13 @@ def test_registry_refuses_a_taken_name_or_key(roundrobin):
 def test_config_command_checks_the_new_policy(roundrobin, tmp_path, capsys):
     path = tmp_path / "rr.json"
     path.write_text(json.dumps({"roundrobin": {"stride": 2}, "warmup_batches": 4}))
-    assert main(["config", "--policy", "roundrobin", "--config", str(path)]) == 0
+    # consensus-only mode measures nothing: the policy's start-up need must be in the file
+    assert main(["config", "--policy", "roundrobin", "--config", str(path)]) == 2
+    assert "--policy roundrobin in consensus-only mode needs costs" in capsys.readouterr().err
+    assert main(["config", "--policy", "roundrobin", "--config", str(path), "--for",
+                 "engine"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["policy"] == "roundrobin" and shown["stride"] == 2
+    assert shown["policy"] == "roundrobin" and shown["stride"] == 2 and shown["costs"] is None
     assert shown["digest"] == AdaptiveConfig(policy="roundrobin", stride=2,
                                              warmup_batches=4).digest()
     path.write_text(json.dumps({"roundrobin": {"stride": -1}}))
@@ -85,8 +89,9 @@ def test_config_command_checks_the_new_policy(roundrobin, tmp_path, capsys):
 
 
 def test_generate_runs_the_new_policy(roundrobin, tmp_path, capsys):
-    """The engine's start-up (adaptive_dist.startup.prepare) and rounds take the new policy as
-    they are: it switches every decision point and the greedy text equals plain decoding's."""
+    """The engine's start-up (adaptive_dist.startup.prepare: the round costs the policy asks for)
+    and rounds take the new policy as they are: it switches every decision point and the greedy
+    text equals plain decoding's."""
     import dataclasses
 
     from engine_fixtures import save_pair, tiny_config, tiny_pair
@@ -108,6 +113,21 @@ def test_generate_runs_the_new_policy(roundrobin, tmp_path, capsys):
     assert spec["outputs"] == runs["--no-spec"]["outputs"]
 
 
+def test_engine_measures_what_the_new_policy_needs(roundrobin):
+    """build_engine gives the policy the round costs it asks for (start_up_needs: its own key
+    `costs`, the engine's `round_costs`), measured on the built tiers and agreed: every
+    candidate depth priced in every bucket."""
+    from engine_fixtures import engine_for, tiny_pair
+
+    target, head = tiny_pair(seed=3)
+    cfg = AdaptiveConfig(policy="roundrobin", graph_buckets=(1, 2, 4))
+    engine = engine_for(target, head, "ema", config=cfg, max_batch=4)
+    costs = engine.config.spec.costs
+    assert costs is not None and costs.buckets == (1, 2, 4) and costs.steps == (1, 3, 7)
+    assert all(c > 0 for row in costs.rows for _, c in row)
+    assert engine.planner.config.digest() == engine.config.spec.digest() != cfg.digest()
+
+
 def expected_schedule(records: list[dict], candidates: list[int], stride: int, warmup: int,
                       interval: int) -> list[tuple[int, bool]]:
     """(steps, switched) of each of one rank's counted rounds, by hand: counted round c (from 1)
@@ -127,8 +147,9 @@ def test_consensus_runs_the_new_policy_on_two_ranks(tmp_path):
     traces = phased_traces(2, rounds=80, seed=5)
     write_traces(traces, tmp_path / "tr")
     cfg = tmp_path / "rr.json"
-    cfg.write_text(json.dumps({"roundrobin": {"stride": 2}, "warmup_batches": 4,
-                               "update_interval": 3}))
+    cfg.write_text(json.dumps({"roundrobin": {"stride": 2, "costs": {"1": 1.0, "3": 0.9,
+                                                                      "7": 2.0}},
+                               "warmup_batches": 4, "update_interval": 3}))
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), str(TOY), "consensus", "--trace",
@@ -141,7 +162,7 @@ def test_consensus_runs_the_new_policy_on_two_ranks(tmp_path):
     lines = [json.loads(ln) for ln in out.read_text().splitlines()]
     for rank in (0, 1):
         mine = [ln for ln in lines if ln["rank"] == rank]
-        assert mine and all(ln["stride"] == 2 for ln in mine)
+        assert mine and all(ln["stride"] == 2 and ln["cheapest"] == 3 for ln in mine)
         got = [(ln["steps"], ln["switched"]) for ln in mine]
         assert got == expected_schedule(mine, [1, 3, 7], 2, 4, 3)
     assert len({ln["steps"] for ln in lines}) == 3   # every candidate ran
