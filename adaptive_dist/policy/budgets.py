@@ -15,9 +15,11 @@ compute the same budgets.
 
 The value curve. For a shape (S draft forwards, T verify tokens) a rank with ``n`` requests fills
 its ``T - n`` verify places beyond the requests' own tokens with the positions worth most: first
-position 1 of every request (when S >= 1: a request that drafts nothing never learns again), then
-every other position ``k <= S`` in order of ``s_i(k)`` (a request's positions come in order, since
-``s_i`` falls with k). ``V(S, T) = n + sum of the chosen s_i(k)``: the tokens the rank expects to
+position 1 of every request due a check (when S >= 1; ``SurvivalTracker.due``: a request that has
+never drafted, or drafted nothing in its last ``probe_every`` rounds — one that drafts nothing
+never learns again), then every other position ``k <= S``, position 1 of the other requests
+included, in order of ``s_i(k)`` (a request's positions come in order, since ``s_i`` falls with
+k). ``V(S, T) = n + sum of the chosen s_i(k)``: the tokens the rank expects to
 commit. Every rank sends ``V`` for every candidate S and token rung T in its round vector (fixed
 point, ``VALUE_SCALE``, summed exactly as integers), and every rank picks, from the same sums, the
 shape with the most expected tokens per second of the agreed cost table (``shape_cost``) for the
@@ -86,6 +88,9 @@ class SurvivalTracker:
     requests: dict[int, Counts] = field(default_factory=dict)
     pooled: Counts = field(init=False)
     rounds: int = 0
+    idle: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Per request: (its rounds in a row that drafted nothing, the round it was last seen in);
+    a request absent has never drafted (nor been shadow-checked)."""
 
     def __post_init__(self) -> None:
         self.pooled = Counts.empty(self.depth)
@@ -102,7 +107,10 @@ class SurvivalTracker:
                 self.pooled.hits[k] *= POOL_DECAY
         for rid, d, a in zip(rids, budgets, accepts):
             if d <= 0:
+                if rid in self.idle:
+                    self.idle[rid] = (self.idle[rid][0] + 1, self.rounds)
                 continue
+            self.idle[rid] = (0, self.rounds)
             counts = self.requests.get(rid)
             if counts is None:
                 counts = self.requests[rid] = Counts.empty(self.depth)
@@ -116,6 +124,9 @@ class SurvivalTracker:
             stale = [r for r, c in self.requests.items() if self.rounds - c.seen > FORGET_ROUNDS]
             for rid in stale:
                 del self.requests[rid]
+            for rid in [r for r, (_, seen) in self.idle.items()
+                        if self.rounds - seen > FORGET_ROUNDS]:
+                del self.idle[rid]
 
     def observe_shadow(self, rids: Sequence[int], checks: Sequence[tuple[int, int]]) -> None:
         """Depth-0 shadow checks (``(hits, checks)`` per request: the head's greedy guesses
@@ -125,8 +136,17 @@ class SurvivalTracker:
                 continue
             counts = self.requests.setdefault(rid, Counts.empty(self.depth))
             counts.seen = self.rounds
+            self.idle[rid] = (0, self.rounds)
             for j in range(n):
                 counts.add(1, 1 if j < hits else 0, DECAY)
+
+    def due(self, rid: int, every: int) -> bool:
+        """Whether request ``rid`` must check its position 1 in its next drafting round: it has
+        never drafted (nor been shadow-checked), or drafted nothing in its last ``every``
+        rounds. Without the check a request whose estimate says no would never be measured
+        again, and a new one would run on the pooled prior alone."""
+        state = self.idle.get(rid)
+        return state is None or state[0] >= every
 
     def prior(self) -> list[float]:
         """The pooled conditional acceptance per position."""
@@ -160,22 +180,45 @@ class SurvivalTracker:
 
 
 # ---- the fill, the value curve --------------------------------------------------------------------
+class Estimates(list):
+    """The round's requests' ``s(1..depth)`` (a list, round order) and, per request, whether its
+    position 1 is due a check (``SurvivalTracker.due``): what the fill and the value curve
+    read. A plain list of survivals is every request due (every position 1 first)."""
+
+    def __init__(self, survivals: Sequence[Sequence[float]] = (),
+                 due: Optional[Sequence[bool]] = None) -> None:
+        super().__init__(survivals)
+        self.due = tuple(due) if due is not None else (True,) * len(self)
+        if len(self.due) != len(self):
+            raise ValueError(f"Estimates: {len(self.due)} due flags for {len(self)} requests")
+
+
+def _due(survivals: Sequence[Sequence[float]]) -> np.ndarray:
+    due = getattr(survivals, "due", None)
+    return np.ones(len(survivals), dtype=bool) if due is None else np.asarray(due, dtype=bool)
+
+
 def _order(survivals: Sequence[Sequence[float]], steps: int) -> tuple[list, list, list]:
     """The places a round at ``steps`` draft forwards can fill, in the order they are filled:
-    position 1 of every request first (when ``steps >= 1``), then the rest by value, larger
-    first (ties: earlier request, then earlier position) -> (values, requests, positions)."""
+    position 1 of every request due a check first (when ``steps >= 1``; ``Estimates.due``, a
+    plain list: every request), then every other place by value, larger first (ties: earlier
+    request, then earlier position; a request's positions come in order, since ``s`` falls
+    with the position) -> (values, requests, positions)."""
     n = len(survivals)
     if steps < 1 or n == 0:
         return [], [], []
     surv = np.asarray(survivals, dtype=np.float64)[:, :steps]
     req = np.repeat(np.arange(n), steps).reshape(n, steps)
     pos = np.tile(np.arange(1, steps + 1), n).reshape(n, steps)
-    first = np.lexsort((req[:, 0], -surv[:, 0]))
-    rest_v, rest_r, rest_p = surv[:, 1:].ravel(), req[:, 1:].ravel(), pos[:, 1:].ravel()
+    forced = np.zeros((n, steps), dtype=bool)
+    forced[:, 0] = _due(survivals)
+    fv, fr, fp = surv[forced], req[forced], pos[forced]
+    first = np.lexsort((fr, -fv))
+    rest_v, rest_r, rest_p = surv[~forced], req[~forced], pos[~forced]
     rest = np.lexsort((rest_p, rest_r, -rest_v))
-    values = np.concatenate([surv[first, 0], rest_v[rest]])
-    return (values, np.concatenate([req[first, 0], rest_r[rest]]),
-            np.concatenate([pos[first, 0], rest_p[rest]]))
+    values = np.concatenate([fv[first], rest_v[rest]])
+    return (values, np.concatenate([fr[first], rest_r[rest]]),
+            np.concatenate([fp[first], rest_p[rest]]))
 
 
 def fill_budgets(survivals: Sequence[Sequence[float]], shape: RoundShape) -> tuple[int, ...]:
@@ -282,10 +325,13 @@ class PerRequestRule:
         """Length of the value curve (candidates x rungs)."""
         return len(self.candidates) * len(self.ladder)
 
-    def survivals(self, rids: Sequence[int]) -> list[list[float]]:
-        """Each request's ``s(1..depth)`` (round order)."""
+    def survivals(self, rids: Sequence[int]) -> Estimates:
+        """Each request's ``s(1..depth)`` (round order) and whether its position 1 is due a
+        check (``probe_every`` rounds without drafting, or never drafted)."""
         prior = self.tracker.prior()
-        return [self.tracker.survival(r, prior) for r in rids]
+        every = self.config.probe_every
+        return Estimates([self.tracker.survival(r, prior) for r in rids],
+                         [self.tracker.due(r, every) for r in rids])
 
     def curve(self, survivals: Sequence[Sequence[float]]) -> tuple[int, ...]:
         return tuple(value_curve(survivals, self.candidates, self.ladder))

@@ -367,6 +367,16 @@ def parse_args() -> argparse.Namespace:
                         "linear in verified tokens between the measured depths around it "
                         "(past the deepest: the last measured segment extended); an estimate, "
                         "recorded as meta.model_costs_interpolated and marked in goals.md")
+    p.add_argument("--merge", nargs="+", default=[], metavar="RESULTS",
+                   help="earlier results.json files whose runs join this run's in the tables and "
+                        "plots (the runs are deterministic with --model-costs: a static depth or "
+                        "the oracle need not run again beside a changed policy); a (workload, "
+                        "batch, policy, repeat) this run also ran is taken from this run. The "
+                        "files are named in meta.merged")
+    p.add_argument("--round-log", metavar="DIR", default=None,
+                   help="write every run's round log (workers.round_log: per round the shape "
+                        "and each request's draft and accepted tokens) to "
+                        "DIR/<workload>_b<batch>_<policy>[.rank<R>].jsonl")
     p.add_argument("--out", default="runs/bench_adaptive")
     args = p.parse_args()
     args.model_costs_file = None
@@ -627,11 +637,21 @@ def main() -> int:
             engine.pool.apply(spec.initial_steps)
             phases, lengths_of, window = workload_phases(args, workload, batch, enc,
                                                          par.replica)
+            if args.round_log is not None and rep >= 0:
+                from workers.round_log import RoundLog, round_log_path
+
+                Path(args.round_log).mkdir(parents=True, exist_ok=True)
+                name = re.sub(r"[^A-Za-z0-9_.=@+-]", "_", f"{workload}_b{batch}_{policy}")
+                engine.round_log = RoundLog(round_log_path(
+                    Path(args.round_log) / f"{name}.jsonl", ctx.rank, world.size), ctx.rank)
             res = run_phases(engine, phases, args.new_tokens, args.device,
                              batch if args.waves > 1 or window else None,
                              args.length_spread, args.model_costs, window, lengths_of,
                              verify=args.verify_costs,
                              oracle=split_policy(policy)[0] == ORACLE, group=world)
+            if engine.round_log is not None:
+                engine.round_log.close()
+                engine.round_log = None
             parts: list[Any] = [res]
             if world.size > 1:
                 import torch.distributed as dist
@@ -651,6 +671,8 @@ def main() -> int:
             write(args, records, ctx, round_costs=round_costs)
     if bar is not None:
         bar.close()
+    if ctx.rank == 0 and args.repeats == 0 and args.merge:   # the merged files' table alone
+        write(args, records, ctx, round_costs=round_costs)
     for engine in engines.values():
         engine.close()
     if guard is not None:
@@ -746,10 +768,25 @@ def analyse(records: list[dict]) -> dict[str, Any]:
     return out
 
 
+def merged_records(files: list[str], records: list[dict]) -> list[dict]:
+    """`records` after the runs of the results files `files` (`--merge`) that this run did not
+    run itself (same workload, batch, policy and repeat), in the files' order."""
+    key = lambda r: (r["workload"], r["batch"], r["policy"], r["repeat"])   # noqa: E731
+    mine = {key(r) for r in records}
+    old = []
+    for f in files:
+        for r in json.loads(Path(f).read_text())["runs"]:
+            if key(r) not in mine:
+                mine.add(key(r))
+                old.append(r)
+    return old + records
+
+
 def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool = False,
           round_costs: dict[str, Any] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    records = merged_records(args.merge, records)
     analysis = analyse(records)
     meta = {"world": ctx.world_size, "dp": args.dp, "device": args.device,
             "overlap": bool(overlap_of(args, args.device)),
@@ -771,7 +808,7 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
             "warm_phases": {w: WARM[w] for w in args.workloads if w in WARM},
             "repeats_done": len({r["repeat"] for r in records}),
             "workloads": {w: WORKLOADS[w] for w in args.workloads},
-            "command": " ".join(sys.argv)}
+            "command": " ".join(sys.argv), "merged": list(args.merge)}
     goals = goal_rows(analysis)
     write_json(out / "results.json", {"meta": meta, "analysis": analysis, "goals": goals,
                                       "runs": records})

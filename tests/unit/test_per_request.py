@@ -18,6 +18,7 @@ import pytest
 from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, VerifyCost
 from adaptive_dist.policy.budgets import (
     VALUE_SCALE,
+    Estimates,
     SurvivalTracker,
     choose_shape,
     fill_budgets,
@@ -152,6 +153,36 @@ def test_tracker_learns_a_request_in_a_round_or_two() -> None:
     good, bad = tracker.survival(1), tracker.survival(2)
     assert good[2] > 0.6 and good[6] > 0.3      # past its drafts too: its own rate
     assert bad[0] < 0.3 and bad[6] < 1e-3
+
+
+def test_only_requests_due_a_check_get_position_1_first() -> None:
+    # request 0 rejected its last check and is not due; request 1 is (new, or idle too long)
+    survivals = [[0.05, 0.01, 0.001], [0.04, 0.01, 0.001], [0.95, 0.94, 0.93]]
+    est = Estimates(survivals, [False, True, False])
+    # 3 own tokens + 3 places: request 1's due check, then request 2's positions 1 and 2
+    assert fill_budgets(est, RoundShape(3, 6)) == (0, 1, 2)
+    # a plain list: every request due, as before
+    assert fill_budgets(survivals, RoundShape(3, 6)) == (1, 1, 1)
+    # the value curve reads the same order: its first place beyond the own tokens is the check
+    ladder = token_ladder(12)
+    curve = value_curve(est, (0, 3), ladder)
+    four = len(ladder) + ladder.index(4)
+    assert curve[four] == round((3 + 0.04) * VALUE_SCALE)
+    with pytest.raises(ValueError, match="due flags"):
+        Estimates(survivals, [True])
+
+
+def test_a_request_idle_for_probe_every_rounds_is_due_again() -> None:
+    tracker = SurvivalTracker(7)
+    assert tracker.due(5, 8)                       # never drafted: due
+    tracker.observe([5], [1], [0])                 # checked, rejected
+    assert not tracker.due(5, 8)
+    for i in range(8):
+        assert not tracker.due(5, 8), i
+        tracker.observe([5], [0], [0])             # drafts nothing
+    assert tracker.due(5, 8)
+    tracker.observe_shadow([5], [(1, 2)])          # a shadow check is a check
+    assert not tracker.due(5, 8)
 
 
 # ---- refusals ------------------------------------------------------------------------------------
