@@ -207,6 +207,64 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
 
     @triton.jit
+    def tree_attention_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, cached_ptr, tk_ptr, tv_ptr,
+                              mask_ptr, out_ptr, stride_qt, stride_qh, stride_ks, stride_kh,
+                              stride_vs, stride_vh, stride_pb, stride_tb, stride_tm, stride_th,
+                              queries, nodes, groups, reach_tokens, head_dim, scale,
+                              PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_M: tl.constexpr):
+        # one program per (tree node of row b, query head): the row's context through its page
+        # table (KV 0 .. cached - 1), then the tree nodes its mask row allows, one online softmax
+        tok = tl.program_id(0)          # tok = b * queries + i
+        h = tl.program_id(1)
+        heads = tl.num_programs(1)
+        b = tok // queries
+        kvh = h // groups
+        n_ctx = tl.minimum(tl.load(cached_ptr + b), reach_tokens)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < head_dim
+        q = tl.load(q_ptr + tok * stride_qt + h * stride_qh + d, mask=dmask, other=0.0)
+        q = q.to(tl.float32) * scale
+        m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
+        l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for start in range(0, n_ctx, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            pmask = pos < n_ctx
+            page = tl.load(pages_ptr + b * stride_pb + pos // PAGE, mask=pmask, other=0)
+            slot = page.to(tl.int64) * PAGE + pos % PAGE
+            m2 = pmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                        mask=m2, other=0.0).to(tl.float32)
+            s = tl.where(pmask, tl.sum(k * q[None, :], axis=1), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            p = tl.exp(s - m_new)
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                        mask=m2, other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+        for start in range(0, nodes, BLOCK_M):
+            j = start + tl.arange(0, BLOCK_M)
+            seen = tl.load(mask_ptr + tok.to(tl.int64) * nodes + j, mask=j < nodes, other=0) != 0
+            m2 = seen[:, None] & dmask[None, :]
+            base = b.to(tl.int64) * stride_tb + j[:, None] * stride_tm + kvh * stride_th
+            k = tl.load(tk_ptr + base + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            s = tl.where(seen, tl.sum(k * q[None, :], axis=1), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            # a block of only hidden nodes before anything was seen: nothing to add (no NaN)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe)
+            alpha = tl.exp(m_i - m_safe)
+            v = tl.load(tv_ptr + base + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+        out = out_ptr + (tok * heads + h) * head_dim + d
+        tl.store(out, (acc / l_i).to(out_ptr.dtype.element_ty), mask=dmask)
+
+    @triton.jit
     def store_kv_kernel(k_ptr, v_ptr, slots_ptr, kc_ptr, vc_ptr, stride_kt, stride_kh,
                         stride_vt, stride_vh, stride_cs, stride_ch, stride_vcs, stride_vch,
                         tokens, kv_heads, head_dim, cache_dim, pages_ptr, cached_ptr, qo_ptr,
@@ -310,6 +368,7 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
     return SimpleNamespace(rms_norm=rms_norm_kernel, rope=rope_kernel, silu_mul=silu_mul_kernel,
                            padded_attention=padded_attention_kernel,
                            padded_attention_tiled=padded_attention_tiled_kernel,
+                           tree_attention=tree_attention_kernel,
                            store_kv=store_kv_kernel,
                            greedy_accept=greedy_accept_kernel, one_hot=one_hot_kernel,
                            lag_append=lag_append_kernel, uniforms=uniforms_kernel)
@@ -466,6 +525,34 @@ def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
             k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
             page_tab.stride(0), width, heads // kv_heads, page_tab.shape[1] * page_size, dim,
             scale, PAGE=page_size, BLOCK_D=_pow2(dim), BLOCK_N=64, num_warps=2)
+    return out
+
+
+def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                   page_tab: torch.Tensor, cached: torch.Tensor, tree_k: torch.Tensor,
+                   tree_v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of draft-tree nodes (`workers.attention.tree`): `q` [B*Q, Hq, D], node `i` of
+    row `b` sees KV ``0 .. cached[b] - 1`` through `page_tab` [B, P] (capped at the row's reach)
+    and the tree slots `j` of `tree_k`/`tree_v` [B, M, Hkv, D] where `mask` [B, Q, M] (bool or
+    int8) is set (its ancestors and itself: at least one per node). Returns [B*Q, Hq, D] in
+    `q`'s dtype."""
+    tokens, heads, dim = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    batch, queries, nodes = mask.shape
+    page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
+    k_flat = k_pages.view(-1, kv_heads, k_pages.shape[3])
+    v_flat = v_pages.view(-1, kv_heads, v_pages.shape[3])
+    tree_k, tree_v = tree_k.contiguous(), tree_v.contiguous()
+    flags = mask.to(torch.int8).contiguous()
+    out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
+    if tokens:
+        _kernels().tree_attention[(tokens, heads)](
+            q, k_flat, v_flat, page_tab, cached, tree_k, tree_v, flags, out, q.stride(0),
+            q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
+            page_tab.stride(0), tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), queries,
+            nodes, heads // kv_heads, page_tab.shape[1] * page_size, dim, scale, PAGE=page_size,
+            BLOCK_D=_pow2(dim), BLOCK_N=64, BLOCK_M=max(16, min(64, _pow2(nodes))), num_warps=2)
     return out
 
 

@@ -8,15 +8,18 @@ store of `M` node slots per row, so siblings never overwrite each other's positi
 then copies the accepted path's K/V to contiguous positions `cached[b] ..` of the pages and the
 rest is dropped. Positions (RoPE) are the caller's: context length + the node's depth.
 
-Plain torch (CPU and GPU, eager): the context's K/V are gathered through the page table
-(`base.gather_kv`), the tree's appended, and `scaled_dot_product_attention` runs under the
-concatenated mask. A dummy row (cached 0) still sees itself, so every output is finite.
+On CUDA one fused kernel per layer (`workers.kernels.tree_attention`: one program per node and
+query head, the context's pages then the allowed tree slots, one online softmax); elsewhere
+plain torch: the context's K/V gathered through the page table (`base.gather_kv`), the tree's
+appended, and `scaled_dot_product_attention` under the concatenated mask. A dummy row (cached 0)
+still sees itself, so every output is finite.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from workers import kernels
 from workers.attention.base import gather_kv
 from workers.kv_cache import DUMMY_PAGE, KVPool
 
@@ -49,8 +52,14 @@ class TreeAttention:
             raise ValueError(f"tree attention: mask {list(mask.shape)}, {memory.slots} node slots "
                              f"from {start}, {pages.shape[0]} page tables")
         ps = pool.page_size
-        kv_idx = torch.arange(pages.shape[1] * ps, device=pages.device)
         self.pool, self.memory, self.start, self.queries = pool, memory, start, queries
+        # on CUDA one fused kernel per layer reads the pages and the store directly
+        self.fused = kernels.enabled(pages)
+        if self.fused:
+            self.pages, self.cached, self.tree_mask = pages.contiguous(), cached, mask
+            self.batch = batch
+            return
+        kv_idx = torch.arange(pages.shape[1] * ps, device=pages.device)
         self.slots = pages[:, kv_idx // ps] * ps + kv_idx % ps                  # [B, L]
         context = (kv_idx[None, :] < cached[:, None])[:, None, :].expand(-1, queries, -1)
         self.mask = torch.cat([context, mask], dim=2)[:, None]                  # [B, 1, Q, L+M]
@@ -58,11 +67,15 @@ class TreeAttention:
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
         """Keep this layer's node K/V in the tree store; attention of `q` [B*Q, Hq, D]."""
-        batch, queries = self.mask.shape[0], self.queries
-        heads, dim = q.shape[1], q.shape[2]
+        queries, heads, dim = self.queries, q.shape[1], q.shape[2]
+        batch = self.batch if self.fused else self.mask.shape[0]
         end = self.start + queries
         self.memory.k[layer_id, :, self.start:end] = k.view(batch, queries, *k.shape[1:])
         self.memory.v[layer_id, :, self.start:end] = v.view(batch, queries, *v.shape[1:])
+        if self.fused:
+            return kernels.tree_attention(q, self.pool.k[layer_id], self.pool.v[layer_id],
+                                          self.pages, self.cached, self.memory.k[layer_id],
+                                          self.memory.v[layer_id], self.tree_mask, dim ** -0.5)
         keys = torch.cat([gather_kv(self.pool.k[layer_id], self.slots, heads, dim, q.dtype),
                           _heads(self.memory.k[layer_id], heads, q.dtype)], dim=2)
         values = torch.cat([gather_kv(self.pool.v[layer_id], self.slots, heads, dim, q.dtype),
