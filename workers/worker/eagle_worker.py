@@ -350,6 +350,9 @@ class EagleWorker:
         (the rows' slots and budgets already in the round buffers; the full chain's tokens):
         their graphs' replays with graphs at that bucket (`graphs` False: the eager bodies),
         else their eager bodies. For benchmarks and diagnostics (no catch-up, no host copy)."""
+        if self.tree is not None:
+            raise RuntimeError("round_body: a draft tree's round runs through launch "
+                               "(spec_round); its phase bodies are not separable")
         bufs: StepBuffers = self.state.payload
         shape = self.default_shape(bucket)
         captured = self.table is not None and bucket in self.buckets
