@@ -1,8 +1,9 @@
 """Draft trees in the engine (issue 35 §1, §3): greedy tree speculation equals plain greedy
 decoding token for token (the tiny random pair in float64, the bundled pair in float32, a
 transformers-built checkpoint whose outputs are transformers' `generate`'s); top-k 1 is the chain
-exactly; the verify set is the N-1 best nodes, closed under ancestors, ancestors first; what
-trees do not run is refused by name."""
+exactly; the drafted verify set equals a cache-free EAGLE-2 reference (dense forwards of the
+head over every node's path) and is closed under ancestors, ancestors first; sampled trees keep
+the target's law (chi-square); what trees do not run is refused by name."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -167,6 +168,80 @@ def test_select_keeps_the_best_nodes_closed_under_ancestors(pair) -> None:
             assert (p < 0 and tree.parent[b, i] == 0) or chosen[tree.parent[b, i] - 1] == p
             assert tree.parent[b, i] < i
             assert tree.depth[b, i] == depth[b, node]
+
+
+# ---- EAGLE-2 drafting against a cache-free reference -----------------------------------------------
+
+@torch.no_grad()
+def _reference_tree(target, head, seq: list[int], steps: int, topk: int, tokens: int):
+    """EAGLE-2 by hand, without a cache: every node's head output from a dense forward over the
+    whole sequence (x_1..x_n with the target's features f_0..f_{n-1}, then the node's path with
+    the head's own outputs); returns {path (tuple of tokens): score} of the N-1 best nodes."""
+    from workers.model import DenseCausalAttention as Dense
+
+    n = len(seq) - 1
+    ids = torch.tensor(seq)
+    feats = target(ids[:-1], torch.arange(n), Dense([n]))
+
+    def output(path: tuple) -> torch.Tensor:
+        h_ids, h_feats = ids[1:], feats
+        out = head(h_ids, h_feats, torch.arange(1, n + 1), Dense([n]))
+        for t in path:
+            h_ids = torch.cat((h_ids, torch.tensor([t])))
+            h_feats = torch.cat((h_feats, out[-1:]))
+            out = head(h_ids, h_feats, torch.arange(1, len(h_ids) + 1), Dense([len(h_ids)]))
+        return out[-1:]
+
+    def children(path: tuple, score: float) -> list[tuple[tuple, float]]:
+        lp = torch.log_softmax(head.compute_logits(output(path)).float(), -1)[0]
+        top = lp.topk(topk)
+        return [(path + (int(t),), score + float(v)) for v, t in zip(top.values, top.indices)]
+
+    nodes = children((), 0.0)
+    frontier = nodes
+    for _ in range(2, steps + 1):
+        cands = [c for path, score in frontier for c in children(path, score)]
+        nodes += cands
+        frontier = sorted(cands, key=lambda c: -c[1])[:topk]
+    return dict(sorted(nodes, key=lambda c: -c[1])[:tokens - 1])
+
+
+@pytest.mark.parametrize("steps,topk,tokens", [(3, 2, 6), (3, 3, 9)])
+def test_drafted_tree_is_eagle2s(pair, steps, topk, tokens) -> None:
+    """The verify set the engine drafts (tokens, structure, scores) equals the cache-free
+    reference's, round after round (the float64 pair: no ties)."""
+    target, head = pair
+    engine = tree_engine(target, head, steps, topk, tokens, max_batch=1)
+    seen = []
+    draft = engine.worker.tree.draft
+
+    def spy(rows, n, pages):
+        tree = draft(rows, n, pages)
+        seen.append((int(engine.worker.slots.last_token[rows[0]]), tree))
+        return tree
+    engine.worker.tree.draft = spy
+    req = engine.add([5, 17, 3, 44, 9, 12, 30], SamplingParams(max_new_tokens=24))
+    checked = 0
+    while not req.finished:
+        before = list(req.prompt_ids) + list(req.output_ids)
+        count = len(seen)
+        engine.step()
+        if len(seen) > count and count > 0:   # the first round's prefill token is read with it
+            last, tree = seen[count]
+            assert before[-1] == last
+            want = _reference_tree(target, head, before, steps, topk, tokens)
+            got = {}
+            toks, parent = tree.tokens[0].tolist(), tree.parent[0].tolist()
+            for i in range(1, tokens):
+                path, j = [], i
+                while j:
+                    path.append(toks[j])
+                    j = parent[j]
+                got[tuple(reversed(path))] = tree.depth[0, i].item()
+            assert set(got) == set(want), (got, want)
+            assert all(d == len(p) for p, d in got.items())
+            checked += 1
+    assert checked >= 3
 
 
 # ---- real checkpoints ----------------------------------------------------------------------------
