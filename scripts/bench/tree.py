@@ -8,11 +8,10 @@ tokens/s of greedy decoding on the bundled pair (or `--model`), per prompt regim
 For every regime (code, high-entropy, repetitive; `scripts.bench.common.make_prompts`) and every
 `--steps S` it runs the chain of depth S and each tree `KxN` (top-k K, N verify tokens, the root
 included) at S steps, `--repeats` times interleaved (chain, trees, chain, trees, ...), each
-engine built once and warmed up. A row: accepted drafts per round (the bonus excluded; mean over
+engine built once and warmed up; on CUDA chains and trees each eager and through CUDA graphs. A row: accepted drafts per round (the bonus excluded; mean over
 the requests' rounds), the accept histogram, tokens/s over the wall time of `generate` (prefill
 included; no stop token, every request makes `--new-tokens`), and whether the tokens equal the
-chain's (greedy: they must). Trees run eager (no CUDA graphs); on CUDA the chain is timed both
-eager and with graphs. The JSON goes to `--out` (default: stdout only).
+chain's (greedy: they must, up to float near-ties on a GPU). The JSON goes to `--out` (default: stdout only).
 """
 from __future__ import annotations
 
@@ -75,10 +74,11 @@ def main() -> None:
                                                     device=args.device, graphs=True)
         for tree in args.trees:
             k, n = (int(x) for x in tree.split("x"))
-            engines[f"tree{steps}/{tree}"] = build(
-                static_spec(steps), target, head, batch=args.batch, context=context,
-                device=args.device, graphs=False, speculative_eagle_topk=k,
-                speculative_num_draft_tokens=n)
+            for graphs in (False, True) if args.device == "cuda" else (False,):
+                engines[f"tree{steps}/{tree}" + ("/graphs" if graphs else "")] = build(
+                    static_spec(steps), target, head, batch=args.batch, context=context,
+                    device=args.device, graphs=graphs, speculative_eagle_topk=k,
+                    speculative_num_draft_tokens=n)
     for engine in engines.values():
         engine.warmup()
     rows: list[dict] = []
