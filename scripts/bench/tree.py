@@ -8,10 +8,11 @@ tokens/s of greedy decoding on the bundled pair (or `--model`), per prompt regim
 For every regime (code, high-entropy, repetitive; `scripts.bench.common.make_prompts`) and every
 `--steps S` it runs the chain of depth S and each tree `KxN` (top-k K, N verify tokens, the root
 included) at S steps, `--repeats` times interleaved (chain, trees, chain, trees, ...), each
-engine built once and warmed up; on CUDA chains and trees each eager and through CUDA graphs. A row: accepted drafts per round (the bonus excluded; mean over
-the requests' rounds), the accept histogram, tokens/s over the wall time of `generate` (prefill
-included; no stop token, every request makes `--new-tokens`), and whether the tokens equal the
-chain's (greedy: they must, up to float near-ties on a GPU). The JSON goes to `--out` (default: stdout only).
+engine built once and warmed up; on CUDA chains and trees each eager and through CUDA graphs.
+A row: accepted drafts per round (the bonus excluded; mean over the requests' rounds), the
+accept histogram, tokens/s over the wall time of `generate` (prefill included; no stop token,
+every request makes `--new-tokens`), and whether the tokens equal the chain's (greedy: they
+must, up to float near-ties on a GPU). The JSON goes to `--out` (default: stdout only).
 """
 from __future__ import annotations
 
