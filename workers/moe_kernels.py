@@ -16,6 +16,17 @@ here); ``w13[e]`` is expert ``e``'s gate rows then its up rows; the result is
 3. ``down``: per block, ``h W_down^T`` times each pair's routing weight, written to its pair.
 4. The ``k`` pairs of each token summed.
 
+A decode round routes few pairs (batch 1 at top 8: 8), and there the alignment — some 25 small
+torch ops, each a kernel of a few microseconds run one after the other, ~100 us per layer inside
+a CUDA graph, more than reading the 8 experts' weights (~23 us at 3.25 TB/s) — and the grouped
+grid (one 16-row block per expert and column slice, nearly all of them empty padding) cost more
+than the weights. So at most `PAIR_PATH_PAIRS` pairs take the pair path instead: no alignment;
+per (pair, column slice) one program multiplies the pair's token row by its expert's weights
+(a GEMV: the slice's rows read once, contiguous along the reduction), the same float32
+accumulation and the same roundings as the grouped kernels; a pair whose expert is another
+rank's writes zeros. Pairs routed to the same expert read its weights once each (the L2 may
+serve the repeats): a few pairs, a few experts. The choice depends on the shape alone.
+
 Like ``workers.kernels`` it runs under triton's interpreter on a CPU (``TRITON_INTERPRET=1``),
 which is how the CPU tests compare it with the sparse torch path.
 """
@@ -30,6 +41,9 @@ BLOCK_M = 16     # sorted rows per block (tl.dot's smallest tile; decode rounds 
 BLOCK_N = 64     # output columns per program
 BLOCK_K = 64     # reduction slice
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)   # tl.dot's (float64: MoeBlock.dense)
+PAIR_PATH_PAIRS = 64   # at most this many (token, choice) pairs: the pair path
+PAIR_BLOCK_N = 16      # the pair path's output columns per program
+PAIR_BLOCK_K = 256     # its reduction slice
 
 
 @functools.lru_cache(maxsize=1)
@@ -107,7 +121,60 @@ def _kernels() -> SimpleNamespace:
                      (y * scale[:, None]).to(out_ptr.dtype.element_ty),
                      mask=live[:, None] & nmask[None, :])
 
-    return SimpleNamespace(gate_up=gate_up_kernel, down=down_kernel)
+    @triton.jit
+    def pair_gate_up_kernel(x_ptr, ids_ptr, w_ptr, out_ptr, top_k, num_experts, d, f, stride_x,
+                            stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pair = tl.program_id(0)
+        e = tl.load(ids_ptr + pair)
+        if e < num_experts:
+            tok = (pair // top_k).to(tl.int64)
+            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            nmask = n < f
+            acc_g = tl.zeros([BLOCK_N], tl.float32)
+            acc_u = tl.zeros([BLOCK_N], tl.float32)
+            w_e = w_ptr + e.to(tl.int64) * stride_we
+            for k0 in range(0, d, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                kmask = kk < d
+                a = tl.load(x_ptr + tok * stride_x + kk, mask=kmask, other=0.0).to(tl.float32)
+                wmask = nmask[:, None] & kmask[None, :]
+                wg = tl.load(w_e + n[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0)
+                wu = tl.load(w_e + (n[:, None] + f) * stride_wn + kk[None, :], mask=wmask,
+                             other=0.0)
+                acc_g += tl.sum(wg.to(tl.float32) * a[None, :], axis=1)
+                acc_u += tl.sum(wu.to(tl.float32) * a[None, :], axis=1)
+            g = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+            up = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(out_ptr + pair.to(tl.int64) * f + n, (act * up).to(out_ptr.dtype.element_ty),
+                     mask=nmask)
+
+    @triton.jit
+    def pair_down_kernel(h_ptr, ids_ptr, w_ptr, weight_ptr, out_ptr, num_experts, d, f,
+                         stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pair = tl.program_id(0)
+        e = tl.load(ids_ptr + pair)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < d
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        local = e < num_experts
+        if local:
+            w_e = w_ptr + e.to(tl.int64) * stride_we
+            for k0 in range(0, f, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                kmask = kk < f
+                a = tl.load(h_ptr + pair.to(tl.int64) * f + kk, mask=kmask,
+                            other=0.0).to(tl.float32)
+                w = tl.load(w_e + n[:, None] * stride_wn + kk[None, :],
+                            mask=nmask[:, None] & kmask[None, :], other=0.0)
+                acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        scale = tl.load(weight_ptr + pair).to(tl.float32) * local.to(tl.float32)
+        tl.store(out_ptr + pair.to(tl.int64) * d + n, (y * scale).to(out_ptr.dtype.element_ty),
+                 mask=nmask)
+
+    return SimpleNamespace(gate_up=gate_up_kernel, down=down_kernel,
+                           pair_gate_up=pair_gate_up_kernel, pair_down=pair_down_kernel)
 
 
 def align(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M
@@ -143,6 +210,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     top_k, experts, f = ids.shape[1], w13.shape[0], w2.shape[2]
     pairs = n_tok * top_k
     x = x.contiguous()
+    if pairs <= PAIR_PATH_PAIRS:
+        return _pair_path(x, ids, weights, w13, w2)
     rows, block_expert = align(ids, experts)
     blocks = rows.numel() // BLOCK_M
     ieee = x.dtype == torch.float32
@@ -157,4 +226,23 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
         hidden, rows, block_expert, w2, weights.reshape(-1).contiguous(), out, pairs, experts, d,
         f, w2.stride(0), w2.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         IEEE=ieee)
+    return out.view(n_tok, top_k, d).sum(dim=1)
+
+
+def _pair_path(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+               w2: torch.Tensor) -> torch.Tensor:
+    """`fused_moe` for few pairs: one GEMV program per (pair, column slice), no alignment."""
+    n_tok, d = x.shape
+    top_k, experts, f = ids.shape[1], w13.shape[0], w2.shape[2]
+    pairs = n_tok * top_k
+    flat = ids.reshape(-1).contiguous()
+    k = _kernels()
+    hidden = torch.empty(pairs, f, dtype=x.dtype, device=x.device)
+    k.pair_gate_up[(pairs, -(-f // PAIR_BLOCK_N))](
+        x, flat, w13, hidden, top_k, experts, d, f, x.stride(0), w13.stride(0), w13.stride(1),
+        BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K)
+    out = torch.empty(pairs, d, dtype=x.dtype, device=x.device)
+    k.pair_down[(pairs, -(-d // PAIR_BLOCK_N))](
+        hidden, flat, w2, weights.reshape(-1).contiguous(), out, experts, d, f, w2.stride(0),
+        w2.stride(1), BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K)
     return out.view(n_tok, top_k, d).sum(dim=1)

@@ -7,8 +7,10 @@ weights set, on one GPU, CUDA-graph replayed (the eager figure is the host launc
    bfloat16, random weights), routed rows N = 1, 2, 4 ... 512 (a decode round of batch B at
    depth S routes B·(S+1) rows), random inputs (the router spreads them as traffic: at 64 rows
    about 125 of the 128 experts). Per N, medians over interleaved repeats of `--iters` graph
-   replays: the whole layer (routing, the alignment, the two kernels, the sum), the two Triton
-   kernels alone (their alignment computed once), and the eager layer; the experts the rows hit
+   replays: the whole layer as it runs (routing, then at most `PAIR_PATH_PAIRS` pairs the pair
+   path, else the alignment, the two grouped kernels, the sum), the whole layer with the grouped
+   GEMMs at every N, the two grouped kernels alone (their alignment computed once), and the
+   eager layer; the experts the rows hit
    and the floor = the bytes of those experts' weights (3 · F · d · 2 each) over `--bandwidth`
    (default 3.25 TB/s, what a cuBLAS GEMV chain reaches on an H200).
 2. The round (`--round-batches`, default 1 8 64; `--no-round` skips it): the Qwen3-30B-A3B-shaped
@@ -138,6 +140,8 @@ def kernels_only(moe, x: torch.Tensor) -> Callable[[], None]:
 
 
 def layer_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from workers import moe_kernels as mk
+
     moe = block(DEVICE)
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     xs = {n: torch.randn(n, D, device=DEVICE, generator=gen).to(torch.bfloat16)
@@ -150,8 +154,15 @@ def layer_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             def layer(x: torch.Tensor = x) -> torch.Tensor:
                 ids, weights = moe.route(x)
                 return moe.fused(x, ids, weights)
-            calls[n] = {"graph": graphed(layer), "kernels": graphed(kernels_only(moe, x)),
-                        "eager": layer}
+            def grouped(x: torch.Tensor = x) -> torch.Tensor:
+                saved = mk.PAIR_PATH_PAIRS
+                mk.PAIR_PATH_PAIRS = 0      # the grouped GEMMs at every N (a graph keeps them)
+                try:
+                    return layer(x)
+                finally:
+                    mk.PAIR_PATH_PAIRS = saved
+            calls[n] = {"graph": graphed(layer), "graph_grouped": graphed(grouped)}
+            calls[n].update(kernels=graphed(kernels_only(moe, x)), eager=layer)
         samples: dict[tuple[int, str], list[float]] = {}
         for r in range(args.repeats):          # interleaved: every N and way once per repeat
             for n in args.rows:
@@ -163,13 +174,15 @@ def layer_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             hit = int(moe.route(xs[n])[0].unique().numel())
             floor_ms = 1000 * hit * 3 * F * D * 2 / args.bandwidth
             row = {"rows": n, "experts_hit": hit, "floor_ms": floor_ms}
-            for way in ("graph", "kernels", "eager"):
+            row["path"] = "pairs" if n * TOP_K <= mk.PAIR_PATH_PAIRS else "grouped"
+            for way in ("graph", "graph_grouped", "kernels", "eager"):
                 ts = sorted(samples[(n, way)])
                 row[f"{way}_ms"] = statistics.median(ts)
                 row[f"{way}_spread_ms"] = [ts[0], ts[-1]]
                 row[f"{way}_over_floor"] = row[f"{way}_ms"] / floor_ms
             out.append(row)
-            print(f"rows {n:>4}: layer (graph) {row['graph_ms'] * 1e3:7.1f} us, kernels alone "
+            print(f"rows {n:>4}: layer (graph, {row['path']}) {row['graph_ms'] * 1e3:7.1f} us, "
+                  f"grouped {row['graph_grouped_ms'] * 1e3:7.1f} us, its kernels alone "
                   f"{row['kernels_ms'] * 1e3:7.1f} us, eager {row['eager_ms'] * 1e3:7.1f} us; "
                   f"{hit:>3} experts hit, floor {floor_ms * 1e3:6.1f} us: graph "
                   f"x{row['graph_over_floor']:.2f}, kernels x{row['kernels_over_floor']:.2f}",
@@ -255,7 +268,8 @@ def main() -> int:
     ax = axes[0] if rounds else axes
     ns = [r["rows"] for r in layer]
     for key, style, label in (("graph_ms", "o-", "layer, graph replay"),
-                              ("kernels_ms", "^-", "the two kernels alone"),
+                              ("graph_grouped_ms", "v-", "layer, grouped GEMMs at every N"),
+                              ("kernels_ms", "^-", "the two grouped kernels alone"),
                               ("eager_ms", "x:", "layer, eager"),
                               ("floor_ms", "s--", "experts hit / bandwidth")):
         ax.plot(ns, [1000 * r[key] for r in layer], style, label=label)

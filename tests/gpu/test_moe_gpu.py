@@ -59,14 +59,22 @@ def test_moe_graph_replay_equals_eager_and_a_switch_captures_nothing(moe_dir, dt
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 8, 64 * 8, 3000])
+@pytest.mark.parametrize("rows", [1, 8, 32, 33, 64 * 8, 3000])
 def test_fused_moe_equals_the_sparse_path_on_the_gpu(moe_dir, dtype, rows: int) -> None:
+    """Top 2: up to 32 rows (64 pairs) the pair path, from 33 the grouped GEMMs."""
+    from workers import moe_kernels
+    assert (rows * 2 <= moe_kernels.PAIR_PATH_PAIRS) == (rows <= 32)
     target = load_llama(moe_dir / "target", dtype=dtype, device="cuda")
     block = target.model.layers[0].ffn
-    x = torch.randn(rows, 64, device="cuda").to(dtype)
+    x = torch.randn(rows, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(rows))
+    x = x.to(dtype)
     ids, weights = block.route(x)
-    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
-    torch.testing.assert_close(block.fused(x, ids, weights), block.sparse(x, ids, weights), **tol)
+    want = block.sparse(x, ids, weights)
+    # bfloat16: hidden rows rounded to 8 bits after sums in different orders: a few units in the
+    # last place of the output's scale
+    tol = ({"atol": 0.04 * want.abs().max().item(), "rtol": 2e-2} if dtype == torch.bfloat16
+           else {"atol": 1e-4, "rtol": 1e-4})
+    torch.testing.assert_close(block.fused(x, ids, weights), want, **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

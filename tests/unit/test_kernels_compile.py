@@ -48,6 +48,10 @@ CASES = {
                 ("fp32", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, IEEE=True))],
     "down": [("bf16", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, IEEE=False)),
              ("fp32", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, IEEE=True))],
+    "pair_gate_up": [("bf16", dict(BLOCK_N=16, BLOCK_K=256)),
+                     ("fp32", dict(BLOCK_N=16, BLOCK_K=256))],
+    "pair_down": [("bf16", dict(BLOCK_N=16, BLOCK_K=256)),
+                  ("fp32", dict(BLOCK_N=16, BLOCK_K=256))],
 }
 out = {}
 found = {**vars(kernels._kernels()), **vars(moe_kernels._kernels())}

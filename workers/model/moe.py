@@ -142,8 +142,11 @@ class MoeBlock(FusedOwner):
         """This rank's experts through the grouped GEMMs (``workers.moe_kernels``)."""
         e, width = len(self.local), self.down.stacked.shape[-1]
         w13 = self.gate_up.stacked.view(e, 2 * width, -1)    # [gate_e; up_e] rows per expert
-        local_ids = ids - self.local[0]
-        local_ids = torch.where((local_ids >= 0) & (local_ids < e), local_ids, e)
+        if e == self.spec.num_experts:   # every expert here (tp, or one rank): ids as routed
+            local_ids = ids
+        else:   # ep: this rank's experts first .. first + e - 1; the others' the sentinel e
+            local_ids = ids - self.local[0]
+            local_ids = torch.where((local_ids >= 0) & (local_ids < e), local_ids, e)
         return moe_kernels.fused_moe(tokens, local_ids, weights, w13, self.down.stacked)
 
     def sparse(self, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
