@@ -12,15 +12,18 @@ here); ``w13[e]`` is expert ``e``'s gate rows then its up rows; the result is
    rows belongs to one expert. The padded length is bounded by ``P + E·(BLOCK_M - 1)`` whatever the
    routing: every tensor has a shape fixed by ``N``, ``k`` and ``E``, and blocks past the last
    expert's run are skipped by the kernels (no host sync, nothing data-dependent in a shape).
+   Up to `ALIGN_KERNEL_PAIRS` pairs one Triton program computes it (`align_kernel`: counts,
+   padded offsets, each pair's place by its rank among the earlier pairs of its expert — the
+   stable sort's order — and every block's expert), not the ~25 torch ops of `align_torch`.
 2. ``gate_up``: per block, ``silu(x W_gate^T) * (x W_up^T)`` of its rows, float32 accumulation.
 3. ``down``: per block, ``h W_down^T`` times each pair's routing weight, written to its pair.
 4. The ``k`` pairs of each token summed.
 
 A decode round routes few pairs (batch 1 at top 8: 8), and there the alignment — some 25 small
-torch ops, each a kernel of a few microseconds run one after the other, ~100 us per layer inside
-a CUDA graph, more than reading the 8 experts' weights (~23 us at 3.25 TB/s) — and the grouped
-grid (one 16-row block per expert and column slice, nearly all of them empty padding) cost more
-than the weights. So at most `PAIR_PATH_PAIRS` pairs take the pair path instead: no alignment;
+torch ops, each a kernel of a few microseconds run one after the other inside a CUDA graph (an
+estimate of 50-100 us per layer, not measured here: `scripts.bench.moe_layer` times it), against
+~23 us to read the 8 experts' weights at 3.25 TB/s — and the grouped grid (one 16-row block per
+expert and column slice, nearly all of them empty padding) likely cost more than the weights. So at most `PAIR_PATH_PAIRS` pairs take the pair path instead: no alignment;
 per (pair, column slice) one program multiplies the pair's token row by its expert's weights
 (a GEMV: the slice's rows read once, contiguous along the reduction), the same float32
 accumulation and the same roundings as the grouped kernels; a pair whose expert is another
@@ -44,6 +47,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)   # tl.dot's (float64: M
 PAIR_PATH_PAIRS = 64   # at most this many (token, choice) pairs: the pair path
 PAIR_BLOCK_N = 16      # the pair path's output columns per program
 PAIR_BLOCK_K = 256     # its reduction slice
+ALIGN_KERNEL_PAIRS = 1024   # at most this many pairs: `align` in one Triton program (its steps
+                            # run one after another: a guess, to be measured against the sort)
+ALIGN_CHUNK = 64            # pairs per step of that program
 
 
 @functools.lru_cache(maxsize=1)
@@ -173,15 +179,73 @@ def _kernels() -> SimpleNamespace:
         tl.store(out_ptr + pair.to(tl.int64) * d + n, (y * scale).to(out_ptr.dtype.element_ty),
                  mask=nmask)
 
+    @triton.jit
+    def align_kernel(ids_ptr, rows_ptr, block_expert_ptr, pairs, num_experts, length,
+                     BLOCK: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
+        # one program: `align`'s result (the same rows, in the same stable order)
+        ex = tl.arange(0, EXPERTS)
+        counts = tl.zeros([EXPERTS], tl.int32)
+        for c0 in range(0, pairs, CHUNK):
+            p = c0 + tl.arange(0, CHUNK)
+            e = tl.minimum(tl.load(ids_ptr + p, mask=p < pairs, other=num_experts), num_experts)
+            counts += tl.sum((e[:, None] == ex[None, :]).to(tl.int32), axis=0)
+        padded = (counts + BLOCK - 1) // BLOCK * BLOCK
+        ends = tl.cumsum(padded, axis=0)
+        seen = ends - padded                  # where each expert's next pair goes
+        for r0 in range(0, length, CHUNK):
+            r = r0 + tl.arange(0, CHUNK)
+            tl.store(rows_ptr + r, tl.zeros([CHUNK], tl.int64) + pairs, mask=r < length)
+        tl.debug_barrier()                    # the padding first, then the pairs over it
+        for c0 in range(0, pairs, CHUNK):
+            p = c0 + tl.arange(0, CHUNK)
+            live = p < pairs
+            e = tl.minimum(tl.load(ids_ptr + p, mask=live, other=num_experts), num_experts)
+            hot = (e[:, None] == ex[None, :]).to(tl.int32)          # [CHUNK, EXPERTS]
+            before = tl.cumsum(hot, axis=0) - hot                   # same expert, earlier
+            dest = tl.sum((before + seen[None, :]) * hot, axis=1)
+            tl.store(rows_ptr + dest, p.to(tl.int64), mask=live & (e < num_experts))
+            seen += tl.sum(hot, axis=0)
+        for b0 in range(0, length // BLOCK, CHUNK):
+            b = b0 + tl.arange(0, CHUNK)
+            start = b * BLOCK
+            below = (ends[None, :] <= start[:, None]) & (ex[None, :] < num_experts)
+            tl.store(block_expert_ptr + b, tl.sum(below.to(tl.int64), axis=1),
+                     mask=b < length // BLOCK)
+
     return SimpleNamespace(gate_up=gate_up_kernel, down=down_kernel,
-                           pair_gate_up=pair_gate_up_kernel, pair_down=pair_down_kernel)
+                           pair_gate_up=pair_gate_up_kernel, pair_down=pair_down_kernel,
+                           align=align_kernel)
 
 
 def align(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the pairs in expert order, each expert's run padded to ``block`` rows with the sentinel
     ``P`` [padded length]; the expert of every block, ``>= num_experts`` past the last run).
-    Shapes depend on ``ids.numel()``, ``num_experts`` and ``block`` only."""
+    Shapes depend on ``ids.numel()``, ``num_experts`` and ``block`` only. Up to
+    `ALIGN_KERNEL_PAIRS` pairs one Triton program computes it (`align_kernel`), else torch ops
+    (`align_torch`): the same tensors."""
+    if not 0 < ids.numel() <= ALIGN_KERNEL_PAIRS:
+        return align_torch(ids, num_experts, block)
+    return align_kernel(ids, num_experts, block)
+
+
+def align_kernel(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align` in one Triton program (its chunks of `ALIGN_CHUNK` pairs one after another)."""
+    pairs = ids.numel()
+    length = (pairs + num_experts * (block - 1) + block - 1) // block * block
+    rows = torch.empty(length, dtype=torch.int64, device=ids.device)
+    block_expert = torch.empty(length // block, dtype=torch.int64, device=ids.device)
+    _kernels().align[(1,)](ids.reshape(-1).contiguous(), rows, block_expert, pairs, num_experts,
+                           length, BLOCK=block,
+                           EXPERTS=max(16, 1 << (num_experts - 1).bit_length()),
+                           CHUNK=ALIGN_CHUNK)
+    return rows, block_expert
+
+
+def align_torch(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align` in torch ops (a stable sort; some 25 small kernels)."""
     flat = ids.reshape(-1).clamp(max=num_experts)          # other ranks' experts: one sentinel
     pairs = flat.numel()
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)

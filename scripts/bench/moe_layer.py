@@ -9,8 +9,8 @@ weights set, on one GPU, CUDA-graph replayed (the eager figure is the host launc
    about 125 of the 128 experts). Per N, medians over interleaved repeats of `--iters` graph
    replays: the whole layer as it runs (routing, then at most `PAIR_PATH_PAIRS` pairs the pair
    path, else the alignment, the two grouped kernels, the sum), the whole layer with the grouped
-   GEMMs at every N, the two grouped kernels alone (their alignment computed once), and the
-   eager layer; the experts the rows hit
+   GEMMs at every N, the two grouped kernels alone (their alignment computed once), the
+   alignment alone both ways (one Triton program, the torch ops), and the eager layer; the experts the rows hit
    and the floor = the bytes of those experts' weights (3 · F · d · 2 each) over `--bandwidth`
    (default 3.25 TB/s, what a cuBLAS GEMV chain reaches on an H200).
 2. The round (`--round-batches`, default 1 8 64; `--no-round` skips it): the Qwen3-30B-A3B-shaped
@@ -162,7 +162,11 @@ def layer_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                 finally:
                     mk.PAIR_PATH_PAIRS = saved
             calls[n] = {"graph": graphed(layer), "graph_grouped": graphed(grouped)}
-            calls[n].update(kernels=graphed(kernels_only(moe, x)), eager=layer)
+            ids = moe.route(x)[0]
+            calls[n].update(kernels=graphed(kernels_only(moe, x)),
+                            align_kernel=graphed(lambda ids=ids: mk.align_kernel(ids, E)),
+                            align_torch=graphed(lambda ids=ids: mk.align_torch(ids, E)),
+                            eager=layer)
         samples: dict[tuple[int, str], list[float]] = {}
         for r in range(args.repeats):          # interleaved: every N and way once per repeat
             for n in args.rows:
@@ -175,14 +179,17 @@ def layer_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             floor_ms = 1000 * hit * 3 * F * D * 2 / args.bandwidth
             row = {"rows": n, "experts_hit": hit, "floor_ms": floor_ms}
             row["path"] = "pairs" if n * TOP_K <= mk.PAIR_PATH_PAIRS else "grouped"
-            for way in ("graph", "graph_grouped", "kernels", "eager"):
+            for way in ("graph", "graph_grouped", "kernels", "align_kernel", "align_torch",
+                        "eager"):
                 ts = sorted(samples[(n, way)])
                 row[f"{way}_ms"] = statistics.median(ts)
                 row[f"{way}_spread_ms"] = [ts[0], ts[-1]]
                 row[f"{way}_over_floor"] = row[f"{way}_ms"] / floor_ms
             out.append(row)
             print(f"rows {n:>4}: layer (graph, {row['path']}) {row['graph_ms'] * 1e3:7.1f} us, "
-                  f"grouped {row['graph_grouped_ms'] * 1e3:7.1f} us, its kernels alone "
+                  f"grouped {row['graph_grouped_ms'] * 1e3:7.1f} us (align: kernel "
+                  f"{row['align_kernel_ms'] * 1e3:.1f} us, torch {row['align_torch_ms'] * 1e3:.1f}"
+                  f" us), its kernels alone "
                   f"{row['kernels_ms'] * 1e3:7.1f} us, eager {row['eager_ms'] * 1e3:7.1f} us; "
                   f"{hit:>3} experts hit, floor {floor_ms * 1e3:6.1f} us: graph "
                   f"x{row['graph_over_floor']:.2f}, kernels x{row['kernels_over_floor']:.2f}",

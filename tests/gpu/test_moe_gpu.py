@@ -146,3 +146,14 @@ def test_speculative_sampling_over_a_moe_target_keeps_its_distribution_on_the_gp
                         cuda_graphs=True)
     check_keeps_target_law(engine, reference, seed=78)
     engine.close()
+
+
+@pytest.mark.parametrize("pairs", [8, 512, 1024, 4096, 24000])
+def test_the_align_kernel_equals_the_torch_alignment_on_the_gpu(pairs: int) -> None:
+    """`moe_kernels.align` (one Triton program up to ALIGN_KERNEL_PAIRS, torch ops beyond)
+    against the torch ops, top 8 of 128 experts, with another rank's sentinel ids."""
+    from workers import moe_kernels
+    gen = torch.Generator().manual_seed(pairs)
+    ids = torch.randint(0, 131, (pairs // 8, 8), generator=gen).clamp(max=128).cuda()
+    got, want = moe_kernels.align(ids, 128), moe_kernels.align_torch(ids, 128)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

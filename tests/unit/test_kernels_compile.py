@@ -26,7 +26,7 @@ from workers import kernels, moe_kernels
 
 INT_PTRS = {"pages_ptr", "cached_ptr", "slots_ptr", "qo_ptr", "draft_ptr", "arg_ptr", "nd_ptr",
             "accept_ptr", "tokens_ptr", "tok_ptr", "rows_ptr", "lag_ptr", "ring_tok_ptr",
-            "seed_ptr", "counter_ptr", "block_expert_ptr"}
+            "seed_ptr", "counter_ptr", "block_expert_ptr", "ids_ptr"}
 FLOAT_ARGS = {"eps", "scale"}
 # kernel: [(float pointer type, constexprs), ...]
 CASES = {
@@ -52,6 +52,7 @@ CASES = {
                      ("fp32", dict(BLOCK_N=16, BLOCK_K=256))],
     "pair_down": [("bf16", dict(BLOCK_N=16, BLOCK_K=256)),
                   ("fp32", dict(BLOCK_N=16, BLOCK_K=256))],
+    "align": [("i64", dict(BLOCK=16, EXPERTS=128, CHUNK=64))],
 }
 out = {}
 found = {**vars(kernels._kernels()), **vars(moe_kernels._kernels())}

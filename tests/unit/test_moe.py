@@ -212,6 +212,24 @@ def test_the_fused_grouped_gemms_equal_the_sparse_path(saved, ep_slice: bool, pa
     assert sorted(rows[rows < 26].tolist()) == list(range(26))      # every pair exactly once
 
 
+@pytest.mark.parametrize("rows, top_k, experts, others", [
+    (1, 8, 128, False), (13, 2, 8, False), (13, 2, 4, True), (64, 8, 128, False),
+    (5, 3, 6, True), (100, 2, 8, False), (7, 8, 128, True)])
+def test_the_align_kernel_equals_the_torch_alignment(rows, top_k, experts, others) -> None:
+    """One Triton program (`moe_kernels.align`) gives the torch ops' rows and block experts
+    exactly: the stable order inside each expert's run, the padding, the sentinel expert of
+    another rank's pairs (`others`), a count of experts that is not a power of two."""
+    pytest.importorskip("triton")
+    from workers import moe_kernels
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(rows * experts)
+    ids = torch.randint(0, experts + (3 if others else 0), (rows, top_k), generator=gen)
+    ids = ids.clamp(max=experts).to(dev)
+    assert rows * top_k <= moe_kernels.ALIGN_KERNEL_PAIRS
+    got, want = moe_kernels.align(ids, experts), moe_kernels.align_torch(ids, experts)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_speculative_sampling_over_a_moe_target_keeps_its_distribution(tmp_path: Path) -> None:
     """Rejection sampling with an EAGLE-3 head (a draft vocabulary of 4 of the 6 target ids) over
     a transformers-built Qwen3-MoE target: the joint law of 3 sampled tokens is the target's."""
