@@ -24,13 +24,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 import struct
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from collectives import DivergenceError, Group, ops
+from collectives import DivergenceError, Group, ops, shm
 from adaptive_dist.policy.reducers import Pooled
 from adaptive_dist.policy.rules import acceptance_rate
 
@@ -376,23 +377,50 @@ class ReducedLayout:
             values_sum=tuple(red[self.values_at:self.n_sum]))
 
 
-ALGORITHMS = ("doubling", "gloo")
+ALGORITHMS = ("auto", "shm", "doubling", "gloo")
+TRANSPORT_ENV = "ADAPTIVE_DIST_CONSENSUS_TRANSPORT"
+"""Chooses the transport of an ``algorithm="auto"`` channel (one of ``ALGORITHMS``)."""
 
 
 class ReduceChannel:
-    """The reduced round's one collective over ``group``'s gloo control group (host memory,
-    apart from the model's collectives), buffers pre-allocated: ``ops.all_reduce_sum_max``
-    (``algorithm``: recursive doubling, or gloo's ring all-reduce twice)."""
+    """The reduced round's one collective over ``group``, apart from the model's collectives,
+    buffers pre-allocated: ``ops.all_reduce_sum_max`` in host memory.
 
-    def __init__(self, group: Group, layout: ReducedLayout, algorithm: str = "doubling") -> None:
+    ``algorithm``: ``"shm"`` — through a shared-memory segment among the members on one host
+    (``collectives.shm``; across hosts, one leader per host exchanges by recursive doubling over
+    gloo and publishes to its host); ``"doubling"`` — recursive doubling over the gloo control
+    group; ``"gloo"`` — gloo's ring all-reduce twice; ``"auto"`` (the default) — the environment
+    variable ``ADAPTIVE_DIST_CONSENSUS_TRANSPORT`` if set, else ``"shm"`` when every member is on
+    this host and ``"doubling"`` otherwise. The choice is agreed at construction (a collective
+    over the control group); members that asked for different ones are refused by name before
+    any exchange. Every transport gives the same integer sums and maxima, bit for bit.
+    ``timeout_s``: how long a shared-memory wait may take (default: the control group's)."""
+
+    def __init__(self, group: Group, layout: ReducedLayout, algorithm: str = "auto",
+                 timeout_s: Optional[float] = None) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"consensus algorithm={algorithm!r}; allowed: "
                              f"{', '.join(ALGORITHMS)}")
-        self.group, self.layout, self.algorithm = group, layout, algorithm
+        if algorithm == "auto":
+            algorithm = os.environ.get(TRANSPORT_ENV) or "auto"
+            if algorithm not in ALGORITHMS:
+                raise ValueError(f"{TRANSPORT_ENV}={algorithm!r}; allowed: "
+                                 f"{', '.join(ALGORITHMS)}")
+        self.group, self.layout = group, layout
         self.buf = torch.zeros(layout.size, dtype=torch.int64)
         self._np = self.buf.numpy()
+        self.algorithm, self.host = shm.setup(group, layout.size, layout.n_sum, algorithm,
+                                              timeout_s)
 
     def reduce(self, vec: RoundVector) -> list[int]:
         self._np[:] = self.layout.encode(vec)
-        ops.all_reduce_sum_max(self.buf, self.group, self.layout.n_sum, self.algorithm)
+        if self.host is not None:
+            self.host.all_reduce_sum_max(self.buf)
+        else:
+            ops.all_reduce_sum_max(self.buf, self.group, self.layout.n_sum, self.algorithm)
         return self.buf.tolist()
+
+    def close(self) -> None:
+        """Unmap a shared-memory segment (the file itself was unlinked at set-up)."""
+        if self.host is not None:
+            self.host.close()

@@ -178,7 +178,7 @@ class RoundCoordinator:
     def __init__(self, config: AdaptiveConfig, group: Group, *,
                  guard: Optional[LockstepGuard] = None, channel: str = "control",
                  clock: Optional[Callable[[], float]] = time.perf_counter,
-                 scheme: str = "reduce", algorithm: str = "doubling",
+                 scheme: str = "reduce", algorithm: str = "auto",
                  verify_ladder: Optional[Sequence[int]] = None) -> None:
         if config.start_up_needs:
             needs = config.start_up_needs
@@ -230,7 +230,9 @@ class RoundCoordinator:
             layout = consensus.ReducedLayout(
                 self.policy.reducer.needs, config.candidate_steps if mixes else (),
                 self.policy.expected if mixes else None, n_values)
-            self._reduced = consensus.ReduceChannel(group, layout, algorithm)
+            # algorithm "auto": shared memory when every member is on this host (issue 37)
+            self._reduced = consensus.ReduceChannel(
+                group, layout, algorithm, guard.timeout_s if guard is not None else None)
         self.stats.steps_timeline.append((0, self.steps))
 
     @property

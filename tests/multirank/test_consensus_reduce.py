@@ -196,6 +196,7 @@ def test_both_schemes_give_the_reference(tmp_path, policy, cfg, world):
     # one collective per round either way: the reduction replaced the gather one for one
     ops = {s: [op for op, *_ in log if not op.startswith("all_gather.guard")]
            for s, log in logs.items()}
-    assert ops["reduce"].count("all_reduce.sum_max.doubling.control") == \
+    # (one host: the default transport is shared memory, issue 37)
+    assert ops["reduce"].count("all_reduce.sum_max.shm.control") == \
         ops["gather"].count("all_gather.control") > 100
     assert "all_gather.control" not in ops["reduce"]
