@@ -1,7 +1,7 @@
 """The fused MoE layer (``workers.moe_kernels``) and the depth-0 round against the floor their
 weights set, on one GPU, CUDA-graph replayed (the eager figure is the host launching ~25 ops).
 
-    python -m scripts.bench.moe_layer --out OUT                # ~3-4 min on one H200
+    python -m scripts.bench.moe_layer --out OUT     # est. 3-5 min on one H200 (not run yet)
 
 1. The layer: one Qwen3-30B-A3B-shaped sparse MLP (d 2048, 128 experts of width 768, top 8,
    bfloat16, random weights), routed rows N = 1, 2, 4 ... 512 (a decode round of batch B at
