@@ -7,8 +7,6 @@ every forward is seen) routes so, writes no KV outside the dummy page and leaves
 it found them."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -34,18 +32,14 @@ def pair(request, tmp_path_factory):
 
 def _real_round(engine, steps: int) -> list[int]:
     """Distinct experts per layer of one round over BATCH admitted, prefilled requests."""
+    from workers.sampling import SamplingParams
     for ids in random_prompts(BATCH, VOCAB, seed=11, lo=3, hi=20):
-        engine.add(ids, engine_params())
+        engine.add(ids, SamplingParams(max_new_tokens=16))
     admitted = engine.scheduler.admit()
     assert len(admitted) == BATCH
     engine.worker.prefill(admitted, sum(len(r.prompt_ids) for r in admitted), len(admitted))
     engine.pool.apply(steps)
     return round_routing(engine.worker, admitted, BATCH)
-
-
-def engine_params():
-    from workers.sampling import SamplingParams
-    return SamplingParams(max_new_tokens=16)
 
 
 def _engine(pair):
