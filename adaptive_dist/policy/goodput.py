@@ -58,7 +58,9 @@ class GoodputSection(PolicySection):
     switch_margin: float = 0.05
     """Switch only when the best score beats the current one by this share (>= 0)."""
     probe_every: int = 8
-    """At depth 0, probe the smallest positive depth after this many decision points (>= 1)."""
+    """At depth 0, probe the smallest positive depth after this many decision points (>= 1).
+    With ``per_request``: a request that drafted nothing in its last this-many rounds checks its
+    position 1 first again (``budgets.SurvivalTracker.due``)."""
     reset_nats: float = 8.0
     """A round that measures acceptance and whose accept lengths are more than this many nats
     likelier under their own acceptance rate than under the rank's EMAs (the geometric model's
