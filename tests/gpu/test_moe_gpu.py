@@ -56,6 +56,17 @@ def test_moe_graph_replay_equals_eager_and_a_switch_captures_nothing(moe_dir, dt
     assert engine.stats.switches >= 1 and engine.stats.graph_rounds == engine.stats.rounds
     assert engine.worker.graphs.num_captures == captured, "a tier switch captured a graph"
     engine.close()
+    # goodput, its cost table measured at start-up through the graphs with overlap, on the
+    # borrowed slots' real rows (restored after): the same outputs
+    config = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=0)
+    engine = engine_for(target, head, "ema", device="cuda", cuda_graphs=True, overlap=True,
+                        config=config)
+    assert engine.config.spec.round_cost is not None
+    slots = engine.worker.slots
+    assert (slots.pages[:slots.dummy] == 0).all() and not slots.cache_len.any()
+    assert [r.output_ids for r in engine.generate(prompts, params)] == reference
+    engine.close()
+    check_pages_back(engine)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -157,3 +168,49 @@ def test_the_align_kernel_equals_the_torch_alignment_on_the_gpu(pairs: int) -> N
     ids = torch.randint(0, 131, (pairs // 8, 8), generator=gen).clamp(max=128).cuda()
     got, want = moe_kernels.align(ids, 128), moe_kernels.align_torch(ids, 128)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ---- Qwen2-MoE over several GPUs: NCCL, CUDA graphs, the cost table measured on real rows ------
+
+def _multi_gpu_qwen2_moe(tmp_path: Path, world: int, dp: int, moe: str, modes: list[str]) -> None:
+    """`world` ranks on as many GPUs (NCCL), `dp` replicas (the rest attention tensor-parallel),
+    a transformers-built Qwen2-MoE target (a shared expert of width 24) in float64 with an EAGLE-3
+    head, CUDA graphs; replica 0 nearly idle: every mode's greedy outputs equal one CPU process
+    without speculation, every rank issued the same collectives and made the same decisions
+    (goodput: the start-up cost table measured on each replica's own real rows, then agreed)."""
+    pytest.importorskip("transformers")
+    import dp_jobs
+    from hf_models import moe_pair
+    from multirank import run_ranks
+
+    root = moe_pair(tmp_path, VOCAB, shared_expert_width=24)
+    prompts = [random_prompts(1, VOCAB, seed=21, lo=3, hi=5), random_prompts(4, VOCAB, seed=22)]
+    new = [[3], [20, 9, 24, 14]]
+    target = load_llama(root / "target", dtype=torch.float64)
+    assert target.model.layers[0].ffn.shared_expert is not None
+    want = [[r.output_ids for r in engine_for(target, None, "nospec").generate(
+        p, [SamplingParams(max_new_tokens=n) for n in lens])] for p, lens in zip(prompts, new)]
+    results = run_ranks(dp_jobs.generate_job, world, str(root), dp, modes, prompts, new, 0.0, 0,
+                        True, moe, timeout=600)
+    for res in results:
+        for mode in modes:
+            got = res.value[mode]
+            assert got["outputs"] == want[res.value["replica"]], (res.rank, mode)
+            assert got["graph_rounds"] > 0 and got["captures"][0] == got["captures"][1] > 0, mode
+    for mode in modes:
+        first = results[0].value[mode]
+        for res in results[1:]:
+            assert res.value[mode]["log"] == first["log"], f"{mode}: collective logs differ"
+            assert res.value[mode]["timeline"] == first["timeline"], mode
+            assert res.value[mode]["round_cost"] == first["round_cost"], mode
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for NCCL")
+@pytest.mark.parametrize("moe", ["ep", "tp"])
+def test_qwen2_moe_dp2_on_two_gpus_lossless_in_lockstep(tmp_path: Path, moe: str) -> None:
+    _multi_gpu_qwen2_moe(tmp_path, 2, 2, moe, ["static3", "forced", "goodput", "forced+overlap"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs for NCCL")
+def test_qwen2_moe_dp2_attn_tp2_on_four_gpus_lossless_in_lockstep(tmp_path: Path) -> None:
+    _multi_gpu_qwen2_moe(tmp_path, 4, 2, "ep", ["static3", "forced", "goodput"])
