@@ -44,8 +44,9 @@ import torch
 import torch.distributed as dist
 
 from collectives import ops
-from collectives.errors import CollectiveTimeoutError, StartupError
+from collectives.errors import CollectiveTimeoutError, DivergenceError, JobAborted, StartupError
 from collectives.group import Group
+from collectives.guard import short_cause
 
 SHM_DIR = "/dev/shm"
 PREFIX = "adaptive_dist-consensus-"
@@ -84,6 +85,27 @@ def control_timeout(group: Group, default: float = 60.0) -> float:
         return group.control_pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     except Exception:
         return default
+
+
+_MARK = torch.zeros(1, dtype=torch.int64)
+
+
+def gather(group: Group, obj: object, what: str) -> list:
+    """Every member's ``obj`` (``all_gather_object`` over the control group), recorded as one
+    collective (``all_gather_object.<what>.control``), so that a peer that stops during the
+    set-up is diagnosed by the lockstep guard like one that stops in a round."""
+    out: list = [None] * group.size
+    try:
+        ops._run(f"all_gather_object.{what}.control", group, _MARK,
+                 lambda: dist.all_gather_object(out, obj, group=group.control_pg))
+    except (CollectiveTimeoutError, DivergenceError, JobAborted):
+        raise
+    except Exception as exc:   # no guard: name what failed
+        raise CollectiveTimeoutError(
+            f"rank {group.global_rank}: setting up the consensus transport on group "
+            f"{group.name!r} failed ({short_cause(exc)}); a peer stopped or is unreachable"
+        ) from None
+    return out
 
 
 def _words(n_local: int, width: int) -> int:
@@ -137,16 +159,7 @@ class HostReducer:
 
     # ---- the segment ------------------------------------------------------------------------
     def _gather(self, obj: object) -> list:
-        out: list = [None] * self.group.size
-        try:
-            dist.all_gather_object(out, obj, group=self.group.control_pg)
-        except Exception as exc:
-            raise CollectiveTimeoutError(
-                f"rank {self.group.global_rank}: setting up the shared-memory consensus on group "
-                f"{self.group.name!r} failed ({type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); a peer stopped "
-                f"or is unreachable") from None
-        return out
+        return gather(self.group, obj, "consensus_segment")
 
     def _map(self) -> None:
         """Create (host leader) or open the segment; unlink it once every local member mapped it.
@@ -337,14 +350,7 @@ def setup(group: Group, n: int, n_sum: int, requested: str,
     if group.size == 1:
         return requested if requested != "auto" else "doubling", None
     why = unavailable()
-    out: list = [None] * group.size
-    try:
-        dist.all_gather_object(out, (requested, host_key(), why), group=group.control_pg)
-    except Exception as exc:
-        raise CollectiveTimeoutError(
-            f"rank {group.global_rank}: agreeing the consensus transport on group "
-            f"{group.name!r} failed ({type(exc).__name__}); a peer stopped or is unreachable"
-        ) from None
+    out = gather(group, (requested, host_key(), why), "consensus_transport")
     asked: dict[str, list[int]] = {}
     for i, (req, _, _) in enumerate(out):
         asked.setdefault(req, []).append(group.ranks[i])

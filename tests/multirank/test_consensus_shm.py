@@ -56,11 +56,12 @@ def equal_job(rank: int, world: int, rounds: int) -> dict:
     u = t.clone()
     shm_ch.host.all_reduce_sum_max(t)
     C.ops.all_reduce_sum_max(u, group, layout.n_sum, "doubling")
-    ops_seen = sorted({e.op for e in ctx.recorder.log})
+    ops_seen = sorted({e.op for e in ctx.recorder.log if e.op.startswith("all_reduce")})
+    setup = [e.op for e in ctx.recorder.log if not e.op.startswith("all_reduce")]
     ctx.shutdown()
     return {"same": all(same), "decoded": all(decoded), "raw": t.tolist() == u.tolist(),
             "algorithms": [shm_ch.algorithm, auto_ch.algorithm, gloo_ch.algorithm],
-            "path_gone": path_gone, "ops": ops_seen, "waits": shm_ch.host.waits}
+            "path_gone": path_gone, "ops": ops_seen, "setup": setup, "waits": shm_ch.host.waits}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -73,6 +74,12 @@ def test_shm_equals_gloo_doubling_bit_for_bit(world):
         assert v["path_gone"]                                  # unlinked once mapped
         assert v["ops"] == ["all_reduce.sum_max.doubling.control",
                             "all_reduce.sum_max.shm.control"]
+        # set-up, recorded (a peer lost there is diagnosed by the guard): per channel the
+        # transport's agreement, and the segment's exchange for the two shm ones
+        assert v["setup"] == ["all_gather_object.consensus_transport.control",
+                              "all_gather_object.consensus_segment.control",
+                              "all_gather_object.consensus_segment.control"] * 2 + \
+            ["all_gather_object.consensus_transport.control"]
 
 
 def mismatch_job(rank: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -80,12 +81,16 @@ def test_a_rank_that_never_joins_is_named_within_the_timeout(tmp_path):
     assert "start-up: rank(s) [1] of 2 did not join within 3 s" in lines[0]
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["peer", "store-host"])
-def test_a_killed_rank_ends_the_survivor_within_the_timeout(tmp_path, victim):
+@pytest.mark.parametrize("victim,transport", [(1, "shm"), (0, "shm"), (1, "doubling"),
+                                               (0, "doubling")],
+                         ids=["peer-shm", "store-host-shm", "peer-gloo", "store-host-gloo"])
+def test_a_killed_rank_ends_the_survivor_within_the_timeout(tmp_path, victim, transport):
     """SIGKILL one rank mid-replay: the other exits 4 within --timeout plus a few seconds, with
-    one line naming the problem (a silent peer, or rank 0 and its store gone)."""
+    one line naming the problem (a silent peer, or rank 0 and its store gone), whether the
+    round's reduction goes through shared memory (the default on one host) or gloo."""
     tr = str(_traces(tmp_path / "tr", 30_000))
-    h = HandLaunch([["consensus", "--trace", tr, "--timeout", str(T)]] * 2)
+    h = HandLaunch([["consensus", "--trace", tr, "--timeout", str(T)]] * 2,
+                   env={"ADAPTIVE_DIST_CONSENSUS_TRANSPORT": transport})
     assert h.wait_for(0, "replay:", timeout=START_S), format_hand(h.wait(1))
     killed = h.kill(victim, signal.SIGKILL)
     res = h.wait(timeout=T + 30, since=killed)
@@ -99,6 +104,30 @@ def test_a_killed_rank_ends_the_survivor_within_the_timeout(tmp_path, victim):
         assert "rank(s) [1] did not answer" in lines[0] and "dead" in lines[0]
     else:
         assert "the rendezvous store is unreachable" in lines[0] and "rank 0" in lines[0]
+
+
+@pytest.mark.parametrize("transport", ["shm", "doubling"])
+def test_a_stopped_rank_ends_the_survivor_within_the_timeout(tmp_path, transport):
+    """SIGSTOP rank 1 mid-replay (alive, silent: its watchdog thread stops too): rank 0, waiting
+    in the round's exchange, exits 4 within --timeout plus a few seconds naming rank 1 as dead
+    or frozen; a shared-memory wait is bounded like a gloo one."""
+    tr = str(_traces(tmp_path / "tr", 30_000))
+    h = HandLaunch([["consensus", "--trace", tr, "--timeout", str(T)]] * 2,
+                   env={"ADAPTIVE_DIST_CONSENSUS_TRANSPORT": transport})
+    assert h.wait_for(0, "replay:", timeout=START_S), format_hand(h.wait(1))
+    time.sleep(2.0)    # into the rounds (30 000 of them take longer than this)
+    stopped = h.kill(1, signal.SIGSTOP)
+    try:
+        h.procs[0].wait(timeout=T + 20)
+    except Exception:
+        pass
+    h.kill(1, signal.SIGKILL)
+    res = h.wait(timeout=10, since=stopped)
+    lines = _errors(res[0])
+    assert res[0].returncode == 4 and len(lines) == 1, format_hand(res)
+    assert res[0].elapsed < T + SLACK, format_hand(res)
+    assert lines[0].startswith("[rank 0] CollectiveTimeoutError: ")
+    assert "rank(s) [1] did not answer" in lines[0] and "frozen" in lines[0], lines[0]
 
 
 @contextmanager
