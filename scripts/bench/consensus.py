@@ -1,14 +1,20 @@
-"""Measure the per-round consensus cost, the old all-gather against the new reduction, and fit an
-alpha-beta model to extrapolate both to large clusters (issue 27).
+"""Measure the per-round consensus cost — the old all-gather, the reduction by recursive doubling
+over gloo, and the reduction through shared memory within a host (issue 37) — and fit an
+alpha-beta model to extrapolate them to large clusters (issues 27, 37).
 
-    python -m scripts.bench.consensus --worlds 2 4 8 --rounds 600 --out runs/consensus
-    (launches one torchrun per world size on this host: gloo over loopback, CPU ranks)
+    python -m scripts.bench.consensus --worlds 2 4 8 16 --rounds 1000 --repeats 3 --out runs/consensus
+    (launches one torchrun per world size on this host: CPU ranks, gloo over loopback and one
+    shared-memory segment; plain python3 + torch, the plot only when matplotlib is installed)
 
-Per world size: the collective alone (the gather of every rank's vector and its host read; the
-reduction by recursive doubling; gloo's own ring all-reduce, SUM then MAX) and a whole
-``begin_round`` + ``end_round`` under each scheme; medians and p90 (rank 0's clock). Then
-per-hop latency and per-byte cost fitted to those points, extrapolated with a stated inter-node
-latency. Writes OUT/results.json and OUT/consensus_cost.png.
+Per world size, ``--repeats`` times: the collective alone (the gather of every rank's vector and
+its host read; the reduction by recursive doubling; gloo's own ring all-reduce, SUM then MAX; the
+reduction through shared memory) and a whole ``begin_round`` + ``end_round`` under each scheme
+and transport; medians and p90 (rank 0's clock) of each repeat, and their median. Then what a
+waiting rank costs the host: rank 0 arrives, every other rank 2 ms later; rank 0's process time
+over its wall time in the collective (shared memory against gloo). Then per-hop latency and
+per-byte cost fitted to those points, extrapolated with a stated inter-node latency, the
+hierarchical scheme (shared memory in a host, recursive doubling between hosts' leaders)
+beside the flat ones. Writes OUT/results.json and OUT/consensus_cost.png.
 """
 from __future__ import annotations
 
@@ -42,6 +48,11 @@ def stats(xs: list[float]) -> dict:
 
 
 # ---------------------------------------------------------------------------------- one world
+CASES = ("gather", "reduce", "reduce_gloo_ring", "reduce_shm",
+         "begin_round_gather", "begin_round_reduce", "begin_round_shm")
+WAIT_MS = 2.0            # how late the other ranks arrive in the waiting-rank measurement
+
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -61,7 +72,10 @@ def worker(args) -> None:
     gather = consensus.ConsensusChannel(world)
     doubling = consensus.ReduceChannel(world, layout, "doubling")
     ring = consensus.ReduceChannel(world, layout, "gloo")
-    coords = {s: RoundCoordinator(cfg, world, scheme=s, clock=None) for s in consensus.SCHEMES}
+    shm = consensus.ReduceChannel(world, layout, "shm")
+    coords = {"gather": RoundCoordinator(cfg, world, scheme="gather", clock=None),
+              "reduce": RoundCoordinator(cfg, world, algorithm="doubling", clock=None),
+              "shm": RoundCoordinator(cfg, world, algorithm="shm", clock=None)}
 
     def round_of(ctrl):
         def fn():
@@ -70,23 +84,43 @@ def worker(args) -> None:
         return fn
 
     cases = {"gather": lambda: gather.gather(vec), "reduce": lambda: doubling.reduce(vec),
-             "reduce_gloo_ring": lambda: ring.reduce(vec),
+             "reduce_gloo_ring": lambda: ring.reduce(vec), "reduce_shm": lambda: shm.reduce(vec),
              "begin_round_gather": round_of(coords["gather"]),
-             "begin_round_reduce": round_of(coords["reduce"])}
-    # interleaved: every iteration runs each case once (a barrier between them, untimed), so a
-    # slow stretch of this shared host falls on every case alike
-    samples: dict = {name: [] for name in cases}
-    total = args.warmup + args.rounds
-    for i in range(total):
-        if ctx.rank == 0 and i % max(1, total // 10) == 0:
-            print(f"[consensus] world {ctx.world_size}: iteration {i}/{total}", flush=True)
-        for name, fn in cases.items():
+             "begin_round_reduce": round_of(coords["reduce"]),
+             "begin_round_shm": round_of(coords["shm"])}
+    assert tuple(cases) == CASES
+    repeats = []
+    for rep in range(args.repeats):
+        # interleaved: every iteration runs each case once (a barrier between them, untimed), so
+        # a slow stretch of a shared host falls on every case alike
+        samples: dict = {name: [] for name in cases}
+        total = args.warmup + args.rounds
+        for i in range(total):
+            if ctx.rank == 0 and i % max(1, total // 5) == 0:
+                print(f"[consensus] world {ctx.world_size}: repeat {rep + 1}/{args.repeats}, "
+                      f"iteration {i}/{total}", flush=True)
+            for name, fn in cases.items():
+                barrier()
+                t0 = time.perf_counter()
+                fn()
+                if i >= args.warmup:
+                    samples[name].append((time.perf_counter() - t0) * 1e6)
+        repeats.append({name: stats(xs) for name, xs in samples.items()})
+    res = {name: {k: statistics.median(r[name][k] for r in repeats)
+                  for k in ("median_us", "p10_us", "p90_us", "mean_us")} for name in cases}
+    # a waiting rank's host time: rank 0 first, the others WAIT_MS later
+    waits = {}
+    for name, ch in (("shm", shm), ("doubling", doubling)):
+        cpu = wall = 0.0
+        for i in range(max(20, args.rounds // 20)):
             barrier()
-            t0 = time.perf_counter()
-            fn()
-            if i >= args.warmup:
-                samples[name].append((time.perf_counter() - t0) * 1e6)
-    res = {name: stats(xs) for name, xs in samples.items()}
+            if ctx.rank != 0:
+                time.sleep(WAIT_MS / 1e3)
+            c0, t0 = time.process_time(), time.perf_counter()
+            ch.reduce(vec)
+            cpu += time.process_time() - c0
+            wall += time.perf_counter() - t0
+        waits[name] = {"wall_ms": 1e3 * wall, "cpu_ms": 1e3 * cpu, "cpu_share": cpu / wall}
     # the per-byte cost: the bare reduction (doubling) of larger vectors
     sweep = {}
     for n in (128, 4096, 32768):
@@ -96,7 +130,9 @@ def worker(args) -> None:
         sweep[str(n * 8)] = stats(timed(fn, max(30, args.rounds // 10), barrier))
     if ctx.rank == 0:
         out = {"world_size": ctx.world_size, "gather_bytes_per_rank": 8 * len(consensus.FIELDS),
-               "reduce_bytes": 8 * layout.size, "cases": res, "doubling_by_bytes": sweep}
+               "reduce_bytes": 8 * layout.size, "cases": res, "repeats": repeats,
+               "waiting_rank": {"others_late_ms": WAIT_MS, **waits},
+               "doubling_by_bytes": sweep}
         with open(args.worker_out, "w") as f:
             json.dump(out, f)
     ctx.shutdown()
@@ -151,6 +187,25 @@ def model(runs: list[dict], cpus: int, inter_alpha_us: float, inter_gbps: float)
     beta_intra = max(per_byte, 0.0) * 1e3            # ns per byte per step
     beta_inter = 1.0 / inter_gbps                    # ns per byte (GB/s)
     m_g, m_r = base["gather_bytes_per_rank"], base["reduce_bytes"]
+    # shared memory within a host: every rank reads every slot, so a line in the ranks on it
+    c_shm, a_shm = fit([(r["world_size"], r["cases"]["reduce_shm"]["median_us"])
+                        for r in fitted]) if len(fitted) > 1 else \
+        (fitted[0]["cases"]["reduce_shm"]["median_us"], 0.0)
+    fits["shm"] = {"intra_us": [c_shm, a_shm], "fitted_worlds": [r["world_size"] for r in fitted],
+                   "what": "collective within one host: intra_us[0] + intra_us[1] x ranks"}
+
+    def intra(k: int) -> float:
+        return max(c_shm + a_shm * k, 0.0)
+
+    def hierarchical(n: int) -> float:
+        """shm in each host, recursive doubling among the hosts' leaders, the result published
+        back through the segment (a one-flag hand-off, priced as a 2-rank exchange)."""
+        if n <= NODE:
+            return intra(n)
+        hosts = math.ceil(n / NODE)
+        hop = fits["reduce"]["alpha_us_per_hop"] + inter_alpha_us + m_r * beta_inter * 1e-3
+        return intra(NODE) + hops("reduce", hosts) * hop + intra(2)
+
     extra = {}
     for n in (2, 4, 8, 16, 32, 64, 256, 1024):
         row = {}
@@ -165,10 +220,12 @@ def model(runs: list[dict], cpus: int, inter_alpha_us: float, inter_gbps: float)
             step = size if scheme != "ring_allreduce" else size / n
             row[scheme] = (h_in * (alpha + step * beta_intra * 1e-3)
                            + h_out * (alpha + inter_alpha_us + step * beta_inter * 1e-3))
+        row["shm_hierarchical"] = hierarchical(n)
         extra[str(n)] = row
     return {"fits": fits, "beta_intra_ns_per_byte": beta_intra,
             "beta_inter_ns_per_byte": beta_inter, "inter_alpha_us": inter_alpha_us,
-            "ranks_per_node": NODE, "extrapolated_us": extra}
+            "ranks_per_node": NODE, "extrapolated_us": extra,
+            "hosts_128_of_8_us": extra["1024"]}
 
 
 def plot(runs: list[dict], mdl: dict, path: str) -> None:
@@ -179,8 +236,10 @@ def plot(runs: list[dict], mdl: dict, path: str) -> None:
     ws = [r["world_size"] for r in runs]
     for case, label in (("gather", "all-gather + read (old)"), ("reduce", "reduce, doubling"),
                         ("reduce_gloo_ring", "gloo ring all-reduce x2"),
+                        ("reduce_shm", "reduce, shared memory"),
                         ("begin_round_gather", "begin_round, gather"),
-                        ("begin_round_reduce", "begin_round, reduce")):
+                        ("begin_round_reduce", "begin_round, reduce (doubling)"),
+                        ("begin_round_shm", "begin_round, reduce (shared memory)")):
         med = [r["cases"][case]["median_us"] for r in runs]
         p90 = [r["cases"][case]["p90_us"] for r in runs]
         a1.errorbar(ws, med, yerr=[[0] * len(med), [p - m for p, m in zip(p90, med)]],
@@ -188,12 +247,13 @@ def plot(runs: list[dict], mdl: dict, path: str) -> None:
     a1.set_xscale("log", base=2)
     a1.set_xlabel("ranks (this host, oversubscribed past its cores)")
     a1.set_ylabel("µs per round (median, bar to p90)")
-    a1.set_title("measured, gloo over loopback")
+    a1.set_title("measured, CPU ranks on one host")
     a1.legend(fontsize=8)
     ext = mdl["extrapolated_us"]
     ns = sorted(int(n) for n in ext)
     for scheme, label in (("gather", "ring all-gather (old)"), ("reduce", "recursive doubling"),
-                          ("ring_allreduce", "gloo ring all-reduce x2")):
+                          ("ring_allreduce", "gloo ring all-reduce x2"),
+                          ("shm_hierarchical", "shm in a node, doubling across")):
         a2.plot(ns, [ext[str(n)][scheme] for n in ns], marker="o", label=label)
     a2.set_xscale("log", base=2)
     a2.set_yscale("log")
@@ -209,6 +269,8 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--rounds", type=int, default=600)
     ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="measurements of every case per world (medians of their medians)")
     ap.add_argument("--inter-node-latency-us", type=float, default=15.0)
     ap.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s between nodes")
     ap.add_argument("--out", default="runs/consensus")
@@ -228,24 +290,34 @@ def main() -> None:
             continue
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                "--master-port", str(29500 + n), "-m", "scripts.bench.consensus",
-               "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--worker-out", part]
+               "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+               "--repeats", str(args.repeats), "--worker-out", part]
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         with open(part) as f:
             runs.append(json.load(f))
-        print(json.dumps({"world": n, **{k: round(v["median_us"]) for k, v in
-                                         runs[-1]["cases"].items()}}), flush=True)
+        print(json.dumps({"world": n, **{k: [round(v["median_us"]), round(v["p90_us"])]
+                                         for k, v in runs[-1]["cases"].items()},
+                          "waiting_rank_cpu_share": {
+                              k: round(v["cpu_share"], 3) for k, v in
+                              runs[-1]["waiting_rank"].items() if isinstance(v, dict)}}),
+              flush=True)
     mdl = model(runs, os.cpu_count() or 1, args.inter_node_latency_us, args.inter_node_gbps)
     import torch
 
     res = {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
-           "backend": "gloo (loopback, CPU ranks)", "rounds": args.rounds,
+           "backend": "gloo (loopback, CPU ranks) and shared memory", "rounds": args.rounds,
+           "repeats": args.repeats,
            "oversubscribed": [n for n in args.worlds if n > (os.cpu_count() or 1)],
            "runs": runs, "model": mdl}
     from scripts.bench.common import write_json
 
     write_json(os.path.join(args.out, "results.json"), res, indent=2)
-    plot(runs, mdl, os.path.join(args.out, "consensus_cost.png"))
+    try:
+        plot(runs, mdl, os.path.join(args.out, "consensus_cost.png"))
+    except ImportError as exc:
+        print(f"[consensus] no plot ({exc}); the numbers are in results.json", flush=True)
     print(json.dumps(mdl["fits"]), json.dumps(mdl["extrapolated_us"]))
+    print("128 hosts of 8 (model, us):", json.dumps(mdl["hosts_128_of_8_us"]))
 
 
 if __name__ == "__main__":
