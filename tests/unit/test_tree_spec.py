@@ -170,7 +170,7 @@ def test_select_keeps_the_best_nodes_closed_under_ancestors(pair) -> None:
             assert tree.depth[b, i] == depth[b, node]
 
 
-# ---- EAGLE-2 drafting against a cache-free reference -----------------------------------------------
+# ---- EAGLE-2 drafting against a cache-free reference ------------------------------------------
 
 @torch.no_grad()
 def _reference_tree(target, head, seq: list[int], steps: int, topk: int, tokens: int):
