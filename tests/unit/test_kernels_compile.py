@@ -38,6 +38,8 @@ CASES = {
     "padded_attention_tiled": [("fp16", dict(PAGE=16, BLOCK_W=32, GROUPS=2, BLOCK_D=32, BLOCK_N=64, IEEE=False)),
                                ("bf16", dict(PAGE=16, BLOCK_W=16, GROUPS=4, BLOCK_D=128, BLOCK_N=64, IEEE=False)),
                                ("fp32", dict(PAGE=16, BLOCK_W=64, GROUPS=1, BLOCK_D=16, BLOCK_N=64, IEEE=True))],
+    "tree_attention": [("fp16", dict(PAGE=16, BLOCK_D=128, BLOCK_N=64, BLOCK_M=16)),
+                       ("fp64", dict(PAGE=16, BLOCK_D=16, BLOCK_N=64, BLOCK_M=64))],
     "store_kv": [("fp16", dict(PADDED=True, PAGE=16, BLOCK_T=16, BLOCK_H=4, BLOCK_D=32)),
                  ("fp32", dict(PADDED=False, PAGE=16, BLOCK_T=2, BLOCK_H=8, BLOCK_D=128))],
     "greedy_accept": [("fp32", dict(BLOCK_S=8))],
