@@ -72,6 +72,18 @@ def test_greedy_tree_through_graphs_equals_plain_greedy(pair, prompts, reference
     check_pages_back(engine)
 
 
+def test_sampled_tree_through_graphs_equals_eager(pair, prompts) -> None:
+    """The sampling variant of the tree graph: the same seeded tokens as the eager round."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=p.max_new_tokens)
+              for p in lossless_params(len(prompts))]
+    seeds = list(range(len(prompts)))
+    eager = tree_engine(*pair, 3, 2, 6).generate(prompts, params, seeds=seeds)
+    graphs = tree_engine(*pair, 3, 2, 6, cuda_graphs=True)
+    out = graphs.generate(prompts, params, seeds=seeds)
+    assert [r.output_ids for r in out] == [r.output_ids for r in eager]
+    assert graphs.stats.graph_rounds > 0
+
+
 def test_top_k_1_is_the_chain(pair, prompts) -> None:
     """--speculative-eagle-topk 1 --speculative-num-draft-tokens S+1 runs the chain's code:
     the same tokens, accept lengths and round shapes."""
