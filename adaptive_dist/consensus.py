@@ -235,7 +235,7 @@ def get_fixed(limbs: Sequence[int]) -> float:
     """The float64 nearest (half to even) the exact sum that summed ``limbs`` hold (+0.0 for
     zero): Python's int division rounds correctly, as ``math.fsum`` does, so this is
     ``reducers.exact_sum`` of the ranks' terms."""
-    return sum(v << s for v, s in zip(limbs, _SHIFTS)) / _SCALE + 0.0
+    return sum(v << s for v, s in zip(limbs, _SHIFTS) if v) / _SCALE + 0.0
 
 
 @dataclass(frozen=True)
