@@ -149,3 +149,24 @@ def test_two_torchrun_nodes_on_one_host_one_leader_each(tmp_path):
     assert [g["n_hosts"] for g in got] == [2] * 4
     assert [g["leader"] for g in got] == [True, False, True, False]
     assert all(g["same"] and g["algorithm"] == "shm" and g["auto"] == "doubling" for g in got)
+
+
+def test_a_segment_open_to_others_or_of_another_size_is_refused(tmp_path):
+    """An opener maps only a file of this uid with no group/other permissions, of the expected
+    size, not through a symbolic link (no other user can read or forge a rank's vector)."""
+    from collectives.shm import HostReducer
+
+    seg = tmp_path / "seg"
+    seg.write_bytes(b"\0" * 64)
+    opener = object.__new__(HostReducer)
+    os.chmod(seg, 0o644)
+    with pytest.raises(ValueError, match="with mode 644: not this job's segment"):
+        opener._open(str(seg), 8)
+    os.chmod(seg, 0o600)
+    with pytest.raises(ValueError, match="has 64 bytes, expected 72"):
+        opener._open(str(seg), 9)
+    (tmp_path / "link").symlink_to(seg)
+    with pytest.raises(OSError):
+        opener._open(str(tmp_path / "link"), 8)
+    opener._open(str(seg), 8)
+    opener._mm.close()
