@@ -89,11 +89,18 @@ def test_fused_moe_equals_the_sparse_path_on_the_gpu(moe_dir, dtype, rows: int) 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("steps", [0, 3])
+@pytest.mark.parametrize("steps", [0])
 def test_a_round_graph_equals_its_eager_bodies(moe_dir, dtype, steps: int) -> None:
     """At bucket 8 and the same staged rows (the cost measurement's: varied tokens, so the
     router spreads them), the captured round and its eager bodies give the same verify logits
-    (the fused MoE path both ways) and the same committed tokens."""
+    (the fused MoE path both ways) and the same committed tokens.
+
+    Depth 0 only: the measurement's rows write every position past their context into the one
+    dummy page, so at depth > 0 a verify token reads the earlier draft positions' K/V that all
+    rows wrote to the same slots, in an order that differs between a replay and the eager
+    bodies (on one H200 the depth-3 logits differed by up to 6; the timing is what those rows
+    are for). Depths 1, 3 and 7 through graphs on real requests, against no-spec:
+    `test_moe_graph_replay_equals_eager_and_a_switch_captures_nothing` above."""
     from workers.worker.round_cost import TrafficRows
 
     target = load_llama(moe_dir / "target", dtype=dtype, device="cuda")
