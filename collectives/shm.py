@@ -22,7 +22,8 @@ the leaders (``ops.all_reduce_sum_max``), and publishes the result in the segmen
 (again by parity) for its host's other members, who wait on that slot's sequence word.
 
 Waiting spins (with ``sched_yield``) for ``SPIN_S``, then sleeps, doubling from ``SLEEP0_S`` up
-to ``SLEEP_MAX_S``, so a rank that waits for a slow peer does not burn a core. A wait is
+to ``SLEEP_MAX_S`` (the waiting thread's timer slack set to 1 µs), so a rank that waits for a
+slow peer does not burn a core and sees it at most ``SLEEP_MAX_S`` late. A wait is
 bounded by the control group's timeout; a local member whose process is gone is seen within
 ``LIVENESS_S`` (its pid, posted at set-up) and named at once. The error goes through the
 recorder's failure path like a failed gloo collective, so the lockstep guard's diagnosis, its
@@ -52,9 +53,11 @@ SHM_DIR = "/dev/shm"
 PREFIX = "adaptive_dist-consensus-"
 MAGIC = 0x5AD37
 HEAD = 8                 # int64 words before every vector in a slot (word 0: the round)
-SPIN_S = 100e-6          # spin (yielding) this long before sleeping
-SLEEP0_S = 20e-6         # the first sleep; doubled up to SLEEP_MAX_S
-SLEEP_MAX_S = 1e-3
+SPIN_S = 50e-6           # spin (yielding) this long before sleeping
+SLEEP0_S = 10e-6         # the first sleep; doubled up to SLEEP_MAX_S (a late peer is seen at
+SLEEP_MAX_S = 100e-6     #   most this late; each wake-up costs a few µs of CPU)
+TIMER_SLACK_NS = 1000    # the waiting thread's timer slack (Linux's default, 50 µs, would
+                         #   stretch every short sleep by that much)
 LIVENESS_S = 0.05        # how often a long wait checks that the local members it waits for live
 STORE_ORDERED = ("x86_64", "amd64", "i686", "i386")
 
@@ -108,6 +111,17 @@ def gather(group: Group, obj: object, what: str) -> list:
     return out
 
 
+def _tight_timer_slack() -> None:
+    """Set the calling thread's timer slack to ``TIMER_SLACK_NS`` (Linux ``prctl``; elsewhere, or
+    if refused, sleeps are just longer)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(29, TIMER_SLACK_NS, 0, 0, 0)  # PR_SET_TIMERSLACK
+    except Exception:
+        pass
+
+
 def _words(n_local: int, width: int) -> int:
     return HEAD + _pad(n_local) + 2 * n_local * width + 2 * width
 
@@ -147,6 +161,7 @@ class HostReducer:
         self._seqs: list = []
         self._pids: list[int] = []
         self._check_pids = False
+        self._slack_set = False
         leader_idx = [hosts.index(h) for h in order]
         if self.n_hosts > 1 and self.leader:
             ranks = [group.ranks[i] for i in leader_idx]
@@ -310,6 +325,9 @@ class HostReducer:
         while seqs.min() < r and time.perf_counter() < spin_end:
             os.sched_yield()
         if seqs.min() < r:
+            if not self._slack_set:
+                self._slack_set = True
+                _tight_timer_slack()
             deadline = t0 + self.timeout_s
             nap, check = SLEEP0_S, t0 + LIVENESS_S
             while seqs.min() < r:

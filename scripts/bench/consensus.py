@@ -6,15 +6,18 @@ alpha-beta model to extrapolate them to large clusters (issues 27, 37).
     (launches one torchrun per world size on this host: CPU ranks, gloo over loopback and one
     shared-memory segment; plain python3 + torch, the plot only when matplotlib is installed)
 
-Per world size, ``--repeats`` times: the collective alone (the gather of every rank's vector and
-its host read; the reduction by recursive doubling; gloo's own ring all-reduce, SUM then MAX; the
-reduction through shared memory) and a whole ``begin_round`` + ``end_round`` under each scheme
-and transport; medians and p90 (rank 0's clock) of each repeat, and their median. Then what a
-waiting rank costs the host: rank 0 arrives, every other rank 2 ms later; rank 0's process time
-over its wall time in the collective (shared memory against gloo). Then per-hop latency and
-per-byte cost fitted to those points, extrapolated with a stated inter-node latency, the
-hierarchical scheme (shared memory in a host, recursive doubling between hosts' leaders)
-beside the flat ones. Writes OUT/results.json and OUT/consensus_cost.png.
+Per world size, ``--repeats`` times, the cases interleaved with a barrier before each: the
+reduction alone by recursive doubling over gloo and through shared memory, each also back to
+back (``*_steady``: the mean of 3 rounds that follow a first one, the cost of a round when the
+ranks follow each other rather than the barrier's skew), and a whole ``begin_round`` +
+``end_round`` over each; ``--all-cases`` adds the old all-gather, gloo's ring all-reduce and the
+gathered ``begin_round`` (slow at 16 ranks). Medians and p90 (rank 0's clock) of each repeat, and
+their median. Then what a waiting rank costs the host: rank 0 arrives, every other rank 2 ms
+later; rank 0's process time over its wall time in the collective (shared memory against
+gloo). Then per-hop latency and per-byte cost fitted to those points, extrapolated with a stated
+inter-node latency: the hierarchical scheme (shared memory in a host, recursive doubling between
+hosts' leaders) beside the flat one (and, with ``--all-cases``, the old ones).
+Writes OUT/results.json and OUT/consensus_cost.png.
 """
 from __future__ import annotations
 
@@ -49,7 +52,10 @@ def stats(xs: list[float]) -> dict:
 
 # ---------------------------------------------------------------------------------- one world
 CASES = ("gather", "reduce", "reduce_gloo_ring", "reduce_shm",
-         "begin_round_gather", "begin_round_reduce", "begin_round_shm")
+         "begin_round_gather", "begin_round_reduce", "begin_round_shm",
+         "reduce_steady", "reduce_shm_steady")
+OLD_CASES = ("gather", "reduce_gloo_ring", "begin_round_gather")   # measured with --all-cases
+STEADY = 4               # back-to-back reductions of a steady case (the first one not timed)
 WAIT_MS = 2.0            # how late the other ranks arrive in the waiting-rank measurement
 
 
@@ -83,12 +89,27 @@ def worker(args) -> None:
             ctrl.end_round([1, 2, 3, 2])
         return fn
 
+    def steady(ch):
+        """Back-to-back rounds after the barrier: the first absorbs the barrier's skew, the
+        mean of the others is a round's cost when the ranks follow each other (an engine's
+        loop), not how unevenly a barrier lets them go."""
+        def fn():
+            ch.reduce(vec)
+            t0 = time.perf_counter()
+            for _ in range(STEADY - 1):
+                ch.reduce(vec)
+            return (time.perf_counter() - t0) / (STEADY - 1)
+        return fn
+
     cases = {"gather": lambda: gather.gather(vec), "reduce": lambda: doubling.reduce(vec),
              "reduce_gloo_ring": lambda: ring.reduce(vec), "reduce_shm": lambda: shm.reduce(vec),
              "begin_round_gather": round_of(coords["gather"]),
              "begin_round_reduce": round_of(coords["reduce"]),
-             "begin_round_shm": round_of(coords["shm"])}
+             "begin_round_shm": round_of(coords["shm"]),
+             "reduce_steady": steady(doubling), "reduce_shm_steady": steady(shm)}
     assert tuple(cases) == CASES
+    if not args.all_cases:
+        cases = {k: v for k, v in cases.items() if k not in OLD_CASES}
     repeats = []
     for rep in range(args.repeats):
         # interleaved: every iteration runs each case once (a barrier between them, untimed), so
@@ -102,9 +123,10 @@ def worker(args) -> None:
             for name, fn in cases.items():
                 barrier()
                 t0 = time.perf_counter()
-                fn()
+                own = fn()
+                took = own if isinstance(own, float) else time.perf_counter() - t0
                 if i >= args.warmup:
-                    samples[name].append((time.perf_counter() - t0) * 1e6)
+                    samples[name].append(took * 1e6)
         repeats.append({name: stats(xs) for name, xs in samples.items()})
     res = {name: {k: statistics.median(r[name][k] for r in repeats)
                   for k in ("median_us", "p10_us", "p90_us", "mean_us")} for name in cases}
@@ -178,6 +200,8 @@ def model(runs: list[dict], cpus: int, inter_alpha_us: float, inter_gbps: float)
     fitted = [r for r in runs if r["world_size"] <= cpus] or [min(runs, key=lambda r: r["world_size"])]
     fits = {}
     for scheme, case in CASE_OF.items():
+        if any(case not in r["cases"] for r in fitted):
+            continue
         per_hop = [r["cases"][case]["median_us"] / hops(scheme, r["world_size"]) for r in fitted]
         fits[scheme] = {"alpha_us_per_hop": statistics.median(per_hop),
                         "fitted_worlds": [r["world_size"] for r in fitted]}
@@ -210,6 +234,8 @@ def model(runs: list[dict], cpus: int, inter_alpha_us: float, inter_gbps: float)
     for n in (2, 4, 8, 16, 32, 64, 256, 1024):
         row = {}
         for scheme, size in (("gather", m_g), ("reduce", m_r), ("ring_allreduce", m_r)):
+            if scheme not in fits:
+                continue
             alpha = fits[scheme]["alpha_us_per_hop"]
             h_all = hops(scheme, n)
             if scheme == "reduce":
@@ -237,9 +263,13 @@ def plot(runs: list[dict], mdl: dict, path: str) -> None:
     for case, label in (("gather", "all-gather + read (old)"), ("reduce", "reduce, doubling"),
                         ("reduce_gloo_ring", "gloo ring all-reduce x2"),
                         ("reduce_shm", "reduce, shared memory"),
+                        ("reduce_steady", "reduce, doubling, back to back"),
+                        ("reduce_shm_steady", "reduce, shared memory, back to back"),
                         ("begin_round_gather", "begin_round, gather"),
                         ("begin_round_reduce", "begin_round, reduce (doubling)"),
                         ("begin_round_shm", "begin_round, reduce (shared memory)")):
+        if any(case not in r["cases"] for r in runs):
+            continue
         med = [r["cases"][case]["median_us"] for r in runs]
         p90 = [r["cases"][case]["p90_us"] for r in runs]
         a1.errorbar(ws, med, yerr=[[0] * len(med), [p - m for p, m in zip(p90, med)]],
@@ -254,6 +284,8 @@ def plot(runs: list[dict], mdl: dict, path: str) -> None:
     for scheme, label in (("gather", "ring all-gather (old)"), ("reduce", "recursive doubling"),
                           ("ring_allreduce", "gloo ring all-reduce x2"),
                           ("shm_hierarchical", "shm in a node, doubling across")):
+        if scheme not in ext[str(ns[0])]:
+            continue
         a2.plot(ns, [ext[str(n)][scheme] for n in ns], marker="o", label=label)
     a2.set_xscale("log", base=2)
     a2.set_yscale("log")
@@ -269,6 +301,8 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--rounds", type=int, default=600)
     ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--all-cases", action="store_true",
+                    help="also the old all-gather and gloo's ring all-reduce (slow at 16 ranks)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="measurements of every case per world (medians of their medians)")
     ap.add_argument("--inter-node-latency-us", type=float, default=15.0)
@@ -291,7 +325,8 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                "--master-port", str(29500 + n), "-m", "scripts.bench.consensus",
                "--rounds", str(args.rounds), "--warmup", str(args.warmup),
-               "--repeats", str(args.repeats), "--worker-out", part]
+               "--repeats", str(args.repeats), "--worker-out", part] + \
+            (["--all-cases"] if args.all_cases else [])
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         with open(part) as f:
             runs.append(json.load(f))
