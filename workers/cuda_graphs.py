@@ -3,9 +3,9 @@
 `CudaGraphRunner` knows nothing about models: it is handed a body (a closure over static input
 buffers that runs one forward and returns its outputs), warms it up and captures it on one side
 stream into one memory pool shared by every capture, and replays it. The worker decides what the
-bodies are (draft step, verify, draft-extend per depth and batch bucket, see
-`workers.worker.phases`) and keeps the entries in the tier's runtime state, so a tier switch is a
-reference swap and `num_captures` never moves after start-up.
+bodies are (the round's phases, the catch-up, the padded prefill: see `workers.worker.phases`)
+and keeps the entries in one `GraphTable` (`workers.worker.graph_table`) by phase and shape, so a
+tier switch replays other keys and `num_captures` never moves after start-up.
 
 Rules a body must follow to be capturable: fixed shapes (static buffers sliced by the bucket), no
 host synchronisation, no allocation whose size depends on values; collectives inside (NCCL) are

@@ -283,7 +283,7 @@ def profile_engine(config: "EngineConfig", target: torch.nn.Module,
     from workers.cuda_graphs import CudaGraphRunner
     from workers.runtime_state import RuntimeStatePool
     from workers.worker import EagleWorker
-    from workers.worker.graph_table import GraphTable
+    from workers.worker.graph_table import GraphPhase, GraphTable
     from workers import startup_log
 
     start = time.perf_counter()
@@ -303,8 +303,9 @@ def profile_engine(config: "EngineConfig", target: torch.nn.Module,
         pool.apply(config.spec.max_steps)
         worker.capture_prefill()
         runner = worker.prefill_runner
-        out.round_graphs = len(worker.table) if worker.table is not None else 0
-        out.prefill_graphs = len(runner.graphs) + len(runner.graphs_without_head)
+        table = worker.table
+        out.prefill_graphs = len(table.of(GraphPhase.PREFILL)) if table is not None else 0
+        out.round_graphs = len(table) - out.prefill_graphs if table is not None else 0
         out.captures = out.round_graphs + out.prefill_graphs
         sync()
         if device.type == "cuda":

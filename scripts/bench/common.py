@@ -187,6 +187,8 @@ def bodies(engine: Any, bucket: int, context: int,
     ring the catch-up forward, and the padded prefill of `bucket` rows of `width` slots; dummy
     rows whose cache holds `context` positions. `setup` sets the dummy rows (every other body
     assumes it ran)."""
+    from workers.worker.graph_table import GraphKey, GraphPhase
+
     worker = engine.worker
     engine.pool.apply(0)
     bufs = worker.state.payload
@@ -201,7 +203,7 @@ def bodies(engine: Any, bucket: int, context: int,
         if phase == "round":   # the depth-0 round: the target over the rows, the acceptance
             body = worker.round_body(bucket)
         elif worker.buckets:
-            body = lag.catchup_graphs[bucket].replay
+            body = worker.table.get(GraphKey(GraphPhase.CATCHUP, batch=bucket)).replay
         else:
             body = lag.catchup_phase_body(bufs, bucket, reach)
         return lambda: (setup(), body())
@@ -215,17 +217,19 @@ def bodies(engine: Any, bucket: int, context: int,
         _, slot_of, length = prefill.inputs(rows, slots)
         slot_of.fill_(slot_state.dummy)   # full-length dummy prompts
         length.fill_(slots)
-        graph = prefill.graphs.get((rows, slots, True))   # greedy requests
+        table = worker.table
+        graph = table.get(prefill.key(rows, slots, True)) if table else None   # greedy requests
         out["prefill"] = graph.replay if graph is not None else (
             lambda: prefill.padded(rows, slots, True))
         if lag.deferred_len is not None and slots in lag.defer_widths:
             # at depth 0 the head's part waits: the prefill without it, and the forward over
             # `bucket` waiting prompts of `slots` tokens that a later catch-up runs (real slots
             # whose pages are the dummy page; their waiting length set before each run)
-            graph = prefill.graphs_without_head.get((rows, slots, True))
+            graph = table.get(prefill.key(rows, slots, True, defer=True)) if table else None
             out["prefill_deferred"] = graph.replay if graph is not None else (
                 lambda: prefill.padded(rows, slots, True, True))
-            pending = lag.deferred_graphs.get((bucket, slots))
+            pending = table.get(GraphKey(GraphPhase.PENDING, batch=bucket, tokens=slots)) \
+                if table else None
             run_pending = pending.replay if pending is not None else (
                 lambda: lag.prompt_phase(bucket, reach, slots))
 

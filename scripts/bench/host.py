@@ -136,8 +136,11 @@ def instrument(engine: Any) -> collections.Counter:
         return collect(launched)
     engine.worker.collect = waited
     if engine.worker.graphs is not None:  # graph launches are the bodies of a graphed round
-        for entry in engine.worker.table.entries.values():
-            entry.replay = timed(acc, "bodies", entry.replay)
+        from workers.worker.graph_table import GraphPhase
+
+        for key, entry in engine.worker.table.entries.items():
+            if key.phase is not GraphPhase.PREFILL:
+                entry.replay = timed(acc, "bodies", entry.replay)
     return acc
 
 

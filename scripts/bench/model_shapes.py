@@ -47,6 +47,7 @@ import collectives as C
 from adaptive_dist.config import AdaptiveConfig
 from scripts.bench.common import build, pyplot, random_pair, save, write_json
 from workers.model import ModelParallel
+from workers.worker.graph_table import GraphPhase
 
 TIERS = (0, 1, 3, 7)
 
@@ -171,7 +172,8 @@ def main() -> int:
     agreed = engine.config.spec.round_cost.to_json()
     verify = engine.config.spec.verify_cost
     graph_bytes = engine.worker.graphs.pool_bytes() if engine.worker.graphs is not None else 0
-    captures = len(engine.worker.table) if engine.worker.table is not None else 0
+    table = engine.worker.table   # the round's captures (not the padded prefill's)
+    captures = len(table) - len(table.of(GraphPhase.PREFILL)) if table is not None else 0
     if ctx.rank == 0:
         print(f"[{args.layout}] engine built in {build_s:.0f} s; profiling ...", flush=True)
     import torch.distributed as dist

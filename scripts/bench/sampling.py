@@ -144,15 +144,16 @@ def time_phases(engine: Engine, args: argparse.Namespace, clock: Callable, name:
                 samples: dict[str, list[float]]) -> None:
     """The sampling draft and acceptance graphs at each bucket, over dummy rows
     (microseconds)."""
-    from workers.worker.graph_table import GraphKey
+    from workers.worker.graph_table import GraphKey, GraphPhase
 
     worker = engine.worker
     bufs = worker.state.payload
     if worker.table is None:
         return
     for bucket in args.batches:
-        graphs = [(phase, worker.table.entries.get(GraphKey(
-            phase, batch=bucket, steps=bufs.steps, greedy=False))) for phase in ("draft", "accept")]
+        graphs = [(phase, worker.table.get(GraphKey(
+            phase, batch=bucket, steps=bufs.steps, greedy=False)))
+            for phase in (GraphPhase.DRAFT, GraphPhase.ACCEPT)]
         if any(g is None for _, g in graphs):
             continue
         bufs.rows[:bucket].fill_(worker.slots.dummy)

@@ -268,7 +268,7 @@ def two_servers(args: argparse.Namespace, base: list[str]) -> dict[str, Any]:
 # ---- count: captures and CPU-emulated capture time -----------------------------------------------
 
 def family(name: str) -> str:
-    """A capture's family from its name (`GraphKey.name`, or the prefill's)."""
+    """A capture's family from its name (`GraphKey.name`; the prefill's by rows)."""
     parts = name.split("/")
     if parts[0] == "prefill":
         rows = parts[1]

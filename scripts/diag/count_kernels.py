@@ -140,15 +140,13 @@ def count_depth(target: Any, head: Any, depth: int, batch: int, greedy: bool) ->
     worker = engine.worker
     bufs = worker.state.payload
     if hasattr(worker, "table"):    # the worker package with its graph table (shapes)
-        from workers.worker.graph_table import GraphKey
-        from workers.worker.phases import round_phases
+        from workers.worker.phases import phase_key, round_phases
 
         phases = round_phases(bufs.steps)
         tokens = worker.default_shape(batch).verify_tokens
 
-        def body_of(bufs: Any, phase: str, batch: int, reach: int, greedy: bool) -> Any:
-            key = GraphKey(phase, tokens=tokens) if phase == "target" else GraphKey(
-                phase, batch=batch, steps=bufs.steps, greedy=greedy or phase == "extend")
+        def body_of(bufs: Any, phase: Any, batch: int, reach: int, greedy: bool) -> Any:
+            key = phase_key(phase, batch, bufs.steps, tokens, greedy)
             return worker.phases.body(key, bufs, reach)
         reach, cache_len = worker.slots.reach, worker.slots.cache_len
         bufs.budget[:batch] = bufs.steps
@@ -173,9 +171,9 @@ def count_depth(target: Any, head: Any, depth: int, batch: int, greedy: bool) ->
                 ops = profile_call(body)
             finally:
                 _Counting.on = False
-            res[phase] = {"kernels": sum(ops.values()), "ops": dict(ops.most_common())}
+            res[str(phase)] = {"kernels": sum(ops.values()), "ops": dict(ops.most_common())}
     engine.close()
-    res["round"] = sum(res[p]["kernels"] for p in phases)
+    res["round"] = sum(res[str(p)]["kernels"] for p in phases)
     return res
 
 

@@ -89,7 +89,7 @@ def main() -> int:
                 entry: dict[str, Any] = {"prefill_shape": [rows, slots]}
                 if graphs:
                     for greedy in (True, False):
-                        graph = prefill.graphs[(rows, slots, greedy)]
+                        graph = worker.table.get(prefill.key(rows, slots, greedy))
                         key = "greedy" if greedy else "sampling"
                         entry[f"prefill_graph_{key}_us"] = clock(graph.replay, args.iters) * 1e6
                     entry["round_graph_us"] = clock(parts["round"], args.iters) * 1e6

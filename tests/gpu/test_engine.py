@@ -26,6 +26,7 @@ from workers.kv_cache import KVPool, PageAllocator
 from workers.model import DenseCausalAttention
 from workers.runtime_state import RuntimeStatePool
 from workers.sampling import SamplingParams
+from workers.worker.graph_table import GraphPhase
 
 CUDA = torch.cuda.is_available()
 HAS_FLASHINFER = CUDA and importlib.util.find_spec("flashinfer") is not None
@@ -67,7 +68,13 @@ def _captures_per_bucket(steps: int) -> int:
 
 
 def _target_captures(engine) -> int:
-    return len(engine.worker.table.of("target"))
+    return len(engine.worker.table.of(GraphPhase.TARGET))
+
+
+def _prefill_graphs(engine, head: bool = True) -> dict:
+    """The padded prefill's graphs (`head` False: the deferred ones, without the head's part)."""
+    return {k: e for k, e in engine.worker.table.of(GraphPhase.PREFILL).items()
+            if k.head == head}
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +111,7 @@ def test_cuda_graph_replay_equals_eager(gpu_pair, prompts, reference, steps: int
                          overlap=overlap)
     runner = engine.worker.graphs
     # a static run builds only its own tier (and the padded prefill: one graph per shape)
-    prefill = len(engine.worker.prefill_runner.graphs)
+    prefill = len(_prefill_graphs(engine))
     assert prefill == 30   # buckets 1, 2, 4 x widths 32 .. 512 (the context) x greedy or not
     assert _target_captures(engine) == len(engine.config.verify_ladder)
     assert runner.capture and runner.num_captures == _captures_per_bucket(steps) * len(
@@ -138,7 +145,7 @@ def test_tier_switch_captures_and_allocates_nothing(gpu_pair, prompts, reference
     runner, pool = engine.worker.graphs, engine.pool
     captured = runner.num_captures
     assert captured == sum(_captures_per_bucket(s) for s in pool.states) * len(
-        engine.worker.buckets) + len(engine.worker.prefill_runner.graphs) + _target_captures(
+        engine.worker.buckets) + len(_prefill_graphs(engine)) + _target_captures(
         engine)
     shared = engine.worker.buffers.nbytes   # counted in the first tier's state
     growth = {s: st.nbytes - (shared if i == 0 else 0)
@@ -199,7 +206,7 @@ def test_depth_0_catch_up_graphs_equal_eager(gpu_pair, prompts, reference) -> No
         engine.planner = ScriptPlanner(script, graphs, 4)
         out = _outputs(engine, prompts, _params(len(prompts)))
         assert out == reference
-        assert bool(engine.worker.lag.catchup_graphs) == graphs
+        assert bool(engine.worker.table and engine.worker.table.of(GraphPhase.CATCHUP)) == graphs
         runs.append(dict(engine.stats.accept_histogram))
         _close_and_check_pages(engine)
     assert runs[0] == runs[1] and sum(v for k, v in runs[0].items() if k > 0) > 0
@@ -223,12 +230,12 @@ def test_deferred_prefill_graphs_equal_eager(gpu_pair, prompts, reference) -> No
         worker = engine.worker
         engine.planner = ScriptPlanner(script, graphs, 4)
         replays = [0]
-        for entry in worker.prefill_runner.graphs_without_head.values():
+        for entry in _prefill_graphs(engine, head=False).values():
             entry.replay = (lambda e: lambda: (replays.__setitem__(0, replays[0] + 1),
                                                type(e).replay(e))[1])(entry)
         assert _outputs(engine, prompts, _params(len(prompts))) == reference
-        assert bool(worker.prefill_runner.graphs_without_head) == bool(
-            worker.lag.deferred_graphs) == graphs
+        assert bool(_prefill_graphs(engine, head=False)) == bool(
+            worker.table and worker.table.of(GraphPhase.PENDING)) == graphs
         assert replays[0] > 0 if graphs else replays[0] == 0
         runs.append(dict(engine.stats.accept_histogram))
         _close_and_check_pages(engine)
@@ -406,7 +413,7 @@ def test_prefill_graph_replays_leave_what_the_ragged_prefill_leaves() -> None:
     for cap in (0, 4096):
         engine = engine_for(*pair, "static", steps=3, max_batch=4, device="cuda",
                             cuda_graphs=True, padded_prefill_tokens=cap)
-        graphs = engine.worker.prefill_runner.graphs
+        graphs = _prefill_graphs(engine)
         assert bool(graphs) == bool(cap)
         count = [0]
         for entry in graphs.values():

@@ -10,6 +10,7 @@ import torch
 from engine_fixtures import ScriptPlanner, check_pages_back, engine_for, random_prompts, tiny_pair
 from workers.runtime_state import RuntimeStatePool
 from workers.sampling import SamplingParams
+from workers.worker.graph_table import GraphPhase
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +141,7 @@ def test_catch_up_runs_every_catchup_every_rounds_and_before_drafting(pair, grap
     # rounds 8 and 16 (full rings), 21 (the first depth-3 round, after 4 depth-0 rounds), 26 (the
     # depth-1 round after 3 depth-0 rounds), 29 (the depth-3 round after 2)
     assert calls == [8, 16, 21, 26, 29]
-    assert (len(worker.lag.catchup_graphs) > 0) == graphs
+    assert (worker.table is not None and len(worker.table.of(GraphPhase.CATCHUP)) > 0) == graphs
     while engine.scheduler.has_work:
         engine.step()
     engine.drain()

@@ -11,6 +11,8 @@ import torch
 from engine_fixtures import engine_for, lossless_params, random_prompts, tiny_pair
 from workers.config import EngineConfig
 from workers.sampling import SamplingParams
+from workers.worker.graph_table import GraphPhase
+from workers.worker.prefill import PrefillRunner
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +36,9 @@ def test_prefill_shape_rule(pair) -> None:
     # the shapes captured: every bucket, every width up to the limit and the context, each with
     # device sampling and greedy-only
     shapes = [(1, 32), (1, 64), (1, 128), (1, 256), (2, 32), (2, 64), (2, 128), (4, 32), (4, 64)]
-    assert sorted(graphs.prefill_runner.graphs) == sorted((*s, g) for s in shapes
-                                                          for g in (False, True))
+    assert list(graphs.table.of(GraphPhase.PREFILL)) == [   # captured largest bucket first
+        PrefillRunner.key(*s, g) for s in sorted(shapes, key=lambda s: (-s[0], s[1]))
+        for g in (False, True)]
 
 
 def test_padded_prefill_tokens_and_catchup_rounds_are_checked() -> None:

@@ -46,6 +46,7 @@ from workers.kv_cache import PageAllocator
 from workers.sampling import SamplingParams
 from workers.scheduler import Request, Scheduler
 from workers.spec_decode import Controls, draft_step, probs, process_logits, verify
+from workers.worker.graph_table import GraphPhase
 
 torch.set_num_threads(1)
 
@@ -376,7 +377,7 @@ def test_greedy_speculation_with_features_equals_plain_greedy(pair, prompts, gre
     assert hist[0] > 0 and sum(v for k, v in hist.items() if k > 0) > 0, hist
     if graphs:
         assert engine.stats.graph_rounds == engine.stats.rounds > 0
-        accepts = engine.worker.table.of("accept")
+        accepts = engine.worker.table.of(GraphPhase.ACCEPT)
         assert {(k.batch, k.greedy) for k in accepts if k.steps == steps and k.processed} == {
             (b, g) for b in engine.worker.buckets for g in (False, True)}
     engine.close()

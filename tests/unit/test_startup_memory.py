@@ -15,6 +15,7 @@ from engine_fixtures import engine_for, save_pair, tiny_config, tiny_pair
 from workers import memory, startup_log
 from workers.cli import main
 from workers.loading import model_paths, resolve_dtype
+from workers.worker.graph_table import GraphPhase
 from workers.model.loader import checkpoint_dtype
 from workers.model.weights import CheckpointError
 
@@ -214,10 +215,10 @@ def test_the_profile_counts_the_captures_the_engine_makes(mode):
                         "ema" if mode == "goodput" else "nospec", config=spec, max_batch=4,
                         cuda_graphs=True)
     built = engine.worker
-    real = len(built.table) + len(built.prefill_runner.graphs) + len(
-        built.prefill_runner.graphs_without_head)
+    prefill = len(built.table.of(GraphPhase.PREFILL))
     prof = memory.profile_engine(engine.config, target, head if mode != "nospec" else None)
-    assert prof.captures == real and prof.round_graphs == len(built.table) > 0
+    assert prof.captures == len(built.table) and prof.prefill_graphs == prefill
+    assert prof.round_graphs == len(built.table) - prefill > 0
 
 
 def test_the_utilization_path_sizes_the_pool_from_the_profile(capsys):

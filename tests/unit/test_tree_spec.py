@@ -17,6 +17,7 @@ from engine_fixtures import (check_pages_back, engine_config, engine_for, lossle
                              random_prompts, tiny_config, tiny_pair)
 from workers.config import EngineConfig
 from workers.sampling import SamplingParams
+from workers.worker.graph_table import GraphPhase
 from workers.worker.tree import TreeRound
 
 SHAPES = [(3, 2, 6), (3, 4, 8), (2, 3, 12), (5, 2, 8), (1, 4, 5)]
@@ -65,7 +66,8 @@ def test_greedy_tree_through_graphs_equals_plain_greedy(pair, prompts, reference
     then draft-extend; emulated on the CPU: the replay runs the captured body)."""
     engine = tree_engine(*pair, 3, 2, 6, cuda_graphs=True)
     table = engine.worker.table
-    assert {k.phase for k in table} >= {"tree", "extend"} and not table.of("target")
+    assert {k.phase for k in table} >= {GraphPhase.TREE, GraphPhase.EXTEND}
+    assert not table.of(GraphPhase.TARGET)
     out = engine.generate(prompts, lossless_params(len(prompts)))
     assert [r.output_ids for r in out] == reference
     assert engine.stats.graph_rounds > 0

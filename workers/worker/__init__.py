@@ -9,6 +9,8 @@ It owns one object per part, each handed the ones below it (no module imports on
 - `draft_lag` — `DraftLag` (depth 0 with a head: the lag ring, deferred prompts, the catch-up);
 - `phases` — `RoundPhases` (draft, verify + accept, draft-extend) and `prefill` —
   `PrefillRunner` (padded and ragged, and the padded prefill's graphs);
+- `graph_table` — `GraphTable`: every CUDA graph of the worker by `GraphKey` (its `GraphPhase`
+  and sizes);
 - `staging` — the host memory a round is staged in and read from; `round_cost` — the start-up
   measurement of a round's cost per tier and bucket.
 """

@@ -30,13 +30,11 @@ import torch
 
 from workers import kernels
 from workers.config import EngineConfig
-from workers.cuda_graphs import GraphEntry
-from workers.worker.graph_table import GraphKey, GraphTable
+from workers.worker.graph_table import GraphKey, GraphPhase, GraphTable
 from workers.worker.models import RankModels
 from workers.worker.slots import SHADOW_COLUMNS, SlotState, StepBuffers
 
-CATCHUP = "catchup"
-PENDING = "pending"
+CATCHUP, PENDING = GraphPhase.CATCHUP, GraphPhase.PENDING
 
 
 class DraftLag:
@@ -166,18 +164,6 @@ class DraftLag:
             else:
                 self.table.replay(GraphKey(CATCHUP, batch=graph_bucket))
             self.rounds_behind = 0
-
-    @property
-    def catchup_graphs(self) -> dict[int, GraphEntry]:
-        """The catch-up's graphs by bucket."""
-        return {} if self.table is None else {
-            k.batch: e for k, e in self.table.of(CATCHUP).items()}
-
-    @property
-    def deferred_graphs(self) -> dict[tuple[int, int], GraphEntry]:
-        """The deferred prompts' graphs by (bucket, width)."""
-        return {} if self.table is None else {
-            (k.batch, k.tokens): e for k, e in self.table.of(PENDING).items()}
 
     def catchup_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
         """The head over each row's lag ring: `lag` tokens at positions n-lag+1 .. n (draft KV

@@ -14,8 +14,8 @@ budget inside the shape (the plan's, per row). The host reads the round's rows o
 Depth 0 with a head runs the plain round and lets the head's cache lag; the lag ring, the
 deferred prompts and the catch-up are `DraftLag`'s (`workers.worker.draft_lag`).
 
-Prefill (padded or ragged, and the padded prefill's CUDA graphs) is `PrefillRunner`'s
-(`workers.worker.prefill`); the host memory a round is staged in and read from is
+Prefill (padded or ragged; the padded prefill's CUDA graphs in the same table) is
+`PrefillRunner`'s (`workers.worker.prefill`); the host memory a round is staged in and read from is
 `workers.worker.staging`'s.
 """
 from __future__ import annotations
@@ -33,9 +33,9 @@ from workers.cuda_graphs import CudaGraphRunner
 from workers.kv_cache import pages_for
 from workers.runtime_state import RuntimeStatePool, SpecRuntimeState
 from workers.worker.draft_lag import DraftLag
-from workers.worker.graph_table import GraphKey, GraphTable
+from workers.worker.graph_table import GraphKey, GraphPhase, GraphTable
 from workers.worker.models import RankModels
-from workers.worker.phases import RoundPhases, round_phases
+from workers.worker.phases import RoundPhases, phase_key, round_phases
 from workers.worker.prefill import PrefillRunner
 from workers.worker.request import SlotRequest
 from workers.worker.round_cost import measure_targets, measure_tiers
@@ -146,10 +146,10 @@ class EagleWorker:
         if self.tree is not None and bufs.steps > 0:   # the tree round, then draft-extend
             for bucket in sorted(self.buckets, reverse=True):
                 for greedy in (False, True):
-                    self.table.capture(GraphKey("tree", batch=bucket, steps=bufs.steps,
-                                                greedy=greedy),
+                    self.table.capture(GraphKey(GraphPhase.TREE, batch=bucket,
+                                                steps=bufs.steps, greedy=greedy),
                                        lambda b=bucket, g=greedy: self.tree.run(bufs, b, reach, g))
-                key = GraphKey("extend", batch=bucket, steps=bufs.steps)
+                key = GraphKey(GraphPhase.EXTEND, batch=bucket, steps=bufs.steps)
                 self.table.capture(key, self.phases.body(key, bufs, reach))
             self.slots.set_dummy_length(0)
             startup_log.captured(f"tree {self.tree.tree}", len(self.table) - count,
@@ -176,7 +176,7 @@ class EagleWorker:
     def capture_prefill(self) -> None:
         """Capture the padded prefill at every shape that can occur (with graphs; start-up only,
         after the tiers: a body resets the lag ring of the slots it fills if tier 0 has one)."""
-        self.prefill_runner.capture(self.graphs, self.buckets)
+        self.prefill_runner.capture(self.table, self.buckets)
 
     @torch.inference_mode()
     def prefill(self, reqs: list[SlotRequest], pad_tokens: int, pad_requests: int, width: int = 0,
@@ -264,13 +264,12 @@ class EagleWorker:
             if graph_bucket is None:
                 self.tree.run(bufs, bp, reach, greedy)
             else:
-                self.table.replay(GraphKey("tree", batch=bp, steps=steps, greedy=greedy))
+                self.table.replay(GraphKey(GraphPhase.TREE, batch=bp, steps=steps,
+                                           greedy=greedy))
         for phase in round_phases(bufs.steps):
-            if shape.tree is not None and phase != "extend":
+            if shape.tree is not None and phase is not GraphPhase.EXTEND:
                 continue
-            key = GraphKey(phase, tokens=tokens) if phase == "target" else GraphKey(
-                phase, batch=bp, steps=steps, greedy=greedy or phase == "extend",
-                processed=processed and phase == "accept")
+            key = phase_key(phase, bp, steps, tokens, greedy, processed)
             if graph_bucket is None:
                 self.phases.body(key, bufs, reach)()
             else:   # bp is the graph bucket
@@ -359,8 +358,7 @@ class EagleWorker:
         graphs = captured if graphs is None else graphs and captured
         calls = []
         for phase in round_phases(bufs.steps):
-            key = GraphKey(phase, tokens=shape.verify_tokens) if phase == "target" else \
-                GraphKey(phase, batch=bucket, steps=bufs.steps, greedy=greedy or phase == "extend")
+            key = phase_key(phase, bucket, bufs.steps, shape.verify_tokens, greedy)
             calls.append((lambda k=key: self.table.replay(k)) if graphs else
                          self.phases.body(key, bufs, self.slots.reach))
         return lambda: [call() for call in calls] and None
@@ -368,7 +366,7 @@ class EagleWorker:
     def target_body(self, tokens: int, context: int = 0) -> Callable[[], None]:
         """The packed verify forward at `tokens` tokens: its graph's replay, or its eager body
         over the pages `context` positions need (as an eager round of dummy rows reads)."""
-        key = GraphKey("target", tokens=tokens)
+        key = GraphKey(GraphPhase.TARGET, tokens=tokens)
         if self.table is not None and key in self.table:
             return lambda: self.table.replay(key)
         reach = min(pages_for(max(context, 1), self.config.page_size), self.slots.reach)

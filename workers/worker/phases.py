@@ -66,15 +66,28 @@ from workers.spec_decode import (
     verify_greedy,
 )
 from workers.worker.draft_lag import DraftLag
-from workers.worker.graph_table import GraphKey, GraphTable
+from workers.worker.graph_table import GraphKey, GraphPhase, GraphTable
 from workers.worker.models import RankModels
 from workers.worker.slots import RoundBuffers, SlotState, StepBuffers
 
 
-def round_phases(steps: int) -> tuple[str, ...]:
+def round_phases(steps: int) -> tuple[GraphPhase, ...]:
     """The phases of a round at `steps` draft forwards (depth 0, with or without a head: the
     target and the acceptance only; the head's catch-up is scheduled by `EagleWorker.launch`)."""
-    return ("draft", "target", "accept", "extend") if steps > 0 else ("target", "accept")
+    if steps > 0:
+        return GraphPhase.DRAFT, GraphPhase.TARGET, GraphPhase.ACCEPT, GraphPhase.EXTEND
+    return GraphPhase.TARGET, GraphPhase.ACCEPT
+
+
+def phase_key(phase: GraphPhase, batch: int, steps: int, tokens: int, greedy: bool,
+              processed: bool = False) -> GraphKey:
+    """The key of a chain round's `phase` at `batch` rows, `steps` draft forwards and `tokens`
+    packed verify tokens: the target by `tokens` alone; draft-extend draws nothing (its greedy
+    variant only); the processed variant is the acceptance's."""
+    if phase is GraphPhase.TARGET:
+        return GraphKey(phase, tokens=tokens)
+    return GraphKey(phase, batch=batch, steps=steps, greedy=greedy or phase is GraphPhase.EXTEND,
+                    processed=processed and phase is GraphPhase.ACCEPT)
 
 
 def row_starts(rows: torch.Tensor, budget: torch.Tensor, dummy: int) -> torch.Tensor:
@@ -111,17 +124,19 @@ class RoundPhases:
     def body(self, key: GraphKey, bufs: StepBuffers | None, reach: int) -> Callable[[], None]:
         """The body of the phase `key` names (`bufs`: the depth's buffers; the target phase
         reads the shared ones) whose rows' KV reach is `reach` pages."""
-        if key.phase == "target":
-            return lambda: self.target_phase(key.tokens, reach)
-        if key.phase == "draft":
-            return lambda: self.draft_phase(bufs, key.batch, reach, key.greedy)
-        if key.phase == "accept":
-            return lambda: self.accept_phase(bufs, key.batch, key.greedy, key.processed)
-        if key.phase == "extend":
-            return lambda: self.extend_phase(bufs, key.batch, reach)
-        if key.phase == "catchup":
-            return lambda: self.lag.catchup_phase(bufs, key.batch, reach, True)
-        raise ValueError(f"no round body for phase {key.phase!r}")
+        match key.phase:
+            case GraphPhase.TARGET:
+                return lambda: self.target_phase(key.tokens, reach)
+            case GraphPhase.DRAFT:
+                return lambda: self.draft_phase(bufs, key.batch, reach, key.greedy)
+            case GraphPhase.ACCEPT:
+                return lambda: self.accept_phase(bufs, key.batch, key.greedy, key.processed)
+            case GraphPhase.EXTEND:
+                return lambda: self.extend_phase(bufs, key.batch, reach)
+            case GraphPhase.CATCHUP:
+                return lambda: self.lag.catchup_phase(bufs, key.batch, reach, True)
+        raise ValueError(f"no round body for phase {key.phase} (the tree's, the deferred "
+                         f"prompts' and the prefill's bodies are their owners')")
 
     def keys(self, steps: int, batch: int) -> list[GraphKey]:
         """The graphs of depth `steps` at `batch` rows (not the target's, which are per token
@@ -130,10 +145,10 @@ class RoundPhases:
         draft-extend samples nothing: once."""
         keys = []
         for phase in round_phases(steps):
-            if phase == "target":
+            if phase is GraphPhase.TARGET:
                 continue
-            for greedy in ((False, True) if phase != "extend" else (True,)):
-                for processed in ((False, True) if phase == "accept" else (False,)):
+            for greedy in ((False, True) if phase is not GraphPhase.EXTEND else (True,)):
+                for processed in ((False, True) if phase is GraphPhase.ACCEPT else (False,)):
                     keys.append(GraphKey(phase, batch=batch, steps=steps, greedy=greedy,
                                          processed=processed))
         return keys
@@ -145,7 +160,7 @@ class RoundPhases:
 
     def capture_target(self, table: GraphTable, tokens: int, reach: int) -> None:
         """Capture the packed verify forward at `tokens` tokens into `table`."""
-        key = GraphKey("target", tokens=tokens)
+        key = GraphKey(GraphPhase.TARGET, tokens=tokens)
         table.capture(key, self.body(key, None, reach))
 
     # ---- the bodies ----------------------------------------------------------------------------

@@ -5,7 +5,8 @@ A prefill takes one of two paths, chosen from the round's agreed sizes (so every
 same): a padded prefill — `rows` requests (a bucket) by `width` token slots (a power of two >= the
 longest prompt, >= 32), at most `padded_prefill_tokens` slots — runs through the same padded
 attention as the round, as a CUDA graph per (rows, width, every request greedy or not: the argmax
-alone or device sampling, as the round) when the round uses graphs (eager otherwise, the same
+alone or device sampling, as the round; with or without the head's part) in the worker's
+`GraphTable` (phase `GraphPhase.PREFILL`) when the round uses graphs (eager otherwise, the same
 body); anything larger runs ragged through `attention_backend`, padded to the agreed token count.
 The padded path exists because an eager prefill of a small model is all host work and launches:
 thousands of operator calls, several milliseconds, tens of decode rounds' worth. At depth 0 a
@@ -34,11 +35,11 @@ from workers import startup_log
 from workers.attention import ForwardMode, build_metadata
 from workers.attention.base import upload
 from workers.config import EngineConfig
-from workers.cuda_graphs import CudaGraphRunner, GraphEntry
 from workers.kv_cache import pages_for
 from workers.sampling import PendingPromptLogprobs
 from workers.spec_decode import SALT_SAMPLE, sample_tokens, token_logprobs
 from workers.worker.draft_lag import DraftLag
+from workers.worker.graph_table import GraphKey, GraphPhase, GraphTable
 from workers.worker.models import RankModels
 from workers.worker.request import SlotRequest
 from workers.worker.slots import SlotState, logprob_width
@@ -63,8 +64,7 @@ class PrefillRunner:
         self.top_rows = self.row_buckets[-1]
         self.buf = (torch.zeros(self.cap + 2 * self.top_rows, dtype=torch.int64, device=device)
                     if self.cap else None)
-        self.graphs: dict[tuple[int, int, bool], GraphEntry] = {}  # (rows, width, greedy)
-        self.graphs_without_head: dict[tuple[int, int, bool], GraphEntry] = {}  # deferred
+        self.table: GraphTable | None = None   # the worker's, once it captures
         self.graph_bytes = 0   # growth of the shared graph pool while they captured
 
     def shape(self, pad_requests: int, width: int) -> tuple[int, int] | None:
@@ -85,38 +85,45 @@ class PrefillRunner:
         cap, top = self.cap, self.top_rows
         return (self.buf[:bp * width], self.buf[cap:cap + bp], self.buf[cap + top:cap + top + bp])
 
-    def capture(self, graphs: CudaGraphRunner | None, buckets: tuple[int, ...]) -> None:
-        """Capture the padded prefill at every shape that can occur (with graphs; start-up only,
-        after the tiers: a body resets the lag ring of the slots it fills if tier 0 has one)."""
-        if graphs is None or not self.cap:
+    def capture(self, table: GraphTable | None, buckets: tuple[int, ...]) -> None:
+        """Capture the padded prefill into `table` at every shape that can occur (with graphs;
+        start-up only, after the tiers: a body resets the lag ring of the slots it fills if tier
+        0 has one)."""
+        if table is None or not self.cap:
             return
+        self.table = table
+        runner = table.runner
         self.buf.zero_()
         self.inputs(self.top_rows, 0)[1].fill_(self.slots.dummy)
         longest = 1 << (self.config.max_context_len - 1).bit_length()
         deferrable = self.lag.deferred_len is not None
-        before = graphs.pool_bytes()
+        before = runner.pool_bytes()
         for rows in sorted(buckets, reverse=True):
-            start, count = time.perf_counter(), len(graphs.entries)
-            held = startup_log.reserved(graphs.device)
-            width = 32
+            start, count = time.perf_counter(), len(table)
+            held = startup_log.reserved(runner.device)
+            width, widths = 32, []
             while rows * width <= self.cap and width <= max(longest, 32):
+                widths.append(width)
                 for greedy in (False, True):
-                    body = self._body(rows, width, greedy)
-                    self.graphs[(rows, width, greedy)] = graphs.capture_body(
-                        f"prefill/rows={rows}/width={width}/greedy={greedy}", body)
+                    table.capture(self.key(rows, width, greedy),
+                                  self._body(rows, width, greedy))
                     if deferrable and width in self.lag.defer_widths:
-                        body = self._body(rows, width, greedy, defer=True)
-                        self.graphs_without_head[(rows, width, greedy)] = graphs.capture_body(
-                            f"prefill/rows={rows}/width={width}/greedy={greedy}/deferred", body)
+                        table.capture(self.key(rows, width, greedy, defer=True),
+                                      self._body(rows, width, greedy, defer=True))
                 width *= 2
-            if len(graphs.entries) > count:
-                startup_log.captured(f"prefill graphs, {rows} rows", len(graphs.entries) - count,
+            if len(table) > count:
+                startup_log.captured(f"prefill graphs, {rows} rows", len(table) - count,
                                      time.perf_counter() - start,
-                                     startup_log.reserved(graphs.device) - held,
-                                     rows=rows, widths=sorted({w for r, w, _ in self.graphs
-                                                               if r == rows}))
+                                     startup_log.reserved(runner.device) - held,
+                                     rows=rows, widths=widths)
         self.slots.set_dummy_length(0)
-        self.graph_bytes = graphs.pool_bytes() - before
+        self.graph_bytes = runner.pool_bytes() - before
+
+    @staticmethod
+    def key(rows: int, width: int, greedy: bool, defer: bool = False) -> GraphKey:
+        """The padded prefill's graph at `rows` x `width` (`defer`: without the head's part)."""
+        return GraphKey(GraphPhase.PREFILL, batch=rows, tokens=width, greedy=greedy,
+                        head=not defer)
 
     def _body(self, rows: int, width: int, greedy: bool,
               defer: bool = False) -> Callable[[], None]:
@@ -149,8 +156,8 @@ class PrefillRunner:
             dst.copy_(src)
         greedy = all(r.params.greedy for r in reqs)
         defer = self.lag.defers(slots, depth)
-        graphs = self.graphs_without_head if defer else self.graphs
-        entry = graphs.get((bp, slots, greedy)) if graph and not scoring else None
+        entry = (self.table.get(self.key(bp, slots, greedy, defer))
+                 if graph and not scoring and self.table is not None else None)
         hidden = None
         if entry is not None:
             entry.replay()
