@@ -53,9 +53,10 @@ SHM_DIR = "/dev/shm"
 PREFIX = "adaptive_dist-consensus-"
 MAGIC = 0x5AD37
 HEAD = 8                 # int64 words before every vector in a slot (word 0: the round)
-SPIN_S = 50e-6           # spin (yielding) this long before sleeping
-SLEEP0_S = 10e-6         # the first sleep; doubled up to SLEEP_MAX_S (a late peer is seen at
-SLEEP_MAX_S = 100e-6     #   most this late; each wake-up costs a few µs of CPU)
+SPIN_S = 50e-6           # spin (yielding) this long before blocking
+SLEEP0_S = 10e-6         # without a futex: the first sleep, doubled up to SLEEP_MAX_S (a late
+SLEEP_MAX_S = 100e-6     #   peer is seen at most this late; each wake-up costs a few µs of CPU)
+EPOCH_BYTE = 48          # the futex word: header word 6
 TIMER_SLACK_NS = 1000    # the waiting thread's timer slack (Linux's default, 50 µs, would
                          #   stretch every short sleep by that much)
 LIVENESS_S = 0.05        # how often a long wait checks that the local members it waits for live
@@ -130,6 +131,47 @@ def _pad(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
+class _Futex:
+    """A 32-bit word of the segment that waiters block on (Linux ``futex``, shared between the
+    processes that map the segment): an arriving rank adds 1 to it and wakes every waiter in one
+    atomic kernel operation (``FUTEX_WAKE_OP``), so a waiter that read the word before checking
+    the slots either sees the change or is woken: no lost wake-up, no polling."""
+
+    SYS_FUTEX = 202                                   # x86-64
+    WAIT, WAKE_OP = 0, 5
+    ADD_ONE = (1 << 28) | (0 << 24) | (1 << 12) | 0   # FUTEX_OP(ADD, 1, CMP_EQ, 0)
+
+    def __init__(self, mm: mmap.mmap, offset: int) -> None:
+        import ctypes
+
+        self._ct = ctypes
+        self._cell = ctypes.c_uint32.from_buffer(mm, offset)
+        self.addr = ctypes.addressof(self._cell)
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._sys = libc.syscall
+        self._sys.restype = ctypes.c_long
+        self._sys.argtypes = [ctypes.c_long] * 7
+        self._ts = (ctypes.c_long * 2)()
+        self._ts_addr = ctypes.addressof(self._ts)
+
+    def value(self) -> int:
+        return self._cell.value
+
+    def wake_all(self) -> bool:
+        return self._sys(self.SYS_FUTEX, self.addr, self.WAKE_OP, 0x7FFFFFFF, 0, self.addr,
+                         self.ADD_ONE) >= 0
+
+    def wait(self, seen: int, timeout_s: float) -> None:
+        """Block while the word is ``seen``, at most ``timeout_s`` (returns early on a wake-up,
+        a change, or a signal)."""
+        ns = max(int(timeout_s * 1e9), 1000)
+        self._ts[0], self._ts[1] = divmod(ns, 1_000_000_000)
+        self._sys(self.SYS_FUTEX, self.addr, self.WAIT, seen, self._ts_addr, 0, 0)
+
+    def release(self) -> None:
+        self._cell = None
+
+
 class HostReducer:
     """One group's shared-memory reduction (``all_reduce_sum_max``). Built collectively on every
     member of ``group`` (``setup``); ``hosts[i]`` is member ``i``'s host key."""
@@ -162,6 +204,7 @@ class HostReducer:
         self._pids: list[int] = []
         self._check_pids = False
         self._slack_set = False
+        self._futex: Optional[_Futex] = None
         leader_idx = [hosts.index(h) for h in order]
         if self.n_hosts > 1 and self.leader:
             ranks = [group.ranks[i] for i in leader_idx]
@@ -243,6 +286,15 @@ class HostReducer:
         # a dead local member is seen by its pid, if every local pid is visible from here (one
         # pid namespace); otherwise only the timeout names it
         self._check_pids = all(self._alive(p) for p in self._pids)
+        if os.environ.get("ADAPTIVE_DIST_SHM_FUTEX", "1") != "0":
+            try:
+                futex = _Futex(self._mm, EPOCH_BYTE)
+                if futex.wake_all():
+                    self._futex = futex
+                else:
+                    futex.release()
+            except (OSError, AttributeError, TypeError, ValueError):
+                self._futex = None   # no futex here: sleep-polling instead
 
     def _open(self, path: str, words: int) -> None:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -277,6 +329,9 @@ class HostReducer:
     def close(self) -> None:
         self.slots = self.result = None
         self._seqs = self._mine = self._sums = self._maxs = []
+        if self._futex is not None:
+            self._futex.release()
+            self._futex = None
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -301,6 +356,8 @@ class HostReducer:
             slot = self._mine[p]
             slot[HEAD:HEAD + n] = vec
             slot[0] = r                                    # publish (after the vector)
+            if self._futex is not None:
+                self._futex.wake_all()
             if self.leader or self.leaders is None:
                 self._wait(self._seqs[p], r, self.local)
                 np.sum(self._sums[p], axis=0, out=vec[:ns])
@@ -311,6 +368,8 @@ class HostReducer:
                 res = self.result[p]
                 res[HEAD:HEAD + n] = vec
                 res[0] = r
+                if self._futex is not None:
+                    self._futex.wake_all()
         elif self.n_hosts > 1 and not self.leader:
             res = self.result[p]
             self._wait(res[:1], r, self.local[:1])
@@ -324,7 +383,20 @@ class HostReducer:
         spin_end = t0 + SPIN_S
         while seqs.min() < r and time.perf_counter() < spin_end:
             os.sched_yield()
-        if seqs.min() < r:
+        futex = self._futex
+        if futex is not None and seqs.min() < r:
+            deadline = t0 + self.timeout_s
+            check = t0 + LIVENESS_S
+            while True:
+                seen = futex.value()     # before the check: a later arrival changes it
+                if seqs.min() >= r:
+                    break
+                now = time.perf_counter()
+                if now >= check:
+                    check = now + LIVENESS_S
+                    self._raise_if_gone(seqs, r, members, now >= deadline)
+                futex.wait(seen, check - now)
+        elif seqs.min() < r:
             if not self._slack_set:
                 self._slack_set = True
                 _tight_timer_slack()
