@@ -21,9 +21,11 @@ exchanges the host's vector with the other leaders by recursive doubling over a 
 the leaders (``ops.all_reduce_sum_max``), and publishes the result in the segment's result slot
 (again by parity) for its host's other members, who wait on that slot's sequence word.
 
-Waiting spins (with ``sched_yield``) for ``SPIN_S``, then sleeps, doubling from ``SLEEP0_S`` up
-to ``SLEEP_MAX_S`` (the waiting thread's timer slack set to 1 µs), so a rank that waits for a
-slow peer does not burn a core and sees it at most ``SLEEP_MAX_S`` late. A wait is
+Waiting spins (with ``sched_yield``) for ``SPIN_S``, then blocks in the kernel on a futex word
+of the segment (``_Futex``): every arrival (and a leader's publication) adds 1 to it and wakes
+the waiters in one atomic ``FUTEX_WAKE_OP``, so a rank that waits for a slow peer uses no CPU
+until the peer arrives. Without a futex (``ADAPTIVE_DIST_SHM_FUTEX=0``) it sleeps instead,
+doubling from ``SLEEP0_S`` up to ``SLEEP_MAX_S`` (timer slack 1 µs). A wait is
 bounded by the control group's timeout; a local member whose process is gone is seen within
 ``LIVENESS_S`` (its pid, posted at set-up) and named at once. The error goes through the
 recorder's failure path like a failed gloo collective, so the lockstep guard's diagnosis, its

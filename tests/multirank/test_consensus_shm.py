@@ -61,7 +61,8 @@ def equal_job(rank: int, world: int, rounds: int) -> dict:
     ctx.shutdown()
     return {"same": all(same), "decoded": all(decoded), "raw": t.tolist() == u.tolist(),
             "algorithms": [shm_ch.algorithm, auto_ch.algorithm, gloo_ch.algorithm],
-            "path_gone": path_gone, "ops": ops_seen, "setup": setup, "waits": shm_ch.host.waits}
+            "path_gone": path_gone, "ops": ops_seen, "setup": setup,
+            "futex": shm_ch.host._futex is not None, "waits": shm_ch.host.waits}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -72,6 +73,7 @@ def test_shm_equals_gloo_doubling_bit_for_bit(world):
         assert v["same"] and v["decoded"] and v["raw"], v
         assert v["algorithms"] == ["shm", "shm", "doubling"]
         assert v["path_gone"]                                  # unlinked once mapped
+        assert v["futex"]                                      # waits block (Linux x86-64)
         assert v["ops"] == ["all_reduce.sum_max.doubling.control",
                             "all_reduce.sum_max.shm.control"]
         # set-up, recorded (a peer lost there is diagnosed by the guard): per channel the
