@@ -250,11 +250,12 @@ class Eagle3Config(_DecoderDims):
         return name
 
     def to_hf(self) -> dict[str, Any]:
-        """The ``config.json`` dict of the head, in its ``layout``."""
+        """The ``config.json`` dict of the head in SGLang's layout. The speculators layout has
+        its own writer, ``workers.model.config_speculators.to_speculators`` (which reads and
+        builds this class: the one direction between the two modules)."""
         if self.layout == "speculators":
-            from workers.model.config_speculators import to_speculators
-
-            return to_speculators(self)
+            raise ValueError("Eagle3Config.to_hf writes SGLang's layout; a head in the "
+                             "speculators layout is written by config_speculators.to_speculators")
         out = _dims_to_hf(self)
         out.update(architectures=[EAGLE3_ARCHITECTURE], model_type="llama", attention_bias=False,
                    draft_vocab_size=self.draft_vocab_size)

@@ -41,7 +41,11 @@ from workers.model.config import (
     EagleConfig,
     LlamaConfig,
 )
-from workers.model.config_speculators import eagle3_from_speculators, is_speculators_layout
+from workers.model.config_speculators import (
+    eagle3_from_speculators,
+    is_speculators_layout,
+    to_speculators,
+)
 from workers.model.eagle import EagleHead
 from workers.model.eagle3 import Eagle3Head, vocab_map_problem
 from workers.model.layers import shard_specs
@@ -334,7 +338,8 @@ def save_pretrained(model: LlamaForCausalLM | DraftHead, path: str | Path,
         stale.unlink(missing_ok=True)
     stored = config.tensor_name if isinstance(config, Eagle3Config) else (lambda name: name)
     tensors = {stored(name): t for name, t in _tensors(model, dtype).items()}
-    cfg = config.to_hf()
+    speculators = isinstance(config, Eagle3Config) and config.layout == "speculators"
+    cfg = to_speculators(config) if speculators else config.to_hf()
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (root / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
     shards = list(_shards(tensors, max_shard_bytes))
