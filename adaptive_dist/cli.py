@@ -94,7 +94,7 @@ def register_consensus(sub: Any) -> None:
                    help="ema: adapt the depth to the acceptance (default); goodput: the depth "
                         "with the most expected tokens per unit of round cost (needs round_cost "
                         "in --config); static: keep --initial-steps (the consensus still agrees "
-                        "the graph path)")
+                        "the graph path); registered now: %(choices)s")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="JSON file of adaptive settings (ema and goodput only)")
     p.add_argument("--initial-steps", type=int, default=None, metavar="K",
@@ -123,7 +123,8 @@ def register_config(sub: Any) -> None:
                                    "line naming the key (exit 2).")
     p.add_argument("--config", default=None, metavar="FILE", help="JSON file of adaptive settings")
     p.add_argument("--policy", choices=POLICIES, default="ema",
-                   help="ema (default), goodput or static")
+                   help="the depth policy, one of the registered: %(choices)s (default: ema; "
+                        "docs/policy.md)")
     p.add_argument("--initial-steps", type=int, default=None, metavar="K", help="depth at start")
     p.add_argument("--for", dest="check_for", choices=CONFIG_USES, default="consensus",
                    help="check the file as consensus uses it (the default: goodput needs "

@@ -98,14 +98,14 @@ class SpecChoice:
         help="static speculation with K draft steps (default: 3)")
     adaptive: bool = setting(
         False, one_of="mode",
-        help="adaptive draft depth over candidate tiers, chosen by --policy: ema (the acceptance "
-             "ladder, default) or goodput (expected tokens per measured round cost; it may turn "
+        help="adaptive draft depth over candidate tiers, chosen by --policy (default ema, the "
+             "acceptance ladder; goodput: expected tokens per measured round cost, it may turn "
              "speculation off)")
     no_spec: bool = setting(False, one_of="mode", help="plain decoding with the target")
     policy: Optional[str] = setting(
         None, choices=ADAPTIVE_POLICIES,   # the registered adaptive policies, read when used
-        help="with --adaptive: ema (the acceptance ladder, default) or goodput (expected tokens "
-             "per unit of measured round cost)")
+        help="with --adaptive, one of the registered adaptive policies: %(choices)s (default: "
+             "ema; docs/policy.md)")
     config: Optional[str] = setting(
         None, metavar="FILE", help="JSON file of adaptive settings (--adaptive only)")
     per_request: bool = setting(
