@@ -21,9 +21,12 @@ ranks that differ (the slow path).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import itertools
 import math
+import operator
 import os
 import struct
 from dataclasses import dataclass
@@ -191,6 +194,8 @@ _SHIFTS = tuple(LIMB_BITS * k for k in range(LIMBS))
 _SCALE = 1 << FRACTION_BITS
 _LOW = -(1 << 63) + 1    # the MAX of a rank that has nothing to say (no weight)
 _F64, _I64 = struct.Struct("<d"), struct.Struct("<q")
+_compress = itertools.compress
+_DIGITS = tuple(range(LIMBS))
 
 
 def float_key(x: float) -> int:
@@ -234,8 +239,21 @@ def put_fixed(t: float, out: list, base: int) -> bool:
 def get_fixed(limbs: Sequence[int]) -> float:
     """The float64 nearest (half to even) the exact sum that summed ``limbs`` hold (+0.0 for
     zero): Python's int division rounds correctly, as ``math.fsum`` does, so this is
-    ``reducers.exact_sum`` of the ranks' terms."""
-    return sum(v << s for v, s in zip(limbs, _SHIFTS) if v) / _SCALE + 0.0
+    ``reducers.exact_sum`` of the ranks' terms. Only the nonzero digits are read (a sum of a few
+    ranks' terms fills two or three of the 29), and a result well inside the normal range is
+    ``float(int)`` (correctly rounded) scaled by a power of two, which is exact."""
+    nz = list(_compress(_DIGITS, limbs))
+    if not nz:
+        return 0.0
+    k0 = nz[0]
+    acc = 0
+    for k in nz:
+        acc += limbs[k] << LIMB_BITS * (k - k0)
+    exp, bits = LIMB_BITS * k0 - FRACTION_BITS, abs(acc).bit_length()
+    if bits <= 1000 and -1000 <= exp + bits <= 1000:
+        # a normal result: float() of an int rounds half to even, and scaling by 2^exp is exact
+        return math.ldexp(float(acc), exp) + 0.0
+    return (acc << LIMB_BITS * k0) / _SCALE + 0.0    # zero, subnormal or huge: the division
 
 
 @dataclass(frozen=True)
@@ -280,6 +298,14 @@ _SUM_INTS = ("n_req", "prev_n_req", "weight", "live")
 _MAX_INTS = ("n_req", "num_tokens", "n_extend", "extend_len", "no_graph", "not_done",
              "neg_seq", "leave", "untimed", "period", "inexact",
              "ema_max", "neg_ema_min", "rate_max", "neg_rate_min")
+_EXACT_TERMS = ("ema_sum", "fail_sum", "rate_sum")   # w·ema, w·ema_fail, w·p: the exact sums
+_NO_EXTREMES = (_LOW,) * 4
+_AGREE_OF = operator.attrgetter(*MUST_AGREE[1:])   # "magic" is the format's, not the vector's
+_POOLED_ORDER = ("live", "weight", "ema_sum", "fail_sum", "rate_sum", "ema_min", "ema_max",
+                 "rate_min", "rate_max", "mix")   # decode builds a Pooled positionally
+if tuple(f.name for f in dataclasses.fields(Pooled)) != _POOLED_ORDER:
+    raise ImportError("adaptive_dist.consensus: Pooled's fields moved; ReducedLayout.decode "
+                      "builds it positionally in the order " + ", ".join(_POOLED_ORDER))
 
 
 class ReducedLayout:
@@ -294,7 +320,7 @@ class ReducedLayout:
     def __init__(self, needs: Sequence[str], mix_steps: Sequence[int] = (),
                  expected: Optional[Callable[[float, int], float]] = None,
                  n_values: int = 0) -> None:
-        self.sums = tuple(n for n in ("ema_sum", "fail_sum", "rate_sum") if n in needs)
+        self.sums = tuple(n for n in _EXACT_TERMS if n in needs)
         self.mix_steps = tuple(mix_steps) if expected is not None else ()
         self.expected = expected
         n_exact = len(self.sums) + len([s for s in self.mix_steps if s])
@@ -303,60 +329,65 @@ class ReducedLayout:
         self.n_sum = self.values_at + n_values
         self.n_max = len(_MAX_INTS) + 2 * len(MUST_AGREE)
         self.size = self.n_sum + self.n_max
+        self.agree_at = self.n_sum + len(_MAX_INTS)   # must-agree field i: its value, negation
+        self._terms = tuple(_EXACT_TERMS.index(n) for n in self.sums)
+        self._mixed = tuple(s for s in self.mix_steps if s)
+        self.struct = struct.Struct(f"={self.size}q")   # the vector as the int64 buffer's bytes
 
     def encode(self, vec: RoundVector) -> list[int]:
-        """This rank's contribution."""
+        """This rank's contribution (the columns in the order the class docstring gives)."""
         out = [0] * self.size
-        w, e, f = vec.weight, vec.ema, vec.ema_fail
-        out[0], out[1], out[2], out[3] = vec.n_req, vec.prev_n_req, w, int(w > 0)
+        w = vec.weight
+        out[0], out[1], out[2] = vec.n_req, vec.prev_n_req, w
         ok = True
-        base = len(_SUM_INTS)
         if w > 0:
+            out[3] = 1
+            e, f = vec.ema, vec.ema_fail
             p = acceptance_rate(e, f)
-            terms = {"ema_sum": w * e, "fail_sum": w * f, "rate_sum": w * p}
-            for name in self.sums:
-                ok &= put_fixed(terms[name], out, base)
+            terms = (w * e, w * f, w * p)
+            base = len(_SUM_INTS)
+            for j in self._terms:
+                ok = put_fixed(terms[j], out, base) and ok
                 base += LIMBS
-            for s in self.mix_steps:
-                if s:
-                    ok &= put_fixed(w * self.expected(p, s), out, base)
-                    base += LIMBS
-            extremes = (float_key(e), float_key(-e), float_key(p), float_key(-p))
+            for s in self._mixed:
+                ok = put_fixed(w * self.expected(p, s), out, base) and ok
+                base += LIMBS
+            ke, kp = float_key(e), float_key(p)
+            extremes = (ke, -ke, kp, -kp)        # float_key(-x) is -float_key(x): the sign bit
         else:
-            extremes = (_LOW,) * 4
+            extremes = _NO_EXTREMES
         if len(vec.values) != self.n_values:
             raise ValueError(f"round vector: {len(vec.values)} values, the layout has "
                              f"{self.n_values}")
         out[self.values_at:self.n_sum] = vec.values
         period = vec.period
-        out[self.n_sum:self.n_sum + len(_MAX_INTS)] = (
+        out[self.n_sum:self.agree_at] = (
             vec.n_req, vec.num_tokens, vec.n_extend, vec.extend_len, int(not vec.can_graph),
             int(not vec.done), -vec.seq, int(vec.leave), int(period < 0),
             float_key(period) if math.isfinite(period) else _LOW, int(not ok)) + extremes
-        i = self.n_sum + len(_MAX_INTS)
-        for name in MUST_AGREE:
-            v = REDUCED_MAGIC if name == "magic" else int(getattr(vec, name))
-            out[i], out[i + 1] = v, -v
-            i += 2
+        agree = (REDUCED_MAGIC, *map(int, _AGREE_OF(vec)))
+        a = self.agree_at
+        out[a::2] = agree
+        out[a + 1::2] = [-v for v in agree]
         return out
 
     def agreed(self, red: Sequence[int]) -> bool:
         """Whether every must-agree field had one value (its maximum is minus the maximum of
         its negation) and every sum was exact."""
-        i = self.n_sum + len(_MAX_INTS)
-        if red[i - 5]:   # inexact
+        a = self.agree_at
+        if red[a - 5]:   # inexact
             return False
-        return all(red[j] == -red[j + 1] for j in range(i, self.size, 2))
+        return not any(map(operator.add, red[a::2], red[a + 1::2]))
 
     def decode(self, red: Sequence[int]) -> ClusterRound:
         """The cluster's round from the reduced vector (``agreed`` first)."""
-        m = red[self.n_sum:self.n_sum + len(_MAX_INTS)]
+        m = self.n_sum
         live = red[3]
         pooled = None
         if live:
-            vals, base = {}, len(_SUM_INTS)
-            for name in self.sums:
-                vals[name] = get_fixed(red[base:base + LIMBS])
+            exact, base = [0.0, 0.0, 0.0], len(_SUM_INTS)   # Σw·ema, Σw·ema_fail, Σw·p
+            for j in self._terms:
+                exact[j] = get_fixed(red[base:base + LIMBS])
                 base += LIMBS
             mix = []
             for s in self.mix_steps:
@@ -365,16 +396,14 @@ class ReducedLayout:
                     base += LIMBS
                 else:
                     mix.append((s, 0.0))
-            pooled = Pooled(live=live, weight=float(red[2]), **vals,
-                            ema_max=key_float(m[11]), ema_min=-key_float(m[12]) + 0.0,
-                            rate_max=key_float(m[13]), rate_min=-key_float(m[14]) + 0.0,
-                            mix=tuple(mix))
+            pooled = Pooled(live, float(red[2]), exact[0], exact[1], exact[2],
+                            -key_float(red[m + 12]) + 0.0, key_float(red[m + 11]),
+                            -key_float(red[m + 14]) + 0.0, key_float(red[m + 13]), tuple(mix))
         return ClusterRound(
-            round=red[self.n_sum + len(_MAX_INTS) + 2], n_req_sum=red[0], n_req_max=m[0],
-            tokens_max=m[1], extend_max=m[2], extend_len_max=m[3], all_graph=not m[4],
-            all_done=not m[5], seq_min=-m[6], any_leave=bool(m[7]), prev_n_req_sum=red[1],
-            untimed=bool(m[8]), period_max=key_float(m[9]) + 0.0, pooled=pooled,
-            values_sum=tuple(red[self.values_at:self.n_sum]))
+            red[self.agree_at + 2], red[0], red[m], red[m + 1], red[m + 2], red[m + 3],
+            not red[m + 4], not red[m + 5], -red[m + 6], bool(red[m + 7]), red[1],
+            bool(red[m + 8]), key_float(red[m + 9]) + 0.0, pooled,
+            tuple(red[self.values_at:m]))
 
 
 ALGORITHMS = ("auto", "shm", "doubling", "gloo")
@@ -409,16 +438,23 @@ class ReduceChannel:
         self.group, self.layout = group, layout
         self.buf = torch.zeros(layout.size, dtype=torch.int64)
         self._np = self.buf.numpy()
+        self._bytes = memoryview(self._np)   # the same memory: packed and read by one struct
         self.algorithm, self.host = shm.setup(group, layout.size, layout.n_sum, algorithm,
                                               timeout_s)
 
     def reduce(self, vec: RoundVector) -> list[int]:
-        self._np[:] = self.layout.encode(vec)
+        """This rank's vector reduced over the group: the integers, identical on every member."""
+        pack = self.layout.struct
+        try:
+            pack.pack_into(self._bytes, 0, *self.layout.encode(vec))
+        except struct.error as exc:
+            raise OverflowError(f"round vector of round {vec.round}: a field outside int64 "
+                                f"({exc})") from None
         if self.host is not None:
             self.host.all_reduce_sum_max(self.buf)
         else:
             ops.all_reduce_sum_max(self.buf, self.group, self.layout.n_sum, self.algorithm)
-        return self.buf.tolist()
+        return list(pack.unpack_from(self._bytes))
 
     def close(self) -> None:
         """Unmap a shared-memory segment (the file itself was unlinked at set-up)."""

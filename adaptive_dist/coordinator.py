@@ -148,18 +148,29 @@ class RoundStats:
         default ``steps``); a request that drafted nothing is no draft."""
         if steps <= 0 or not accepts:
             return
-        budgets = budgets if budgets is not None else [steps] * len(accepts)
+        if budgets is None:
+            drafted = accepts
+            self.draft_tokens += steps * len(accepts)
+        else:
+            drafted = [a for a, d in zip(accepts, budgets) if d > 0]
+            self.draft_tokens += sum(d for d in budgets[:len(accepts)] if d > 0)
         per_pos = self.accepted_per_pos
         if len(per_pos) < steps:
             per_pos.extend([0] * (steps - len(per_pos)))
-        for a, d in zip(accepts, budgets):
-            if d <= 0:
-                continue
-            self.accepted_tokens += a
-            for i in range(a):
-                per_pos[i] += 1
-            self.drafts += 1
-            self.draft_tokens += d
+        if not drafted:
+            return
+        self.drafts += len(drafted)
+        self.accepted_tokens += sum(drafted)
+        top = max(drafted)   # at most steps (end_round checks)
+        # position i was accepted by every draft that accepted more than i: a tally of the
+        # accept lengths, summed from the longest down (one pass, not one per accepted token)
+        tally = [0] * (top + 1)
+        for a in drafted:
+            tally[a] += 1
+        reached = 0
+        for i in range(top - 1, -1, -1):
+            reached += tally[i + 1]
+            per_pos[i] += reached
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name (the counters as they are)."""
@@ -189,6 +200,7 @@ class RoundCoordinator:
         # the verify forward's token rungs (the engine's; every rank the same): a chain's round
         # verifies the rung that holds its tokens, a per-request round any of them
         self.ladder = tuple(verify_ladder) if verify_ladder is not None else None
+        self._ladders: dict[int, tuple[int, ...]] = {}   # no ladder: the chain's, by its top
         self.rule: Optional[PerRequestRule] = None
         if config.per_request:
             if self.ladder is None:
@@ -310,7 +322,9 @@ class RoundCoordinator:
             self.last_outcome = self._decide_shape(cluster, plan)
         self._prev_plan = plan
         # until end_round reports what this rank actually ran, assume it followed the plan
-        self._prev_plan_hash = Executed(plan.shape, plan.use_graph, plan.batch_bucket).hash()
+        self._prev_plan_hash = consensus.plan_hash(plan.shape.draft_forwards,
+                                                   plan.shape.verify_tokens, plan.use_graph,
+                                                   plan.batch_bucket)   # Executed(...).hash()
 
         self._digest = consensus.hash48(self._digest, plan.round, self._prev_plan_hash)
         if self.guard is not None:
@@ -492,7 +506,12 @@ class RoundCoordinator:
             shape = self.rule.shape(self.state, c.n_req_max)
             budgets = self.rule.budgets(self._survivals, shape)
         else:
-            ladder = self.ladder or token_ladder(max(c.n_req_max, 1) * (steps + 1))
+            ladder = self.ladder
+            if not ladder:
+                top = max(c.n_req_max, 1) * (steps + 1)
+                ladder = self._ladders.get(top)
+                if ladder is None:
+                    ladder = self._ladders[top] = token_ladder(top)
             shape = RoundShape(steps, effective_tokens(0, c.n_req_max, steps, ladder))
         return RoundPlan(
             round=self.round, steps=steps, use_graph=use_graph,

@@ -261,3 +261,58 @@ def write_traces(traces: list[list[dict]], directory: Path) -> None:
         with (directory / f"rank{rank}.jsonl").open("w") as f:
             for line in lines:
                 f.write(json.dumps(line) + "\n")
+
+
+# ---- the reduced vector, written out field by field (issue 37: the layout's encoder is tuned) ----
+def reduced_vector(layout, vec) -> list[int]:
+    """``consensus.ReducedLayout.encode`` as its docstring lays the vector out, one field at a
+    time, with its own fixed-point digits (``float.as_integer_ratio``) and float keys: the tuned
+    encoder must give this very list."""
+    import struct
+    from adaptive_dist import consensus as c
+    from adaptive_dist.policy.rules import acceptance_rate
+
+    def key(x: float) -> int:
+        b = struct.unpack("<q", struct.pack("<d", x))[0]
+        return b if b >= 0 else -(b & 0x7FFFFFFFFFFFFFFF)
+
+    def digits(t: float) -> tuple[list[int], bool]:
+        """t·2^1074 in LIMBS signed base-2^40 digits, and whether it fit (a term that does not
+        leaves its low digits, a non-finite one none: the check fails, the gather decides)."""
+        out = [0] * c.LIMBS
+        if not math.isfinite(t):
+            return out, False
+        n, d = t.as_integer_ratio()               # d a power of two, at most 2^1074
+        v = abs(n) * (2 ** c.FRACTION_BITS // d)
+        sign = -1 if n < 0 else 1
+        for k in range(c.LIMBS):
+            out[k] = sign * (v % 2 ** c.LIMB_BITS)
+            v //= 2 ** c.LIMB_BITS
+        return out, v == 0
+
+    w, e, f = vec.weight, vec.ema, vec.ema_fail
+    low = -(2 ** 63) + 1
+    n_exact = len(layout.sums) + len([s for s in layout.mix_steps if s])
+    sums = [vec.n_req, vec.prev_n_req, w, 1 if w > 0 else 0]
+    exact = True
+    if w > 0:
+        p = acceptance_rate(e, f)
+        terms = [{"ema_sum": w * e, "fail_sum": w * f, "rate_sum": w * p}[n] for n in layout.sums]
+        terms += [w * layout.expected(p, s) for s in layout.mix_steps if s]
+        for t in terms:
+            d, fits = digits(t)
+            exact = exact and fits
+            sums += d
+        extremes = [key(e), key(-e), key(p), key(-p)]
+    else:
+        sums += [0] * (c.LIMBS * n_exact)
+        extremes = [low] * 4
+    sums += list(vec.values)
+    period = vec.period
+    maxes = [vec.n_req, vec.num_tokens, vec.n_extend, vec.extend_len, int(not vec.can_graph),
+             int(not vec.done), -vec.seq, int(vec.leave), int(period < 0),
+             key(period) if math.isfinite(period) else low, int(not exact)] + extremes
+    for name in c.MUST_AGREE:
+        v = c.REDUCED_MAGIC if name == "magic" else int(getattr(vec, name))
+        maxes += [v, -v]
+    return sums + maxes

@@ -3,6 +3,7 @@ over gloo, and the reduction through shared memory within a host (issue 37) — 
 alpha-beta model to extrapolate them to large clusters (issues 27, 37).
 
     python -m scripts.bench.consensus --worlds 2 4 8 16 --rounds 1000 --repeats 3 --out runs/consensus
+    python -m scripts.bench.consensus --local [--batch 4] [--rounds 2000] [--repeats 5]
     (launches one torchrun per world size on this host: CPU ranks, gloo over loopback and one
     shared-memory segment; plain python3 + torch, the plot only when matplotlib is installed)
 
@@ -10,7 +11,8 @@ Per world size, ``--repeats`` times, the cases interleaved with a barrier before
 reduction alone by recursive doubling over gloo and through shared memory, each also back to
 back (``*_steady``: the mean of 3 rounds that follow a first one, the cost of a round when the
 ranks follow each other rather than the barrier's skew), and a whole ``begin_round`` +
-``end_round`` over each; ``--all-cases`` adds the old all-gather, gloo's ring all-reduce and the
+``end_round`` over each, and over a group of one (``begin_round_local``: the round's host work
+with no collective, every rank at once); ``--all-cases`` adds the old all-gather, gloo's ring all-reduce and the
 gathered ``begin_round`` (slow at 16 ranks). Medians and p90 (rank 0's clock) of each repeat, and
 their median. Then what a waiting rank costs the host: rank 0 arrives, every other rank 2 ms
 later; rank 0's process time over its wall time in the collective (shared memory against
@@ -53,7 +55,7 @@ def stats(xs: list[float]) -> dict:
 # ---------------------------------------------------------------------------------- one world
 CASES = ("gather", "reduce", "reduce_gloo_ring", "reduce_shm",
          "begin_round_gather", "begin_round_reduce", "begin_round_shm",
-         "reduce_steady", "reduce_shm_steady")
+         "reduce_steady", "reduce_shm_steady", "begin_round_local")
 OLD_CASES = ("gather", "reduce_gloo_ring", "begin_round_gather")   # measured with --all-cases
 STEADY = 4               # back-to-back reductions of a steady case (the first one not timed)
 WAIT_MS = 2.0            # how late the other ranks arrive in the waiting-rank measurement
@@ -81,7 +83,9 @@ def worker(args) -> None:
     shm = consensus.ReduceChannel(world, layout, "shm")
     coords = {"gather": RoundCoordinator(cfg, world, scheme="gather", clock=None),
               "reduce": RoundCoordinator(cfg, world, algorithm="doubling", clock=None),
-              "shm": RoundCoordinator(cfg, world, algorithm="shm", clock=None)}
+              "shm": RoundCoordinator(cfg, world, algorithm="shm", clock=None),
+              # the round's host work alone: a group of one (no collective), every rank at once
+              "local": RoundCoordinator(cfg, C.Group.single(), clock=None)}
 
     def round_of(ctrl):
         def fn():
@@ -106,7 +110,8 @@ def worker(args) -> None:
              "begin_round_gather": round_of(coords["gather"]),
              "begin_round_reduce": round_of(coords["reduce"]),
              "begin_round_shm": round_of(coords["shm"]),
-             "reduce_steady": steady(doubling), "reduce_shm_steady": steady(shm)}
+             "reduce_steady": steady(doubling), "reduce_shm_steady": steady(shm),
+             "begin_round_local": round_of(coords["local"])}
     assert tuple(cases) == CASES
     if not args.all_cases:
         cases = {k: v for k, v in cases.items() if k not in OLD_CASES}
@@ -158,6 +163,62 @@ def worker(args) -> None:
         with open(args.worker_out, "w") as f:
             json.dump(out, f)
     ctx.shutdown()
+
+
+# ------------------------------------------------------------------------ host work, one process
+def local(args) -> dict:
+    """The round's own host work with no collective (issue 37): ``begin_round`` + ``end_round``
+    of a coordinator over a group of one, ``--batch`` requests a round, and the reduced vector's
+    parts alone (encode into the channel's buffer and read back, ``agreed`` + ``decode``).
+    Per repeat the median wall time of a round and its thread CPU time (which a loaded host
+    inflates less), then the medians over the repeats; microseconds."""
+    import torch
+
+    from collectives import Group
+    from adaptive_dist import consensus
+    from adaptive_dist.config import AdaptiveConfig
+    from adaptive_dist.coordinator import RoundCoordinator, RoundReport
+    from adaptive_dist.policy import depth_policy
+
+    torch.set_num_threads(1)
+    cfg = AdaptiveConfig()
+    b = args.batch
+    accepts = [i % 4 for i in range(b)]
+    coord = RoundCoordinator(cfg, Group.single(), clock=time.perf_counter,
+                             verify_ladder=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128,
+                                            192, 256, 384, 512))
+    layout = consensus.ReducedLayout(depth_policy(cfg).reducer.needs)
+    channel = consensus.ReduceChannel(Group.single(), layout, "doubling")
+    vec = consensus.RoundVector(7, b, 0, 0, True, False, 0, False, b, 2.4837, b, 3, 0, -1, 7, 9,
+                                ema_fail=0.3, period=0.004)
+    red = channel.reduce(vec)
+
+    def one_round() -> None:
+        coord.begin_round(RoundReport(b, 0, True))
+        coord.end_round(accepts)
+
+    parts = {"round": one_round, "reduce": lambda: channel.reduce(vec),
+             "agreed_decode": lambda: layout.agreed(red) and layout.decode(red)}
+    for _ in range(args.warmup):
+        for fn in parts.values():
+            fn()
+    per = {name: {"wall_us": [], "cpu_us": []} for name in parts}
+    chunk = 50
+    for _ in range(args.repeats):
+        samples = {name: ([], []) for name in parts}
+        for _ in range(max(1, args.rounds // chunk)):
+            for name, fn in parts.items():      # interleaved: a slow stretch falls on each
+                t0, c0 = time.perf_counter(), time.thread_time()
+                for _ in range(chunk):
+                    fn()
+                samples[name][0].append((time.perf_counter() - t0) / chunk * 1e6)
+                samples[name][1].append((time.thread_time() - c0) / chunk * 1e6)
+        for name, (wall, cpu) in samples.items():
+            per[name]["wall_us"].append(statistics.median(wall))
+            per[name]["cpu_us"].append(statistics.median(cpu))
+    return {"batch": b, "rounds": args.rounds, "repeats": args.repeats,
+            **{name: {k: statistics.median(v) for k, v in d.items()} | {"per_repeat": d}
+               for name, d in per.items()}}
 
 
 # ---------------------------------------------------------------------------------- the model
@@ -267,7 +328,8 @@ def plot(runs: list[dict], mdl: dict, path: str) -> None:
                         ("reduce_shm_steady", "reduce, shared memory, back to back"),
                         ("begin_round_gather", "begin_round, gather"),
                         ("begin_round_reduce", "begin_round, reduce (doubling)"),
-                        ("begin_round_shm", "begin_round, reduce (shared memory)")):
+                        ("begin_round_shm", "begin_round, reduce (shared memory)"),
+                        ("begin_round_local", "begin_round, host work alone (group of one)")):
         if any(case not in r["cases"] for r in runs):
             continue
         med = [r["cases"][case]["median_us"] for r in runs]
@@ -310,10 +372,17 @@ def main() -> None:
     ap.add_argument("--out", default="runs/consensus")
     ap.add_argument("--refit", action="store_true",
                     help="no measurement: fit the model again to OUT/world*.json")
+    ap.add_argument("--local", action="store_true",
+                    help="no ranks: the round's host work in this process (begin_round + "
+                         "end_round over a group of one, and the reduced vector's parts)")
+    ap.add_argument("--batch", type=int, default=4, help="--local: requests a round")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:
         return worker(args)
+    if args.local:
+        print(json.dumps(local(args)), flush=True)
+        return
     os.makedirs(args.out, exist_ok=True)
     runs = []
     for n in args.worlds:

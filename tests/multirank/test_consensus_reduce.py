@@ -14,7 +14,7 @@ from adaptive_dist import consensus
 from adaptive_dist.config import AdaptiveConfig
 from adaptive_dist.policy import depth_policy
 from adaptive_dist.policy.reducers import exact_sum
-from consensus_reference import adversarial_traces, simulate, write_traces
+from consensus_reference import adversarial_traces, reduced_vector, simulate, write_traces
 from multirank import run_ranks
 
 
@@ -130,6 +130,91 @@ def test_a_disagreeing_field_fails_the_check():
         red = [sum(c) for c in zip(*(e[:layout.n_sum] for e in enc))] + \
               [max(c) for c in zip(*(e[layout.n_sum:] for e in enc))]
         assert not layout.agreed(red), field
+
+
+_ODD = [0.0, -0.0, 5e-324, -5e-324, 2.5e-310, 2.2250738585072014e-308, 1e-300, 2.0 ** 85,
+        -(2.0 ** 85), 2.0 ** 86, 1e30, float("inf"), float("-inf"), float("nan")]
+
+
+def _any_float(rng: random.Random) -> float:
+    kind = rng.random()
+    if kind < 0.2:
+        return rng.choice(_ODD)
+    if kind < 0.4:
+        return rng.uniform(-1, 1) * 2.0 ** rng.randint(-1074, 90)
+    return rng.random() * rng.choice([1, 7, 100])
+
+
+@pytest.mark.parametrize("reducer,policy", [("weighted_mean", "ema"), ("min", "ema"),
+                                            ("mixture", "goodput"), ("max", "goodput")])
+@pytest.mark.parametrize("n_values", [0, 6])
+def test_encoder_gives_the_field_by_field_vector(reducer, policy, n_values):
+    """The tuned encoder (issue 37) against the vector written out field by field
+    (``consensus_reference.reduced_vector``) on random vectors — odd floats (±0, subnormals,
+    terms past 2^86, non-finite: the inexact flag) included — the same integers in the same
+    places; and the reduction of several of them reads back the sums ``exact_sum`` gives."""
+    extra = {"round_cost": {"0": 1.0, "1": 1.2, "3": 1.6, "7": 2.4},
+             "candidate_steps": [0, 1, 3, 7]} if policy == "goodput" else {}
+    cfg = AdaptiveConfig.from_dict({"policy": policy, "reducer": reducer, **extra})
+    pol = depth_policy(cfg)
+    mixes = pol.reducer.mixes
+    layout = consensus.ReducedLayout(pol.reducer.needs, cfg.candidate_steps if mixes else (),
+                                     pol.expected if mixes else None, n_values)
+    rng = random.Random(len(reducer) * 10 + n_values)
+    for _ in range(400):
+        vec = consensus.RoundVector(
+            round=rng.randrange(1 << 20), n_req=rng.randrange(300), num_tokens=rng.randrange(9000),
+            n_extend=rng.randrange(9), can_graph=rng.random() < 0.5, done=rng.random() < 0.5,
+            seq=rng.randrange(1 << 30), leave=rng.random() < 0.5, prev_n_req=rng.randrange(300),
+            ema=_any_float(rng), weight=rng.choice([0, 0, 1, 3, 17, 1 << 30]),
+            steps=rng.choice(cfg.candidate_steps), counted=rng.randrange(1000),
+            last_switch=rng.randrange(-1, 1000), config_hash=rng.randrange(1 << 48),
+            prev_plan_hash=rng.randrange(1 << 48), ema_fail=_any_float(rng),
+            period=rng.choice([-1.0, 0.004, _any_float(rng)]), extend_len=rng.randrange(500),
+            tokens=rng.randrange(64), values=tuple(rng.randrange(1 << 40) for _ in range(n_values)))
+        got, want = layout.encode(vec), reduced_vector(layout, vec)
+        assert got == want and all(type(x) is int for x in got), vec
+    # the sums read back: terms over the whole exponent range, summed over a few ranks
+    for _ in range(300):
+        terms = [_any_float(rng) for _ in range(rng.randint(1, 6))]
+        terms = [t for t in terms if math.isfinite(t) and abs(t) < 2.0 ** 86]
+        acc = [0] * consensus.LIMBS
+        for t in terms:
+            one = [0] * consensus.LIMBS
+            assert consensus.put_fixed(t, one, 0)
+            acc = [a + b for a, b in zip(acc, one)]
+        want = exact_sum(terms) if terms else 0.0
+        got = consensus.get_fixed(acc)
+        assert got == want and math.copysign(1, got) == math.copysign(1, want), terms
+
+
+def test_draft_counts_are_the_per_token_counts():
+    """``RoundStats.count_drafts`` (a tally per round since issue 37) against the counts taken
+    one accepted token at a time, over rounds of every depth, with and without budgets."""
+    from adaptive_dist.coordinator import RoundStats
+
+    rng = random.Random(11)
+    stats = RoundStats()
+    drafts = draft_tokens = accepted = 0
+    per_pos: list[int] = []
+    for _ in range(2000):
+        steps = rng.choice([0, 1, 3, 7])
+        accepts = [rng.randint(0, steps) for _ in range(rng.randrange(40))]
+        budgets = None
+        if rng.random() < 0.5:
+            budgets = [rng.choice([0, steps, a]) for a in accepts]
+            accepts = [min(a, d) for a, d in zip(accepts, budgets)]
+        stats.count_drafts(accepts, steps, budgets)
+        if steps <= 0 or not accepts:
+            continue
+        per_pos += [0] * (steps - len(per_pos))
+        for a, d in zip(accepts, budgets or [steps] * len(accepts)):
+            if d > 0:
+                drafts, draft_tokens, accepted = drafts + 1, draft_tokens + d, accepted + a
+                for i in range(a):
+                    per_pos[i] += 1
+        assert (stats.drafts, stats.draft_tokens, stats.accepted_tokens,
+                stats.accepted_per_pos) == (drafts, draft_tokens, accepted, per_pos)
 
 
 # -------------------------------------------------------------------------- real gloo ranks
