@@ -448,8 +448,8 @@ class ReduceChannel:
         try:
             pack.pack_into(self._bytes, 0, *self.layout.encode(vec))
         except struct.error as exc:
-            raise OverflowError(f"round vector of round {vec.round}: a field outside int64 "
-                                f"({exc})") from None
+            raise ValueError(f"round vector of round {vec.round}: a field is not an integer in "
+                             f"int64's range ({exc})") from None
         if self.host is not None:
             self.host.all_reduce_sum_max(self.buf)
         else:

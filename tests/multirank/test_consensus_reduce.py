@@ -188,6 +188,21 @@ def test_encoder_gives_the_field_by_field_vector(reducer, policy, n_values):
         assert got == want and math.copysign(1, got) == math.copysign(1, want), terms
 
 
+def test_a_field_that_is_no_int64_is_refused():
+    """The channel packs the vector as int64s: a value past int64 or not an integer is a
+    ValueError naming the round, not a wrapped or truncated integer."""
+    from collectives import Group
+
+    layout = consensus.ReducedLayout(("ema_sum", "fail_sum"), n_values=2)
+    channel = consensus.ReduceChannel(Group.single(), layout, "doubling")
+    vec = _vectors(random.Random(2), 1)[0]
+    vec = dataclasses.replace(vec, values=(1, 2))
+    assert channel.reduce(vec) == layout.encode(vec)          # a group of one: its own vector
+    for bad in ({"values": (1, 2.5)}, {"seq": 1 << 64}):
+        with pytest.raises(ValueError, match="round vector of round 9: a field is not an integer"):
+            channel.reduce(dataclasses.replace(vec, **bad))
+
+
 def test_draft_counts_are_the_per_token_counts():
     """``RoundStats.count_drafts`` (a tally per round since issue 37) against the counts taken
     one accepted token at a time, over rounds of every depth, with and without budgets."""
