@@ -414,8 +414,36 @@ def _main(args: argparse.Namespace) -> int:
         say(f"  {r['name']:<12} /health 200 at {r.get('ready_s', 'never')} s, imports "
             f"{r.get('imports_s')} s, engine ready at {r.get('engine_ready_after_process_start_s')}"
             f" s, steps {r.get('seconds_by_step')}, {r.get('graphs')} graphs")
-    say(f"wrote {out / 'startup.json'}")
+    plot(results, out / "startup.png")
+    say(f"wrote {out / 'startup.json'} and {out / 'startup.png'}")
     return 1 if failed else 0
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """One bar per start: launch to /health 200 split into the imports before the timeline, each
+    kind of step, the rest of the engine's start, and the frontend after the engine was ready."""
+    from scripts.bench.common import pyplot, save
+
+    runs = [r for r in results["runs"] if r.get("ready_s")]
+    if not runs:
+        return
+    kinds = list(dict.fromkeys(k for r in runs for k in (r.get("seconds_by_step") or {})))
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.5 * len(runs)))
+    for y, r in enumerate(runs):
+        parts = [("imports", r.get("imports_s") or 0.0)]
+        parts += [(k, (r.get("seconds_by_step") or {}).get(k, 0.0)) for k in kinds]
+        engine = r.get("engine_ready_after_process_start_s") or 0.0
+        parts.append(("engine, other", max(0.0, engine - sum(v for _, v in parts))))
+        parts.append(("frontend", max(0.0, r["ready_s"] - max(engine, sum(v for _, v in parts)))))
+        left = 0.0
+        for i, (label, seconds) in enumerate(parts):
+            ax.barh(y, seconds, left=left, color=f"C{i % 10}", label=label if y == 0 else None)
+            left += seconds
+    ax.set_yticks(range(len(runs)), [r["name"] for r in runs])
+    ax.set_xlabel("seconds from launch to /health 200")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    save(fig, path)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ engine built once and warmed up; on CUDA chains and trees each eager and through
 A row: accepted drafts per round (the bonus excluded; mean over the requests' rounds), the
 accept histogram, tokens/s over the wall time of `generate` (prefill included; no stop token,
 every request makes `--new-tokens`), and whether the tokens equal the chain's (greedy: they
-must, up to float near-ties on a GPU). The JSON goes to `--out` (default: stdout only).
+must, up to float near-ties on a GPU). The JSON goes to `--out` FILE and its plot to FILE with `.png` (default: the table on stdout only).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from scripts.bench.common import (build, encode_prompts, load_pair, make_prompts, static_spec,
@@ -104,8 +105,35 @@ def main() -> None:
         print(f"{key:34} {s['accept_per_round']:12.3f} {str(s['tokens_per_s']):>28} "
               f"{s['equal_to_chain']}")
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "summary": summary, "rows": rows}, f, indent=1)
+        plot(summary, str(Path(args.out).with_suffix(".png")))
+
+
+def plot(summary: dict[str, dict[str, Any]], path: str) -> None:
+    """Accepted drafts per round and tokens/s (median of the repeats, the spread as a bar) per
+    regime and engine: OUT.png beside OUT (the JSON)."""
+    from scripts.bench.common import pyplot, save
+
+    regimes = list(dict.fromkeys(k.split(" ", 1)[0] for k in summary))
+    engines = list(dict.fromkeys(k.split(" ", 1)[1] for k in summary))
+    plt = pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(engines))
+    for i, engine in enumerate(engines):
+        xs = [r + (i - (len(engines) - 1) / 2) * width for r in range(len(regimes))]
+        cells = [summary.get(f"{r} {engine}") for r in regimes]
+        a1.bar(xs, [c["accept_per_round"] if c else 0 for c in cells], width, label=engine)
+        tps = [sorted(c["tokens_per_s"]) if c else [0.0] for c in cells]
+        med = [t[len(t) // 2] for t in tps]
+        a2.bar(xs, med, width, yerr=[[m - t[0] for m, t in zip(med, tps)],
+                                     [t[-1] - m for m, t in zip(med, tps)]], label=engine)
+    for ax, title in ((a1, "accepted draft tokens per round"), (a2, "tokens/s (median, min-max)")):
+        ax.set_xticks(range(len(regimes)), regimes)
+        ax.set_title(title)
+    a1.legend(fontsize=7)
+    save(fig, path)
 
 
 if __name__ == "__main__":
