@@ -12,7 +12,8 @@ engine built once and warmed up; on CUDA chains and trees each eager and through
 A row: accepted drafts per round (the bonus excluded; mean over the requests' rounds), the
 accept histogram, tokens/s over the wall time of `generate` (prefill included; no stop token,
 every request makes `--new-tokens`), and whether the tokens equal the chain's (greedy: they
-must, up to float near-ties on a GPU). The JSON goes to `--out` FILE and its plot to FILE with `.png` (default: the table on stdout only).
+must, up to float near-ties on a GPU). The JSON goes to `--out` FILE and its plot to FILE
+with `.png` (default: the table on stdout only).
 """
 from __future__ import annotations
 
