@@ -174,15 +174,18 @@ def test_dp2_sampling_matches_target_distribution(tmp_path: Path) -> None:
     save_pair(target, head, tmp_path)
     target = load_llama(tmp_path / "target", dtype=torch.float64)
     n = 1500  # per replica
-    results = run_ranks(dp_jobs.generate_job, 2, str(tmp_path), 2, ["static3"],
+    modes = ["static3", "tree3k2n6"]   # the chain, and a sampled tree (multi-branch rejection)
+    results = run_ranks(dp_jobs.generate_job, 2, str(tmp_path), 2, modes,
                         [[PROMPT] * n, [PROMPT] * n], [[3] * n, [3] * n], 1.0, 7, timeout=300)
-    counts = torch.zeros(VOCAB ** 3)
-    for res in results:
-        for t0, t1, t2 in res.value["static3"]["outputs"]:
-            counts[(t0 * VOCAB + t1) * VOCAB + t2] += 1
-    assert chi_square_pvalue(counts, exact_joint(target, 1.0, 1.0)) > ALPHA
-    # the test has power: a target 60% hotter is rejected at this sample size
-    assert chi_square_pvalue(counts, exact_joint(target, 1.6, 1.0)) < ALPHA
+    _check_lockstep(results, modes)
+    for mode in modes:
+        counts = torch.zeros(VOCAB ** 3)
+        for res in results:
+            for t0, t1, t2 in res.value[mode]["outputs"]:
+                counts[(t0 * VOCAB + t1) * VOCAB + t2] += 1
+        assert chi_square_pvalue(counts, exact_joint(target, 1.0, 1.0)) > ALPHA, mode
+        # the test has power: a target 60% hotter is rejected at this sample size
+        assert chi_square_pvalue(counts, exact_joint(target, 1.6, 1.0)) < ALPHA, mode
 
 
 # ---- the hazards ------------------------------------------------------------------------------
