@@ -84,6 +84,19 @@ def _vectors(rng: random.Random, world: int) -> list[consensus.RoundVector]:
     return out
 
 
+def _policy_layout(reducer: str, policy: str, n_values: int = 0):
+    """The configuration, policy and reduced layout of `policy` with `reducer` (goodput with a
+    round cost over depths 0, 1, 3, 7)."""
+    extra = {"round_cost": {"0": 1.0, "1": 1.2, "3": 1.6, "7": 2.4},
+             "candidate_steps": [0, 1, 3, 7]} if policy == "goodput" else {}
+    cfg = AdaptiveConfig.from_dict({"policy": policy, "reducer": reducer, **extra})
+    pol = depth_policy(cfg)
+    mixes = pol.reducer.mixes
+    layout = consensus.ReducedLayout(pol.reducer.needs, cfg.candidate_steps if mixes else (),
+                                     pol.expected if mixes else None, n_values)
+    return cfg, pol, layout
+
+
 @pytest.mark.parametrize("reducer,policy", [("weighted_mean", "ema"), ("min", "ema"),
                                             ("max", "goodput"), ("mixture", "goodput"),
                                             ("weighted_mean", "goodput")])
@@ -91,13 +104,7 @@ def _vectors(rng: random.Random, world: int) -> list[consensus.RoundVector]:
 def test_reduced_round_equals_the_gathered_one(reducer, policy, world):
     """The reduction of the encoded vectors (summed and maxed here in Python, any order)
     decodes to the very ClusterRound the gathered matrix gives, bit for bit."""
-    extra = {"round_cost": {"0": 1.0, "1": 1.2, "3": 1.6, "7": 2.4},
-             "candidate_steps": [0, 1, 3, 7]} if policy == "goodput" else {}
-    cfg = AdaptiveConfig.from_dict({"policy": policy, "reducer": reducer, **extra})
-    pol = depth_policy(cfg)
-    mixes = pol.reducer.mixes
-    layout = consensus.ReducedLayout(pol.reducer.needs, cfg.candidate_steps if mixes else (),
-                                     pol.expected if mixes else None)
+    cfg, pol, layout = _policy_layout(reducer, policy)
     rng = random.Random(world * 7 + len(reducer))
     for _ in range(30):
         vecs = _vectors(rng, world)
@@ -153,13 +160,7 @@ def test_encoder_gives_the_field_by_field_vector(reducer, policy, n_values):
     (``consensus_reference.reduced_vector``) on random vectors — odd floats (±0, subnormals,
     terms past 2^86, non-finite: the inexact flag) included — the same integers in the same
     places; and the reduction of several of them reads back the sums ``exact_sum`` gives."""
-    extra = {"round_cost": {"0": 1.0, "1": 1.2, "3": 1.6, "7": 2.4},
-             "candidate_steps": [0, 1, 3, 7]} if policy == "goodput" else {}
-    cfg = AdaptiveConfig.from_dict({"policy": policy, "reducer": reducer, **extra})
-    pol = depth_policy(cfg)
-    mixes = pol.reducer.mixes
-    layout = consensus.ReducedLayout(pol.reducer.needs, cfg.candidate_steps if mixes else (),
-                                     pol.expected if mixes else None, n_values)
+    cfg, pol, layout = _policy_layout(reducer, policy, n_values)
     rng = random.Random(len(reducer) * 10 + n_values)
     for _ in range(400):
         vec = consensus.RoundVector(
