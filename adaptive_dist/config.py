@@ -300,8 +300,13 @@ class AdaptiveConfig:
 
     @property
     def tiers(self) -> tuple[int, ...]:
-        """The depths a run may use: every candidate when adaptive, else ``initial_steps``."""
-        return self.candidate_steps if self.adaptive else (self.initial_steps,)
+        """The depths a run may use: every candidate when adaptive (a tree candidate's steps
+        too, ``tree_candidates``), else ``initial_steps``."""
+        if not self.adaptive:
+            return (self.initial_steps,)
+        trees = self.__dict__.get("_where", {}).get("tree_candidates")
+        extra = {t[0] for t in getattr(trees, "tree_candidates", ())} if trees else set()
+        return tuple(sorted(set(self.candidate_steps) | extra))
 
     @property
     def max_steps(self) -> int:

@@ -34,6 +34,7 @@ from adaptive_dist.policy import (
     pick_bucket,
 )
 from adaptive_dist.policy.budgets import PerRequestRule, effective_tokens
+from adaptive_dist.policy.tree import candidate_steps_of, candidate_tree, tree_code
 from adaptive_dist.shape import RoundShape, token_ladder
 
 
@@ -46,8 +47,15 @@ class Executed:
     batch_bucket: Optional[int]
 
     def hash(self) -> int:
-        return consensus.plan_hash(self.shape.draft_forwards, self.shape.verify_tokens,
+        return consensus.plan_hash(self.shape.draft_forwards, shape_tokens(self.shape),
                                    self.use_graph, self.batch_bucket)
+
+
+def shape_tokens(shape: RoundShape) -> int:
+    """A shape's verify tokens as the plan hash reads them: a tree's with its top-k and tokens
+    per request (``policy.tree.tree_code``) above bit 32, so ranks that would run trees of the
+    same token count but another K or N hash apart."""
+    return shape.verify_tokens + (tree_code(shape.topk, shape.tree_tokens) << 32)
 
 
 @dataclass(frozen=True)
@@ -249,7 +257,22 @@ class RoundCoordinator:
 
     @property
     def steps(self) -> int:
-        return self.config.candidate_steps[self.state.index]
+        """Draft forwards of the candidate in force (a chain's depth, a tree's steps)."""
+        return candidate_steps_of(self.config, self.state.index)
+
+    @property
+    def tree(self) -> Optional[tuple[int, int, int, float]]:
+        """The tree candidate in force, (S, K, N, coverage); None: a chain."""
+        return candidate_tree(self.config, self.state.index)
+
+    @property
+    def shape_code(self) -> int:
+        """The round vector's must-agree ``tokens`` column: per-request budgets' decided verify
+        tokens, or the tree in force's code (``policy.tree.tree_code``; 0: a chain)."""
+        if self.rule is not None:
+            return self.state.tokens
+        tree = self.tree
+        return tree_code(tree[1], tree[2]) if tree is not None else 0
 
     @property
     def round_cost(self) -> Any:
@@ -308,7 +331,7 @@ class RoundCoordinator:
             weight=self.weight,
             steps=self.steps, counted=self.state.counted, last_switch=self.state.last_switch,
             config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash, period=period,
-            tokens=self.state.tokens, values=values,
+            tokens=self.shape_code, values=values,
         )
         cluster = self._agree(vec)
         self._time_previous(cluster)
@@ -323,7 +346,7 @@ class RoundCoordinator:
         self._prev_plan = plan
         # until end_round reports what this rank actually ran, assume it followed the plan
         self._prev_plan_hash = consensus.plan_hash(plan.shape.draft_forwards,
-                                                   plan.shape.verify_tokens, plan.use_graph,
+                                                   shape_tokens(plan.shape), plan.use_graph,
                                                    plan.batch_bucket)   # Executed(...).hash()
 
         self._digest = consensus.hash48(self._digest, plan.round, self._prev_plan_hash)
@@ -342,9 +365,11 @@ class RoundCoordinator:
         self.round += 1
         self.stats.rounds += 1
         self.stats.rounds_at_steps[plan.steps] += 1
-        if plan.cluster_requests:
-            self.stats.rounds_at_shape[(plan.steps, plan.batch_pad,
-                                        plan.shape.verify_tokens)] += 1
+        if plan.cluster_requests:   # a tree's key adds its top-k and tokens per request
+            key = (plan.steps, plan.batch_pad, plan.shape.verify_tokens)
+            if plan.shape.topk > 1:
+                key += (plan.shape.topk, plan.shape.tree_tokens)
+            self.stats.rounds_at_shape[key] += 1
         return plan
 
     def _agree(self, vec: consensus.RoundVector) -> consensus.ClusterRound:
@@ -474,6 +499,9 @@ class RoundCoordinator:
         if decision.counted:
             self.stats.counted_rounds += 1
         if decision.switched:
+            convert = getattr(self.policy, "convert_estimate", None)
+            if convert is not None:   # the EMAs measured the old shape: carried to the new
+                self.local = convert(self.local, decision.old_index, decision.new_index)
             self.stats.switches += 1
             self.stats.probes += decision.probe
             self.stats.steps_timeline.append((self.round, self.steps))
@@ -513,6 +541,10 @@ class RoundCoordinator:
                 if ladder is None:
                     ladder = self._ladders[top] = token_ladder(top)
             shape = RoundShape(steps, effective_tokens(0, c.n_req_max, steps, ladder))
+            tree = self.tree
+            if tree is not None:   # every row its tree of N tokens: B_pad * N verify tokens
+                rows = bucket if use_graph else c.n_req_max
+                shape = RoundShape(steps, max(rows, 1) * tree[2], tree[1], tree[2])
         return RoundPlan(
             round=self.round, steps=steps, use_graph=use_graph,
             batch_bucket=bucket if use_graph else None,

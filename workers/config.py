@@ -44,6 +44,17 @@ def check_tree(config: "EngineConfig") -> None:
     static policy (`--steps`), the torch attention backend and
     `--speculative-num-draft-tokens`; top-k 1 is the chain (N = --steps + 1)."""
     k, n = config.speculative_eagle_topk, config.speculative_num_draft_tokens
+    from adaptive_dist.policy.tree import trees_of
+
+    if config.spec.adaptive and trees_of(config.spec):
+        if k != 1 or n:
+            raise ValueError(f"--speculative-eagle-topk {k} / --speculative-num-draft-tokens "
+                             f"{n}: a static tree; with --adaptive the trees are the goodput "
+                             f"policy's tree_candidates (not both)")
+        if config.attention_backend != "torch":
+            raise ValueError(f"tree_candidates: draft trees need --attention-backend torch (the "
+                             f"{config.attention_backend} backend's tree mask is not "
+                             f"implemented)")
     if k == 1:
         if n not in (0, config.max_steps + 1):
             raise ValueError(f"--speculative-num-draft-tokens {n} with --speculative-eagle-topk 1:"

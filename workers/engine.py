@@ -173,6 +173,9 @@ class Engine:
             raise ValueError(f"request {rid}: top-k, min_tokens, penalties and logprobs are not "
                              f"implemented with draft trees (--speculative-eagle-topk "
                              f"{self.config.speculative_eagle_topk})")
+        if params.processed and getattr(self.worker, "trees", None):
+            raise ValueError(f"request {rid}: top-k, min_tokens, penalties and logprobs are not "
+                             f"implemented with draft trees (tree_candidates)")
         self.scheduler.add(req)
         self.live[rid] = req
         self._next_rid = max(self._next_rid, rid + 1)

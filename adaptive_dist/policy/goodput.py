@@ -20,6 +20,13 @@ from adaptive_dist.config import (
 )
 from adaptive_dist.policy.base import CountingPolicy, Decision, Observed, PolicyState, RankEstimate
 from adaptive_dist.policy.reducers import Mixture, Pooled, exact_sum
+from adaptive_dist.policy.tree import (
+    candidate_tree,
+    chain_rate,
+    shape_scores,
+    tree_rate,
+    trees_of,
+)
 from adaptive_dist.policy.rules import (
     acceptance_rate,
     decision_points_upto,
@@ -78,6 +85,12 @@ class GoodputSection(PolicySection):
     """With ``per_request``: seconds of the packed verify forward at each token count
     (``{"<tokens>": seconds}``), measured and agreed at start-up like ``round_cost`` (or given:
     ``--model-costs``)."""
+    tree_candidates: tuple = ()
+    """Draft trees among the candidates (issue 35): ``[[S, K, N], ...]`` (steps, top-k >= 2,
+    verify tokens per request with the root; optionally a fourth number, the share f of the
+    chain's misses the tree's siblings cover, default ``policy.tree.DEFAULT_COVERAGE``).
+    Candidate index ``len(candidate_steps) + j`` is tree ``j``; each is priced from
+    ``round_cost`` and ``verify_cost`` (``adaptive_dist.policy.tree``). Empty: chains only."""
     cost_alpha: float = 0.0
     """EMA weight of a timed round in its cost-table row's offset (in [0, 1]; 0: the table stays
     as agreed at start-up). The engine's rounds are timed (seconds from one round's begin to the
@@ -88,6 +101,9 @@ class GoodputSection(PolicySection):
             object.__setattr__(self, "round_cost", RoundCost.parse(self.round_cost))
         if self.verify_cost is not None:
             object.__setattr__(self, "verify_cost", VerifyCost.parse(self.verify_cost))
+        from adaptive_dist.policy.tree import parse_tree_candidates
+
+        object.__setattr__(self, "tree_candidates", parse_tree_candidates(self.tree_candidates))
         super().__post_init__()
 
 
@@ -252,10 +268,15 @@ def goodput_pick(scores: Sequence[float], index: int, margin: float) -> int:
     return index
 
 
+def at_depth_zero(cfg: AdaptiveConfig, index: int) -> bool:
+    """Candidate ``index`` is the chain of depth 0 (a tree candidate never is)."""
+    return index < len(cfg.candidate_steps) and cfg.candidate_steps[index] == 0
+
+
 def probe_due(cfg: AdaptiveConfig, index: int, counted: int, since: int) -> bool:
     """At depth 0, whether ``probe_every`` decision points have passed since counted round
     ``since`` (the last switch or signal; -1: the start), counting the one at ``counted``."""
-    if cfg.candidate_steps[index] != 0:
+    if not at_depth_zero(cfg, index):
         return False
     w, n = cfg.warmup_batches, cfg.update_interval
     points = decision_points_upto(counted, w, n) - decision_points_upto(since, w, n)
@@ -264,14 +285,14 @@ def probe_due(cfg: AdaptiveConfig, index: int, counted: int, since: int) -> bool
 
 def goodput_step(cfg: AdaptiveConfig, state: GoodputState, rate: Optional[float],
                  batch: int, table: Optional[RoundCost] = None,
-                 mix: Optional[Sequence[tuple[float, float]] | dict[int, float]] = None
-                 ) -> tuple[int, bool]:
+                 mix: Optional[Sequence[tuple[float, float]] | dict[int, float]] = None,
+                 verify: Optional[VerifyCost] = None) -> tuple[int, bool]:
     """The goodput decision at a decision point the dwell allows: (new index, is a probe).
     The best score with the margin, from the cluster's rate; at depth 0 without a rate (no rank
     reported shadow checks since the last decision point) only the probe moves, due
     `probe_every` decision points after the last switch or the last decision point
     at depth 0 that had a rate, whichever is later."""
-    if cfg.candidate_steps[state.index] == 0 and rate is None:
+    if at_depth_zero(cfg, state.index) and rate is None:
         since = max(state.last_switch, state.last_signal)
         if probe_due(cfg, state.index, state.counted, since):
             return state.index + 1, True
@@ -279,6 +300,9 @@ def goodput_step(cfg: AdaptiveConfig, state: GoodputState, rate: Optional[float]
     if rate is None:
         return state.index, False
     scores = goodput_scores(cfg, rate, batch, table, mix)
+    if trees_of(cfg):   # the trees after the chains, scored from the same (chain) rate
+        scores = shape_scores(cfg, rate, batch, table if table is not None else cfg.round_cost,
+                              verify if verify is not None else cfg.verify_cost, scores)
     return goodput_pick(scores, state.index, cfg.switch_margin), False
 
 
@@ -328,7 +352,8 @@ class GoodputPolicy(CountingPolicy):
         if c.round_cost is not None:
             check(c.policy == cls.name, "round_cost", c.round_cost.to_json(),
                   f"applies to the goodput policy only (policy={c.policy!r})")
-            _check_cost_steps(c.round_cost, c.candidate_steps)
+            _check_cost_steps(c.round_cost, c.candidate_steps,
+                              tuple(t[0] for t in c.tree_candidates))
         check(isinstance(c.per_request, bool), "per_request", c.per_request,
               "must be true or false")
         if c.per_request:
@@ -336,9 +361,20 @@ class GoodputPolicy(CountingPolicy):
                   f"per-request budgets are priced by the round cost: the goodput policy only "
                   f"(policy={c.policy!r})")
         if c.verify_cost is not None:
-            check(c.policy == cls.name and c.per_request, "verify_cost", c.verify_cost.to_json(),
-                  f"applies to the goodput policy with per_request only (policy={c.policy!r}, "
-                  f"per_request={c.per_request!r})")
+            check(c.policy == cls.name and (c.per_request or bool(c.tree_candidates)),
+                  "verify_cost", c.verify_cost.to_json(),
+                  f"applies to the goodput policy with per_request or tree_candidates only "
+                  f"(policy={c.policy!r}, per_request={c.per_request!r})")
+        if c.tree_candidates:
+            trees = [list(t) for t in c.tree_candidates]
+            check(c.policy == cls.name, "tree_candidates", trees,
+                  f"draft trees are priced by the round cost: the goodput policy only "
+                  f"(policy={c.policy!r})")
+            check(not c.per_request, "tree_candidates", trees,
+                  "per-request budgets with draft trees are not implemented (per_request=true)")
+            check(c.reducer != Mixture.name, "tree_candidates", trees,
+                  "the mixture reducer's per-rank expectations are chains' only; use "
+                  "weighted_mean or min with draft trees")
 
     @classmethod
     def start_up_needs(cls, config: AdaptiveConfig) -> dict[str, str]:
@@ -347,7 +383,8 @@ class GoodputPolicy(CountingPolicy):
         needs: dict[str, str] = {}
         if config.policy == cls.name and config.round_cost is None:
             needs["round_cost"] = "round_costs"
-        if config.policy == cls.name and config.per_request and config.verify_cost is None:
+        if (config.policy == cls.name and (config.per_request or config.tree_candidates)
+                and config.verify_cost is None):
             needs["verify_cost"] = "verify_costs"
         return needs
 
@@ -443,17 +480,41 @@ class GoodputPolicy(CountingPolicy):
             raise ValueError("the goodput policy needs round_cost (measure it and call "
                              "agree_round_cost, or set it in the config)")
         rate = self.reducer.rate(pooled) if pooled is not None else None
+        tree = candidate_tree(cfg, state.index)
+        if rate is not None and tree is not None:
+            # a tree's rounds measured its per-level rate c: the chain-equivalent p scores all
+            rate = chain_rate(rate, tree[3])
         row = table.buckets[cost_row(table, batch)] if table.buckets is not None else None
         new_index, probe = state.index, False
         if point and dwell_ok:
             new_index, probe = goodput_step(cfg, state, rate, batch, table,
                                             self.reducer.mix(pooled) if pooled else None)
-        if point and rate is not None and cfg.candidate_steps[state.index] == 0:
+        if point and rate is not None and at_depth_zero(cfg, state.index):
             state = replace(state, last_signal=state.counted)   # a signal at depth 0: no probe due
         decision = Decision(True, point, global_ema, state.index, new_index, rate, row, probe)
         if new_index != state.index:
             state = self.switch(state, new_index)
         return state, decision
+
+    def convert_estimate(self, estimate: GoodputEstimate, old: int, new: int
+                         ) -> GoodputEstimate:
+        """A rank's EMAs after a switch from candidate ``old`` to ``new`` (every rank its own,
+        at the same round): they measured the old shape's per-level rate, so the rate is carried
+        to the new shape's (``chain_rate`` then ``tree_rate``), ``ema + ema_fail`` kept; a
+        switch between chains (or to or from depth 0) leaves them as they are."""
+        cfg = self.config
+        a, b = candidate_tree(cfg, old), candidate_tree(cfg, new)
+        if (a is None and b is None) or at_depth_zero(cfg, old) or at_depth_zero(cfg, new):
+            return estimate
+        total = estimate.ema + estimate.ema_fail
+        if total <= 0:
+            return estimate
+        p = estimate.ema / total
+        if a is not None:
+            p = chain_rate(p, a[3])
+        if b is not None:
+            p = tree_rate(p, b[3])
+        return replace(estimate, ema=p * total, ema_fail=(1.0 - p) * total)
 
     # ---- timed rounds -----------------------------------------------------------------------
     @property
@@ -501,13 +562,15 @@ class GoodputPolicy(CountingPolicy):
         return config if config.probe_every >= need else config.replace(probe_every=need)
 
 
-def _check_cost_steps(table: RoundCost, candidates: tuple[int, ...]) -> None:
-    """Every row of ``table`` lists exactly the candidate depths."""
+def _check_cost_steps(table: RoundCost, candidates: tuple[int, ...],
+                      tree_steps: tuple[int, ...] = ()) -> None:
+    """Every row of ``table`` lists exactly the candidate depths (and may list the steps of a
+    tree candidate: an engine measures every tier it built)."""
     for i, row in enumerate(table.rows):
         where = "round_cost" if table.buckets is None else f"round_cost[{str(table.buckets[i])!r}]"
         have = [s for s, _ in row]
         missing = [s for s in candidates if s not in have]
-        extra = [s for s in have if s not in candidates]
+        extra = [s for s in have if s not in candidates and s not in tree_steps]
         if missing or extra:
             what = (f"missing {[str(s) for s in missing]}" if missing
                     else f"has {[str(s) for s in extra]}, which are not candidates")

@@ -43,6 +43,8 @@ from workers.worker.slots import (SHADOW_COLUMNS, RoundBuffers, SlotState, StepB
                                   logprob_width)
 from workers.worker.staging import HostStage, LaunchedRound, RoundResult
 from workers.worker.tree import TreeRound
+from adaptive_dist.policy.tree import trees_of
+from adaptive_dist.shape import TreeShape
 
 
 class EagleWorker:
@@ -75,6 +77,13 @@ class EagleWorker:
         # draft trees (--speculative-eagle-topk > 1): eager rounds of `workers.worker.tree`
         self.tree = (TreeRound(config.tree, self.slots, self.models)
                      if config.tree is not None and self.models.speculative else None)
+        # adaptive trees (goodput's tree_candidates): one TreeRound per shape, the plan's
+        # shape picks it each round (issue 35 §2)
+        self.trees: dict[TreeShape, TreeRound] = {}
+        if self.models.speculative and config.spec.adaptive:
+            for s_, k_, n_, _ in trees_of(config.spec):
+                shape_ = TreeShape(s_, k_, n_)
+                self.trees[shape_] = TreeRound(shape_, self.slots, self.models)
         # host staging of a round (rows and budgets in, results out), two sets: with overlap the
         # next round is staged while the device may still copy the previous one's
         top = self.slots.round_rows.shape[0]
@@ -167,6 +176,13 @@ class EagleWorker:
         for bucket in sorted(self.buckets, reverse=True):
             self.phases.capture(self.table, bufs, bucket, reach)
             self.lag.capture(self.table, bufs, bucket, reach)
+            for tree, runner in self.trees.items():   # adaptive trees drafting this depth
+                if tree.steps != bufs.steps:
+                    continue
+                for greedy in (False, True):
+                    self.table.capture(self.tree_key(tree, bucket, greedy),
+                                       lambda b=bucket, g=greedy, r=runner: r.run(bufs, b, reach,
+                                                                                  g))
         self.slots.set_dummy_length(0)
         startup_log.captured(f"depth {bufs.steps}", len(self.table) - count,
                              time.perf_counter() - start,
@@ -229,14 +245,26 @@ class EagleWorker:
         if steps != bufs.steps:
             raise RuntimeError(f"the round's shape drafts {steps} tokens but the depth in force "
                                f"is {bufs.steps}: the runtime state was not applied")
+        runner = None
         if self.tree is not None and steps > 0:
             # a tree round: the agreed batch's trees, N tokens per row (the plan's chain
             # bucket does not apply); the same shape on every rank of the cluster
             shape = self.tree.tree.round_shape(bp)
             tokens = shape.verify_tokens
+            runner = self.tree
             if any(r.params.processed for r in reqs):
                 raise RuntimeError("top-k, min_tokens, penalties and logprobs are not "
                                    "implemented with draft trees (--speculative-eagle-topk)")
+        elif shape.tree is not None:   # an adaptive tree: the plan's (B_pad * N tokens)
+            runner = self.trees.get(shape.tree)
+            if runner is None:
+                raise RuntimeError(f"the round's shape is the tree {shape.tree}, which this "
+                                   f"worker did not build (its trees: {list(self.trees)})")
+            if shape.verify_tokens != bp * shape.tree_tokens:
+                raise RuntimeError(f"the round's tree shape {shape} does not fit {bp} rows")
+            if any(r.params.processed for r in reqs):
+                raise RuntimeError("top-k, min_tokens, penalties and logprobs are not "
+                                   "implemented with draft trees (tree_candidates)")
         elif tokens not in self.ladder:
             raise RuntimeError(f"the round's shape verifies {tokens} tokens, not a rung of this "
                                f"worker's ladder {list(self.ladder)}")
@@ -262,10 +290,12 @@ class EagleWorker:
             self.lag.catch_up(bufs, bp, reach, graph_bucket)   # drafting resumes: first the cache
         if shape.tree is not None:   # draft, verify, accept and commit; then draft-extend
             if graph_bucket is None:
-                self.tree.run(bufs, bp, reach, greedy)
-            else:
+                runner.run(bufs, bp, reach, greedy)
+            elif runner is self.tree:
                 self.table.replay(GraphKey(GraphPhase.TREE, batch=bp, steps=steps,
                                            greedy=greedy))
+            else:
+                self.table.replay(self.tree_key(shape.tree, bp, greedy))
         for phase in round_phases(bufs.steps):
             if shape.tree is not None and phase is not GraphPhase.EXTEND:
                 continue
@@ -297,6 +327,12 @@ class EagleWorker:
         return LaunchedRound(reqs=reqs, host=host, done=done, steps=bufs.steps, extra=extra,
                              shadow=shadow, logprobs=logprobs, shape=shape,
                              budgets=tuple(budgets))
+
+    @staticmethod
+    def tree_key(tree: TreeShape, bucket: int, greedy: bool) -> GraphKey:
+        """The graph of an adaptive tree's round (draft, verify, accept, commit) at a bucket."""
+        return GraphKey(GraphPhase.TREE, batch=bucket, steps=tree.steps, tokens=tree.tokens,
+                        greedy=greedy, topk=tree.topk)
 
     def collect(self, launched: "LaunchedRound") -> "RoundResult":
         """Wait for a launched round and read its results (the round's one host synchronisation:

@@ -57,6 +57,7 @@ class GraphKey:
     greedy: bool = True   # every request greedy (draft, accept, tree, prefill): the argmax alone
     processed: bool = False   # the acceptance with the logits processing (docs/sampling.md)
     head: bool = True     # the prefill with the head's part (False: deferred to the catch-up)
+    topk: int = 0         # a draft tree's top-k (tree; with tokens = its N): an adaptive tree
 
     def __post_init__(self) -> None:
         if not isinstance(self.phase, GraphPhase):
@@ -75,7 +76,8 @@ class GraphKey:
             return (f"prefill/rows={self.batch}/width={self.tokens}/greedy={self.greedy}"
                     + ("" if self.head else "/deferred"))
         parts = [self.phase.value] + [f"{k}={v}" for k, v in (
-            ("batch", self.batch), ("steps", self.steps), ("tokens", self.tokens))
+            ("batch", self.batch), ("steps", self.steps), ("tokens", self.tokens),
+            ("topk", self.topk))
             if v or k == "steps" and self.phase in STEPPED]
         if self.phase in SAMPLED:
             parts.append(f"greedy={self.greedy}")

@@ -1,0 +1,262 @@
+"""Draft trees as goodput candidates (issue 35 §2): a tree's price from the cost table and its
+expected accepted tokens from the chain's acceptance rate (docs/policy.md, "Draft trees").
+
+A goodput run with ``tree_candidates`` chooses, at each decision point, among its chain depths
+(``candidate_steps``) and its trees ``TreeShape(S, K, N)``: candidate index ``i <
+len(candidate_steps)`` is the chain of depth ``candidate_steps[i]``, index ``len(candidate_steps)
++ j`` the tree ``tree_candidates[j]``. Nothing here knows about models: a tree is three numbers,
+priced from two tables and scored from one rate.
+
+**Price** (``tree_round_cost``). The cost table prices a chain round of depth S at padded batch
+b (``round_cost``: every row drafting every step, the verify forward over the rung holding ``b
+(S + 1)`` tokens) and the verify forward alone at each token rung (``verify_cost``). Take the
+verify forward out of a chain round: ``D(S, b) = cost(S, b) - verify(rung(b (S + 1)))``, the
+round's draft work (the first step's logits, the S - 1 head forwards over b rows, draft-extend
+over ``b (S + 1)`` rows, the acceptance). It is linear in S: ``D(S, b) = D₁(b) + (S - 1) h(b)``
+with ``h(b)`` one draft forward over b rows, taken from the row's shallowest and deepest positive
+depths (``draft_forward_cost``; the depths between are the check, ``derivation_check``: on the
+H200 8B table depth 3 is predicted within 0.5% of the measured round at every batch). A tree
+round runs the same first step and acceptance, S - 1 head forwards over ``b K`` rows and one verify
+over ``b N`` tokens: ``cost = D₁(b) + (S - 1) h(b K) + verify(b N)``. ``h`` at ``b K`` rows is
+interpolated between the table's batch buckets (linear), and past the largest bucket the line
+through the two largest is extended; a verify count past the largest rung, likewise (both are
+estimates, ``extrapolated``). Left out (priced 0): what a tree round does beyond a chain's
+(ranking the nodes, the tree mask, the path's KV commit) and draft-extend's growth with S
+counted at b K rows instead of b (so a tree's draft steps are priced a little high).
+
+**Expected accepted tokens** (``tree_rate``, ``expected_tree``). A chain at per-position
+acceptance rate p accepts ``E(p, S) = p + ... + p^S``. A tree verifies, below each accepted
+node, the head's K best children (as many as the budget N leaves): the target's token is among
+them with probability ``c = p + (1 - p) f``, where ``f`` is the share of the chain's misses that
+a sibling covers, per tree shape. Measured on the bundled pair, ``f`` is about the same in every
+prompt regime (code, high entropy) for one shape while p moves from 0.13 to 0.87, so one ``f`` per
+shape, fitted on what the trees accepted (``DEFAULT_COVERAGE``, docs/policy.md), turns the
+rate the policy already tracks into every tree's expectation: ``E(c, S)``. While a tree runs, its
+rounds measure c, not p: the policy reads the chain-equivalent ``p = (c - f) / (1 - f)``
+(``chain_rate``), so every candidate is scored from one rate, whatever shape ran.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from adaptive_dist.config import ConfigError, RoundCost, VerifyCost
+from adaptive_dist.shape import TreeShape, token_bucket
+
+TREE_CODE = 1 << 16
+"""A tree's code in the round vector's must-agree ``tokens`` column: ``K * TREE_CODE + N``
+(0: a chain), so a rank that would run another tree (another K or N at the same S) differs in
+the pre-flight check, before any device collective."""
+
+DEFAULT_COVERAGE = {2: 0.35, 4: 0.55, 8: 0.7}
+"""``f`` by top-k K where a candidate gives none: the share of the chain's misses a sibling
+covers (docs/policy.md, "Draft trees": fitted on the bundled pair's accepted lengths)."""
+
+
+def parse_tree_candidates(value: Any) -> tuple[tuple[int, int, int, float], ...]:
+    """``tree_candidates``: a list of ``[S, K, N]`` or ``[S, K, N, f]`` (steps, top-k >= 2,
+    verify tokens per request with the root, sibling coverage f in [0, 1)); also "SxKxN"
+    strings. -> tuples (S, K, N, f); ``ConfigError`` naming the entry."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"tree_candidates={value!r}: must be a list of [steps, topk, tokens] "
+                          f"(optionally [steps, topk, tokens, coverage])")
+    out = []
+    for entry in value:
+        item = entry
+        if isinstance(item, str):
+            try:
+                item = [int(x) for x in item.lower().split("x")]
+            except ValueError:
+                item = None
+        if (not isinstance(item, (list, tuple)) or len(item) not in (3, 4)
+                or any(type(x) is not int for x in item[:3])):
+            raise ConfigError(f"tree_candidates entry {entry!r}: must be [steps, topk, tokens] "
+                              f"or [steps, topk, tokens, coverage] (integers, coverage a number)"
+                              f" or 'SxKxN'")
+        s, k, n = item[:3]
+        if k < 2:
+            raise ConfigError(f"tree_candidates entry {entry!r}: topk {k} must be >= 2 (top-k 1 "
+                              f"is the chain: list its depth in candidate_steps)")
+        try:
+            TreeShape(s, k, n)
+        except ValueError as err:
+            raise ConfigError(f"tree_candidates entry {entry!r}: {err}") from None
+        f = item[3] if len(item) == 4 else default_coverage(k)
+        if type(f) not in (int, float) or not 0 <= f < 1:
+            raise ConfigError(f"tree_candidates entry {entry!r}: coverage {f!r} must be a "
+                              f"number in [0, 1)")
+        out.append((s, k, n, float(f)))
+    if len({t[:3] for t in out}) != len(out):
+        raise ConfigError(f"tree_candidates={value!r}: a tree is listed twice")
+    return tuple(sorted(out))
+
+
+def default_coverage(topk: int) -> float:
+    """``DEFAULT_COVERAGE`` at ``topk`` (linear between the listed K, the last beyond)."""
+    ks = sorted(DEFAULT_COVERAGE)
+    if topk <= ks[0]:
+        return DEFAULT_COVERAGE[ks[0]]
+    for lo, hi in zip(ks, ks[1:]):
+        if topk <= hi:
+            a, b = DEFAULT_COVERAGE[lo], DEFAULT_COVERAGE[hi]
+            return a + (b - a) * (topk - lo) / (hi - lo)
+    return DEFAULT_COVERAGE[ks[-1]]
+
+
+def tree_code(topk: int, tokens: int) -> int:
+    """``TREE_CODE``'s code of a tree (0 for a chain)."""
+    return topk * TREE_CODE + tokens if topk > 1 else 0
+
+
+# ---- the candidates --------------------------------------------------------------------------
+def candidate_count(cfg: Any) -> int:
+    """Chains and trees of a config (``tree_candidates`` read where the policy has the key)."""
+    return len(cfg.candidate_steps) + len(trees_of(cfg))
+
+
+def trees_of(cfg: Any) -> tuple[tuple[int, int, int, float], ...]:
+    """The config's tree candidates (() when its policy has none)."""
+    try:
+        return tuple(cfg.tree_candidates or ())
+    except AttributeError:
+        return ()
+
+
+def candidate_tree(cfg: Any, index: int) -> Optional[tuple[int, int, int, float]]:
+    """The tree of candidate ``index`` (None: a chain)."""
+    chains = len(cfg.candidate_steps)
+    return trees_of(cfg)[index - chains] if index >= chains else None
+
+
+def candidate_steps_of(cfg: Any, index: int) -> int:
+    """Draft forwards of candidate ``index``: the chain's depth or the tree's steps."""
+    tree = candidate_tree(cfg, index)
+    return tree[0] if tree is not None else cfg.candidate_steps[index]
+
+
+def candidate_name(cfg: Any, index: int) -> str:
+    tree = candidate_tree(cfg, index)
+    return (f"tree {tree[0]}x{tree[1]}x{tree[2]}" if tree is not None
+            else f"chain {cfg.candidate_steps[index]}")
+
+
+# ---- price -----------------------------------------------------------------------------------
+def verify_seconds(verify: VerifyCost, tokens: int) -> tuple[float, bool]:
+    """(seconds of the verify forward over ``tokens`` tokens, extrapolated?): the smallest
+    measured count holding them (the engine pads to its rung); past the largest, the line
+    through the two largest counts extended."""
+    if tokens <= verify.tokens[-1]:
+        return verify.cost(token_bucket(tokens, verify.tokens)), False
+    if len(verify.tokens) < 2:
+        return verify.costs[-1], True
+    (t0, t1), (c0, c1) = verify.tokens[-2:], verify.costs[-2:]
+    return c1 + (c1 - c0) * (tokens - t1) / (t1 - t0), True
+
+
+def _row(table: RoundCost, batch: int) -> tuple[int, dict[int, float]]:
+    from adaptive_dist.policy.goodput import cost_row
+
+    i = cost_row(table, batch)
+    bucket = table.buckets[i] if table.buckets is not None else batch
+    return bucket, dict(table.rows[i])
+
+
+def draft_part(table: RoundCost, verify: VerifyCost, row: dict[int, float], bucket: int,
+               steps: int) -> float:
+    """``D(S, b)``: the chain round at ``steps`` in this row less its verify forward."""
+    return row[steps] - verify_seconds(verify, bucket * (steps + 1))[0]
+
+
+def _line(table: RoundCost, verify: VerifyCost, bucket: int, row: dict[int, float]
+          ) -> tuple[float, float]:
+    """(D₁, h) of a row: the shallowest and deepest positive depths' draft parts."""
+    depths = sorted(s for s in row if s > 0)
+    if len(depths) < 2:
+        raise ConfigError(f"tree_candidates: pricing a tree needs the chain's cost at two "
+                          f"positive depths in every round_cost row; a row has {sorted(row)}")
+    lo, hi = depths[0], depths[-1]
+    d_lo, d_hi = (draft_part(table, verify, row, bucket, s) for s in (lo, hi))
+    h = (d_hi - d_lo) / (hi - lo)
+    return d_lo - (lo - 1) * h, h
+
+
+def draft_forward_cost(table: RoundCost, verify: VerifyCost, rows: int) -> tuple[float, bool]:
+    """(seconds of one head forward over ``rows`` rows, extrapolated?): ``h(b)`` of each batch
+    bucket (``_line``), linear in the rows between the buckets around ``rows``, past the
+    largest bucket the line through the two largest extended (never below the largest's)."""
+    if table.buckets is None:
+        row = dict(table.rows[0])
+        return _line(table, verify, rows, row)[1], False
+    hs = [(b, _line(table, verify, b, dict(r))[1]) for b, r in zip(table.buckets, table.rows)]
+    if rows <= hs[0][0]:
+        return hs[0][1], False
+    for (b0, h0), (b1, h1) in zip(hs, hs[1:]):
+        if rows <= b1:
+            return h0 + (h1 - h0) * (rows - b0) / (b1 - b0), False
+    if len(hs) < 2:
+        return hs[-1][1], True
+    (b0, h0), (b1, h1) = hs[-2:]
+    return max(h1, h1 + (h1 - h0) * (rows - b1) / (b1 - b0)), True
+
+
+def tree_round_cost(table: RoundCost, verify: VerifyCost, steps: int, topk: int, tokens: int,
+                    batch: int) -> float:
+    """Seconds of a tree round ``(S, K, N)`` at padded batch ``batch``:
+    ``D₁(b) + (S - 1) h(b K) + verify(b N)`` (module docstring), ``b`` the row's bucket."""
+    bucket, row = _row(table, batch)
+    d1, _ = _line(table, verify, bucket, row)
+    h, _ = draft_forward_cost(table, verify, bucket * topk)
+    v, _ = verify_seconds(verify, bucket * tokens)
+    return d1 + (steps - 1) * h + v
+
+
+def chain_round_cost(table: RoundCost, steps: int, batch: int) -> float:
+    """The table's own chain round (what a chain candidate is priced at)."""
+    return _row(table, batch)[1][steps]
+
+
+def derivation_check(table: RoundCost, verify: VerifyCost) -> list[dict[str, Any]]:
+    """Per batch bucket and positive depth the table measured: the measured chain round against
+    the one derived as a tree of top-k 1 (``D₁ + (S - 1) h(b) + verify(b (S + 1))``). The row's
+    shallowest and deepest depths fit the line, so the depths between are the check."""
+    out = []
+    for i, raw in enumerate(table.rows):
+        bucket = table.buckets[i] if table.buckets is not None else 1
+        row = dict(raw)
+        d1, h = _line(table, verify, bucket, row)
+        for s in sorted(x for x in row if x > 0):
+            derived = d1 + (s - 1) * h + verify_seconds(verify, bucket * (s + 1))[0]
+            out.append({"batch": bucket, "steps": s, "measured": row[s], "derived": derived,
+                        "error": derived / row[s] - 1.0})
+    return out
+
+
+# ---- expected accepted tokens ---------------------------------------------------------------
+def tree_rate(p: float, coverage: float) -> float:
+    """The per-level rate of a tree whose siblings cover ``coverage`` of the chain's misses:
+    ``c = p + (1 - p) f``."""
+    return p + (1.0 - p) * coverage
+
+
+def chain_rate(c: float, coverage: float) -> float:
+    """The chain-equivalent rate of a tree's measured per-level rate ``c``:
+    ``(c - f) / (1 - f)``, held to [0, 1]."""
+    return min(1.0, max(0.0, (c - coverage) / (1.0 - coverage)))
+
+
+def expected_tree(p: float, steps: int, coverage: float) -> float:
+    """Expected accepted draft tokens of a tree of ``steps`` steps at chain rate ``p``."""
+    from adaptive_dist.policy.goodput import expected_accepted
+
+    return expected_accepted(tree_rate(p, coverage), steps)
+
+
+def shape_scores(cfg: Any, p: float, batch: int, table: RoundCost, verify: VerifyCost,
+                 chain_scores: Sequence[float]) -> list[float]:
+    """The scores of every candidate: the chains' (``chain_scores``, as goodput computes them)
+    then every tree's ``(1 + E(c, S)) / tree_round_cost``."""
+    out = list(chain_scores)
+    for s, k, n, f in trees_of(cfg):
+        out.append((1.0 + expected_tree(p, s, f)) / tree_round_cost(table, verify, s, k, n, batch))
+    return out
