@@ -90,6 +90,50 @@ class ForcedSwitches(RoundCoordinator):
         return replace(out, decision=Decision(True, True, None, old, new))
 
 
+class ForcedShapes(RoundCoordinator):
+    """Every counted round switches to a random other candidate, chains and trees alike
+    (goodput's ``tree_candidates``), seeded the same on every rank: switching between trees
+    and chains under DP."""
+
+    def __init__(self, *args: Any, seed: int = 0, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.rng = random.Random(seed)
+
+    def _decide_previous(self, cols):  # noqa: ANN001 - same signature as the parent
+        from adaptive_dist.policy.tree import candidate_count
+
+        out = super()._decide_previous(cols)
+        if out is None:
+            return None
+        old = self.state.index
+        new = self.rng.choice([i for i in range(candidate_count(self.config)) if i != old])
+        self.state = replace(self.state, index=new, last_switch=self.state.counted)
+        self.stats.switches += 1
+        self.stats.steps_timeline.append((self.round, self.steps))
+        return replace(out, decision=Decision(True, True, None, old, new))
+
+
+class LocalTree(RoundCoordinator):
+    """The hazard: rank 1 moves to another tree (same steps, another top-k and N) on its own
+    at its first decision point; every other rank follows the policy."""
+
+    def __init__(self, *args: Any, rank: int = 0, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.rank = rank
+
+    def _decide_previous(self, cols):  # noqa: ANN001 - same signature as the parent
+        from adaptive_dist.policy.tree import candidate_count
+
+        out = super()._decide_previous(cols)
+        if out is not None and self.rank == 1 and out.decision.decision_point:
+            # another tree than the agreed candidate (the first tree after a chain)
+            chains, idx = len(self.config.candidate_steps), self.state.index
+            trees = candidate_count(self.config) - chains
+            self.state = replace(self.state, index=chains + (
+                (idx - chains + 1) % trees if idx >= chains else 0))
+        return out
+
+
 class LocalOnly(RoundCoordinator):
     """The hazard: each rank walks the ladder on its OWN EMA (the other ranks' weights are
     ignored, so the decision is the per-rank one the open proposals warn about)."""
@@ -163,12 +207,29 @@ def _spec(mode: str) -> AdaptiveConfig:
         from engine_fixtures import per_request_config
 
         return per_request_config(per_token=0.05).replace(lockstep_check_every=4)
+    if mode in ("goodtree", "cycletrees"):   # goodput over chains and trees, the 8B table
+        return tree_goodput_config().replace(warmup_batches=1, update_interval=1,
+                                             ema_alpha=0.5, lockstep_check_every=4,
+                                             switch_margin=0.0)
     if mode == "goodput":  # the cost table is measured and agreed at start-up
         # starts at depth 0 (the head's cache lags) and leaves it on the catch-up's shadow
         # checks or a probe; timed rounds move the table, the same on every rank
         return cfg.replace(policy="goodput", candidate_steps=(0, 1, 3, 7), initial_steps=0,
                            probe_every=2, cost_alpha=0.3)
     return cfg
+
+
+def tree_goodput_config(trees=((3, 2, 6), (5, 4, 8), (3, 4, 8))) -> AdaptiveConfig:
+    """goodput with chains 0/1/3/7 and `trees`, priced by the one-H200 8B table."""
+    from pathlib import Path
+
+    from adaptive_dist.cost_tables import load_model_costs, restrict_costs
+
+    table, verify, _ = load_model_costs(str(Path(__file__).resolve().parents[1] / "docs" / "data"
+                                            / "cost_tables" / "h200_tp1_llama3-8b.json"))
+    return load_config(None, "goodput").replace(
+        round_cost=restrict_costs(table, (0, 1, 3, 7)), verify_cost=verify,
+        tree_candidates=[list(t) for t in trees])
 
 
 def _engine(mode: str, target, head, world, guard, max_batch: int, dp: int, attn_tp: int,
@@ -188,6 +249,9 @@ def _engine(mode: str, target, head, world, guard, max_batch: int, dp: int, attn
     engine = build_engine(cfg, target, head, group=world, guard=guard)
     if mode == "forced":
         engine.planner = ForcedSwitches(spec, world, guard=guard, seed=11)
+    if mode == "cycletrees":
+        engine.planner = ForcedShapes(engine.config.spec, world, guard=guard, seed=11,
+                                      verify_ladder=cfg.verify_ladder)
     return engine
 
 
@@ -282,7 +346,7 @@ def hazard_job(rank: int, root: str, hazard: str, prompts: list[list[list[int]]]
     guard = ctx.guard(world, check_every=16)
     guard.exit_on_watchdog = False
     target, head = load(root, par)
-    spec = _spec("perrequest" if hazard == "local_shape" else "ema")
+    spec = _spec({"local_shape": "perrequest", "local_tree": "goodtree"}.get(hazard, "ema"))
     cfg = EngineConfig(spec=spec, max_batch_size=4, page_size=4, dp=2, attn_tp=layout.attn_tp,
                        max_context_len=target.config.max_position_embeddings)
     engine = build_engine(cfg, target, head, group=world, guard=guard)
@@ -292,6 +356,9 @@ def hazard_job(rank: int, root: str, hazard: str, prompts: list[list[list[int]]]
         engine.planner = LocalShape(spec, world, guard=guard, verify_ladder=cfg.verify_ladder)
     elif hazard == "skip_dummy":
         engine = SkipsDummy(cfg, engine.worker, engine.scheduler, engine.planner, guard)
+    elif hazard == "local_tree":
+        engine.planner = LocalTree(engine.config.spec, world, guard=guard, rank=rank,
+                                   verify_ladder=cfg.verify_ladder)
     t0 = time.monotonic()
     try:
         mine = prompts[par.replica]
