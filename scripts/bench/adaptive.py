@@ -91,7 +91,18 @@ from workers.sampling import SamplingParams
 
 STATIC = ("static0", "static1", "static3", "static7")
 POLICIES = STATIC + ("ema", "ema_min", "goodput", "goodput_min", "goodput_mix", "goodput_pr",
-                     "oracle_pr")
+                     "oracle_pr", "goodput_tree")
+TREES = ("goodput_tree",)
+"""Policies with draft trees among their candidates (issue 35): goodput over chains 0, 1, 3, 7
+and `--tree-candidates` (default `TREE_CANDIDATES`), each tree priced from the cost table's chain
+rows and verify table (`adaptive_dist.policy.tree`). Needs --model-costs with a verify table or
+the start-up measurement of both."""
+TREE_CANDIDATES = ("3x2x6", "5x4x8", "6x8x16")
+TREE_GOALS = {"transition": {1: (1.20, None), 16: (1.05, None), 64: (1.00, None)},
+              "transition_long": {1: (1.20, None), 16: (1.05, None), 64: (1.00, None)},
+              "mixed": {1: (1.20, None), 16: (1.05, None), 64: (1.00, None)}}
+"""Issue 35's goals for the tree policies (production-priced): tokens/s over the best static
+chain."""
 PER_REQUEST = ("goodput_pr",)
 """Policies with per-request budgets (`--per-request`): goodput deciding each round's shape and
 each request's draft tokens (`adaptive_dist.policy.budgets`)."""
@@ -241,10 +252,25 @@ def spec_of(policy: str, knobs: dict[str, Any] | None = None,
         # the shipped defaults (load_config: candidates 0, 1, 3, 7, initial 3)
         spec = load_config(None, "goodput").replace(
             cost_alpha=cost_alpha, per_request=policy in PER_REQUEST,
+            tree_candidates=[tree_entry(t) for t in TREE_CANDIDATES_IN_USE]
+            if policy in TREES else (),
             reducer={"goodput_min": "min", "goodput_mix": "mixture"}.get(policy, "weighted_mean"))
     else:
         spec = AdaptiveConfig(reducer="min" if policy == "ema_min" else "weighted_mean")
     return spec.replace(**knobs) if knobs else spec
+
+
+TREE_CANDIDATES_IN_USE: list[str] = list(TREE_CANDIDATES)
+"""`--tree-candidates` of this run (set by `parse_args`)."""
+
+
+def tree_entry(text: str) -> list:
+    """`SxKxN` or `SxKxN:f` -> [S, K, N] or [S, K, N, f] (a goodput `tree_candidates` entry)."""
+    shape, _, cover = text.partition(":")
+    entry: list = [int(x) for x in shape.split("x")]
+    if cover:
+        entry.append(float(cover))
+    return entry
 
 
 NODEFER = "/nodefer"
@@ -377,8 +403,20 @@ def parse_args() -> argparse.Namespace:
                    help="write every run's round log (workers.round_log: per round the shape "
                         "and each request's draft and accepted tokens) to "
                         "DIR/<workload>_b<batch>_<policy>[.rank<R>].jsonl")
+    p.add_argument("--tree-candidates", nargs="+", default=list(TREE_CANDIDATES),
+                   metavar="SxKxN[:f]",
+                   help="goodput_tree's trees: steps x top-k x verify tokens per request (the "
+                        "root included), optionally ':f' the share of the chain's misses its "
+                        "siblings cover (default: adaptive_dist.policy.tree.DEFAULT_COVERAGE)")
     p.add_argument("--out", default="runs/bench_adaptive")
     args = p.parse_args()
+    try:
+        from adaptive_dist.policy.tree import parse_tree_candidates
+
+        parse_tree_candidates([tree_entry(t) for t in args.tree_candidates])
+    except (ValueError, ConfigError) as err:
+        p.error(f"--tree-candidates: {err}")
+    TREE_CANDIDATES_IN_USE[:] = args.tree_candidates
     args.model_costs_file = None
     args.model_costs_interpolated = []
     args.verify_costs = None
@@ -415,7 +453,7 @@ def parse_args() -> argparse.Namespace:
             base = split_policy(name)[0]
         except ValueError as err:
             p.error(f"--policies {name}: {err}")
-        if base in PER_REQUEST + (ORACLE,) and args.model_costs is not None \
+        if base in PER_REQUEST + (ORACLE,) + TREES and args.model_costs is not None \
                 and args.verify_costs is None:
             p.error(f"--policies {name}: per-request budgets are priced with the verify "
                     f"forward's cost; the --model-costs table has none (agreed_verify_cost_ms)")
@@ -470,11 +508,17 @@ def modelled_seconds(rounds: dict[tuple, int], table: RoundCost,
     (a `VerifyCost`) a round's verify forward is priced by its own tokens
     (`policy.budgets.shape_cost`), else by its row's full chain."""
     from adaptive_dist.policy.budgets import shape_cost
+    from adaptive_dist.policy.tree import tree_round_cost
 
     total = 0.0
     for key, n in sorted(rounds.items()):
         steps, batch = key[0], key[1]
-        if verify is not None and len(key) > 2:
+        if len(key) == 5:   # a tree round: (steps, batch, tokens, top-k, tokens per request)
+            if verify is None:
+                raise ValueError("a tree round is priced with the verify table; --model-costs "
+                                 "has none (agreed_verify_cost_ms)")
+            total += n * tree_round_cost(table, verify, steps, key[3], key[4], batch)
+        elif verify is not None and len(key) > 2:
             total += n * shape_cost(table, verify, steps, key[2], batch)
         else:
             total += n * dict(table.rows[cost_row(table, batch)])[steps]
@@ -600,7 +644,7 @@ def main() -> int:
             # decided on the prices paid: the table's rows at this policy's candidates
             cands = spec_of(base, {**knobs, **own}).candidate_steps
             own = {"round_cost": restrict_costs(args.model_costs, cands), **own}
-            if base in PER_REQUEST:
+            if base in PER_REQUEST + TREES:
                 own = {"verify_cost": args.verify_costs, **own}
         engines[policy] = build(spec_of(base, {**knobs, **own}, args.cost_alpha), target, head,
                                 batch=top, context=context, device=device,
@@ -611,7 +655,9 @@ def main() -> int:
         engines[policy].warmup()
     if args.model_costs is not None:
         for policy, engine in engines.items():
-            missing = sorted(set(engine.config.spec.tiers) - set(args.model_costs.steps))
+            # a tree's steps are priced from the chain rows (adaptive_dist.policy.tree)
+            missing = sorted(set(engine.config.spec.candidate_steps)
+                             - set(args.model_costs.steps))
             if missing:
                 raise SystemExit(f"--model-costs: no cost for depth {missing} of {policy}; the "
                                  f"table has {list(args.model_costs.steps)}")
@@ -835,7 +881,9 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
 def goal_of(workload: str, batch: int, policy: str) -> tuple[float, float | None] | None:
     """The goal a policy's row is judged by: issue 32's for the per-request policies
     (`PER_REQUEST_GOALS`), issue 26's (`GOALS`) for the others; None: no goal."""
-    table = PER_REQUEST_GOALS if split_policy(policy)[0] in PER_REQUEST else GOALS
+    base = split_policy(policy)[0]
+    table = (PER_REQUEST_GOALS if base in PER_REQUEST else TREE_GOALS if base in TREES
+             else GOALS)
     goal = table.get(workload)
     if isinstance(goal, dict):
         goal = goal.get(batch)
