@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
-from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, VerifyCost
+from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, VerifyCost, is_number
 
 
 def load_model_costs(value: str) -> tuple[RoundCost, Optional[VerifyCost], Optional[str]]:
@@ -80,3 +81,241 @@ def with_model_costs(spec: AdaptiveConfig, value: str) -> AdaptiveConfig:
         changes["verify_cost"] = verify
     return spec.replace(**changes)
 
+
+
+# ---- the cost model: a round's price at its context, a prefill's price -----------------------------
+#
+# Two terms beside the decode table (docs/policy.md, "The cost model"), both optional in a file
+# (an older table has neither: it prices decode rounds at the context it was measured at, and
+# prefills not at all; `CostModel.unpriced` says which):
+#
+# - the context term: the packed verify forward measured again with every token's row holding C
+#   cached positions (`agreed_verify_cost_ms_at_context` = `{C: {tokens: ms}}`, one or more C).
+#   A round whose `n` real verify tokens read `P` KV positions in all costs, beyond its price at
+#   context 0, `(v(T, P / n) - v(T, 0)) * n / T` at its token rung T, `v(T, c)` linear between
+#   the measured contexts (0 being the base table) and extended past the last by its last segment.
+#   With one C that is `slope(T) * P`, `slope(T) = (v(T, C) - v(T, 0)) / (T * C)` seconds per
+#   (token x position).
+# - the prefill term: a prefill's seconds by the token slots it runs (`prefill_cost_ms` =
+#   `{slots: ms}`, measured with every prompt reading one position: the forward's linear part),
+#   linear between the measured slot counts and past the ends by the nearest segment, plus its
+#   attention, `prefill_ms_per_million_positions` x the positions its prompts read (causal:
+#   `sum len (len + 1) / 2`), fitted from prefills measured with full-length prompts.
+
+CONTEXT_KEY = "agreed_verify_cost_ms_at_context"
+PREFILL_KEY = "prefill_cost_ms"
+PREFILL_POSITION_KEY = "prefill_ms_per_million_positions"
+
+
+def _seconds(row: Any) -> Any:
+    """A ``{key: ms}`` object in seconds (anything else as it is, for the parser to name)."""
+    if not isinstance(row, dict):
+        return row
+    return {k: v / 1e3 if is_number(v) else v for k, v in row.items()}
+
+
+def _interp(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
+    """Piecewise linear through (xs, ys) (ascending xs), extended past either end by its
+    nearest segment; one point: that value."""
+    if len(xs) == 1:
+        return ys[0]
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class ContextTerm:
+    """The verify forward's seconds per token rung at one or more cached contexts > 0
+    (``costs[i][j]``: context ``contexts[i]``, ``tokens[j]``), read with the base
+    ``VerifyCost`` (context 0) as the first point."""
+
+    contexts: tuple[int, ...]
+    tokens: tuple[int, ...]
+    costs: tuple[tuple[float, ...], ...]
+
+    @staticmethod
+    def parse(value: Any, where: str = CONTEXT_KEY) -> "ContextTerm":
+        """From ``{"<context>": {"<tokens>": seconds}}``; every context the same rungs."""
+        if not isinstance(value, dict) or not value:
+            raise ConfigError(f'{where}={value!r}: must be a non-empty object '
+                              f'{{"<context>": {{"<tokens>": seconds, ...}}, ...}}')
+        rows = {}
+        for key, row in value.items():
+            if not isinstance(key, str) or not key.isdigit() or int(key) < 1:
+                raise ConfigError(f"{where}: key {key!r} must be a context >= 1 written as a "
+                                  f"string")
+            rows[int(key)] = VerifyCost.parse(row) if not isinstance(row, VerifyCost) else row
+        contexts = tuple(sorted(rows))
+        tokens = rows[contexts[0]].tokens
+        for c in contexts:
+            if rows[c].tokens != tokens:
+                raise ConfigError(f"{where}[{str(c)!r}]: token counts {list(rows[c].tokens)} "
+                                  f"differ from context {contexts[0]}'s {list(tokens)}")
+        return ContextTerm(contexts, tokens, tuple(rows[c].costs for c in contexts))
+
+    def to_json(self) -> dict:
+        return {str(c): {str(t): v for t, v in zip(self.tokens, row)}
+                for c, row in zip(self.contexts, self.costs)}
+
+    def extra(self, base: VerifyCost, tokens: int, positions: float,
+              real_tokens: Optional[int] = None) -> float:
+        """Seconds a verify forward at rung ``tokens`` whose ``real_tokens`` (default: all of
+        them) read ``positions`` KV positions in all costs beyond its context-0 price."""
+        if positions <= 0:
+            return 0.0
+        if tokens not in self.tokens:
+            raise ConfigError(f"{CONTEXT_KEY} has no entry for {tokens} tokens (measured: "
+                              f"{list(self.tokens)})")
+        j = self.tokens.index(tokens)
+        n = max(1, min(real_tokens if real_tokens is not None else tokens, tokens))
+        v0 = base.cost(tokens)
+        at = _interp((0.0,) + tuple(float(c) for c in self.contexts),
+                     (v0,) + tuple(row[j] for row in self.costs), positions / n)
+        return (at - v0) * n / tokens
+
+    def slope(self, base: VerifyCost, tokens: int) -> float:
+        """Seconds per (token x position) at rung ``tokens`` over the first context."""
+        j = self.tokens.index(tokens)
+        return (self.costs[0][j] - base.cost(tokens)) / (tokens * self.contexts[0])
+
+
+@dataclass(frozen=True)
+class PrefillTerm:
+    """A prefill's seconds: ``costs`` at each measured token-slot count ``slots`` (the forward's
+    linear part) and ``per_position`` seconds per KV position its prompts' attention reads
+    (None: the attention not priced)."""
+
+    slots: tuple[int, ...]
+    costs: tuple[float, ...]
+    per_position: Optional[float] = None
+
+    @staticmethod
+    def parse(value: Any, per_million_ms: Any = None) -> "PrefillTerm":
+        """From the file's ``prefill_cost_ms`` (``{"<slots>": ms}``) and
+        ``prefill_ms_per_million_positions``."""
+        pairs = VerifyCost.parse(_seconds(value))
+        per = None
+        if per_million_ms is not None:
+            if not is_number(per_million_ms) or per_million_ms < 0:
+                raise ConfigError(f"{PREFILL_POSITION_KEY}={per_million_ms!r}: must be a "
+                                  f"number >= 0 (ms per million positions)")
+            per = per_million_ms / 1e9
+        return PrefillTerm(pairs.tokens, pairs.costs, per)
+
+    def to_json(self) -> dict:
+        out = {PREFILL_KEY: {str(s): 1e3 * c for s, c in zip(self.slots, self.costs)}}
+        if self.per_position is not None:
+            out[PREFILL_POSITION_KEY] = 1e9 * self.per_position
+        return out
+
+    def cost(self, slots: int, positions: float = 0.0) -> float:
+        """Seconds of a prefill of ``slots`` token slots whose prompts read ``positions``."""
+        linear = _interp(tuple(map(float, self.slots)), self.costs, float(slots))
+        linear = max(linear, min(self.costs))
+        return linear + (self.per_position or 0.0) * positions
+
+
+def causal_positions(lengths: Any) -> int:
+    """KV positions a prefill of prompts of ``lengths`` reads (each token its prefix and
+    itself)."""
+    return sum(n * (n + 1) // 2 for n in lengths)
+
+
+def fit_prefill(samples: Any) -> PrefillTerm:
+    """The prefill term from measurements ``(slots, positions, seconds)``: the linear part from
+    the samples at the fewest positions of each slot count, the per-position cost the
+    least-squares slope of every slot count's extra seconds over its extra positions (None
+    without a slot count measured at two position counts; held at >= 0)."""
+    by_slots: dict[int, list[tuple[float, float]]] = {}
+    for slots, positions, seconds in samples:
+        by_slots.setdefault(int(slots), []).append((float(positions), float(seconds)))
+    if not by_slots:
+        raise ValueError("fit_prefill: no samples")
+    base = {s: min(pts)[1] for s, pts in by_slots.items()}
+    num = den = 0.0
+    for s, pts in by_slots.items():
+        p0, t0 = min(pts)
+        for p, t in pts:
+            if p > p0:
+                num += (p - p0) * (t - t0)
+                den += (p - p0) ** 2
+    per = max(num / den, 0.0) if den else None
+    keys = tuple(sorted(base))
+    return PrefillTerm(keys, tuple(base[k] for k in keys), per)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What a cost table file prices: decode rounds (``round_cost``, with ``verify_cost`` by
+    their own verify tokens), the context their attention reads (``context``) and prefills
+    (``prefill``); a term the file lacks is None and ``unpriced`` names it."""
+
+    round_cost: RoundCost
+    verify_cost: Optional[VerifyCost] = None
+    context: Optional[ContextTerm] = None
+    prefill: Optional[PrefillTerm] = None
+    name: Optional[str] = None
+
+    def unpriced(self) -> list[str]:
+        """The terms this model does not price, for reports."""
+        out = []
+        if self.context is None:
+            out.append("context (decode rounds priced as the base table's rows read: no "
+                       "cached positions)")
+        if self.prefill is None:
+            out.append("prefill (prefills priced at 0)")
+        return out
+
+    def round_seconds(self, steps: int, tokens: int, batch: int, positions: float = 0.0,
+                      real_tokens: Optional[int] = None) -> float:
+        """Seconds of a decode round of ``steps`` draft forwards and ``tokens`` verify tokens
+        (a rung) at padded batch ``batch`` whose ``real_tokens`` read ``positions`` KV
+        positions (the context term where the model has one; else the base price)."""
+        from adaptive_dist.policy.budgets import shape_cost
+        from adaptive_dist.policy.goodput import cost_row
+        from adaptive_dist.shape import token_bucket
+
+        if self.verify_cost is not None:
+            price = shape_cost(self.round_cost, self.verify_cost, steps, tokens, batch)
+        else:
+            price = dict(self.round_cost.rows[cost_row(self.round_cost, batch)])[steps]
+        if self.context is not None and self.verify_cost is not None and positions > 0:
+            rung = token_bucket(tokens, self.context.tokens)
+            price += self.context.extra(self.verify_cost, rung, positions, real_tokens)
+        return price
+
+    def prefill_seconds(self, slots: int, positions: float = 0.0) -> float:
+        """Seconds of a prefill (0.0 when the model prices none: see ``unpriced``)."""
+        return self.prefill.cost(slots, positions) if self.prefill is not None else 0.0
+
+
+def cost_model(value: str) -> CostModel:
+    """`load_model_costs` with the context and prefill terms of a table file (absent keys:
+    those terms None). ``ConfigError`` naming the file and the key."""
+    table, verify, name = load_model_costs(value)
+    path = Path(value)
+    data = json.loads(path.read_text()) if name is not None else json.loads(value)
+    where = name or "--model-costs"
+    context = prefill = None
+    if not isinstance(data, dict):
+        return CostModel(table, verify, name=name)
+    try:
+        if data.get(CONTEXT_KEY) is not None:
+            raw = data[CONTEXT_KEY]
+            context = ContextTerm.parse({c: _seconds(row) for c, row in raw.items()}
+                                        if isinstance(raw, dict) else raw)
+            if verify is None:
+                raise ConfigError(f"{CONTEXT_KEY} needs agreed_verify_cost_ms (its context-0 "
+                                  f"base)")
+            missing = [t for t in context.tokens if t not in verify.tokens]
+            if missing:
+                raise ConfigError(f"{CONTEXT_KEY}: token counts {missing} have no context-0 "
+                                  f"cost in agreed_verify_cost_ms")
+        if data.get(PREFILL_KEY) is not None:
+            prefill = PrefillTerm.parse(data[PREFILL_KEY], data.get(PREFILL_POSITION_KEY))
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    return CostModel(table, verify, context, prefill, name)

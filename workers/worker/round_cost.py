@@ -237,6 +237,133 @@ def measure_targets(worker: TimedWorker, ladder: Sequence[int], repeats: int = 5
     return table
 
 
+
+def room(worker: TimedWorker, context: int, chain: int = 1) -> int:
+    """The cached positions `TrafficRows(worker, ..., context, chain)` gives its rows (`context`
+    held inside a slot's pages)."""
+    slots = worker.slots
+    growth = chain * (worker.config.max_steps + 1)
+    return max(0, min(context, slots.reach * slots.page_size - growth - 1))
+
+
+def measure_target_contexts(worker: TimedWorker, ladder: Sequence[int],
+                            contexts: Sequence[int], repeats: int = 3
+                            ) -> dict[int, dict[int, float]]:
+    """The context term of the cost model (`adaptive_dist.cost_tables.ContextTerm`): the packed
+    verify forward per token rung (`measure_targets`) with every token's row holding each of
+    `contexts` cached positions: {context actually held: {tokens: seconds}} (a context beyond a
+    slot's pages is held at what fits; a repeated one measured once)."""
+    out: dict[int, dict[int, float]] = {}
+    for context in contexts:
+        held = room(worker, context)
+        if held < 1 or held in out:
+            continue
+        out[held] = measure_targets(worker, ladder, repeats, held)
+    return out
+
+
+PREFILL_CHAIN = 2
+"""Prefills per sample of a prefill's cost."""
+
+
+@dataclass
+class PrefillSample:
+    """One measured prefill shape: `rows` x `width` token slots (padded; `rows` 0: the ragged
+    path over `width` tokens), prompts of `length` tokens each, seconds per prefill."""
+
+    rows: int
+    width: int
+    length: int
+    seconds: float
+
+    @property
+    def slots(self) -> int:
+        return max(self.rows, 1) * self.width
+
+    @property
+    def positions(self) -> int:
+        """KV positions the prompts' attention reads (causal)."""
+        return max(self.rows, 1) * self.length * (self.length + 1) // 2
+
+    def as_json(self) -> dict[str, Any]:
+        return {"rows": self.rows, "width": self.width, "length": self.length,
+                "slots": self.slots, "positions": self.positions, "seconds": self.seconds}
+
+
+def prefill_shapes(worker: Any, ragged: Sequence[int] = ()) -> list[tuple[int, int, int]]:
+    """The prefills `measure_prefills` times, (rows, width, prompt length): one row at every
+    padded width the engine captures (32 .. the longest prompt's, within the padded cap) with
+    one-token prompts (the forward's linear part), then as many rows of the widest as fit the cap
+    (the linear part at more slots), the widest at one row with full-length prompts and half-length
+    ones (the attention's per-position cost), and `ragged` token counts beyond the cap (rows 0: the
+    ragged path, every slot padding: no attention)."""
+    runner = worker.prefill_runner
+    cap = runner.cap
+    longest = max(32, 1 << (worker.config.max_context_len - 1).bit_length())
+    shapes: list[tuple[int, int, int]] = []
+    width = 32
+    while cap and width <= longest and width <= cap:
+        shapes.append((1, width, 1))
+        width *= 2
+    if shapes:
+        top = shapes[-1][1]
+        shapes += [(r, top, 1) for r in runner.row_buckets if 1 < r and r * top <= cap]
+        shapes += [(1, top, top), (1, top, top // 2)]
+    shapes += [(0, t, 0) for t in ragged if t > cap]
+    return shapes
+
+
+def measure_prefills(worker: Any, repeats: int = 3, ragged: Sequence[int] = (),
+                     graphs: bool = True) -> list[PrefillSample]:
+    """Seconds of a prefill at each of `prefill_shapes` (median of `repeats` chains of
+    `PREFILL_CHAIN` prefills after a warm-up chain): the padded prefill through its CUDA graph
+    where the worker captured it (`graphs`), its body otherwise, its rows all the dummy slot
+    (every position they write lands on the dummy page) with prompts of the shape's length of
+    random tokens; the ragged path as an idle rank runs it (`EagleWorker.prefill` with no
+    requests). The head's part included (not the deferred variant). Collective like every
+    measurement: every rank the same shapes in the same order. The static inputs are left as the
+    capture left them."""
+    sync = (torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None))
+    runner, slots = worker.prefill_runner, worker.slots
+    shapes = prefill_shapes(worker, ragged)
+    gen = torch.Generator().manual_seed(TRAFFIC_SEED)
+    out: list[PrefillSample] = []
+    begun = time.perf_counter()
+    for i, (rows, width, length) in enumerate(shapes):
+        startup_log.current().progress("prefill costs", i, len(shapes),
+                                       f"{max(rows, 1)} x {width} slots", since=begun)
+        if rows:
+            ids, where, lens = runner.inputs(rows, width)
+            entry = (runner.table.get(runner.key(rows, width, True))
+                     if graphs and runner.table is not None else None)
+
+            def stage(ids=ids, where=where, lens=lens, length=length) -> None:
+                ids.copy_(torch.randint(0, slots.vocab, ids.shape, generator=gen))
+                where.fill_(slots.dummy)
+                lens.fill_(length)
+            body = (entry.replay if entry is not None else
+                    (lambda r=rows, w=width: runner.padded(r, w, True)))
+        else:
+            def stage() -> None:
+                pass
+            body = (lambda t=width: worker.prefill([], t, 1, t, False))
+        times = []
+        for _ in range(repeats + 1):
+            stage()
+            sync()
+            start = time.perf_counter()
+            for _ in range(PREFILL_CHAIN):
+                body()
+            sync()
+            times.append((time.perf_counter() - start) / PREFILL_CHAIN)
+        out.append(PrefillSample(rows, width, length, statistics.median(times[1:])))
+    if runner.buf is not None:   # as the capture left them
+        runner.buf.zero_()
+        runner.inputs(runner.top_rows, 0)[1].fill_(slots.dummy)
+    slots.cache_len[slots.dummy:].zero_()
+    return out
+
+
 # ---- the check: does a measurement round route like traffic? ----------------------------------
 
 def measurement_routing(worker: TimedWorker, bucket: int, context: int = 0,

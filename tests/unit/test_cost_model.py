@@ -1,0 +1,158 @@
+"""The cost model's context and prefill terms (`adaptive_dist.cost_tables`, issues 32 and 34):
+the interpolation and the fit against synthetic timings of known form, a table file without
+them (every older one) loading with both named as not priced, a file with them read back and bad
+entries named, and the start-up measurement (`workers.worker.round_cost`) producing both on the
+tiny CPU pair."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from adaptive_dist.config import ConfigError, RoundCost, VerifyCost
+from adaptive_dist.cost_tables import (CONTEXT_KEY, PREFILL_KEY, PREFILL_POSITION_KEY, CostModel,
+                                       ContextTerm, PrefillTerm, causal_positions, cost_model,
+                                       fit_prefill)
+from adaptive_dist.policy.budgets import shape_cost
+
+RUNGS = (1, 2, 4, 8, 16)
+BASE = VerifyCost(RUNGS, tuple(0.004 + 1e-5 * t for t in RUNGS))
+SLOPE = 2e-9    # seconds per (token x position)
+ROUND = RoundCost((1, 4), (((0, 0.005), (3, 0.006)), ((0, 0.0052), (3, 0.0075))))
+
+
+def linear_context(contexts=(512,)) -> ContextTerm:
+    """Verify timings linear in the positions read: v(t, c) = v(t, 0) + SLOPE t c."""
+    return ContextTerm.parse({str(c): VerifyCost(RUNGS, tuple(v + SLOPE * t * c for t, v in
+                                                               zip(RUNGS, BASE.costs)))
+                              for c in contexts})
+
+
+def test_the_context_term_is_linear_in_the_positions_read() -> None:
+    term = linear_context()
+    for tokens in RUNGS:
+        assert term.slope(BASE, tokens) == pytest.approx(SLOPE)
+        for positions in (0, 100, 5000, 40_000):   # 40k: past the measured 512 per token
+            assert term.extra(BASE, tokens, positions) == pytest.approx(SLOPE * positions)
+    # padding tokens read nothing: 3 real tokens of the rung of 4 reading 900 positions
+    assert term.extra(BASE, 4, 900, real_tokens=3) == pytest.approx(SLOPE * 900)
+    with pytest.raises(ConfigError, match="no entry for 3 tokens"):
+        term.extra(BASE, 3, 10)
+
+
+def test_two_contexts_interpolate_piecewise() -> None:
+    # a cost that bends: 1 ns per (token x position) up to 512, 3 ns beyond
+    def v(t, c):
+        return BASE.cost(t) + 1e-9 * t * min(c, 512) + 3e-9 * t * max(c - 512, 0)
+    term = ContextTerm.parse({str(c): {str(t): v(t, c) for t in RUNGS} for c in (512, 2048)})
+    assert term.contexts == (512, 2048)
+    for c in (100, 512, 1000, 2048, 3000):
+        assert BASE.cost(8) + term.extra(BASE, 8, 8 * c) == pytest.approx(v(8, c))
+
+
+def test_the_prefill_fit_recovers_known_terms() -> None:
+    def seconds(slots, positions):
+        return 0.002 + 3e-6 * slots + 5e-11 * positions
+    samples = [(s, 1, seconds(s, 1)) for s in (32, 64, 128, 256, 512)]
+    samples += [(512, causal_positions([512]), seconds(512, causal_positions([512]))),
+                (512, causal_positions([256]), seconds(512, causal_positions([256])))]
+    term = fit_prefill(samples)
+    assert term.per_position == pytest.approx(5e-11)
+    assert term.slots == (32, 64, 128, 256, 512)
+    for slots, lengths in ((100, [100]), (512, [300, 200]), (2048, [1024, 1024])):
+        pos = causal_positions(lengths)
+        assert term.cost(slots, pos) == pytest.approx(seconds(slots, pos), rel=1e-6)
+    assert fit_prefill([(32, 1, 0.01), (64, 1, 0.02)]).per_position is None
+    assert causal_positions([1, 2, 3]) == 1 + 3 + 6
+
+
+def test_the_model_prices_a_round_at_its_context() -> None:
+    model = CostModel(ROUND, BASE, linear_context(), None)
+    base = shape_cost(ROUND, BASE, 3, 8, 4)
+    assert model.round_seconds(3, 8, 4) == pytest.approx(base)
+    assert model.round_seconds(3, 8, 4, positions=6000, real_tokens=7) == pytest.approx(
+        base + SLOPE * 6000)
+    assert model.prefill_seconds(512, 1000) == 0.0
+    assert [u.split(" ")[0] for u in model.unpriced()] == ["prefill"]
+    assert CostModel(ROUND, BASE).round_seconds(3, 8, 4, positions=6000) == pytest.approx(base)
+
+
+def test_an_older_table_loads_with_both_terms_unpriced() -> None:
+    model = cost_model("docs/data/cost_tables/h200_tp1_llama3-8b.json")
+    assert model.context is None and model.prefill is None and model.verify_cost is not None
+    assert [u.split(" ")[0] for u in model.unpriced()] == ["context", "prefill"]
+    assert model.round_seconds(0, 64, 64, positions=20_000) == pytest.approx(
+        model.round_seconds(0, 64, 64))
+    assert model.prefill_seconds(4096, 10**6) == 0.0
+
+
+def _file(tmp_path, **extra) -> str:
+    data = {"agreed_round_cost_ms": {"1": {"0": 5.0, "3": 6.0}, "4": {"0": 5.2, "3": 7.5}},
+            "agreed_verify_cost_ms": {str(t): 1e3 * c for t, c in zip(RUNGS, BASE.costs)}}
+    data.update(extra)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_a_table_with_both_terms_reads_back(tmp_path) -> None:
+    ctx = {c: {t: 1e3 * v for t, v in row.items()}
+           for c, row in linear_context((256, 1024)).to_json().items()}
+    prefill = PrefillTerm((32, 4096), (0.003, 0.09), 4e-11)
+    model = cost_model(_file(tmp_path, **{CONTEXT_KEY: ctx}, **prefill.to_json()))
+    assert model.context.contexts == (256, 1024) and model.unpriced() == []
+    assert model.context.extra(model.verify_cost, 16, 9000) == pytest.approx(SLOPE * 9000)
+    assert model.prefill.per_position == pytest.approx(4e-11)
+    assert model.prefill_seconds(2064, 10**6) == pytest.approx(0.003 + 0.087 / 2 + 4e-5)
+
+
+@pytest.mark.parametrize("extra,shown", [
+    ({CONTEXT_KEY: {"0": {"1": 4.0}}}, "must be a context >= 1"),
+    ({CONTEXT_KEY: {"64": {"1": 4.0, "2": 4.1}, "128": {"1": 4.2}}}, "differ from context 64"),
+    ({CONTEXT_KEY: {"64": {"3": 4.0}}}, "token counts [3] have no context-0 cost"),
+    ({CONTEXT_KEY: [1, 2]}, "must be a non-empty object"),
+    ({PREFILL_KEY: {"32": -1.0}}, "positive finite"),
+    ({PREFILL_KEY: {"32": 1.0}, PREFILL_POSITION_KEY: "x"}, "ms per million positions"),
+])
+def test_bad_terms_are_named(tmp_path, extra, shown) -> None:
+    path = _file(tmp_path, **extra)
+    with pytest.raises(ConfigError) as err:
+        cost_model(path)
+    assert shown in str(err.value) and path in str(err.value)
+
+
+def test_the_measurement_produces_both_terms_on_the_cpu() -> None:
+    """The tiny pair, eager: the verify forward at two contexts (one beyond a slot's pages, held
+    at what fits) on two rungs, and every prefill shape, fitted."""
+    import torch
+
+    from engine_fixtures import engine_for, tiny_pair
+    from adaptive_dist.config import AdaptiveConfig
+    from workers.worker.round_cost import (measure_prefills, measure_target_contexts,
+                                           prefill_shapes, room)
+
+    torch.set_num_threads(1)
+    target, head = tiny_pair()
+    config = AdaptiveConfig(policy="goodput", candidate_steps=(0, 1), initial_steps=1,
+                            round_cost={"0": 1.0, "1": 1.5})
+    engine = engine_for(target, head, "ema", config=config, max_batch=2)
+    worker = engine.worker
+    ladder = worker.ladder[:2]
+    at = measure_target_contexts(worker, ladder, [8, 10**6], repeats=1)
+    assert list(at) == [8, room(worker, 10**6)] and room(worker, 10**6) > 8
+    assert all(list(row) == list(ladder) and min(row.values()) > 0 for row in at.values())
+    term = ContextTerm.parse({str(c): {str(t): v for t, v in row.items()}
+                              for c, row in at.items()})
+    assert term.tokens == tuple(ladder)
+    cap = worker.prefill_runner.cap
+    samples = measure_prefills(worker, repeats=1, ragged=[2 * cap])
+    shapes = prefill_shapes(worker, [2 * cap])
+    assert [(s.rows, s.width, s.length) for s in samples] == shapes
+    assert shapes[0] == (1, 32, 1) and shapes[-1] == (0, 2 * cap, 0)
+    assert any(length > 1 for _, _, length in shapes)     # the attention's samples
+    fitted = fit_prefill([(s.slots, s.positions, s.seconds) for s in samples])
+    assert fitted.slots[0] == 32 and fitted.slots[-1] == 2 * cap and fitted.per_position is not None
+    # the slots are as the measurement found them: the engine still generates
+    from workers.sampling import SamplingParams
+    done = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+    assert len(done[0].output_ids) == 4
