@@ -105,11 +105,64 @@ def main() -> None:
     for key, s in summary.items():
         print(f"{key:34} {s['accept_per_round']:12.3f} {str(s['tokens_per_s']):>28} "
               f"{s['equal_to_chain']}")
+    cal = calibrate(summary)
+    print(f"{'tree':12} {'fitted f':>8}  regime: chain p, observed / predicted accepted per round")
+    for tree, c in cal.items():
+        print(f"{tree:12} {c['coverage']:8.3f}  " + "; ".join(
+            f"{r}: p {v['p']:.3f}, {v['observed']:.3f} / {v['predicted']:.3f}"
+            for r, v in c["regimes"].items()))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "summary": summary, "rows": rows}, f, indent=1)
+            json.dump({"args": vars(args), "summary": summary, "calibration": cal,
+                       "rows": rows}, f, indent=1)
         plot(summary, str(Path(args.out).with_suffix(".png")))
+
+
+def solve_rate(accepted: float, steps: int) -> float:
+    """The per-position rate p with E(p, S) = p + ... + p^S = `accepted` (bisection; 0 and 1
+    at the ends)."""
+    from adaptive_dist.policy.goodput import expected_accepted
+
+    if accepted <= 0:
+        return 0.0
+    if accepted >= steps:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_accepted(mid, steps) < accepted else (lo, mid)
+    return (lo + hi) / 2
+
+
+def calibrate(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The tree estimator of `adaptive_dist.policy.tree` against what was accepted: per tree
+    (eager engines), per regime the chain's rate p at the same steps (`solve_rate` of the
+    chain's accepted per round), the coverage f that fits the tree's accepted per round in every
+    regime whose chain misses (p < 0.97; least squares over a grid of f in steps of 0.005), and
+    per regime observed against predicted `E(p + (1 - p) f, S)`."""
+    from adaptive_dist.policy.tree import expected_tree
+
+    out: dict[str, Any] = {}
+    regimes = list(dict.fromkeys(k.split(" ", 1)[0] for k in summary))
+    trees = [e for e in dict.fromkeys(k.split(" ", 1)[1] for k in summary)
+             if e.startswith("tree") and "/graphs" not in e]
+    for tree in trees:
+        steps = int(tree[len("tree"):].split("/")[0])
+        cells = {}
+        for regime in regimes:
+            chain = summary.get(f"{regime} chain{steps}")
+            mine = summary.get(f"{regime} {tree}")
+            if chain and mine:
+                cells[regime] = (solve_rate(chain["accept_per_round"], steps),
+                                 mine["accept_per_round"])
+        fit = [(p, obs) for p, obs in cells.values() if p < 0.97] or list(cells.values())
+        best = min((sum((expected_tree(p, steps, f) - obs) ** 2 for p, obs in fit), f)
+                   for f in (i / 200 for i in range(200)))[1]
+        out[tree] = {"coverage": best, "regimes": {
+            r: {"p": p, "observed": obs, "predicted": expected_tree(p, steps, best)}
+            for r, (p, obs) in cells.items()}}
+    return out
 
 
 def plot(summary: dict[str, dict[str, Any]], path: str) -> None:

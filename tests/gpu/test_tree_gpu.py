@@ -119,3 +119,37 @@ def test_tree_sampling_through_graphs_matches_target_distribution() -> None:
         counts[(t0 * VOCAB + t1) * VOCAB + t2] += 1
     assert chi_square_pvalue(counts, exact_joint(target.cpu(), 0.7, 0.8)) > ALPHA
     engine.close()
+
+
+@pytest.mark.parametrize("cycle", [False, True], ids=["policy", "every-candidate"])
+def test_adaptive_trees_through_graphs_equal_plain_greedy(gpu_pair, prompts, reference, cycle,
+                                                          monkeypatch) -> None:
+    """goodput over chains 0/1/3/7 and trees (3,2,6), (5,4,8), (6,8,16) through CUDA graphs (one
+    graph per tree shape and bucket, captured at start-up beside the chains'): the policy's own
+    choices, and every candidate in turn (every transition, the pick replaced by the next
+    index); greedy output equals plain greedy, rounds ran through the graphs, trees and chains
+    both ran, and no graph was captured after start-up."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from test_tree_policy import TABLE_8B, goodput
+
+    from adaptive_dist.cost_tables import load_model_costs
+
+    if cycle:
+        import adaptive_dist.policy.goodput as goodput_module
+
+        monkeypatch.setattr(goodput_module, "goodput_pick",
+                            lambda scores, index, margin: (index + 1) % len(scores))
+    table, verify, _ = load_model_costs(str(TABLE_8B))
+    cfg = goodput(table, verify, [[3, 2, 6], [5, 4, 8], [6, 8, 16]], update_interval=1,
+                  warmup_batches=0, switch_margin=0.0, graph_buckets=(1, 2, 4))
+    engine = engine_for(*gpu_pair, "ema", config=cfg, device="cuda", cuda_graphs=True)
+    captured = engine.worker.graphs.num_captures
+    out = engine.generate(prompts, lossless_params(len(prompts)))
+    assert [r.output_ids for r in out] == reference
+    assert engine.stats.graph_rounds > 0
+    assert engine.worker.graphs.num_captures == captured
+    shapes = engine.planner.stats.rounds_at_shape
+    assert any(len(k) == 5 for k in shapes) and any(len(k) == 3 for k in shapes), dict(shapes)
+    if cycle:
+        assert {k[3:] for k in shapes if len(k) == 5} == {(2, 6), (4, 8), (8, 16)}
+    check_pages_back(engine)
