@@ -21,11 +21,26 @@ exchanges the host's vector with the other leaders by recursive doubling over a 
 the leaders (``ops.all_reduce_sum_max``), and publishes the result in the segment's result slot
 (again by parity) for its host's other members, who wait on that slot's sequence word.
 
-Waiting spins (with ``sched_yield``) for ``SPIN_S``, then blocks in the kernel on a futex word
-of the segment (``_Futex``): every arrival (and a leader's publication) adds 1 to it and wakes
-the waiters in one atomic ``FUTEX_WAKE_OP``, so a rank that waits for a slow peer uses no CPU
-until the peer arrives. Without a futex (``ADAPTIVE_DIST_SHM_FUTEX=0``) it sleeps instead,
-doubling from ``SLEEP0_S`` up to ``SLEEP_MAX_S`` (timer slack 1 µs). A wait is
+Waking: the segment's header holds three 32-bit arrival counters (one per round modulo 3) that
+an arriving rank increments in the kernel (Linux ``futex``, ``FUTEX_WAKE_OP``: add 1, and wake
+every waiter on the counter only if the old value was "all but me"): only the last arrival of a
+round wakes anybody, with one system call, and the waiters that sleep on the counter are woken
+once per round (not once per arrival). A counter that shows every local member is a complete
+round (the kernel's atomic add is ordered after the member's vector and sequence word), so a
+waiter reads one word, not every slot. Each member zeroes the next round's counter before its
+own add: nobody uses it then (a member reaches round ``r + 1`` only after every member added to
+round ``r``'s), and nobody adds to it before the last zeroing (that comes before the last add of
+this round). Whether the futex is used is agreed at set-up (every local member must be able to).
+
+Waiting: a bounded spin, then the futex. A waiter spins (reading the counter, ``sched_yield``
+between reads) for at most ``SPIN_S`` when recent waits mostly ended within that bound, else for
+``SPIN_MIN_S``: a rank that waits long rounds after round (a lightly loaded DP rank, a peer
+that is late) spends a few µs a round on the CPU and then blocks in the kernel, so it uses no
+CPU until the last arrival wakes it; a rank whose peers come within tens of µs is not put to
+sleep and woken (a wake-up of an idle core costs tens of µs on a virtual machine).
+``ADAPTIVE_DIST_SHM_SPIN_US`` sets ``SPIN_S`` (0: no spin). Without a futex
+(``ADAPTIVE_DIST_SHM_FUTEX=0``, or not Linux) a waiter reads every slot's sequence word and
+sleeps instead, doubling from ``SLEEP0_S`` up to ``SLEEP_MAX_S`` (timer slack 1 µs). A wait is
 bounded by the control group's timeout; a local member whose process is gone is seen within
 ``LIVENESS_S`` (its pid, posted at set-up) and named at once. The error goes through the
 recorder's failure path like a failed gloo collective, so the lockstep guard's diagnosis, its
@@ -37,6 +52,7 @@ import mmap
 import os
 import platform
 import socket
+import sys
 import time
 import uuid
 from datetime import timedelta
@@ -53,12 +69,18 @@ from collectives.guard import short_cause
 
 SHM_DIR = "/dev/shm"
 PREFIX = "adaptive_dist-consensus-"
-MAGIC = 0x5AD37
+MAGIC = 0x5AD38          # the segment's format (0x5AD37: one futex word, woken by every arrival)
 HEAD = 8                 # int64 words before every vector in a slot (word 0: the round)
-SPIN_S = 50e-6           # spin (yielding) this long before blocking
+HDR = 16                 # int64 words of the segment's header: 0-5 the layout and the creator's
+                         #   pid, 8-15 (one cache line of their own) the futex words:
+COUNT_BYTE = 64          #   the arrival counters of rounds r % 3 == 0, 1, 2 (uint32 each)
+PUB_BYTE = 76            #   the leader's publications (hierarchical)
+NOBODY_BYTE = 80         #   a word nobody waits on (FUTEX_WAKE_OP's first address)
+SPIN_S = 50e-6           # the longest spin before blocking (ADAPTIVE_DIST_SHM_SPIN_US) ...
+SPIN_MIN_S = 3e-6        # ... and the spin when recent waits mostly outlasted SPIN_S
+SPIN_ENV = "ADAPTIVE_DIST_SHM_SPIN_US"
 SLEEP0_S = 10e-6         # without a futex: the first sleep, doubled up to SLEEP_MAX_S (a late
 SLEEP_MAX_S = 100e-6     #   peer is seen at most this late; each wake-up costs a few µs of CPU)
-EPOCH_BYTE = 48          # the futex word: header word 6
 TIMER_SLACK_NS = 1000    # the waiting thread's timer slack (Linux's default, 50 µs, would
                          #   stretch every short sleep by that much)
 LIVENESS_S = 0.05        # how often a long wait checks that the local members it waits for live
@@ -126,52 +148,82 @@ def _tight_timer_slack() -> None:
 
 
 def _words(n_local: int, width: int) -> int:
-    return HEAD + _pad(n_local) + 2 * n_local * width + 2 * width
+    return HDR + _pad(n_local) + 2 * n_local * width + 2 * width
 
 
 def _pad(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
+def spin_s() -> float:
+    """The longest spin of a wait, in seconds: ``ADAPTIVE_DIST_SHM_SPIN_US`` (µs, 0 to 10000)
+    if set, else ``SPIN_S``."""
+    raw = os.environ.get(SPIN_ENV)
+    if raw is None or raw == "":
+        return SPIN_S
+    try:
+        us = float(raw)
+    except ValueError:
+        us = float("nan")
+    if not 0.0 <= us <= 10_000.0:
+        raise ValueError(f"{SPIN_ENV}={raw!r}: microseconds from 0 to 10000")
+    return us * 1e-6
+
+
+def _futex_op(op: int, oparg: int, cmp: int, cmparg: int) -> int:
+    """``FUTEX_OP(op, oparg, cmp, cmparg)`` (both arguments 12-bit, two's complement)."""
+    return (op << 28) | (cmp << 24) | ((oparg & 0xFFF) << 12) | (cmparg & 0xFFF)
+
+
 class _Futex:
-    """A 32-bit word of the segment that waiters block on (Linux ``futex``, shared between the
-    processes that map the segment): an arriving rank adds 1 to it and wakes every waiter in one
-    atomic kernel operation (``FUTEX_WAKE_OP``), so a waiter that read the word before checking
-    the slots either sees the change or is woken: no lost wake-up, no polling."""
+    """The segment's futex words (Linux ``futex``, shared between the processes that map the
+    segment). ``arrive(k)``: add 1 to arrival counter ``k`` and, if this made it ``n_local``,
+    wake every waiter on it, in one atomic kernel operation (``FUTEX_WAKE_OP``; its first
+    address is a word nobody waits on). ``publish()``: add 1 to the publication word and wake
+    every waiter on it. A waiter reads the word, checks its condition, and blocks only while
+    the word still holds what it read: no lost wake-up."""
 
     SYS_FUTEX = 202                                   # x86-64
     WAIT, WAKE_OP = 0, 5
-    ADD_ONE = (1 << 28) | (0 << 24) | (1 << 12) | 0   # FUTEX_OP(ADD, 1, CMP_EQ, 0)
+    OP_ADD, CMP_EQ = 1, 0
+    ALL = 0x7FFFFFFF
 
-    def __init__(self, mm: mmap.mmap, offset: int) -> None:
+    def __init__(self, mm: mmap.mmap, n_local: int) -> None:
         import ctypes
 
-        self._ct = ctypes
-        self._cell = ctypes.c_uint32.from_buffer(mm, offset)
-        self.addr = ctypes.addressof(self._cell)
+        self.counts = [ctypes.c_uint32.from_buffer(mm, COUNT_BYTE + 4 * k) for k in range(3)]
+        self.pub = ctypes.c_uint32.from_buffer(mm, PUB_BYTE)
+        self._nobody = ctypes.c_uint32.from_buffer(mm, NOBODY_BYTE)
+        self.count_addr = [ctypes.addressof(c) for c in self.counts]
+        self.pub_addr = ctypes.addressof(self.pub)
+        self._nobody_addr = ctypes.addressof(self._nobody)
         libc = ctypes.CDLL(None, use_errno=True)
         self._sys = libc.syscall
         self._sys.restype = ctypes.c_long
         self._sys.argtypes = [ctypes.c_long] * 7
         self._ts = (ctypes.c_long * 2)()
         self._ts_addr = ctypes.addressof(self._ts)
+        # add 1; the old value n_local - 1 (this arrival completes the round): wake them all
+        self._last = _futex_op(self.OP_ADD, 1, self.CMP_EQ, n_local - 1)
+        self._add = _futex_op(self.OP_ADD, 1, self.CMP_EQ, -1)   # (never 2^32 - 1: no 2nd wake)
 
-    def value(self) -> int:
-        return self._cell.value
+    def arrive(self, k: int) -> bool:
+        return self._sys(self.SYS_FUTEX, self._nobody_addr, self.WAKE_OP, 1, self.ALL,
+                         self.count_addr[k], self._last) >= 0
 
-    def wake_all(self) -> bool:
-        return self._sys(self.SYS_FUTEX, self.addr, self.WAKE_OP, 0x7FFFFFFF, 0, self.addr,
-                         self.ADD_ONE) >= 0
+    def publish(self) -> bool:
+        return self._sys(self.SYS_FUTEX, self.pub_addr, self.WAKE_OP, self.ALL, 0,
+                         self.pub_addr, self._add) >= 0
 
-    def wait(self, seen: int, timeout_s: float) -> None:
-        """Block while the word is ``seen``, at most ``timeout_s`` (returns early on a wake-up,
-        a change, or a signal)."""
+    def wait(self, addr: int, seen: int, timeout_s: float) -> None:
+        """Block while the word at ``addr`` is ``seen``, at most ``timeout_s`` (returns early on
+        a wake-up, a change, or a signal)."""
         ns = max(int(timeout_s * 1e9), 1000)
         self._ts[0], self._ts[1] = divmod(ns, 1_000_000_000)
-        self._sys(self.SYS_FUTEX, self.addr, self.WAIT, seen, self._ts_addr, 0, 0)
+        self._sys(self.SYS_FUTEX, addr, self.WAIT, seen, self._ts_addr, 0, 0)
 
     def release(self) -> None:
-        self._cell = None
+        self.counts, self.pub, self._nobody = [], None, None
 
 
 class HostReducer:
@@ -195,9 +247,12 @@ class HostReducer:
         self.leader = self.li == 0
         self.width = HEAD + _pad(n)
         self.round = 0
-        self.waited_cpu_s = 0.0     # host CPU time spent waiting (process time), and its wall
-        self.waited_s = 0.0
-        self.waits = 0
+        self.waits = 0              # rounds this rank waited in (a peer was not there yet),
+        self.waited_s = 0.0         #   their wall time, and how many of them blocked in the
+        self.slept = 0              #   kernel (the others ended within the spin)
+        self.spin_max_s = spin_s()
+        self._spin = self.spin_max_s
+        self._spin_hits = 1.0       # recent waits that ended within spin_max_s (an average)
         self.leaders: Optional[Group] = None
         self.path: Optional[str] = None   # the segment's file (unlinked once set up)
         self._mm: Optional[mmap.mmap] = None
@@ -255,11 +310,12 @@ class HostReducer:
                         self._open(there, words)
                     except (OSError, ValueError) as exc:
                         err = str(exc)
-            states = self._gather((err, os.getpid()))
+            can_futex = err is None and need and self._futex_usable()
+            states = self._gather((err, os.getpid(), can_futex))
         finally:
             if path is not None:
                 self._unlink(path)   # every local member has it mapped (or gave up): no file left
-        bad = {self.group.ranks[i]: e for i, (e, _) in enumerate(states) if e is not None}
+        bad = {self.group.ranks[i]: e for i, (e, _, _) in enumerate(states) if e is not None}
         if bad:
             self.close()
             detail = "; ".join(f"rank {r}: {e}" for r, e in bad.items())
@@ -276,7 +332,7 @@ class HostReducer:
                                f"segment's header {tuple(int(x) for x in arr[:5])} does not match "
                                f"this rank's layout")
         self._pids = [states[i][1] for i in self.local]
-        base = HEAD + _pad(n_local)
+        base = HDR + _pad(n_local)
         self.slots = arr[base:base + 2 * n_local * w].reshape(2, n_local, w)
         base += 2 * n_local * w
         self.result = arr[base:base + 2 * w].reshape(2, w)
@@ -288,15 +344,32 @@ class HostReducer:
         # a dead local member is seen by its pid, if every local pid is visible from here (one
         # pid namespace); otherwise only the timeout names it
         self._check_pids = all(self._alive(p) for p in self._pids)
-        if os.environ.get("ADAPTIVE_DIST_SHM_FUTEX", "1") != "0":
-            try:
-                futex = _Futex(self._mm, EPOCH_BYTE)
-                if futex.wake_all():
-                    self._futex = futex
-                else:
-                    futex.release()
-            except (OSError, AttributeError, TypeError, ValueError):
-                self._futex = None   # no futex here: sleep-polling instead
+        # the futex only if every local member can use it (a member that cannot would not
+        # count its arrivals); else every member polls the slots and sleeps
+        if all(states[i][2] for i in self.local):
+            self._futex = _Futex(self._mm, n_local)
+
+    def _futex_usable(self) -> bool:
+        """Whether this process can wait on the segment's futex words (Linux x86-64, not
+        turned off by ``ADAPTIVE_DIST_SHM_FUTEX=0``): one harmless wake of a word nobody
+        waits on."""
+        if os.environ.get("ADAPTIVE_DIST_SHM_FUTEX", "1") == "0" or \
+                not sys.platform.startswith("linux"):
+            return False
+        try:
+            import ctypes
+
+            cell = ctypes.c_uint32.from_buffer(self._mm, NOBODY_BYTE)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.syscall.restype = ctypes.c_long
+            ok = libc.syscall(ctypes.c_long(_Futex.SYS_FUTEX),
+                              ctypes.c_long(ctypes.addressof(cell)), ctypes.c_long(1),
+                              ctypes.c_long(1), ctypes.c_long(0), ctypes.c_long(0),
+                              ctypes.c_long(0)) >= 0
+            del cell
+            return ok
+        except (OSError, AttributeError, TypeError, ValueError):
+            return False
 
     def _open(self, path: str, words: int) -> None:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -354,14 +427,23 @@ class HostReducer:
     def _round(self, vec: np.ndarray) -> None:
         self.round += 1
         r, p, n, ns = self.round, self.round & 1, self.n, self.n_sum
+        futex = self._futex
         if len(self.local) > 1:
             slot = self._mine[p]
             slot[HEAD:HEAD + n] = vec
             slot[0] = r                                    # publish (after the vector)
-            if self._futex is not None:
-                self._futex.wake_all()
+            if futex is not None:
+                k = r % 3
+                futex.counts[(k + 1) % 3].value = 0        # the next round's counter (see above)
+                futex.arrive(k)                            # the last arrival wakes the waiters
             if self.leader or self.leaders is None:
-                self._wait(self._seqs[p], r, self.local)
+                if futex is not None:
+                    cell, need = futex.counts[k], len(self.local)
+                    if cell.value < need:
+                        self._wait(lambda: cell.value >= need, futex.count_addr[k], cell, r,
+                                   self.local)
+                else:
+                    self._poll(self._seqs[p], r, self.local)
                 np.sum(self._sums[p], axis=0, out=vec[:ns])
                 np.max(self._maxs[p], axis=0, out=vec[ns:])
         if self.leaders is not None:                      # this host's leader: one hop out
@@ -370,35 +452,70 @@ class HostReducer:
                 res = self.result[p]
                 res[HEAD:HEAD + n] = vec
                 res[0] = r
-                if self._futex is not None:
-                    self._futex.wake_all()
+                if futex is not None:
+                    futex.publish()
         elif self.n_hosts > 1 and not self.leader:
             res = self.result[p]
-            self._wait(res[:1], r, self.local[:1])
+            if res[0] < r:
+                if futex is not None:
+                    self._wait(lambda: res[0] >= r, futex.pub_addr, futex.pub, r,
+                               self.local[:1], res[:1])
+                else:
+                    self._poll(res[:1], r, self.local[:1])
             vec[:] = res[HEAD:HEAD + n]
 
-    def _wait(self, seqs: np.ndarray, r: int, members: list[int]) -> None:
-        """Until every word of ``seqs`` (those of ``members``, group indices) is >= ``r``."""
+    def _wait(self, ready, addr: int, cell, r: int, members: list[int],
+              seqs: Optional[np.ndarray] = None) -> None:
+        """Until ``ready()``: a bounded spin, then blocking on the futex word ``cell`` (at
+        ``addr``), which changes when ``ready()`` may have become true. ``members``: whom this
+        waits for (group indices; their sequence words ``seqs``, by default this parity's
+        slots), named if they are gone or late."""
+        t0 = time.perf_counter()
+        end = t0 + self._spin
+        while not ready():
+            if time.perf_counter() >= end:
+                break
+            os.sched_yield()
+        else:
+            self._waited(t0, time.perf_counter(), False)
+            return
+        futex = self._futex
+        deadline = t0 + self.timeout_s
+        check = t0 + LIVENESS_S
+        while True:
+            seen = cell.value            # before the check: a later change makes the wait return
+            if ready():
+                break
+            now = time.perf_counter()
+            if now >= check:
+                check = now + LIVENESS_S
+                self._raise_if_gone(self._seqs[r & 1] if seqs is None else seqs, r, members,
+                                    now >= deadline)
+            futex.wait(addr, seen, check - now)
+        self._waited(t0, time.perf_counter(), True)
+
+    def _waited(self, t0: float, t1: float, slept: bool) -> None:
+        """Count a wait, and adapt the spin: the full ``spin_max_s`` while most recent waits
+        ended within it (a spin then saves a sleep and a wake-up), else ``SPIN_MIN_S`` (a spin
+        would mostly burn the CPU and then sleep anyway)."""
+        self.waits += 1
+        self.waited_s += t1 - t0
+        self.slept += slept
+        self._spin_hits += 0.125 * ((t1 - t0 <= self.spin_max_s) - self._spin_hits)
+        self._spin = self.spin_max_s if self._spin_hits >= 0.5 else min(SPIN_MIN_S,
+                                                                        self.spin_max_s)
+
+    def _poll(self, seqs: np.ndarray, r: int, members: list[int]) -> None:
+        """Without a futex: until every word of ``seqs`` (those of ``members``, group indices)
+        is >= ``r``, spinning as ``_wait`` does, then sleeping."""
         if seqs.min() >= r:
             return
-        t0, c0 = time.perf_counter(), time.process_time()
-        spin_end = t0 + SPIN_S
-        while seqs.min() < r and time.perf_counter() < spin_end:
+        t0 = time.perf_counter()
+        end = t0 + self._spin
+        while seqs.min() < r and time.perf_counter() < end:
             os.sched_yield()
-        futex = self._futex
-        if futex is not None and seqs.min() < r:
-            deadline = t0 + self.timeout_s
-            check = t0 + LIVENESS_S
-            while True:
-                seen = futex.value()     # before the check: a later arrival changes it
-                if seqs.min() >= r:
-                    break
-                now = time.perf_counter()
-                if now >= check:
-                    check = now + LIVENESS_S
-                    self._raise_if_gone(seqs, r, members, now >= deadline)
-                futex.wait(seen, check - now)
-        elif seqs.min() < r:
+        slept = bool(seqs.min() < r)
+        if slept:
             if not self._slack_set:
                 self._slack_set = True
                 _tight_timer_slack()
@@ -411,9 +528,7 @@ class HostReducer:
                     self._raise_if_gone(seqs, r, members, now >= deadline)
                 time.sleep(nap)
                 nap = min(2 * nap, SLEEP_MAX_S)
-        self.waits += 1
-        self.waited_s += time.perf_counter() - t0
-        self.waited_cpu_s += time.process_time() - c0
+        self._waited(t0, time.perf_counter(), slept)
 
     def _raise_if_gone(self, seqs: np.ndarray, r: int, members: list[int], late: bool) -> None:
         missing = [members[j] for j in range(len(members)) if seqs[j] < r]
