@@ -120,6 +120,13 @@ class SpecChoice:
              "(docs/data/cost_tables/*.json) instead of measuring one at start-up (a CPU run "
              "priced as the GPU the table was measured on)")
     """`--model-costs FILE`: decide on this cost table instead of measuring one at start-up."""
+    tree_candidates: Optional[str] = setting(
+        None, metavar="SxKxN[,SxKxN...]",
+        help="with --adaptive: draft trees (S steps, top-k K, N verify tokens per request) among "
+             "the goodput policy's candidates beside its chain depths, each priced from the "
+             "cost table and chosen by expected tokens per cost (docs/policy.md, \"Draft trees\");"
+             " implies --policy goodput; e.g. 3x2x6,5x4x8,6x8x16")
+    """`--tree-candidates`: goodput's `tree_candidates` (issue 35)."""
 
     def build(self) -> "AdaptiveConfig":
         """The speculative settings asked for (static depth 0 for `--no-spec`); `ValueError` /
@@ -143,15 +150,37 @@ class SpecChoice:
                              f"priced by the round cost), not --policy {self.policy}")
         if self.model_costs is not None and not self.adaptive:
             raise ValueError("--model-costs applies to --adaptive --policy goodput only")
-        default = "goodput" if self.per_request else "ema"
+        if self.tree_candidates is not None and not self.adaptive:
+            raise ValueError("--tree-candidates applies to --adaptive (with the goodput policy); "
+                             "a static tree is --speculative-eagle-topk / "
+                             "--speculative-num-draft-tokens")
+        if self.tree_candidates is not None and self.policy not in (None, "goodput"):
+            raise ValueError(f"--tree-candidates needs --policy goodput (trees are priced by the "
+                             f"round cost), not --policy {self.policy}")
+        default = "goodput" if self.per_request or self.tree_candidates is not None else "ema"
         policy = (self.policy or default) if self.adaptive else "static"
         spec = load_config(self.config, policy, initial_steps=self.steps)
         if self.per_request:
             spec = spec.replace(per_request=True)
+        if self.tree_candidates is not None:
+            from adaptive_dist.config import ConfigError
+
+            try:
+                spec = spec.replace(tree_candidates=[
+                    t.strip() for t in self.tree_candidates.split(",") if t.strip()])
+            except ConfigError as err:
+                raise ValueError(f"--tree-candidates {self.tree_candidates}: {err}") from None
         if self.model_costs is not None:
-            from adaptive_dist.cost_tables import with_model_costs
+            from adaptive_dist.cost_tables import load_model_costs, with_model_costs
 
             spec = with_model_costs(spec, self.model_costs)
+            if spec.policy == "goodput" and spec.tree_candidates and spec.verify_cost is None:
+                verify = load_model_costs(self.model_costs)[1]
+                if verify is None:
+                    raise ValueError(f"--model-costs {self.model_costs}: draft trees are priced "
+                                     f"with the verify forward's cost (agreed_verify_cost_ms), "
+                                     f"which the file lacks")
+                spec = spec.replace(verify_cost=verify)
         check_depth(spec.max_steps, f"--steps {self.steps}" if self.steps is not None
                     else "candidate_steps")
         return spec
