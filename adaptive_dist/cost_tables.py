@@ -91,11 +91,11 @@ def with_model_costs(spec: AdaptiveConfig, value: str) -> AdaptiveConfig:
 #
 # - the context term: the packed verify forward measured again with every token's row holding C
 #   cached positions (`agreed_verify_cost_ms_at_context` = `{C: {tokens: ms}}`, one or more C).
-#   A round whose `n` real verify tokens read `P` KV positions in all costs, beyond its price at
-#   context 0, `(v(T, P / n) - v(T, 0)) * n / T` at its token rung T, `v(T, c)` linear between
-#   the measured contexts (0 being the base table) and extended past the last by its last segment.
-#   With one C that is `slope(T) * P`, `slope(T) = (v(T, C) - v(T, 0)) / (T * C)` seconds per
-#   (token x position).
+#   A round whose `n` real verify tokens read `P` KV positions in all costs costs, beyond its
+#   price at context 0, `(v(r, P / n) - v(r, 0)) * n / r` at the rung r holding n (padding tokens
+#   read nothing), `v(r, c)` linear between the measured contexts (0 being the base table) and
+#   extended past the last by its last segment. With one C that is `slope(r) * P`, `slope(r) =
+#   (v(r, C) - v(r, 0)) / (r * C)` seconds per (token x position).
 # - the prefill term: a prefill's seconds by the token slots it runs (`prefill_cost_ms` =
 #   `{slots: ms}`, measured with every prompt reading one position: the forward's linear part),
 #   linear between the measured slot counts and past the ends by the nearest segment, plus its
@@ -163,18 +163,21 @@ class ContextTerm:
     def extra(self, base: VerifyCost, tokens: int, positions: float,
               real_tokens: Optional[int] = None) -> float:
         """Seconds a verify forward at rung ``tokens`` whose ``real_tokens`` (default: all of
-        them) read ``positions`` KV positions in all costs beyond its context-0 price."""
+        them; padding tokens read nothing) read ``positions`` KV positions in all costs beyond
+        its context-0 price: read at the rung that holds the real tokens, ``r``, as ``(v(r, m) -
+        v(r, 0)) n / r`` with ``m = positions / n`` their mean context (never below 0)."""
         if positions <= 0:
             return 0.0
         if tokens not in self.tokens:
             raise ConfigError(f"{CONTEXT_KEY} has no entry for {tokens} tokens (measured: "
                               f"{list(self.tokens)})")
-        j = self.tokens.index(tokens)
         n = max(1, min(real_tokens if real_tokens is not None else tokens, tokens))
-        v0 = base.cost(tokens)
+        rung = next(t for t in self.tokens if t >= n)
+        j = self.tokens.index(rung)
+        v0 = base.cost(rung)
         at = _interp((0.0,) + tuple(float(c) for c in self.contexts),
                      (v0,) + tuple(row[j] for row in self.costs), positions / n)
-        return (at - v0) * n / tokens
+        return max(at - v0, 0.0) * n / rung   # noise may measure a context below none
 
     def slope(self, base: VerifyCost, tokens: int) -> float:
         """Seconds per (token x position) at rung ``tokens`` over the first context."""

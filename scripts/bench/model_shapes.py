@@ -25,12 +25,23 @@ round it ran before them (every row the same inputs: `top_k` experts), and a rou
 requests of random prompts, prefilled (random weights: the nearest to traffic this shape has);
 printed per batch (mean, min, max over the layers) and kept per layer in the JSON's `routing`.
 
-`--schedule N` then checks the table as a cost model (one rank): N requests of mixed prompt
-lengths arrive in a server's order (a few per round, at most `--max-batch` running) and run with
-per-request budgets and overlap on, every round timed from one engine step to the next; the
-decode rounds' time is compared with the sum the table prices them at (`shape_cost`), the rounds
-that also prefill with the sum their decode part is priced at (the table has no prefill cost:
-the gap is what a prefill adds), each kind's ratio reported.
+`--cost-context C [C ...]` measures the cost model's other terms on the built engine
+(`adaptive_dist.cost_tables`, docs/policy.md "The cost model"): the packed verify forward per
+token rung with every row holding C cached positions (the context term), and the prefills of
+`workers.worker.round_cost.prefill_shapes` (one row at every padded width, more rows at the
+widest, the widest with full- and half-length prompts, `--ragged-prefills` token counts of the
+ragged path), from which the prefill term is fitted; the JSON then holds them under the keys a
+cost table file has (`agreed_verify_cost_ms_at_context`, `prefill_cost_ms`,
+`prefill_ms_per_million_positions`) with the samples and the seconds each measurement took.
+
+`--schedule N` then checks the cost model (one rank): N requests of mixed prompt lengths arrive
+in a server's order (a few per round, at most `--max-batch` running) and run with per-request
+budgets and overlap on, every engine step timed. A step waits for the round launched by the step
+before, so each plan is charged the next step's time. Every round is priced by the model (its
+decode part at the KV positions its verify tokens read, its prefill by slots and prompt
+positions; a term not measured is priced at its base and named) and by the decode table alone;
+measured / predicted is reported per kind (decode, prefill, mixed) and over all, with the
+served tokens/s the model predicts for the schedule beside the measured.
 """
 from __future__ import annotations
 
@@ -66,10 +77,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--schedule", type=int, default=0, metavar="N",
                    help="then time N requests' rounds against the table's prices (one rank)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled replays")
-    p.add_argument("--cost-context", type=int, default=0, metavar="C",
-                   help="also measure both tables with the dummy rows reading C positions of "
-                        "distinct pages; --schedule then prices each round between the two by "
-                        "its requests' mean length")
+    p.add_argument("--schedule-profile", action="store_true",
+                   help="profile rounds 150..170 of --schedule (kernel time, costliest kernels; "
+                        "the profiler slows those rounds' host side)")
+    p.add_argument("--cost-context", type=int, nargs="+", default=[], metavar="C",
+                   help="also measure the cost model's context term (the verify forward per "
+                        "rung with every row holding C cached positions, each C) and its "
+                        "prefill term; the JSON then holds them as a cost table file does, and "
+                        "--schedule prices with them")
+    p.add_argument("--ragged-prefills", type=int, nargs="*", default=[8192, 16384], metavar="T",
+                   help="token counts of the ragged prefill path measured with --cost-context "
+                        "(those above --padded-prefill-tokens; default: 8192 16384)")
     p.add_argument("--routing", action="store_true",
                    help="then count the distinct experts per MoE layer: measurement, dummy and "
                         "real rounds (one rank, a MoE shape)")
@@ -182,19 +200,17 @@ def main() -> int:
                else (lambda: None))
     rounds = ({} if args.no_profile else
               profile_rounds(engine, args.replays, sorted(int(b) for b in agreed), barrier))
-    at_context = None
-    if args.cost_context:
-        from adaptive_dist.config import RoundCost, VerifyCost
+    terms = (measure_cost_terms(engine, args.cost_context, args.ragged_prefills)
+             if args.cost_context else None)
+    model = None
+    if world.size == 1:
+        from adaptive_dist.cost_tables import CostModel
 
-        t2 = time.perf_counter()
-        chain = engine.measure_round_costs(context=args.cost_context)
-        vcost = engine.worker.measure_verify_costs(context=args.cost_context)
-        at_context = {"context": args.cost_context, "seconds": time.perf_counter() - t2,
-                      "round_cost": RoundCost.parse({str(b): {str(k): v for k, v in row.items()}
-                                                     for b, row in chain.items()}),
-                      "verify_cost": VerifyCost.parse({str(t): c for t, c in vcost.items()})}
+        model = CostModel(engine.config.spec.round_cost, verify,
+                          terms["context"] if terms else None,
+                          terms["prefill"] if terms else None)
     schedule = (check_schedule(engine, args.schedule, args.context, target.config.vocab_size,
-                               at_context)
+                               model, args.schedule_profile)
                 if args.schedule and world.size == 1 else None)
     routing = (routing_check(engine, args.routing_batches, args.routing_depth, args.context,
                              target.config.vocab_size)
@@ -219,12 +235,7 @@ def main() -> int:
                   "agreed_verify_cost_ms": {str(t): 1000 * c for t, c in
                                             zip(verify.tokens, verify.costs)},
                   "graph_captures": captures, "graph_pool_gib": graph_bytes / 2**30,
-                  "at_context": None if at_context is None else {
-                      "context": at_context["context"], "seconds": at_context["seconds"],
-                      "round_cost_ms": {b: {s: 1e3 * v for s, v in row.items()} for b, row in
-                                        at_context["round_cost"].to_json().items()},
-                      "verify_cost_ms": {t: 1e3 * v for t, v in
-                                         at_context["verify_cost"].to_json().items()}},
+                  **(cost_terms_json(terms) if terms else {}),
                   "schedule_check": schedule, "routing": routing,
                   "rounds_per_rank": parts, "command": " ".join(sys.argv)}
         out = Path(args.out)
@@ -280,24 +291,91 @@ def routing_check(engine: Any, batches: list[int], depth: int, context: int,
 PROFILE_AT = (150, 170)
 """The schedule's rounds profiled (kernel time and the costliest kernels): past the arrivals."""
 
+KINDS = ("decode", "prefill", "mixed")
+"""A scheduled round's kind: decode only; a prefill whose round runs only the requests it
+admitted; a prefill beside requests already decoding."""
+
+
+def measure_cost_terms(engine: Any, contexts: list[int], ragged: list[int],
+                       repeats: int = 3) -> dict[str, Any]:
+    """The cost model's context and prefill terms on this engine (`--cost-context`):
+    the verify forward per rung at each of `contexts` cached positions, the prefills of
+    `workers.worker.round_cost.prefill_shapes` (`ragged`: token counts of the ragged path) and
+    the prefill term fitted from them; the seconds each took."""
+    from adaptive_dist.config import VerifyCost
+    from adaptive_dist.cost_tables import ContextTerm, fit_prefill
+    from workers.worker.round_cost import measure_prefills, measure_target_contexts
+
+    worker = engine.worker
+    t0 = time.perf_counter()
+    at = measure_target_contexts(worker, worker.ladder, contexts, repeats)
+    t1 = time.perf_counter()
+    samples = measure_prefills(worker, repeats, ragged, graphs=worker.graphs is not None)
+    t2 = time.perf_counter()
+    context = ContextTerm.parse({str(c): VerifyCost.parse({str(t): v for t, v in row.items()})
+                                 for c, row in at.items()}) if at else None
+    prefill = fit_prefill([(x.slots, x.positions, x.seconds) for x in samples])
+    return {"context": context, "prefill": prefill, "context_seconds": t1 - t0,
+            "prefill_seconds": t2 - t1, "prefill_samples": [x.as_json() for x in samples]}
+
+
+def cost_terms_json(terms: dict[str, Any]) -> dict[str, Any]:
+    """The measured terms as a cost table file holds them (`adaptive_dist.cost_tables`:
+    milliseconds), with the prefill samples and what each measurement took."""
+    from adaptive_dist.cost_tables import CONTEXT_KEY
+
+    out: dict[str, Any] = {}
+    if terms["context"] is not None:
+        out[CONTEXT_KEY] = {c: {t: 1e3 * v for t, v in row.items()}
+                            for c, row in terms["context"].to_json().items()}
+    out.update(terms["prefill"].to_json())
+    out["prefill_samples"] = terms["prefill_samples"]
+    out["cost_terms_seconds"] = {"context": terms["context_seconds"],
+                                 "prefill": terms["prefill_seconds"]}
+    return out
+
+
+def prefill_slots(engine: Any, plan: Any) -> int:
+    """Token slots of a plan's prefill: rows bucket x width bucket on the padded path, the
+    agreed token count on the ragged one."""
+    shape = engine.worker.prefill_runner.shape(plan.extend_requests, plan.extend_width)
+    return shape[0] * shape[1] if shape is not None else plan.extend_tokens
+
+
+def served_prediction(kinds: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """Tokens/s over the schedule: `tokens` (every output token) over the sum of every round's
+    price, prefills included (`predicted`), over the sum without the prefill term and the
+    context term (`base`: the decode table alone), and as measured."""
+    def per_s(key: str) -> float | None:
+        total = sum(kinds[k][key] for k in KINDS if k in kinds)
+        return tokens / total if total else None
+    return {"output_tokens": tokens, "measured_tokens_per_s": per_s("measured_s"),
+            "predicted_tokens_per_s": per_s("predicted_s"),
+            "base_tokens_per_s": per_s("base_s")}
+
 
 def check_schedule(engine: Any, n: int, context: int, vocab: int,
-                   at_context: dict[str, Any] | None = None) -> dict[str, Any]:
+                   model: Any = None, profile_rounds: bool = False) -> dict[str, Any]:
     """`--schedule`: `n` requests (prompts of 16 .. 512 tokens, outputs of 32 .. 256) admitted
-    a few per round, every engine step timed; per kind (decode only, with a prefill) the
-    measured seconds against the table's price of the rounds' decode part. Every round is kept
-    (its time, the time the host waited for the device in it, its price, shape, batch and the
-    KV positions its verify tokens read), and a least-squares fit of the decode rounds' excess
-    over their price to the positions read says what the table leaves out."""
+    a few per round, every engine step timed. With overlap an engine step launches its prefill
+    and round and then waits for the round launched by the step before, so a step's time is
+    (when the device is the bottleneck) the device time of the previous step's prefill and round:
+    each plan is charged the next step's time (the last one the final drain's). Per kind
+    (`KINDS`) the measured seconds against the cost model's (`model`, an
+    `adaptive_dist.cost_tables.CostModel`; default the engine's own tables): `predicted` with
+    every term the model has (the context its verify tokens read, its prefill), `base` with the
+    decode table alone. Every round is kept (its time, the time the host waited for the device,
+    both prices, shape, batch, the KV positions its verify tokens read, its prefill's slots and
+    positions); `served` is the tokens/s each way (`served_prediction`). `profile_rounds`: rounds
+    `PROFILE_AT` under the torch profiler (their kernels kept in `profiled`)."""
     import random
 
-    import numpy as np
-
-    from adaptive_dist.policy.budgets import shape_cost
+    from adaptive_dist.cost_tables import CostModel, causal_positions
     from workers.sampling import SamplingParams
 
     rng = random.Random(7)
     spec = engine.config.spec
+    model = model if model is not None else CostModel(spec.round_cost, spec.verify_cost)
     worker = engine.worker
     cuda = worker.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -316,12 +394,14 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int,
         return collect(launched)
     worker.collect = timed_collect
     rounds: list[dict[str, Any]] = []
+    steps: list[float] = []      # every step's wall time, charged to the plan before it
     profiled: dict[str, Any] = {}
     prof = None
+    added: list[Any] = []
     sync()
     last = time.perf_counter()
     while pending or engine.scheduler.has_work:
-        if cuda and len(rounds) == PROFILE_AT[0]:   # a window of rounds under the profiler
+        if profile_rounds and cuda and len(rounds) == PROFILE_AT[0]:   # under the profiler
             from torch.profiler import ProfilerActivity, profile
 
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
@@ -333,65 +413,89 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int,
             events = prof.key_averages()
             kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
                              key=lambda e: -e.self_device_time_total)
-            span = rounds[PROFILE_AT[0]:PROFILE_AT[1]]
             profiled.update(
-                rounds=len(span), wall_ms=1e3 * sum(r["seconds"] for r in span),
-                priced_ms=1e3 * sum(r["priced"] for r in span),
+                rounds=PROFILE_AT[1] - PROFILE_AT[0],
                 kernel_ms=sum(e.self_device_time_total for e in kernels) / 1e3,
                 top=[{"name": e.key[:90], "ms": e.self_device_time_total / 1e3,
                       "calls": e.count} for e in kernels[:25]])
-            print(f"== profiled rounds: {json.dumps(profiled, indent=1)}", flush=True)
             prof = None
         for _ in range(min(len(pending), rng.choice((0, 0, 1, 4)))):
             ids, out = pending.pop()
-            engine.add(ids, SamplingParams(max_new_tokens=out))
+            added.append(engine.add(ids, SamplingParams(max_new_tokens=out)))
         waited[0] = 0.0
+        waiting = {r.rid: len(r.prompt_ids) for r in engine.scheduler.waiting}
         running = {r.rid: r.num_tokens for r in engine.scheduler.running}
         engine.step()
         now = time.perf_counter()
-        plan = engine.last_plan
-        if plan.cluster_requests and plan.shape is not None:
-            budget = plan.budget_of()
-            read = sum((budget.get(rid, 0) + 1) * ctx for rid, ctx in running.items())
-            mean_ctx = sum(running.values()) / max(len(running), 1)
-            priced_ctx = None
-            if at_context is not None:   # between the tables at 0 and at C, by the mean length
-                hi = shape_cost(at_context["round_cost"], at_context["verify_cost"], plan.steps,
-                                plan.shape.verify_tokens, plan.batch_pad)
-                lo = shape_cost(spec.round_cost, spec.verify_cost, plan.steps,
-                                plan.shape.verify_tokens, plan.batch_pad)
-                priced_ctx = lo + (hi - lo) * mean_ctx / at_context["context"]
-            rounds.append({"kind": "prefill" if plan.extend_tokens else "decode",
-                           "seconds": now - last, "waited": waited[0],
-                           "priced": shape_cost(spec.round_cost, spec.verify_cost, plan.steps,
-                                                plan.shape.verify_tokens, plan.batch_pad),
-                           "steps": plan.steps, "tokens": plan.shape.verify_tokens,
-                           "batch": plan.batch_pad, "requests": len(running),
-                           "positions_read": read, "prefill_tokens": plan.extend_tokens,
-                           "mean_context": mean_ctx, "priced_at_context": priced_ctx})
+        steps.append(now - last)
         last = now
+        plan = engine.last_plan
+        if not plan.cluster_requests or plan.shape is None:
+            rounds.append(None)
+            continue
+        budget = plan.budget_of()
+        ctx = {rid: running.get(rid, waiting.get(rid, 0)) for rid in budget}
+        read = sum((budget[rid] + 1) * c for rid, c in ctx.items())
+        real = sum(b + 1 for b in budget.values())
+        fresh = [waiting[rid] for rid in budget if rid in waiting]
+        kind = ("decode" if not plan.extend_tokens else
+                "prefill" if len(fresh) == len(budget) else "mixed")
+        tokens, batch = plan.shape.verify_tokens, plan.batch_pad
+        base = model.round_seconds(plan.steps, tokens, batch)
+        decode = model.round_seconds(plan.steps, tokens, batch, read, real)
+        slots = prefill_slots(engine, plan) if plan.extend_tokens else 0
+        positions = causal_positions(fresh)
+        pre = model.prefill_seconds(slots, positions) if slots else 0.0
+        rounds.append({"kind": kind, "waited": waited[0], "base": base,
+                       "predicted": decode + pre, "predicted_decode": decode,
+                       "predicted_prefill": pre, "steps": plan.steps, "tokens": tokens,
+                       "batch": batch, "requests": len(budget), "verify_tokens_real": real,
+                       "positions_read": read, "prefill_tokens": plan.extend_tokens,
+                       "prefill_slots": slots, "prefill_positions": positions})
+    t = time.perf_counter()
     engine.drain()
+    sync()
+    steps.append(time.perf_counter() - t)
     worker.collect = collect
-    kinds: dict[str, dict[str, Any]] = {}
-    for kind in ("decode", "prefill"):
+    for i, r in enumerate(rounds):   # a plan's device time shows in the next step's wait
+        if r is not None:
+            r["seconds"] = steps[i + 1]
+            r["step_seconds"] = steps[i]
+    rounds = [r for r in rounds if r is not None]
+    kinds: dict[str, Any] = {}
+    for kind in KINDS:
         mine = [r for r in rounds if r["kind"] == kind]
-        measured, priced = sum(r["seconds"] for r in mine), sum(r["priced"] for r in mine)
-        kinds[kind] = {"rounds": len(mine), "measured_s": measured, "priced_s": priced,
-                       "measured_over_priced": measured / priced if priced else None,
+        measured = sum(r["seconds"] for r in mine)
+        predicted, base = sum(r["predicted"] for r in mine), sum(r["base"] for r in mine)
+        kinds[kind] = {"rounds": len(mine), "measured_s": measured, "predicted_s": predicted,
+                       "base_s": base,
+                       "measured_over_predicted": measured / predicted if predicted else None,
+                       "measured_over_base": measured / base if base else None,
                        "host_bound_rounds": sum(1 for r in mine if r["waited"] < 1e-4)}
-        if at_context is not None and mine:
-            ctx_priced = sum(r["priced_at_context"] for r in mine)
-            kinds[kind]["measured_over_priced_at_context"] = measured / ctx_priced
-    dec = [r for r in rounds if r["kind"] == "decode"][5:]   # past the first rounds' ramp
-    if len(dec) > 3:
-        x = np.array([[1.0, r["positions_read"]] for r in dec])
-        y = np.array([r["seconds"] - r["priced"] for r in dec])
-        (base, per_position), *_ = np.linalg.lstsq(x, y, rcond=None)
-        fitted = sum(r["priced"] + base + per_position * r["positions_read"] for r in dec)
-        kinds["decode_fit"] = {"excess_base_ms": 1e3 * base,
-                               "ms_per_million_positions": 1e9 * per_position,
-                               "measured_over_fitted": sum(r["seconds"] for r in dec) / fitted}
-    print(f"== schedule: {json.dumps(kinds, indent=1)}", flush=True)
+    every = kinds["all"] = {"rounds": len(rounds),
+                            **{k: sum(kinds[c][k] for c in KINDS)
+                               for k in ("measured_s", "predicted_s", "base_s")}}
+    every["measured_over_predicted"] = every["measured_s"] / every["predicted_s"]
+    every["measured_over_base"] = every["measured_s"] / every["base_s"]
+    tokens = sum(len(r.output_ids) for r in added)
+    kinds["served"] = served_prediction(kinds, tokens)
+    kinds["unpriced"] = model.unpriced()
+    if profiled:
+        span = rounds[PROFILE_AT[0]:PROFILE_AT[1]]
+        profiled.update(wall_ms=1e3 * sum(r["seconds"] for r in span),
+                        predicted_ms=1e3 * sum(r["predicted"] for r in span))
+    print("== schedule: measured / predicted by the cost model (base: the decode table alone)")
+    for kind in KINDS + ("all",):
+        k = kinds[kind]
+        if k["rounds"]:
+            print(f"   {kind:8s} {k['rounds']:4d} rounds  measured {1e3 * k['measured_s']:9.1f} "
+                  f"ms  predicted {1e3 * k['predicted_s']:9.1f} ms  x{k['measured_over_predicted']:.3f}"
+                  f"  (base x{k['measured_over_base']:.3f})", flush=True)
+    served = kinds["served"]
+    print(f"   served: {tokens} tokens, measured {served['measured_tokens_per_s']:.0f} tok/s, "
+          f"predicted {served['predicted_tokens_per_s']:.0f}, base "
+          f"{served['base_tokens_per_s']:.0f}; not priced: {kinds['unpriced'] or 'nothing'}",
+          flush=True)
     kinds["rounds"] = rounds
     kinds["profiled"] = profiled
     return kinds

@@ -41,6 +41,13 @@ For each mode (`no-spec`: `serve --no-spec`; `goodput`: `serve --adaptive --poli
    carries a round's tokens), where the mean TPOT also holds the rounds that waited for other
    requests' prefills (with `ignore_eos` and equal lengths the requests finish in waves, and a
    wave of 64 x 1024-token prefills stops decoding for about a second).
+4. **The prediction with prefills** (`predict_served`), what `served output` compares with: the
+   table process also measures the prefill term of the cost model
+   (`workers.worker.round_cost.measure_prefills`: every padded width, and the ragged path at `c x
+   --input-len` tokens for every level; `adaptive_dist.cost_tables.PrefillTerm`), and a wave of
+   `c` requests is priced as `(O - 1) / (1 + a)` decode rounds of `t` plus one prefill of `c`
+   prompts of `I` tokens: `c O / ((O - 1) / (1 + a) t + prefill(c I slots, c I (I + 1) / 2
+   positions))` output tokens/s. A `--round-table FILE` without `prefill_cost_ms` leaves it out.
 
 Writes OUT/results.json (settings, each mode's tables, every level's bench_serving result line,
 its /metrics deltas, the prediction and the ratios, goodput over no-spec) and
@@ -118,10 +125,18 @@ def context_of(args: argparse.Namespace) -> int:
     return args.input_len + args.output_len // 2
 
 
+def prefill_sizes(args: argparse.Namespace) -> list[int]:
+    """Token counts of the prefills a level runs when its requests arrive together: `c` prompts
+    of `--input-len` at every concurrency `c` (the ragged path's measured sizes; the padded ones
+    are measured at every width whatever this says)."""
+    return sorted({c * args.input_len for c in args.concurrency})
+
+
 def measure_table(args: argparse.Namespace, flags: list[str], out: Path) -> dict[str, Any]:
     """The round table of the engine `serve flags` builds, measured in a process of its own."""
     cmd = [sys.executable, "-m", "scripts.bench.production_serving", "--measure-table", str(out),
-           "--context", str(context_of(args)), "--", *flags]
+           "--context", str(context_of(args)), "--prefill-tokens",
+           ",".join(str(t) for t in prefill_sizes(args)), "--", *flags]
     print(f"[production_serving] round table: {shlex.join(cmd)}", flush=True)
     # the threads the server's rank runs with (`ServerProcess` sets OMP_NUM_THREADS=1 too)
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
@@ -132,7 +147,8 @@ def measure_table(args: argparse.Namespace, flags: list[str], out: Path) -> dict
     return json.loads(out.read_text())
 
 
-def _measure_main(out: Path, context: int, repeats: int, flags: list[str]) -> int:
+def _measure_main(out: Path, context: int, repeats: int, flags: list[str],
+                  prefill_tokens: Optional[list[int]] = None) -> int:
     """`--measure-table`: build the engine as `serve FLAGS` does, measure, write `out`."""
     import torch
 
@@ -153,12 +169,21 @@ def _measure_main(out: Path, context: int, repeats: int, flags: list[str]) -> in
         built = time.perf_counter() - start
         engine = cluster.engine
         table = engine.measure_round_costs(repeats=repeats, context=context)
+        measured = time.perf_counter()
+        from adaptive_dist.cost_tables import fit_prefill
+        from workers.worker.round_cost import measure_prefills
+
+        samples = measure_prefills(engine.worker, max(1, min(repeats, 3)), prefill_tokens or (),
+                                   graphs=engine.worker.graphs is not None)
+        prefill = fit_prefill([(x.slots, x.positions, x.seconds) for x in samples])
         own = engine.config.spec.round_cost
         device = str(cluster.config.device)
         write_json(out, {
             "table_s": {str(b): {str(s): v for s, v in row.items()} for b, row in table.items()},
             "context": context, "repeats": repeats,
             "engine_table_s": own.to_json() if own is not None else None,
+            **prefill.to_json(), "prefill_samples": [x.as_json() for x in samples],
+            "prefill_measure_s": time.perf_counter() - measured,
             "engine_build_s": built, "measure_s": time.perf_counter() - start - built,
             "mode": cluster.config.mode, "device": device,
             "gpu": gpu_name(device) if device.startswith("cuda") else None,
@@ -176,9 +201,12 @@ def table_from_file(path: str) -> dict[str, Any]:
     if "agreed_round_cost_ms" not in data:
         raise SystemExit(f"--round-table {path}: no 'agreed_round_cost_ms' (a "
                          f"docs/data/cost_tables/*.json file)")
+    from adaptive_dist.cost_tables import PREFILL_KEY, PREFILL_POSITION_KEY
+
     return {"table_s": {b: {s: ms / 1e3 for s, ms in row.items()}
                         for b, row in data["agreed_round_cost_ms"].items()},
-            "context": data.get("context"), "file": path}
+            "context": data.get("context"), "file": path,
+            **{k: data[k] for k in (PREFILL_KEY, PREFILL_POSITION_KEY) if k in data}}
 
 
 def bucket_of(table: dict[str, dict[str, float]], concurrency: int) -> str:
@@ -201,6 +229,29 @@ def predict(table: dict[str, dict[str, float]], concurrency: int, depths: dict[i
             "depth_share": {str(d): f / total for d, f in sorted(mix.items())},
             "accepted_per_request_round": accepted,
             "tokens_per_s": concurrency * (1.0 + accepted) / seconds}
+
+
+def predict_served(tables: dict[str, Any], concurrency: int, prediction: dict[str, Any],
+                   input_len: int, output_len: int) -> dict[str, Any]:
+    """Output tokens/s the table predicts for a level, prefills included: a wave of `c` requests
+    costs `(O - 1) / (1 + a)` decode rounds at the level's round time `t` (`predict`: the first
+    output token comes from the prefill) and one prefill of `c` prompts of `I` tokens
+    (`prefill(c x I slots, c x I (I + 1) / 2 positions)`, the cost model's prefill term), so
+    `c O / ((O - 1) / (1 + a) t + prefill)`. Without a prefill term in `tables`: None, named."""
+    from adaptive_dist.cost_tables import (PREFILL_KEY, PREFILL_POSITION_KEY, PrefillTerm,
+                                           causal_positions)
+
+    if PREFILL_KEY not in tables:
+        return {"tokens_per_s": None, "unpriced": "prefill (the table has no prefill_cost_ms)"}
+    term = PrefillTerm.parse(tables[PREFILL_KEY], tables.get(PREFILL_POSITION_KEY))
+    c, a = concurrency, prediction["accepted_per_request_round"]
+    rounds = max(output_len - 1, 0) / (1.0 + a)
+    decode = rounds * prediction["round_ms"] / 1e3
+    slots = c * input_len
+    prefill = term.cost(slots, causal_positions([input_len] * c))
+    return {"tokens_per_s": c * output_len / (decode + prefill), "wave_decode_s": decode,
+            "wave_prefill_s": prefill, "prefill_share": prefill / (decode + prefill),
+            "prefill_slots": slots}
 
 
 # ---- the server, /metrics and bench_serving ----------------------------------------------------
@@ -280,8 +331,12 @@ def run_level(args: argparse.Namespace, url: str, target: Path, dataset: Path, m
     return row
 
 
-def compare(row: dict[str, Any], table: dict[str, dict[str, float]]) -> None:
-    """The prediction for `row`'s level and the served rates over it (in place)."""
+def compare(row: dict[str, Any], table: dict[str, dict[str, float]],
+            tables: Optional[dict[str, Any]] = None, input_len: int = 0,
+            output_len: int = 0) -> None:
+    """The prediction for `row`'s level and the served rates over it (in place); with `tables`
+    (the mode's, holding a prefill term) and the level's lengths, the served output prediction
+    with prefills (`predict_served`) beside it."""
     c, server, bench = row["concurrency"], row["server"], row.get("bench")
     depths = {int(k): v for k, v in server["rounds_at_depth"].items()} if row["mode"] != \
         "no-spec" else {0: 1.0}
@@ -291,6 +346,9 @@ def compare(row: dict[str, Any], table: dict[str, dict[str, float]]) -> None:
     accepted = server["accepted_tokens"] / spec_rounds if spec_rounds else 0.0
     share_spec = sum(v for d, v in depths.items() if d > 0) / rounds
     row["prediction"] = predict(table, c, depths, accepted * share_spec)
+    if tables is not None and output_len:
+        row["prediction"]["served"] = predict_served(tables, c, row["prediction"], input_len,
+                                                     output_len)
     if not bench or not bench.get("completed"):
         return
     predicted = row["prediction"]["tokens_per_s"]
@@ -306,6 +364,10 @@ def compare(row: dict[str, Any], table: dict[str, dict[str, float]]) -> None:
                      "steady_decode_tokens_per_s": steady,
                      "steady_over_prediction": steady / predicted if steady else None,
                      "output_over_prediction": bench["output_throughput"] / predicted}
+    with_prefill = row["prediction"].get("served", {}).get("tokens_per_s")
+    if with_prefill:
+        row["served"]["output_over_served_prediction"] = (bench["output_throughput"]
+                                                          / with_prefill)
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -347,7 +409,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"[production_serving] {mode}: concurrency {c} ...", file=sys.stderr,
                       flush=True)
                 row = run_level(args, server.url, target, dataset, mode, c, out)
-                compare(row, tables["table_s"])
+                compare(row, tables["table_s"], tables, args.input_len, args.output_len)
                 report["rows"].append(row)
         finally:
             (out / f"serve_{mode}.log").write_text(server.output())
@@ -381,11 +443,15 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _cell(value: Optional[float], fmt: str) -> str:
+    return fmt.format(value) if value else "-"
+
+
 def markdown(report: dict[str, Any]) -> str:
     head = ["mode", "concurrency", "bucket", "round ms (table)", "predicted tok/s",
             "served decode tok/s", "decode / predicted", "steady / predicted",
-            "served output tok/s",
-            "TTFT p50 ms", "TPOT mean ms", "rounds at depth"]
+            "predicted output tok/s (prefills priced)", "served output tok/s",
+            "output / predicted with prefills", "TTFT p50 ms", "TPOT mean ms", "rounds at depth"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["rows"]:
         p, s, b = r.get("prediction", {}), r.get("served"), r.get("bench") or {}
@@ -396,10 +462,12 @@ def markdown(report: dict[str, Any]) -> str:
                       f"{s['decode_over_prediction']:.2f}" if s["decode_over_prediction"] else "-",
                       f"{s['steady_over_prediction']:.2f}" if s.get("steady_over_prediction")
                       else "-",
-                      f"{s['output_tokens_per_s']:.0f}", f"{b['median_ttft_ms']:.0f}",
-                      f"{b['mean_tpot_ms']:.2f}"]
+                      _cell(p.get("served", {}).get("tokens_per_s"), "{:.0f}"),
+                      f"{s['output_tokens_per_s']:.0f}",
+                      _cell(s.get("output_over_served_prediction"), "{:.2f}"),
+                      f"{b['median_ttft_ms']:.0f}", f"{b['mean_tpot_ms']:.2f}"]
         else:
-            cells += ["failed"] * 6
+            cells += ["failed"] * 8
         depth = r["server"]["rounds_at_depth"]
         cells.append(", ".join(f"{k}: {v:.0f}" for k, v in depth.items()) or "-")
         lines.append("| " + " | ".join(cells) + " |")
@@ -480,6 +548,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--measure-table", default=None, metavar="OUT.json", help=argparse.SUPPRESS)
     p.add_argument("--context", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=5, help=argparse.SUPPRESS)
+    p.add_argument("--prefill-tokens", type=ints, default=[], help=argparse.SUPPRESS)
     p.add_argument("serve_flags", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     unknown = [m for m in args.modes if m not in MODES]
@@ -492,7 +561,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.measure_table:
         flags = args.serve_flags[1:] if args.serve_flags[:1] == ["--"] else args.serve_flags
-        return _measure_main(Path(args.measure_table), args.context, args.repeats, flags)
+        return _measure_main(Path(args.measure_table), args.context, args.repeats, flags,
+                             args.prefill_tokens)
     from scripts.bench.common import write_json
     from scripts.bench.sglang_client import importable
 

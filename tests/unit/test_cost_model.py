@@ -50,6 +50,20 @@ def test_two_contexts_interpolate_piecewise() -> None:
         assert BASE.cost(8) + term.extra(BASE, 8, 8 * c) == pytest.approx(v(8, c))
 
 
+def test_the_rung_holding_the_real_tokens_prices_them() -> None:
+    # a floor: every rung up to 4 pays 0.5 ms at 512 positions whatever its tokens (a kernel
+    # bound by its rows' length, not its tokens), linear in the tokens beyond
+    def v(t, c):
+        return BASE.cost(t) + c / 512 * max(5e-4, 1.2e-4 * t)
+    term = ContextTerm.parse({"512": {str(t): v(t, 512) for t in RUNGS}})
+    assert term.extra(BASE, 2, 2 * 512) == pytest.approx(5e-4)
+    # 3 real tokens of the rung of 8: priced at the rung of 4 (the padding reads nothing)
+    assert term.extra(BASE, 8, 3 * 512, real_tokens=3) == pytest.approx(5e-4 * 3 / 4)
+    # a context measured below none (noise) adds nothing rather than a negative cost
+    low = ContextTerm.parse({"512": {str(t): BASE.cost(t) - 1e-4 for t in RUNGS}})
+    assert low.extra(BASE, 4, 10**6) == 0.0
+
+
 def test_the_prefill_fit_recovers_known_terms() -> None:
     def seconds(slots, positions):
         return 0.002 + 3e-6 * slots + 5e-11 * positions
