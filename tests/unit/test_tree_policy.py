@@ -186,3 +186,23 @@ def test_adaptive_trees_refuse_a_static_tree_and_processed_requests(costs) -> No
     engine = engine_for(target, head, "ema", config=cfg)
     with pytest.raises(ValueError, match="tree_candidates"):
         engine.add([1, 2, 3], SamplingParams(max_new_tokens=4, top_k=5, temperature=1.0))
+
+
+def test_the_tree_candidates_flag() -> None:
+    """`--tree-candidates` implies goodput, prices the trees with the file's verify table under
+    `--model-costs`, and is refused by name outside --adaptive, with --policy ema, for a bad
+    entry."""
+    from workers.settings import SpecChoice
+
+    spec = SpecChoice(adaptive=True, tree_candidates="3x2x6, 5x4x8",
+                      model_costs=str(TABLE_8B)).build()
+    assert spec.policy == "goodput" and [t[:3] for t in spec.tree_candidates] == [(3, 2, 6),
+                                                                                  (5, 4, 8)]
+    assert spec.verify_cost is not None and spec.tiers == (0, 1, 3, 5, 7)
+    for kw, word in (({"steps": 3}, "--adaptive"), ({"adaptive": True, "policy": "ema"},
+                                                     "--policy goodput"),
+                     ({"adaptive": True}, "topk 1")):
+        bad = "3x1x4" if word == "topk 1" else "3x2x6"
+        with pytest.raises(ValueError, match="--tree-candidates") as err:
+            SpecChoice(tree_candidates=bad, **kw).build()
+        assert word in str(err.value)
