@@ -128,9 +128,10 @@ def _interp(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
 
 @dataclass(frozen=True)
 class ContextTerm:
-    """The verify forward's seconds per token rung at one or more cached contexts > 0
-    (``costs[i][j]``: context ``contexts[i]``, ``tokens[j]``), read with the base
-    ``VerifyCost`` (context 0) as the first point."""
+    """The verify forward's seconds per token rung at one or more cached contexts
+    (``costs[i][j]``: context ``contexts[i]``, ``tokens[j]``): from context 0, its own row
+    ``"0"`` when it has one (measured in the same process as the others, so a term moved into
+    another table keeps its differences), else the base ``VerifyCost``."""
 
     contexts: tuple[int, ...]
     tokens: tuple[int, ...]
@@ -144,11 +145,13 @@ class ContextTerm:
                               f'{{"<context>": {{"<tokens>": seconds, ...}}, ...}}')
         rows = {}
         for key, row in value.items():
-            if not isinstance(key, str) or not key.isdigit() or int(key) < 1:
-                raise ConfigError(f"{where}: key {key!r} must be a context >= 1 written as a "
+            if not isinstance(key, str) or not key.isdigit():
+                raise ConfigError(f"{where}: key {key!r} must be a context >= 0 written as a "
                                   f"string")
             rows[int(key)] = VerifyCost.parse(row) if not isinstance(row, VerifyCost) else row
         contexts = tuple(sorted(rows))
+        if contexts == (0,):
+            raise ConfigError(f"{where}: only context 0; the term needs a context >= 1")
         tokens = rows[contexts[0]].tokens
         for c in contexts:
             if rows[c].tokens != tokens:
@@ -174,15 +177,24 @@ class ContextTerm:
         n = max(1, min(real_tokens if real_tokens is not None else tokens, tokens))
         rung = next(t for t in self.tokens if t >= n)
         j = self.tokens.index(rung)
-        v0 = base.cost(rung)
-        at = _interp((0.0,) + tuple(float(c) for c in self.contexts),
-                     (v0,) + tuple(row[j] for row in self.costs), positions / n)
+        xs, ys = self._points(base, j)
+        v0 = ys[0]
+        at = _interp(xs, ys, positions / n)
         return max(at - v0, 0.0) * n / rung   # noise may measure a context below none
 
+    def _points(self, base: VerifyCost, j: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(contexts, seconds) of rung ``j`` from context 0: the term's own row 0 when it has
+        one (measured with the others, in one process), else the base table's."""
+        xs = tuple(float(c) for c in self.contexts)
+        ys = tuple(row[j] for row in self.costs)
+        if self.contexts[0] == 0:
+            return xs, ys
+        return (0.0,) + xs, (base.cost(self.tokens[j]),) + ys
+
     def slope(self, base: VerifyCost, tokens: int) -> float:
-        """Seconds per (token x position) at rung ``tokens`` over the first context."""
-        j = self.tokens.index(tokens)
-        return (self.costs[0][j] - base.cost(tokens)) / (tokens * self.contexts[0])
+        """Seconds per (token x position) at rung ``tokens`` over the first context > 0."""
+        xs, ys = self._points(base, self.tokens.index(tokens))
+        return (ys[1] - ys[0]) / (tokens * xs[1])
 
 
 @dataclass(frozen=True)
@@ -314,7 +326,7 @@ def cost_model(value: str) -> CostModel:
                 raise ConfigError(f"{CONTEXT_KEY} needs agreed_verify_cost_ms (its context-0 "
                                   f"base)")
             missing = [t for t in context.tokens if t not in verify.tokens]
-            if missing:
+            if missing and context.contexts[0] != 0:
                 raise ConfigError(f"{CONTEXT_KEY}: token counts {missing} have no context-0 "
                                   f"cost in agreed_verify_cost_ms")
         if data.get(PREFILL_KEY) is not None:

@@ -299,7 +299,8 @@ admitted; a prefill beside requests already decoding."""
 def measure_cost_terms(engine: Any, contexts: list[int], ragged: list[int],
                        repeats: int = 3) -> dict[str, Any]:
     """The cost model's context and prefill terms on this engine (`--cost-context`):
-    the verify forward per rung at each of `contexts` cached positions, the prefills of
+    the verify forward per rung at 0 (the term's own base) and each of `contexts` cached
+    positions, the prefills of
     `workers.worker.round_cost.prefill_shapes` (`ragged`: token counts of the ragged path) and
     the prefill term fitted from them; the seconds each took."""
     from adaptive_dist.config import VerifyCost
@@ -308,7 +309,7 @@ def measure_cost_terms(engine: Any, contexts: list[int], ragged: list[int],
 
     worker = engine.worker
     t0 = time.perf_counter()
-    at = measure_target_contexts(worker, worker.ladder, contexts, repeats)
+    at = measure_target_contexts(worker, worker.ladder, [0, *contexts], repeats)
     t1 = time.perf_counter()
     samples = measure_prefills(worker, repeats, ragged, graphs=worker.graphs is not None)
     t2 = time.perf_counter()

@@ -50,6 +50,17 @@ def test_two_contexts_interpolate_piecewise() -> None:
         assert BASE.cost(8) + term.extra(BASE, 8, 8 * c) == pytest.approx(v(8, c))
 
 
+def test_a_term_with_its_own_context_0_row_reads_from_it() -> None:
+    # measured 0.2 ms above the base table at every context (another process, another day):
+    # its differences are what count
+    own = {str(c): {str(t): 2e-4 + v + SLOPE * t * c for t, v in zip(RUNGS, BASE.costs)}
+           for c in (0, 512)}
+    term = ContextTerm.parse(own)
+    assert term.contexts == (0, 512)
+    assert term.extra(BASE, 8, 3000) == pytest.approx(SLOPE * 3000)
+    assert term.slope(BASE, 16) == pytest.approx(SLOPE)
+
+
 def test_the_rung_holding_the_real_tokens_prices_them() -> None:
     # a floor: every rung up to 4 pays 0.5 ms at 512 positions whatever its tokens (a kernel
     # bound by its rows' length, not its tokens), linear in the tokens beyond
@@ -121,7 +132,8 @@ def test_a_table_with_both_terms_reads_back(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("extra,shown", [
-    ({CONTEXT_KEY: {"0": {"1": 4.0}}}, "must be a context >= 1"),
+    ({CONTEXT_KEY: {"0": {"1": 4.0}}}, "only context 0"),
+    ({CONTEXT_KEY: {"x": {"1": 4.0}}}, "must be a context >= 0"),
     ({CONTEXT_KEY: {"64": {"1": 4.0, "2": 4.1}, "128": {"1": 4.2}}}, "differ from context 64"),
     ({CONTEXT_KEY: {"64": {"3": 4.0}}}, "token counts [3] have no context-0 cost"),
     ({CONTEXT_KEY: [1, 2]}, "must be a non-empty object"),

@@ -252,11 +252,12 @@ def measure_target_contexts(worker: TimedWorker, ladder: Sequence[int],
     """The context term of the cost model (`adaptive_dist.cost_tables.ContextTerm`): the packed
     verify forward per token rung (`measure_targets`) with every token's row holding each of
     `contexts` cached positions: {context actually held: {tokens: seconds}} (a context beyond a
-    slot's pages is held at what fits; a repeated one measured once)."""
+    slot's pages is held at what fits; a repeated one measured once; 0 measures the term's own
+    base, in the same process and repeats as the others)."""
     out: dict[int, dict[int, float]] = {}
     for context in contexts:
         held = room(worker, context)
-        if held < 1 or held in out:
+        if held in out or (held < 1 and context > 0):
             continue
         out[held] = measure_targets(worker, ladder, repeats, held)
     return out
