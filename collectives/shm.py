@@ -170,6 +170,9 @@ def spin_s() -> float:
     return us * 1e-6
 
 
+_add_reduce, _max_reduce = np.add.reduce, np.maximum.reduce
+
+
 def _futex_op(op: int, oparg: int, cmp: int, cmparg: int) -> int:
     """``FUTEX_OP(op, oparg, cmp, cmparg)`` (both arguments 12-bit, two's complement)."""
     return (op << 28) | (cmp << 24) | ((oparg & 0xFFF) << 12) | (cmparg & 0xFFF)
@@ -262,6 +265,8 @@ class HostReducer:
         self._check_pids = False
         self._slack_set = False
         self._futex: Optional[_Futex] = None
+        self._last_tensor: Optional[torch.Tensor] = None
+        self._views: tuple = ()
         leader_idx = [hosts.index(h) for h in order]
         if self.n_hosts > 1 and self.leader:
             ranks = [group.ranks[i] for i in leader_idx]
@@ -339,6 +344,7 @@ class HostReducer:
         n, ns = self.n, self.n_sum
         self._seqs = [self.slots[q, :, 0] for q in (0, 1)]
         self._mine = [self.slots[q, self.li] for q in (0, 1)]
+        self._mine_vec = [self.slots[q, self.li, HEAD:HEAD + n] for q in (0, 1)]
         self._sums = [self.slots[q, :, HEAD:HEAD + ns] for q in (0, 1)]
         self._maxs = [self.slots[q, :, HEAD + ns:HEAD + n] for q in (0, 1)]
         # a dead local member is seen by its pid, if every local pid is visible from here (one
@@ -403,7 +409,7 @@ class HostReducer:
 
     def close(self) -> None:
         self.slots = self.result = None
-        self._seqs = self._mine = self._sums = self._maxs = []
+        self._seqs = self._mine = self._mine_vec = self._sums = self._maxs = []
         if self._futex is not None:
             self._futex.release()
             self._futex = None
@@ -420,17 +426,21 @@ class HostReducer:
         member: ``all_reduce.sum_max.shm.control``)."""
         if tensor.dtype != torch.int64 or tensor.dim() != 1 or tensor.numel() != self.n:
             raise ValueError(f"shared-memory reduction: a 1-D int64 host tensor of {self.n}")
-        ops._run("all_reduce.sum_max.shm.control", self.group, tensor,
-                 lambda: self._round(tensor.numpy()))
+        if tensor is not self._last_tensor:   # the channel passes the same buffer every round
+            v = tensor.numpy()
+            self._last_tensor, self._views = tensor, (v, v[:self.n_sum], v[self.n_sum:])
+        ops._run("all_reduce.sum_max.shm.control", self.group, tensor, self._round)
         return tensor
 
-    def _round(self, vec: np.ndarray) -> None:
+    def _round(self) -> None:
+        """One round over ``self._views`` (the tensor's memory: whole, sum part, max part)."""
         self.round += 1
         r, p, n, ns = self.round, self.round & 1, self.n, self.n_sum
+        vec, vec_sum, vec_max = self._views
         futex = self._futex
         if len(self.local) > 1:
             slot = self._mine[p]
-            slot[HEAD:HEAD + n] = vec
+            self._mine_vec[p][:] = vec
             slot[0] = r                                    # publish (after the vector)
             if futex is not None:
                 k = r % 3
@@ -444,10 +454,11 @@ class HostReducer:
                                    self.local)
                 else:
                     self._poll(self._seqs[p], r, self.local)
-                np.sum(self._sums[p], axis=0, out=vec[:ns])
-                np.max(self._maxs[p], axis=0, out=vec[ns:])
+                # the ufuncs' own reductions (np.sum / np.max add a few µs of Python a call)
+                _add_reduce(self._sums[p], 0, None, vec_sum)
+                _max_reduce(self._maxs[p], 0, None, vec_max)
         if self.leaders is not None:                      # this host's leader: one hop out
-            ops.all_reduce_sum_max(torch.from_numpy(vec), self.leaders, ns, "doubling")
+            ops.all_reduce_sum_max(self._last_tensor, self.leaders, ns, "doubling")
             if len(self.local) > 1:
                 res = self.result[p]
                 res[HEAD:HEAD + n] = vec

@@ -53,25 +53,55 @@ def stats(xs: list[float]) -> dict:
 
 
 # ---------------------------------------------------------------------------------- one world
-CASES = ("gather", "reduce", "reduce_gloo_ring", "reduce_shm",
+CASES = ("gather", "reduce", "reduce_gloo_ring", "reduce_shm", "reduce_shm_spin0",
          "begin_round_gather", "begin_round_reduce", "begin_round_shm",
-         "reduce_steady", "reduce_shm_steady", "begin_round_local")
+         "reduce_steady", "reduce_shm_steady", "begin_round_shm_steady",
+         "begin_round_local", "begin_round_local_steady")
 OLD_CASES = ("gather", "reduce_gloo_ring", "begin_round_gather")   # measured with --all-cases
-STEADY = 4               # back-to-back reductions of a steady case (the first one not timed)
+STEADY = 4               # back-to-back calls of a steady case (the first one not timed)
+SPIN_OLD = 50e-6         # an older tree's collectives.shm: a fixed spin
 WAIT_MS = 2.0            # how late the other ranks arrive in the waiting-rank measurement
+FIGURES = ("from_last_us", "rank0_us", "skew_us")
+
+
+def figures(t: "np.ndarray", steady: bool) -> dict:
+    """Per iteration, from every rank's two clock readings ``t[rank, iteration, 0:2]``
+    (``perf_counter``: CLOCK_MONOTONIC, one clock for every process of the host):
+
+    - ``from_last_us``: from the last rank's call until every rank has returned — the
+      collective's own cost, without the ranks' arrival skew (which a barrier, or an engine's
+      uneven rounds, puts before it); what the issue's goals are about;
+    - ``rank0_us``: rank 0's wall time in the call (the figure before: the skew included);
+    - ``skew_us``: how far apart the ranks called (last minus first).
+
+    A steady case's readings are after its first call and after its last; its figures are per
+    call (divided by ``STEADY - 1``), and it has no skew of its own."""
+    import numpy as np
+
+    div = (STEADY - 1) if steady else 1
+    out = {"from_last_us": (t[:, :, 1].max(0) - t[:, :, 0].max(0)) / div * 1e6,
+           "rank0_us": (t[0, :, 1] - t[0, :, 0]) / div * 1e6}
+    if not steady:
+        out["skew_us"] = (t[:, :, 0].max(0) - t[:, :, 0].min(0)) * 1e6
+    return {k: np.asarray(v).tolist() for k, v in out.items()}
 
 
 def worker(args) -> None:
+    import numpy as np
     import torch
     import torch.distributed as dist
 
     import collectives as C
+    from collectives import shm as shm_mod
     from adaptive_dist import consensus
     from adaptive_dist.config import AdaptiveConfig
     from adaptive_dist.coordinator import RoundCoordinator, RoundReport
     from adaptive_dist.policy import depth_policy
 
     ctx = C.init_distributed(timeout_s=120, backend="gloo", record=False)
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[int(os.environ.get("LOCAL_RANK", ctx.rank)) % len(cpus)]})
     world = ctx.layout(dp=ctx.world_size).group("dp")
     barrier = lambda: dist.barrier(group=world.control_pg)
     cfg = AdaptiveConfig()
@@ -81,6 +111,14 @@ def worker(args) -> None:
     doubling = consensus.ReduceChannel(world, layout, "doubling")
     ring = consensus.ReduceChannel(world, layout, "gloo")
     shm = consensus.ReduceChannel(world, layout, "shm")
+    spin_env = getattr(shm_mod, "SPIN_ENV", "ADAPTIVE_DIST_SHM_SPIN_US")   # (an older tree: none)
+    spin = os.environ.get(spin_env)
+    os.environ[spin_env] = "0"          # the same transport, never spinning
+    shm0 = consensus.ReduceChannel(world, layout, "shm")
+    if spin is None:
+        del os.environ[spin_env]
+    else:
+        os.environ[spin_env] = spin
     coords = {"gather": RoundCoordinator(cfg, world, scheme="gather", clock=None),
               "reduce": RoundCoordinator(cfg, world, algorithm="doubling", clock=None),
               "shm": RoundCoordinator(cfg, world, algorithm="shm", clock=None),
@@ -93,73 +131,104 @@ def worker(args) -> None:
             ctrl.end_round([1, 2, 3, 2])
         return fn
 
-    def steady(ch):
-        """Back-to-back rounds after the barrier: the first absorbs the barrier's skew, the
-        mean of the others is a round's cost when the ranks follow each other (an engine's
-        loop), not how unevenly a barrier lets them go."""
-        def fn():
-            ch.reduce(vec)
-            t0 = time.perf_counter()
+    def steady(fn):
+        """Back-to-back calls after the barrier: the first absorbs the barrier's skew; the
+        readings bracket the others (a call's cost when the ranks follow each other, as in an
+        engine's loop; and, for the local round, with warm caches)."""
+        def run(t):
+            fn()
+            t[0] = time.perf_counter()
             for _ in range(STEADY - 1):
-                ch.reduce(vec)
-            return (time.perf_counter() - t0) / (STEADY - 1)
-        return fn
+                fn()
+            t[1] = time.perf_counter()
+        run.steady = True
+        return run
 
     cases = {"gather": lambda: gather.gather(vec), "reduce": lambda: doubling.reduce(vec),
              "reduce_gloo_ring": lambda: ring.reduce(vec), "reduce_shm": lambda: shm.reduce(vec),
+             "reduce_shm_spin0": lambda: shm0.reduce(vec),
              "begin_round_gather": round_of(coords["gather"]),
              "begin_round_reduce": round_of(coords["reduce"]),
              "begin_round_shm": round_of(coords["shm"]),
-             "reduce_steady": steady(doubling), "reduce_shm_steady": steady(shm),
-             "begin_round_local": round_of(coords["local"])}
+             "reduce_steady": steady(lambda: doubling.reduce(vec)),
+             "reduce_shm_steady": steady(lambda: shm.reduce(vec)),
+             "begin_round_shm_steady": steady(round_of(coords["shm"])),
+             "begin_round_local": round_of(coords["local"]),
+             "begin_round_local_steady": steady(round_of(coords["local"]))}
     assert tuple(cases) == CASES
     if not args.all_cases:
         cases = {k: v for k, v in cases.items() if k not in OLD_CASES}
+    names = list(cases)
     repeats = []
     for rep in range(args.repeats):
-        # interleaved: every iteration runs each case once (a barrier between them, untimed), so
-        # a slow stretch of a shared host falls on every case alike
-        samples: dict = {name: [] for name in cases}
+        # interleaved: every iteration runs each case once (a barrier before each, untimed), so a
+        # slow stretch of a shared host falls on every case alike
         total = args.warmup + args.rounds
+        t = np.zeros((len(names), args.rounds, 2))
         for i in range(total):
             if ctx.rank == 0 and i % max(1, total // 5) == 0:
                 print(f"[consensus] world {ctx.world_size}: repeat {rep + 1}/{args.repeats}, "
                       f"iteration {i}/{total}", flush=True)
-            for name, fn in cases.items():
+            j = i - args.warmup
+            for c, name in enumerate(names):
+                fn = cases[name]
                 barrier()
-                t0 = time.perf_counter()
-                own = fn()
-                took = own if isinstance(own, float) else time.perf_counter() - t0
-                if i >= args.warmup:
-                    samples[name].append(took * 1e6)
-        repeats.append({name: stats(xs) for name, xs in samples.items()})
-    res = {name: {k: statistics.median(r[name][k] for r in repeats)
-                  for k in ("median_us", "p10_us", "p90_us", "mean_us")} for name in cases}
+                if getattr(fn, "steady", False):
+                    row = t[c, j] if j >= 0 else np.zeros(2)
+                    fn(row)
+                else:
+                    t0 = time.perf_counter()
+                    fn()
+                    t1 = time.perf_counter()
+                    if j >= 0:
+                        t[c, j] = t0, t1
+        # every rank's readings to every rank (one gather after the repeat, untimed)
+        mine = torch.from_numpy(t)
+        allt = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+        dist.all_gather(allt, mine, group=world.control_pg)
+        every = torch.stack(allt).numpy()                 # [rank, case, iteration, 2]
+        rep_res = {}
+        for c, name in enumerate(names):
+            figs = figures(every[:, c], getattr(cases[name], "steady", False))
+            rep_res[name] = {fig: stats(xs) for fig, xs in figs.items()}
+        repeats.append(rep_res)
+    res = {name: {fig: {k: statistics.median(r[name][fig][k] for r in repeats)
+                        for k in ("median_us", "p10_us", "p90_us", "mean_us")}
+                  for fig in repeats[0][name]} for name in names}
     # a waiting rank's host time: rank 0 first, the others WAIT_MS later
     waits = {}
-    for name, ch in (("shm", shm), ("doubling", doubling)):
-        cpu = wall = 0.0
+    for name, ch in (("shm", shm), ("shm_spin0", shm0), ("doubling", doubling)):
+        cpu = thread = wall = 0.0
         for i in range(max(20, args.rounds // 20)):
             barrier()
             if ctx.rank != 0:
                 time.sleep(WAIT_MS / 1e3)
-            c0, t0 = time.process_time(), time.perf_counter()
+            c0, h0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
             ch.reduce(vec)
             cpu += time.process_time() - c0
+            thread += time.thread_time() - h0
             wall += time.perf_counter() - t0
-        waits[name] = {"wall_ms": 1e3 * wall, "cpu_ms": 1e3 * cpu, "cpu_share": cpu / wall}
+        # process time: every thread of the rank (gloo's too); thread time: the waiting thread
+        waits[name] = {"wall_ms": 1e3 * wall, "cpu_ms": 1e3 * cpu, "cpu_share": cpu / wall,
+                       "thread_cpu_ms": 1e3 * thread, "thread_cpu_share": thread / wall}
+    host = shm.host
+    shm_waits = None if host is None else {
+        "waits": host.waits, "slept": getattr(host, "slept", None),
+        "waited_ms": 1e3 * host.waited_s, "spin_max_us": 1e6 * getattr(host, "spin_max_s", SPIN_OLD),
+        "futex": host._futex is not None}
     # the per-byte cost: the bare reduction (doubling) of larger vectors
     sweep = {}
     for n in (128, 4096, 32768):
-        t = torch.zeros(n, dtype=torch.int64)
-        fn = lambda: C.ops.all_reduce_sum_max(t, world, n // 2, "doubling")
+        tt = torch.zeros(n, dtype=torch.int64)
+        fn = lambda: C.ops.all_reduce_sum_max(tt, world, n // 2, "doubling")
         timed(fn, 10, barrier)
         sweep[str(n * 8)] = stats(timed(fn, max(30, args.rounds // 10), barrier))
     if ctx.rank == 0:
         out = {"world_size": ctx.world_size, "gather_bytes_per_rank": 8 * len(consensus.FIELDS),
-               "reduce_bytes": 8 * layout.size, "cases": res, "repeats": repeats,
+               "reduce_bytes": 8 * layout.size, "pinned": bool(args.pin),
+               "figure": "from_last_us (see figures())", "cases": res, "repeats": repeats,
                "waiting_rank": {"others_late_ms": WAIT_MS, **waits},
-               "doubling_by_bytes": sweep}
+               "shm_rank0_waits": shm_waits, "doubling_by_bytes": sweep}
         with open(args.worker_out, "w") as f:
             json.dump(out, f)
     ctx.shutdown()
@@ -222,6 +291,13 @@ def local(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------- the model
+def case_fig(run: dict, case: str, fig: str = "from_last_us") -> dict:
+    """A case's statistics of figure ``fig`` (a run of this bench before the figures split has
+    only rank 0's time, which it returns)."""
+    entry = run["cases"][case]
+    return entry[fig] if fig in entry else entry
+
+
 def hops(scheme: str, n: int) -> int:
     """Sequential message steps of one collective over ``n`` ranks."""
     if n <= 1:
@@ -263,7 +339,7 @@ def model(runs: list[dict], cpus: int, inter_alpha_us: float, inter_gbps: float)
     for scheme, case in CASE_OF.items():
         if any(case not in r["cases"] for r in fitted):
             continue
-        per_hop = [r["cases"][case]["median_us"] / hops(scheme, r["world_size"]) for r in fitted]
+        per_hop = [case_fig(r, case)["median_us"] / hops(scheme, r["world_size"]) for r in fitted]
         fits[scheme] = {"alpha_us_per_hop": statistics.median(per_hop),
                         "fitted_worlds": [r["world_size"] for r in fitted]}
     base = min(fitted, key=lambda r: r["world_size"])
@@ -273,9 +349,9 @@ def model(runs: list[dict], cpus: int, inter_alpha_us: float, inter_gbps: float)
     beta_inter = 1.0 / inter_gbps                    # ns per byte (GB/s)
     m_g, m_r = base["gather_bytes_per_rank"], base["reduce_bytes"]
     # shared memory within a host: every rank reads every slot, so a line in the ranks on it
-    c_shm, a_shm = fit([(r["world_size"], r["cases"]["reduce_shm"]["median_us"])
+    c_shm, a_shm = fit([(r["world_size"], case_fig(r, "reduce_shm")["median_us"])
                         for r in fitted]) if len(fitted) > 1 else \
-        (fitted[0]["cases"]["reduce_shm"]["median_us"], 0.0)
+        (case_fig(fitted[0], "reduce_shm")["median_us"], 0.0)
     fits["shm"] = {"intra_us": [c_shm, a_shm], "fitted_worlds": [r["world_size"] for r in fitted],
                    "what": "collective within one host: intra_us[0] + intra_us[1] x ranks"}
 
@@ -324,21 +400,24 @@ def plot(runs: list[dict], mdl: dict, path: str) -> None:
     for case, label in (("gather", "all-gather + read (old)"), ("reduce", "reduce, doubling"),
                         ("reduce_gloo_ring", "gloo ring all-reduce x2"),
                         ("reduce_shm", "reduce, shared memory"),
+                        ("reduce_shm_spin0", "reduce, shared memory, no spin"),
                         ("reduce_steady", "reduce, doubling, back to back"),
                         ("reduce_shm_steady", "reduce, shared memory, back to back"),
                         ("begin_round_gather", "begin_round, gather"),
                         ("begin_round_reduce", "begin_round, reduce (doubling)"),
                         ("begin_round_shm", "begin_round, reduce (shared memory)"),
-                        ("begin_round_local", "begin_round, host work alone (group of one)")):
+                        ("begin_round_shm_steady", "begin_round, shared memory, back to back"),
+                        ("begin_round_local", "begin_round, host work alone (group of one)"),
+                        ("begin_round_local_steady", "begin_round, host work alone, back to back")):
         if any(case not in r["cases"] for r in runs):
             continue
-        med = [r["cases"][case]["median_us"] for r in runs]
-        p90 = [r["cases"][case]["p90_us"] for r in runs]
+        med = [case_fig(r, case)["median_us"] for r in runs]
+        p90 = [case_fig(r, case)["p90_us"] for r in runs]
         a1.errorbar(ws, med, yerr=[[0] * len(med), [p - m for p, m in zip(p90, med)]],
                     marker="o", capsize=3, label=label)
     a1.set_xscale("log", base=2)
     a1.set_xlabel("ranks (this host, oversubscribed past its cores)")
-    a1.set_ylabel("µs per round (median, bar to p90)")
+    a1.set_ylabel("µs from the last rank's call (median, bar to p90)")
     a1.set_title("measured, CPU ranks on one host")
     a1.legend(fontsize=8)
     ext = mdl["extrapolated_us"]
@@ -376,6 +455,9 @@ def main() -> None:
                     help="no ranks: the round's host work in this process (begin_round + "
                          "end_round over a group of one, and the reduced vector's parts)")
     ap.add_argument("--batch", type=int, default=4, help="--local: requests a round")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin each rank to one CPU (its local rank modulo the CPUs it may use); "
+                         "default: not pinned, the scheduler places the ranks")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:
@@ -395,14 +477,18 @@ def main() -> None:
                "--master-port", str(29500 + n), "-m", "scripts.bench.consensus",
                "--rounds", str(args.rounds), "--warmup", str(args.warmup),
                "--repeats", str(args.repeats), "--worker-out", part] + \
-            (["--all-cases"] if args.all_cases else [])
+            (["--all-cases"] if args.all_cases else []) + (["--pin"] if args.pin else [])
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         with open(part) as f:
             runs.append(json.load(f))
-        print(json.dumps({"world": n, **{k: [round(v["median_us"]), round(v["p90_us"])]
-                                         for k, v in runs[-1]["cases"].items()},
+        print(json.dumps({"world": n, **{k: [round(case_fig(runs[-1], k)["median_us"]),
+                                             round(case_fig(runs[-1], k)["p90_us"])]
+                                         for k in runs[-1]["cases"]},
+                          "skew_us": {k: round(v["skew_us"]["median_us"])
+                                      for k, v in runs[-1]["cases"].items() if "skew_us" in v},
                           "waiting_rank_cpu_share": {
-                              k: round(v["cpu_share"], 3) for k, v in
+                              k: [round(v["cpu_share"], 3), round(v.get("thread_cpu_share", -1), 3)]
+                              for k, v in
                               runs[-1]["waiting_rank"].items() if isinstance(v, dict)}}),
               flush=True)
     mdl = model(runs, os.cpu_count() or 1, args.inter_node_latency_us, args.inter_node_gbps)
@@ -410,7 +496,7 @@ def main() -> None:
 
     res = {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
            "backend": "gloo (loopback, CPU ranks) and shared memory", "rounds": args.rounds,
-           "repeats": args.repeats,
+           "repeats": args.repeats, "pinned": args.pin,
            "oversubscribed": [n for n in args.worlds if n > (os.cpu_count() or 1)],
            "runs": runs, "model": mdl}
     from scripts.bench.common import write_json
