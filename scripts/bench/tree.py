@@ -33,6 +33,7 @@ def run(engine: Any, prompts: list[list[int]], new_tokens: int, device: str,
         batch: int) -> dict:
     params = SamplingParams(max_new_tokens=new_tokens)
     hist0 = dict(engine.stats.accept_histogram)
+    round0 = engine.planner.round
     sync(device)
     start = time.perf_counter()
     reqs = []
@@ -43,7 +44,11 @@ def run(engine: Any, prompts: list[list[int]], new_tokens: int, device: str,
     rounds = sum(r.spec_rounds for r in reqs)
     hist = {k: v - hist0.get(k, 0) for k, v in engine.stats.accept_histogram.items()
             if v - hist0.get(k, 0)}
+    cluster_rounds = engine.planner.round - round0
     return {"tokens": sum(len(r.output_ids) for r in reqs), "elapsed_s": elapsed,
+            # wall ms per engine round (prefill rounds included): at 8B shapes what a chain or
+            # a tree round costs, beside adaptive_dist.policy.tree's derived price
+            "ms_per_round": 1e3 * elapsed / max(cluster_rounds, 1),
             "rounds": rounds, "accept_per_round": sum(r.accepted for r in reqs) / max(rounds, 1),
             "hist": {str(k): v for k, v in sorted(hist.items())},
             "outputs": [r.output_ids for r in reqs]}
@@ -96,15 +101,19 @@ def main() -> None:
         chain = next(r for r in rows if r["regime"] == row["regime"] and r["repeat"] == row[
             "repeat"] and r["engine"] == "chain" + row["engine"].split("/")[0].lstrip("chaintre"))
         s = summary.setdefault(key, {"accept_per_round": row["accept_per_round"],
-                                     "tokens_per_s": [], "equal_to_chain": True})
+                                     "tokens_per_s": [], "ms_per_round": [],
+                                     "equal_to_chain": True})
         s["tokens_per_s"].append(round(row["tokens"] / row["elapsed_s"], 1))
+        s["ms_per_round"].append(round(row["ms_per_round"], 3))
         s["equal_to_chain"] &= row["outputs"] == chain["outputs"]
     for row in rows:
         del row["outputs"]
-    print(f"{'regime engine':34} {'accept/round':>12} {'tokens/s (repeats)':>28} equal")
+    print(f"{'regime engine':34} {'accept/round':>12} {'tokens/s (repeats)':>28} "
+          f"{'ms/round (median)':>17} equal")
     for key, s in summary.items():
+        ms = sorted(s["ms_per_round"])[len(s["ms_per_round"]) // 2]
         print(f"{key:34} {s['accept_per_round']:12.3f} {str(s['tokens_per_s']):>28} "
-              f"{s['equal_to_chain']}")
+              f"{ms:17.3f} {s['equal_to_chain']}")
     cal = calibrate(summary)
     print(f"{'tree':12} {'fitted f':>8}  regime: chain p, observed / predicted accepted per round")
     for tree, c in cal.items():
