@@ -1,7 +1,7 @@
 """Draft trees against chains at equal draft steps (issue 35 §4): accept length per round and
 tokens/s of greedy decoding on the bundled pair (or `--model`), per prompt regime.
 
-    python -m scripts.bench.tree [--device cpu|cuda] [--model DIR] [--steps 3 5]
+    python -m scripts.bench.tree [--device cpu|cuda] [--model DIR | --shape llama3-8b] [--steps 3 5]
         [--trees 2x6 4x8] [--batch 1] [--prompts 6] [--new-tokens 64] [--repeats 3]
         [--out FILE]
 
@@ -58,6 +58,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--shape", default=None, metavar="NAME",
+                   help="instead of --model: a target of this shape (e.g. llama3-8b) with an "
+                        "EAGLE-3 head, random bfloat16 weights made on the device "
+                        "(scripts.gen.make_checkpoint's shapes): the price of chain and tree "
+                        "rounds at a real shape (ms/round); its acceptance means nothing")
     p.add_argument("--steps", type=int, nargs="+", default=[3, 5])
     p.add_argument("--trees", nargs="+", default=["2x6", "4x8"],
                    help="KxN: top-k K, N verify tokens (root included)")
@@ -68,7 +73,12 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    target, head = load_pair(args.model, args.device)
+    if args.shape is not None:
+        from scripts.bench.common import random_pair
+
+        target, head = random_pair(args.shape, "eagle3", args.device)
+    else:
+        target, head = load_pair(args.model, args.device)
     tok = tokenizer(args.model, None, target.config.vocab_size)
     regimes = encode_prompts(make_prompts(args.prompts, seed=0), tok.encode)
     context = max(len(x) for v in regimes.values() for x in v) + args.new_tokens + 64
