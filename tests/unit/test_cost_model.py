@@ -182,3 +182,43 @@ def test_the_measurement_produces_both_terms_on_the_cpu() -> None:
     from workers.sampling import SamplingParams
     done = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
     assert len(done[0].output_ids) == 4
+
+
+def test_the_schedule_check_prices_every_kind_on_the_cpu() -> None:
+    """`scripts.bench.model_shapes.check_schedule` on the tiny pair with per-request budgets
+    (eager, overlap on): every plan is charged the step after it, every kind is priced with the
+    terms of the model, and the served prediction is the tokens over the summed prices."""
+    import torch
+
+    from engine_fixtures import engine_for, per_request_config, tiny_pair
+    from scripts.bench.model_shapes import KINDS, check_schedule
+
+    torch.set_num_threads(1)
+    target, head = tiny_pair()
+    engine = engine_for(target, head, "ema", config=per_request_config(top_tokens=64),
+                        max_batch=4, overlap=True)
+    spec = engine.config.spec
+    ladder = spec.verify_cost.tokens
+    context = ContextTerm.parse({"256": {str(t): spec.verify_cost.cost(t) + 1e-3 * t
+                                         for t in ladder}})
+    prefill = PrefillTerm((32, 1024), (0.5, 2.0), 1e-6)
+    model = CostModel(spec.round_cost, spec.verify_cost, context, prefill)
+    out = check_schedule(engine, 10, 288, target.config.vocab_size, model)
+    rounds = out["rounds"]
+    assert {r["kind"] for r in rounds} <= set(KINDS) and out["decode"]["rounds"] > 0
+    assert out["prefill"]["rounds"] + out["mixed"]["rounds"] > 0
+    for r in rounds:
+        assert r["seconds"] > 0 and r["predicted"] >= r["base"] > 0
+        if r["prefill_slots"]:
+            assert r["predicted_prefill"] == pytest.approx(
+                prefill.cost(r["prefill_slots"], r["prefill_positions"]))
+        assert r["predicted_decode"] == pytest.approx(model.round_seconds(
+            r["steps"], r["tokens"], r["batch"], r["positions_read"], r["verify_tokens_real"]))
+    every = out["all"]
+    assert every["rounds"] == len(rounds)
+    assert every["predicted_s"] == pytest.approx(sum(r["predicted"] for r in rounds))
+    served = out["served"]
+    assert served["predicted_tokens_per_s"] == pytest.approx(
+        served["output_tokens"] / every["predicted_s"])
+    assert out["unpriced"] == []
+    assert engine.scheduler.has_work is False

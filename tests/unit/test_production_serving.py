@@ -57,10 +57,40 @@ def test_a_level_is_compared_with_what_the_server_ran() -> None:
     assert ratio["16"]["output_tokens_per_s"] == pytest.approx(1.5)
 
 
+def test_the_served_prediction_prices_each_wave_s_prefill() -> None:
+    from adaptive_dist.cost_tables import PrefillTerm
+
+    prefill = PrefillTerm((1024, 65536), (0.02, 1.0), 2e-11)
+    tables = {"table_s": TABLE, **prefill.to_json()}
+    row = {"mode": "goodput", "concurrency": 64, "server": ps.metric_delta({}, {}, 64),
+           "bench": {"completed": 256, "output_throughput": 4000.0, "mean_tpot_ms": 10.0}}
+    ps.compare(row, TABLE, tables, input_len=1024, output_len=256)
+    served = row["prediction"]["served"]
+    # a wave: 255 decode rounds of 5.7 ms, one prefill of 64 x 1024 slots and 64 x 1024 x 1025 / 2
+    # positions
+    wave = 255 * 0.0057 + 1.0 + 2e-11 * 64 * 1024 * 1025 / 2
+    assert served["tokens_per_s"] == pytest.approx(64 * 256 / wave)
+    assert served["prefill_share"] == pytest.approx(1 - 255 * 0.0057 / wave)
+    assert row["served"]["output_over_served_prediction"] == pytest.approx(
+        4000.0 / served["tokens_per_s"])
+    # a table without the prefill term says so
+    row2 = {"mode": "no-spec", "concurrency": 1, "server": ps.metric_delta({}, {}, 1)}
+    ps.compare(row2, TABLE, {"table_s": TABLE}, input_len=1024, output_len=256)
+    assert row2["prediction"]["served"]["tokens_per_s"] is None
+    assert "prefill" in row2["prediction"]["served"]["unpriced"]
+
+
 def test_a_cost_table_file_is_read_in_seconds(tmp_path) -> None:
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"context": 1024, "agreed_round_cost_ms": {"1": {"0": 5.0}}}))
     assert ps.table_from_file(str(path))["table_s"] == {"1": {"0": 0.005}}
+    assert "prefill_cost_ms" not in ps.table_from_file(str(path))
+    path.write_text(json.dumps({"agreed_round_cost_ms": {"1": {"0": 5.0}},
+                                "prefill_cost_ms": {"32": 3.0, "4096": 90.0},
+                                "prefill_ms_per_million_positions": 0.04}))
+    read = ps.table_from_file(str(path))
+    assert read["prefill_cost_ms"] == {"32": 3.0, "4096": 90.0}
+    assert read["prefill_ms_per_million_positions"] == 0.04
 
 
 PROBLEM = sglang_client.importable()
