@@ -97,10 +97,12 @@ def with_model_costs(spec: AdaptiveConfig, value: str) -> AdaptiveConfig:
 #   extended past the last by its last segment. With one C that is `slope(r) * P`, `slope(r) =
 #   (v(r, C) - v(r, 0)) / (r * C)` seconds per (token x position).
 # - the prefill term: a prefill's seconds by the token slots it runs (`prefill_cost_ms` =
-#   `{slots: ms}`, measured with every prompt reading one position: the forward's linear part),
-#   linear between the measured slot counts and past the ends by the nearest segment, plus its
-#   attention, `prefill_ms_per_million_positions` x the positions its prompts read (causal:
-#   `sum len (len + 1) / 2`), fitted from prefills measured with full-length prompts.
+#   `{slots: ms}`: the forward's part that follows its token slots), linear between the measured
+#   slot counts and past the ends by the nearest segment, plus its attention,
+#   `prefill_ms_per_million_positions` x the KV positions it reads (the padded path attends every
+#   slot causally: rows x width (width + 1) / 2; the ragged path each prompt's own,
+#   `sum len (len + 1) / 2`), the two fitted together from prefills of the same slots at other
+#   widths (`fit_prefill`).
 
 CONTEXT_KEY = "agreed_verify_cost_ms_at_context"
 PREFILL_KEY = "prefill_cost_ms"
@@ -240,26 +242,37 @@ def causal_positions(lengths: Any) -> int:
 
 
 def fit_prefill(samples: Any) -> PrefillTerm:
-    """The prefill term from measurements ``(slots, positions, seconds)``: the linear part from
-    the samples at the fewest positions of each slot count, the per-position cost the
-    least-squares slope of every slot count's extra seconds over its extra positions (None
-    without a slot count measured at two position counts; held at >= 0)."""
-    by_slots: dict[int, list[tuple[float, float]]] = {}
-    for slots, positions, seconds in samples:
-        by_slots.setdefault(int(slots), []).append((float(positions), float(seconds)))
-    if not by_slots:
+    """The prefill term from measurements ``(slots, positions, seconds)``: seconds = B(slots) +
+    c * positions, B linear between knots (each measured slot count's sample at the fewest
+    positions), c by least squares over the other samples (a sample's B read from the knots
+    around it, each knot's seconds less c times its positions: closed form); None without a
+    sample off the knots, held at >= 0. The knots' costs are stored with their attention taken
+    out (``t_k - c p_k``)."""
+    pts = [(int(s), float(p), float(t)) for s, p, t in samples]
+    if not pts:
         raise ValueError("fit_prefill: no samples")
-    base = {s: min(pts)[1] for s, pts in by_slots.items()}
+    knots: dict[int, tuple[float, float]] = {}
+    for s, p, t in pts:
+        if s not in knots or p < knots[s][0]:
+            knots[s] = (p, t)
+    keys = tuple(sorted(knots))
+    xs = tuple(float(k) for k in keys)
+
+    def weights(slots: float) -> list[float]:
+        """B(slots) = sum w_k B_k (`_interp`'s weights)."""
+        return [_interp(xs, tuple(1.0 if i == k else 0.0 for i in range(len(keys))), slots)
+                for k in range(len(keys))]
     num = den = 0.0
-    for s, pts in by_slots.items():
-        p0, t0 = min(pts)
-        for p, t in pts:
-            if p > p0:
-                num += (p - p0) * (t - t0)
-                den += (p - p0) ** 2
+    for s, p, t in pts:
+        if knots[s] == (p, t):
+            continue
+        w = weights(float(s))
+        y = t - sum(wk * knots[k][1] for wk, k in zip(w, keys))
+        x = p - sum(wk * knots[k][0] for wk, k in zip(w, keys))
+        num, den = num + x * y, den + x * x
     per = max(num / den, 0.0) if den else None
-    keys = tuple(sorted(base))
-    return PrefillTerm(keys, tuple(base[k] for k in keys), per)
+    c = per or 0.0
+    return PrefillTerm(keys, tuple(max(knots[k][1] - c * knots[k][0], 1e-9) for k in keys), per)
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ printed per batch (mean, min, max over the layers) and kept per layer in the JSO
 `--cost-context C [C ...]` measures the cost model's other terms on the built engine
 (`adaptive_dist.cost_tables`, docs/policy.md "The cost model"): the packed verify forward per
 token rung with every row holding C cached positions (the context term), and the prefills of
-`workers.worker.round_cost.prefill_shapes` (one row at every padded width, more rows at the
-widest, the widest with full- and half-length prompts, `--ragged-prefills` token counts of the
-ragged path), from which the prefill term is fitted; the JSON then holds them under the keys a
+`workers.worker.round_cost.prefill_shapes` (the narrowest width at every rows bucket, one row
+at every wider width, more rows at the widest, `--ragged-prefills` token counts of the ragged
+path), from which the prefill term is fitted; the JSON then holds them under the keys a
 cost table file has (`agreed_verify_cost_ms_at_context`, `prefill_cost_ms`,
 `prefill_ms_per_million_positions`) with the samples and the seconds each measurement took.
 
@@ -336,11 +336,17 @@ def cost_terms_json(terms: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def prefill_slots(engine: Any, plan: Any) -> int:
-    """Token slots of a plan's prefill: rows bucket x width bucket on the padded path, the
-    agreed token count on the ragged one."""
+def prefill_size(engine: Any, plan: Any, lengths: list[int]) -> tuple[int, int]:
+    """(token slots, KV positions read) of a plan's prefill of prompts of `lengths`: on the
+    padded path rows bucket x width bucket, every slot attending its row causally; on the ragged
+    path the agreed token count, each prompt attending itself."""
+    from adaptive_dist.cost_tables import causal_positions
+    from workers.worker.round_cost import padded_positions
+
     shape = engine.worker.prefill_runner.shape(plan.extend_requests, plan.extend_width)
-    return shape[0] * shape[1] if shape is not None else plan.extend_tokens
+    if shape is not None:
+        return shape[0] * shape[1], padded_positions(*shape)
+    return plan.extend_tokens, causal_positions(lengths)
 
 
 def served_prediction(kinds: dict[str, Any], tokens: int) -> dict[str, Any]:
@@ -371,7 +377,7 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int,
     `PROFILE_AT` under the torch profiler (their kernels kept in `profiled`)."""
     import random
 
-    from adaptive_dist.cost_tables import CostModel, causal_positions
+    from adaptive_dist.cost_tables import CostModel
     from workers.sampling import SamplingParams
 
     rng = random.Random(7)
@@ -444,8 +450,7 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int,
         tokens, batch = plan.shape.verify_tokens, plan.batch_pad
         base = model.round_seconds(plan.steps, tokens, batch)
         decode = model.round_seconds(plan.steps, tokens, batch, read, real)
-        slots = prefill_slots(engine, plan) if plan.extend_tokens else 0
-        positions = causal_positions(fresh)
+        slots, positions = prefill_size(engine, plan, fresh) if plan.extend_tokens else (0, 0)
         pre = model.prefill_seconds(slots, positions) if slots else 0.0
         rounds.append({"kind": kind, "waited": waited[0], "base": base,
                        "predicted": decode + pre, "predicted_decode": decode,

@@ -76,19 +76,30 @@ def test_the_rung_holding_the_real_tokens_prices_them() -> None:
 
 
 def test_the_prefill_fit_recovers_known_terms() -> None:
-    def seconds(slots, positions):
-        return 0.002 + 3e-6 * slots + 5e-11 * positions
-    samples = [(s, 1, seconds(s, 1)) for s in (32, 64, 128, 256, 512)]
-    samples += [(512, causal_positions([512]), seconds(512, causal_positions([512]))),
-                (512, causal_positions([256]), seconds(512, causal_positions([256])))]
-    term = fit_prefill(samples)
-    assert term.per_position == pytest.approx(5e-11)
-    assert term.slots == (32, 64, 128, 256, 512)
-    for slots, lengths in ((100, [100]), (512, [300, 200]), (2048, [1024, 1024])):
-        pos = causal_positions(lengths)
-        assert term.cost(slots, pos) == pytest.approx(seconds(slots, pos), rel=1e-6)
+    """Synthetic timings of the form the model assumes, sampled as `prefill_shapes` samples:
+    narrow rows at every rows bucket, one row at every wider width, more rows at the widest."""
+    from workers.worker.round_cost import padded_positions
+
+    def slot_part(slots):   # bends: weight-bound up to 256 slots, compute-bound beyond
+        return 0.005 + 1e-6 * slots + 4e-6 * max(slots - 256, 0)
+
+    def seconds(rows, width):
+        return slot_part(rows * width) + 5e-11 * padded_positions(rows, width)
+    shapes = [(r, 32) for r in (1, 2, 4, 8, 16, 32, 64)] + [(64, 64)]
+    shapes += [(1, w) for w in (64, 128, 256, 512, 1024)] + [(2, 1024), (4, 1024)]
+    term = fit_prefill([(r * w, padded_positions(r, w), seconds(r, w)) for r, w in shapes])
+    assert term.per_position == pytest.approx(5e-11, rel=1e-6)
+    assert term.slots == (32, 64, 128, 256, 512, 1024, 2048, 4096)
+    for rows, width in ((1, 1024), (8, 512), (3, 100), (16, 128)):
+        pos = padded_positions(rows, width)
+        assert term.cost(rows * width, pos) == pytest.approx(seconds(rows, width), rel=1e-6)
+    # the ragged path beyond: the slot part extended by its last segment
+    assert term.cost(8192, causal_positions([1024] * 8)) == pytest.approx(
+        slot_part(8192) + 5e-11 * causal_positions([1024] * 8), rel=1e-6)
+    # nothing off the knots: no per-position cost
     assert fit_prefill([(32, 1, 0.01), (64, 1, 0.02)]).per_position is None
     assert causal_positions([1, 2, 3]) == 1 + 3 + 6
+    assert padded_positions(2, 3) == 2 * 6
 
 
 def test_the_model_prices_a_round_at_its_context() -> None:
@@ -173,9 +184,10 @@ def test_the_measurement_produces_both_terms_on_the_cpu() -> None:
     cap = worker.prefill_runner.cap
     samples = measure_prefills(worker, repeats=1, ragged=[2 * cap])
     shapes = prefill_shapes(worker, [2 * cap])
-    assert [(s.rows, s.width, s.length) for s in samples] == shapes
-    assert shapes[0] == (1, 32, 1) and shapes[-1] == (0, 2 * cap, 0)
-    assert any(length > 1 for _, _, length in shapes)     # the attention's samples
+    assert [(s.rows, s.width) for s in samples] == shapes
+    assert shapes[0] == (1, 32) and shapes[-1] == (0, 2 * cap)
+    assert (2, 32) in shapes and (1, 64) in shapes          # little and more attention
+    assert all(s.seconds > 0 for s in samples)
     fitted = fit_prefill([(s.slots, s.positions, s.seconds) for s in samples])
     assert fitted.slots[0] == 32 and fitted.slots[-1] == 2 * cap and fitted.per_position is not None
     # the slots are as the measurement found them: the engine still generates

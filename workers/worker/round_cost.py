@@ -270,11 +270,10 @@ PREFILL_CHAIN = 2
 @dataclass
 class PrefillSample:
     """One measured prefill shape: `rows` x `width` token slots (padded; `rows` 0: the ragged
-    path over `width` tokens), prompts of `length` tokens each, seconds per prefill."""
+    path over `width` tokens, no requests), seconds per prefill."""
 
     rows: int
     width: int
-    length: int
     seconds: float
 
     @property
@@ -283,34 +282,44 @@ class PrefillSample:
 
     @property
     def positions(self) -> int:
-        """KV positions the prompts' attention reads (causal)."""
-        return max(self.rows, 1) * self.length * (self.length + 1) // 2
+        """KV positions its attention reads: every padded slot attends its row causally (the
+        prompts' lengths do not enter); the ragged path without requests reads none."""
+        return padded_positions(self.rows, self.width) if self.rows else 0
 
     def as_json(self) -> dict[str, Any]:
-        return {"rows": self.rows, "width": self.width, "length": self.length,
-                "slots": self.slots, "positions": self.positions, "seconds": self.seconds}
+        return {"rows": self.rows, "width": self.width, "slots": self.slots,
+                "positions": self.positions, "seconds": self.seconds}
 
 
-def prefill_shapes(worker: Any, ragged: Sequence[int] = ()) -> list[tuple[int, int, int]]:
-    """The prefills `measure_prefills` times, (rows, width, prompt length): one row at every
-    padded width the engine captures (32 .. the longest prompt's, within the padded cap) with
-    one-token prompts (the forward's linear part), then as many rows of the widest as fit the cap
-    (the linear part at more slots), the widest at one row with full-length prompts and half-length
-    ones (the attention's per-position cost), and `ragged` token counts beyond the cap (rows 0: the
-    ragged path, every slot padding: no attention)."""
+def padded_positions(rows: int, width: int) -> int:
+    """KV positions a padded prefill of `rows` x `width` slots reads (each slot `w` its row's
+    `0 .. w`, whatever the prompts' lengths)."""
+    return rows * width * (width + 1) // 2
+
+
+def prefill_shapes(worker: Any, ragged: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """The prefills `measure_prefills` times, (rows, width): the narrowest width (32) at every
+    rows bucket within the padded cap, and the next width at the most rows (the slots' part,
+    little attention), then one row at every wider width the engine captures and as many rows
+    of the widest as the cap holds (the same slots with more attention: its per-position cost),
+    and `ragged` token counts beyond the cap (rows 0: the ragged path)."""
     runner = worker.prefill_runner
     cap = runner.cap
     longest = max(32, 1 << (worker.config.max_context_len - 1).bit_length())
-    shapes: list[tuple[int, int, int]] = []
-    width = 32
-    while cap and width <= longest and width <= cap:
-        shapes.append((1, width, 1))
-        width *= 2
-    if shapes:
-        top = shapes[-1][1]
-        shapes += [(r, top, 1) for r in runner.row_buckets if 1 < r and r * top <= cap]
-        shapes += [(1, top, top), (1, top, top // 2)]
-    shapes += [(0, t, 0) for t in ragged if t > cap]
+    shapes: list[tuple[int, int]] = []
+    if cap >= 32:
+        rows = [r for r in runner.row_buckets if r * 32 <= cap]
+        shapes += [(r, 32) for r in rows]
+        if rows[-1] * 64 <= cap and longest >= 64:
+            shapes.append((rows[-1], 64))
+        width = 64
+        while width <= longest and width <= cap:
+            shapes.append((1, width))
+            width *= 2
+        top = width // 2
+        shapes += [(r, top) for r in runner.row_buckets if 1 < r and r * top <= cap]
+    shapes = list(dict.fromkeys(shapes))
+    shapes += [(0, t) for t in ragged if t > cap]
     return shapes
 
 
@@ -319,18 +328,18 @@ def measure_prefills(worker: Any, repeats: int = 3, ragged: Sequence[int] = (),
     """Seconds of a prefill at each of `prefill_shapes` (median of `repeats` chains of
     `PREFILL_CHAIN` prefills after a warm-up chain): the padded prefill through its CUDA graph
     where the worker captured it (`graphs`), its body otherwise, its rows all the dummy slot
-    (every position they write lands on the dummy page) with prompts of the shape's length of
-    random tokens; the ragged path as an idle rank runs it (`EagleWorker.prefill` with no
-    requests). The head's part included (not the deferred variant). Collective like every
-    measurement: every rank the same shapes in the same order. The static inputs are left as the
-    capture left them."""
+    (every position they write lands on the dummy page) with full-width prompts of random
+    tokens; the ragged path as an idle rank runs it (`EagleWorker.prefill` with no requests).
+    The head's part included (not the deferred variant). Collective like every measurement:
+    every rank the same shapes in the same order. The static inputs are left as the capture
+    left them."""
     sync = (torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None))
     runner, slots = worker.prefill_runner, worker.slots
     shapes = prefill_shapes(worker, ragged)
     gen = torch.Generator().manual_seed(TRAFFIC_SEED)
     out: list[PrefillSample] = []
     begun = time.perf_counter()
-    for i, (rows, width, length) in enumerate(shapes):
+    for i, (rows, width) in enumerate(shapes):
         startup_log.current().progress("prefill costs", i, len(shapes),
                                        f"{max(rows, 1)} x {width} slots", since=begun)
         if rows:
@@ -338,10 +347,10 @@ def measure_prefills(worker: Any, repeats: int = 3, ragged: Sequence[int] = (),
             entry = (runner.table.get(runner.key(rows, width, True))
                      if graphs and runner.table is not None else None)
 
-            def stage(ids=ids, where=where, lens=lens, length=length) -> None:
+            def stage(ids=ids, where=where, lens=lens, width=width) -> None:
                 ids.copy_(torch.randint(0, slots.vocab, ids.shape, generator=gen))
                 where.fill_(slots.dummy)
-                lens.fill_(length)
+                lens.fill_(width)
             body = (entry.replay if entry is not None else
                     (lambda r=rows, w=width: runner.padded(r, w, True)))
         else:
@@ -357,13 +366,12 @@ def measure_prefills(worker: Any, repeats: int = 3, ragged: Sequence[int] = (),
                 body()
             sync()
             times.append((time.perf_counter() - start) / PREFILL_CHAIN)
-        out.append(PrefillSample(rows, width, length, statistics.median(times[1:])))
+        out.append(PrefillSample(rows, width, statistics.median(times[1:])))
     if runner.buf is not None:   # as the capture left them
         runner.buf.zero_()
         runner.inputs(runner.top_rows, 0)[1].fill_(slots.dummy)
     slots.cache_len[slots.dummy:].zero_()
     return out
-
 
 # ---- the check: does a measurement round route like traffic? ----------------------------------
 
