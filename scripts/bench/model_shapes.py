@@ -71,6 +71,9 @@ def parse_args() -> argparse.Namespace:
                    help="a MoE shape's experts over the ranks (see --moe-parallel of generate)")
     p.add_argument("--reanalyse", nargs="+", metavar="JSON", help="recompute a finished run's "
                    "GPU busy shares (kernel time over the agreed cost) and plot")
+    p.add_argument("--copy-terms", nargs=2, metavar=("RUN", "TABLE"),
+                   help="copy the cost model's terms a --cost-context run measured (RUN, its "
+                        "JSON) into the cost table file TABLE, beside its decode tables")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--replays", type=int, default=10)
@@ -160,6 +163,9 @@ def main() -> int:
     if args.reanalyse:  # recompute the busy shares and the plot of a finished run
         for name in args.reanalyse:
             finish(json.loads(Path(name).read_text()), Path(name))
+        return 0
+    if args.copy_terms:
+        copy_terms(Path(args.copy_terms[0]), Path(args.copy_terms[1]))
         return 0
     if args.layout is None:
         raise SystemExit("bench_model_shapes: --layout tp1|tp2|dp2 is required (or --reanalyse)")
@@ -334,6 +340,27 @@ def cost_terms_json(terms: dict[str, Any]) -> dict[str, Any]:
     out["cost_terms_seconds"] = {"context": terms["context_seconds"],
                                  "prefill": terms["prefill_seconds"]}
     return out
+
+
+TERM_KEYS = ("agreed_verify_cost_ms_at_context", "prefill_cost_ms",
+             "prefill_ms_per_million_positions", "prefill_samples", "cost_terms_seconds")
+"""What `--copy-terms` copies (the first three are what `adaptive_dist.cost_tables` reads)."""
+
+
+def copy_terms(run: Path, table: Path) -> None:
+    """`--copy-terms`: the cost model's terms of `run` into `table` (its other keys kept), with
+    the run's command as `cost_terms_command`."""
+    data, into = json.loads(run.read_text()), json.loads(table.read_text())
+    if "prefill_cost_ms" not in data:
+        raise SystemExit(f"--copy-terms: {run} has no cost model terms (run model_shapes with "
+                         f"--cost-context)")
+    for key in TERM_KEYS:
+        into.pop(key, None)
+        if key in data:
+            into[key] = data[key]
+    into["cost_terms_command"] = data.get("command")
+    write_json(table, into)
+    print(f"copied {', '.join(k for k in TERM_KEYS if k in data)} from {run} into {table}")
 
 
 def prefill_size(engine: Any, plan: Any, lengths: list[int]) -> tuple[int, int]:

@@ -234,3 +234,21 @@ def test_the_schedule_check_prices_every_kind_on_the_cpu() -> None:
         served["output_tokens"] / every["predicted_s"])
     assert out["unpriced"] == []
     assert engine.scheduler.has_work is False
+
+
+def test_copy_terms_into_a_table_file(tmp_path) -> None:
+    from scripts.bench.model_shapes import copy_terms
+
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({CONTEXT_KEY: {"0": {"1": 4.0}, "512": {"1": 4.6}},
+                               **PrefillTerm((32, 4096), (3.0e-3, 9e-2), 4e-11).to_json(),
+                               "command": "model_shapes --cost-context 512"}))
+    table = _file(tmp_path)
+    copy_terms(run, tmp_path / "table.json")
+    model = cost_model(table)
+    assert model.unpriced() == [] and model.context.contexts == (0, 512)
+    assert json.loads(open(table).read())["cost_terms_command"] == "model_shapes --cost-context 512"
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"command": "model_shapes"}))
+    with pytest.raises(SystemExit, match="no cost model terms"):
+        copy_terms(bare, tmp_path / "table.json")
