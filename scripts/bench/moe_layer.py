@@ -79,7 +79,11 @@ def block(device: str):
 
 def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
     """`fn` captured in a CUDA graph (after a warm-up on a side stream); returns its replay
-    (on the CPU: `fn` itself)."""
+    (on the CPU: `fn` itself). The replay holds `fn`: the graph reads and writes, at the addresses
+    of the capture, the tensors `fn`'s closure holds (`kernels_only`'s alignment, hidden rows and
+    output; the routing a lambda takes as a default), and a bare `graph.replay` let them go — the
+    next capture's `empty_cache` returned their memory to the driver, and the first replay of
+    `kernels` at 1 row died with an illegal memory access (issue 36)."""
     if DEVICE == "cpu":
         return fn
     stream = torch.cuda.Stream()
@@ -91,7 +95,11 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return graph.replay
+
+    def replay() -> None:
+        graph.replay()
+    replay.keeps = fn            # type: ignore[attr-defined]  (see the docstring)
+    return replay
 
 
 def clock(fn: Callable[[], Any], iters: int) -> float:
@@ -261,14 +269,39 @@ def main() -> int:
         raise SystemExit("moe_layer: needs a CUDA GPU (or --tiny)")
     t0 = time.perf_counter()
     layer = layer_rows(args)
-    rounds = [] if args.no_round else round_rows(args)
+    print(f"[moe_layer] {choices(layer)}", flush=True)
+    report(args, layer, [], t0)      # the layer's figures stay if the round part fails
+    if not args.no_round:
+        report(args, layer, round_rows(args), t0)
+    return 0
+
+
+def choices(layer: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the figures say of `moe_kernels`' two shape thresholds: the rows where the pair path
+    runs (at most `PAIR_PATH_PAIRS` pairs) and the layer with the grouped GEMMs was faster, and
+    the rows where the one-program alignment runs (at most `ALIGN_KERNEL_PAIRS` pairs) and the
+    torch ops were faster (medians; see each row's spread before acting on a close call)."""
+    from workers import moe_kernels as mk
+
+    return {"PAIR_PATH_PAIRS": mk.PAIR_PATH_PAIRS, "ALIGN_KERNEL_PAIRS": mk.ALIGN_KERNEL_PAIRS,
+            "pair_path_slower_at_rows": [r["rows"] for r in layer if r["path"] == "pairs"
+                                         and r["graph_ms"] > r["graph_grouped_ms"]],
+            "align_kernel_slower_at_rows": [
+                r["rows"] for r in layer if r["rows"] * TOP_K <= mk.ALIGN_KERNEL_PAIRS
+                and r["align_kernel_ms"] > r["align_torch_ms"]]}
+
+
+def report(args: argparse.Namespace, layer: list[dict[str, Any]], rounds: list[dict[str, Any]],
+           t0: float) -> None:
+    """OUT/moe_layer.json and OUT/moe_layer.png (the round's panel when there are rounds)."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"gpu": gpu_name(DEVICE) if DEVICE == "cuda" else None, "torch": torch.__version__,
               "shape": f"{SHAPE} sparse MLP (d {D}, {E} experts of {F}, top {TOP_K}), bf16",
               "bandwidth_bytes_per_s": args.bandwidth, "iters": args.iters,
               "repeats": args.repeats, "rows": layer, "rounds": rounds,
-              "seconds": time.perf_counter() - t0, "command": " ".join(sys.argv)}
+              "choices": choices(layer), "seconds": time.perf_counter() - t0,
+              "command": " ".join(sys.argv)}
     write_json(out / "moe_layer.json", result)
     plt = pyplot()
     fig, axes = plt.subplots(1, 2 if rounds else 1, figsize=(11 if rounds else 6, 4))
@@ -278,6 +311,8 @@ def main() -> int:
                               ("graph_grouped_ms", "v-", "layer, grouped GEMMs at every N"),
                               ("kernels_ms", "^-", "the two grouped kernels alone"),
                               ("eager_ms", "x:", "layer, eager"),
+                              ("align_kernel_ms", "d:", "alignment, one Triton program"),
+                              ("align_torch_ms", "+:", "alignment, torch ops"),
                               ("floor_ms", "s--", "experts hit / bandwidth")):
         ax.plot(ns, [1000 * r[key] for r in layer], style, label=label)
     ax.set_xscale("log", base=2)
@@ -298,7 +333,6 @@ def main() -> int:
         axes[1].grid(alpha=0.3)
         axes[1].legend()
     save(fig, out / "moe_layer.png")
-    return 0
 
 
 if __name__ == "__main__":

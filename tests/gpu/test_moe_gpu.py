@@ -6,6 +6,9 @@ nothing; a round's graphs and its eager bodies at the same bucket give the same 
 at the shapes of a round and of a prefill; speculative sampling keeps the target's law."""
 from __future__ import annotations
 
+import functools
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -175,6 +178,176 @@ def test_the_align_kernel_equals_the_torch_alignment_on_the_gpu(pairs: int) -> N
     ids = torch.randint(0, 131, (pairs // 8, 8), generator=gen).clamp(max=128).cuda()
     got, want = moe_kernels.align(ids, 128), moe_kernels.align_torch(ids, 128)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ---- the production shape (issue 36): Qwen3-30B-A3B's MoE layer, graph-replayed ---------------
+# 128 experts of 768, top 8, d 2048. Every graph below is captured, then the memory freed since
+# is given back (`_scramble`: what a later capture's `empty_cache` does) and refilled with NaN,
+# then it is replayed over new inputs copied into its static buffers: a graph that reads a tensor
+# nobody holds any more, or baked values instead of its inputs, fails here (the bench's
+# `kernels` way did the former and died with an illegal memory access).
+
+PROD_D, PROD_F = 2048, 768
+DEV = "cuda"
+PROD_ROWS = [1, 2, 3, 5, 8, 9, 13, 31, 64, 100, 128, 129, 200, 256, 333, 512]
+
+
+@functools.lru_cache(maxsize=2)
+def _prod_block(dtype: torch.dtype):
+    """A Qwen3-30B-A3B-shaped MoE block on the GPU (weights 0.02 N(0, 1), drawn in float32)."""
+    from moe_reference import E, TOP_K
+    from workers.model.config import LlamaConfig, MoeSpec
+    from workers.model.moe import MoeBlock
+    from workers.model.parallel import ModelParallel
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=PROD_D, intermediate_size=3 * PROD_D,
+                      num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=4,
+                      explicit_head_dim=128, architecture="Qwen3MoeForCausalLM",
+                      moe=MoeSpec(num_experts=E, top_k=TOP_K, expert_size=PROD_F,
+                                  norm_topk_prob=True))
+    with torch.device("meta"):
+        block = MoeBlock(cfg, ModelParallel.single(DEV))
+    block.to_empty(device=DEV)
+    gen = torch.Generator(DEV).manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device=DEV).mul_(0.02))
+    return block.to(dtype)
+
+
+def _captured(fn):
+    """(the CUDA graph of `fn()` after two warm-ups on a side stream, its output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def _scramble() -> torch.Tensor:
+    """Give every freed block back to the driver, then take 256 MiB filled with NaN (keep it
+    until the replay is checked)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.full((64 << 20,), float("nan"), device=DEV)
+
+
+@pytest.mark.parametrize("layout", ["tp1", "ep_half"])
+@pytest.mark.parametrize("path", ["pairs", "grouped"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_moe_at_the_production_shape_graph_replayed_equals_the_sparse_path(
+        dtype, path: str, layout: str, monkeypatch) -> None:
+    """Rows 1..512 (incl. not powers of two) through each path (the shape picks `pairs` up to 8
+    rows), graph-replayed over the router's routing and over every token sent to the same 8
+    experts, against `MoeBlock.sparse`. `ep_half`: this rank holds experts 0..63, so the routed
+    ids past them are the sentinel 64 and add nothing (the sparse reference weights them 0)."""
+    from moe_reference import E, TOP_K, routings
+    from workers import moe_kernels
+
+    monkeypatch.setattr(moe_kernels, "PAIR_PATH_PAIRS", 0 if path == "grouped" else 10 ** 6)
+    block = _prod_block(dtype)
+    local = E if layout == "tp1" else E // 2
+    w13 = block.gate_up.stacked.view(E, 2 * PROD_F, PROD_D)[:local]
+    w2 = block.down.stacked[:local]
+    for rows in PROD_ROWS:
+        x = torch.empty(rows, PROD_D, dtype=dtype, device=DEV)
+        ids = torch.empty(rows, TOP_K, dtype=torch.int64, device=DEV)
+        weights = torch.empty(rows, TOP_K, dtype=dtype, device=DEV)
+
+        def stage(seed: int, skewed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            """New inputs into the static buffers; returns the routing as routed (for the
+            reference) and its weights, the ids the kernels get are the local ones."""
+            gen = torch.Generator(DEV).manual_seed(seed)
+            x.copy_(torch.randn(rows, PROD_D, generator=gen, device=DEV))
+            routed, w = block.route(x)
+            if skewed:
+                routed = routings(rows, seed)["skewed"].to(DEV)
+            ids.copy_(routed.clamp(max=local))
+            weights.copy_(w)
+            return routed, w * (routed < local).to(dtype)
+
+        stage(rows, False)
+        graph, out = _captured(lambda: moe_kernels.fused_moe(x, ids, weights, w13, w2))
+        junk = _scramble()
+        for seed, skewed in ((rows + 1, False), (rows + 2, True)):
+            routed, w = stage(seed, skewed)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = block.sparse(x, routed, w)
+            tol = ({"atol": 0.04 * want.abs().max().item(), "rtol": 2e-2}
+                   if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4})
+            torch.testing.assert_close(out, want, **tol, msg=lambda m: f"{rows} rows, "
+                                       f"{'skewed' if skewed else 'router'}: {m}")
+        del graph, junk
+
+
+def test_align_at_the_production_shape_graph_replayed_every_row_count() -> None:
+    """`moe_kernels.align` captured at every row count 1..128 (up to 1024 pairs: the one Triton
+    program) and at 129/200/333/512 (the torch ops), replayed over uniform, skewed, last-experts
+    and other-rank routings: equal to `align_torch` run eagerly and to the contract
+    (`moe_reference.check_alignment`)."""
+    from moe_reference import E, TOP_K, check_alignment, routings
+    from workers import moe_kernels
+
+    for rows in [*range(1, 129), 129, 200, 333, 512]:
+        for experts in (E, E // 2):      # E // 2: an expert-parallel rank's, sentinel ids 64
+            ids = torch.zeros(rows, TOP_K, dtype=torch.int64, device=DEV)
+            graph, (got_rows, got_blocks) = _captured(lambda: moe_kernels.align(ids, experts))
+            junk = _scramble()
+            for name, routed in routings(rows, seed=rows).items():
+                if (name == "ep_slice") != (experts == E // 2):
+                    continue
+                ids.copy_(routed)
+                graph.replay()
+                want = moe_kernels.align_torch(ids, experts)
+                torch.cuda.synchronize()
+                assert torch.equal(got_rows, want[0]) and torch.equal(got_blocks, want[1]), \
+                    (rows, name)
+                if rows in (1, 2, 3, 8, 9, 64, 127, 128, 129, 512):
+                    check_alignment(routed, experts, got_rows, got_blocks)
+            del graph, junk
+
+
+def test_the_bench_graphs_hold_what_they_read() -> None:
+    """`scripts.bench.moe_layer.graphed`'s replay keeps the callable it captured, and so the
+    tensors its closure holds (before the fix a bare `graph.replay` let them go: issue 36)."""
+    from scripts.bench import moe_layer
+
+    counter = torch.zeros(5 << 20, device=DEV)     # 20 MiB: a segment of its own
+    alive = weakref.ref(counter)
+
+    def bump(counter: torch.Tensor = counter) -> None:
+        counter.add_(1)
+    replay = moe_layer.graphed(bump)
+    del bump, counter
+    junk = _scramble()
+    assert alive() is not None, "the bench's graph outlived the tensor it writes"
+    replay()
+    torch.cuda.synchronize()
+    assert bool((alive() == 3).all())       # two warm-ups and the replay
+    del junk
+
+
+def test_the_moe_layer_bench_runs_every_way_at_the_production_shape() -> None:
+    """The bench's layer part (`moe_layer.layer_rows`) at 1, 9 and 300 rows, one repeat: every
+    way (the layer graph-replayed, with the grouped GEMMs, its kernels alone, the alignment both
+    ways, eager) captured and timed without a fault (its first repeat died at 1 row before)."""
+    import argparse
+
+    from scripts.bench import moe_layer
+
+    rows = moe_layer.layer_rows(argparse.Namespace(rows=[1, 9, 300], iters=3, repeats=1,
+                                                   bandwidth=3.25e12))
+    assert [r["path"] for r in rows] == ["pairs", "grouped", "grouped"]
+    for r in rows:
+        for way in ("graph", "graph_grouped", "kernels", "align_kernel", "align_torch", "eager"):
+            assert r[f"{way}_ms"] > 0, (r["rows"], way)
+    torch.cuda.synchronize()
 
 
 # ---- Qwen2-MoE over several GPUs: NCCL, CUDA graphs, the cost table measured on real rows ------

@@ -1,0 +1,196 @@
+"""The fused MoE kernels (``workers.moe_kernels``) at the production expert count — 128 experts,
+top 8, as Qwen3-30B-A3B — on the CPU through triton's interpreter, every memory access checked:
+`bounds_checked` fails a launch that loads or stores, unmasked, an element outside every tensor
+argument of that launch (what a GPU reports as an illegal memory access, or silently reads). The
+hidden and model widths are shrunk (the alignment and the padding depend on the pairs, the expert
+count and the top k, not on them), and picked so that the column and reduction loops run several
+slices with a masked tail. Checked: the alignment one Triton program computes equals the torch
+ops' and the layout it promises (`check_alignment`) for random, skewed and other-rank routings;
+the pair path and the grouped path equal the sparse torch path (``MoeBlock.sparse``) at decode
+and prefill row counts. On a GPU the same at the real widths, graph-replayed:
+``tests/gpu/test_moe_gpu.py``."""
+from __future__ import annotations
+
+import functools
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+import torch
+
+from moe_reference import BLOCK, E, TOP_K, check_alignment, routings
+from workers import moe_kernels
+
+D, F = 288, 80    # the pair path: 2 reduction slices of 256 over D; the grouped: 5 of 64, etc.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not INTERPRETED, reason="triton's interpreter (the CPU tier); "
+                                "on a GPU: tests/gpu/test_moe_gpu.py")
+torch.set_num_threads(1)
+
+
+@contextmanager
+def bounds_checked() -> Iterator[list[str]]:
+    """Inside: every triton launch (interpreted) checks each element it loads or stores where its
+    mask is true against the spans of the launch's tensor arguments (first to last element by
+    their strides) and raises naming the kernel, the access and the arguments when one lies
+    outside all of them. Yields the names of the kernels checked."""
+    pytest.importorskip("triton")
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    spans: list[tuple[str, int, int]] = []
+    checked: list[str] = []
+    kernel = [""]
+    init = interp.GridExecutor._init_args_hst
+    builder = interp.interpreter_builder
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def init_args(self, args_dev, kwargs):  # noqa: ANN001, ANN202 (the interpreter's own)
+        args_hst, kwargs_hst = init(self, args_dev, kwargs)
+        names = interp.inspect.getfullargspec(self.fn).args
+        spans.clear()
+        for name, arg in [*zip(names, args_hst), *kwargs_hst.items()]:
+            if isinstance(arg, torch.Tensor) and arg.numel():
+                last = sum((n - 1) * s for n, s in zip(arg.shape, arg.stride()))
+                spans.append((name, arg.data_ptr(),
+                              arg.data_ptr() + (last + 1) * arg.element_size()))
+        kernel[0] = self.fn.__name__
+        checked.append(kernel[0])
+        return args_hst, kwargs_hst
+
+    def check(ptrs, mask, what: str) -> None:  # noqa: ANN001 (interpreter handles)
+        size = np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize
+        addr = np.asarray(ptrs.data, dtype=np.uint64).reshape(-1)
+        live = np.broadcast_to(np.asarray(mask.data, dtype=bool), ptrs.data.shape).reshape(-1)
+        addr = addr[live]
+        inside = np.zeros(addr.shape, dtype=bool)
+        for _, lo, hi in spans:
+            inside |= (addr >= lo) & (addr + size <= hi)
+        if not inside.all():
+            outside = [hex(int(a)) for a in addr[~inside][:4]]
+            raise AssertionError(
+                f"{kernel[0]}: {what} of {int((~inside).sum())} element(s) outside its tensor "
+                f"arguments (first at {outside}); arguments: "
+                + ", ".join(f"{n} [{hex(lo)}, +{hi - lo} B)" for n, lo, hi in spans))
+
+    def checked_load(ptrs, mask, other, *rest):  # noqa: ANN001, ANN202
+        check(ptrs, mask, "load")
+        return load(ptrs, mask, other, *rest)
+
+    def checked_store(ptrs, value, mask, *rest):  # noqa: ANN001, ANN202
+        check(ptrs, mask, "store")
+        return store(ptrs, value, mask, *rest)
+
+    interp.GridExecutor._init_args_hst = init_args
+    builder.create_masked_load, builder.create_masked_store = checked_load, checked_store
+    try:
+        yield checked
+    finally:
+        interp.GridExecutor._init_args_hst = init
+        builder.create_masked_load, builder.create_masked_store = load, store
+
+
+def test_bounds_checked_catches_an_access_outside_the_arguments() -> None:
+    """The check has power: `align_kernel` handed a rows buffer shorter than its length writes
+    past it, and the check names the kernel and the store."""
+    ids = torch.zeros(1, TOP_K, dtype=torch.int64)
+    rows = torch.empty(16, dtype=torch.int64)
+    block_expert = torch.empty(E, dtype=torch.int64)
+    with bounds_checked(), pytest.raises(Exception, match="align_kernel: store of"):
+        moe_kernels._kernels().align[(1,)](ids.reshape(-1), rows, block_expert, TOP_K, E,
+                                           E * moe_kernels.BLOCK_M, BLOCK=moe_kernels.BLOCK_M,
+                                           EXPERTS=E, CHUNK=moe_kernels.ALIGN_CHUNK)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 13, 31, 64, 100, 127, 128])
+def test_the_align_kernel_at_128_experts_top_8(rows: int) -> None:
+    """Up to 1024 pairs (`ALIGN_KERNEL_PAIRS`): `align` is the one Triton program, equal to the
+    torch ops and to its contract, in bounds, for every routing of `routings`."""
+    assert rows * TOP_K <= moe_kernels.ALIGN_KERNEL_PAIRS and moe_kernels.BLOCK_M == BLOCK
+    for name, ids in routings(rows, seed=rows).items():
+        experts = E // 2 if name == "ep_slice" else E     # a rank of 64: the sentinel 64
+        with bounds_checked() as ran:
+            got = moe_kernels.align(ids, experts)
+        assert ran == ["align_kernel"], name
+        want = moe_kernels.align_torch(ids, experts)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (rows, name)
+        check_alignment(ids, experts, *got)
+
+
+def test_align_beyond_the_kernel_is_the_torch_alignment() -> None:
+    """Past `ALIGN_KERNEL_PAIRS` (512 rows: 4096 pairs) `align` is the torch ops, to the same
+    contract."""
+    ids = routings(512, seed=512)["uniform"]
+    with bounds_checked() as ran:
+        rows, block_expert = moe_kernels.align(ids, E)
+    assert ran == []
+    check_alignment(ids, E, rows, block_expert)
+
+
+@functools.lru_cache(maxsize=2)
+def moe_block(dtype: torch.dtype):
+    """A Qwen3-30B-A3B-shaped MoE block (128 experts, top 8, normalised top-k) at widths D and
+    F, random weights (drawn in float32, then cast), in `dtype`."""
+    from workers.model.config import LlamaConfig, MoeSpec
+    from workers.model.moe import MoeBlock
+    from workers.model.parallel import ModelParallel
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=D, intermediate_size=3 * D, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2,
+                      architecture="Qwen3MoeForCausalLM",
+                      moe=MoeSpec(num_experts=E, top_k=TOP_K, expert_size=F, norm_topk_prob=True))
+    moe = MoeBlock(cfg, ModelParallel.single("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * D ** -0.5)
+    return moe.to(dtype)
+
+
+def _fused_against_sparse(rows: int, path: str, dtype: torch.dtype, monkeypatch,
+                          routing: str = "router") -> None:
+    monkeypatch.setattr(moe_kernels, "PAIR_PATH_PAIRS", 0 if path == "grouped" else 10 ** 6)
+    x = torch.randn(rows, D, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    moe = moe_block(dtype)
+    ids, weights = moe.route(x)
+    if routing != "router":
+        ids = routings(rows, seed=rows + 1)[routing]
+    w13 = moe.gate_up.stacked.view(E, 2 * F, D)
+    if routing == "ep_slice":   # this rank holds experts 0..63; the sentinel 64 is another's
+        with bounds_checked() as ran:
+            got = moe_kernels.fused_moe(x, ids, weights, w13[:E // 2],
+                                        moe.down.stacked[:E // 2])
+        want = moe.sparse(x, ids, weights * (ids < E // 2).to(dtype))
+    else:
+        with bounds_checked() as ran:
+            got = moe.fused(x, ids, weights)
+        want = moe.sparse(x, ids, weights)
+    kernels = (["pair_gate_up_kernel", "pair_down_kernel"] if path == "pairs" else
+               ["align_kernel"] * (rows * TOP_K <= moe_kernels.ALIGN_KERNEL_PAIRS)
+               + ["gate_up_kernel", "down_kernel"])
+    assert ran == kernels
+    # bfloat16: hidden rows rounded to 8 bits after sums in different orders (as on the GPU)
+    tol = ({"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else
+           {"atol": 0.04 * want.abs().max().item(), "rtol": 2e-2})
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("rows, dtype, routing", [
+    (1, torch.float32, "router"), (3, torch.bfloat16, "router"), (6, torch.float32, "skewed"),
+    (5, torch.float32, "ep_slice")])
+def test_the_pair_path_at_128_experts_equals_the_sparse_path(rows: int, dtype,
+                                                             routing: str, monkeypatch) -> None:
+    """Decode rows (up to 64 pairs, where the shape picks it): the router's routing, every token
+    to the same 8 experts, and an expert-parallel slice's (zeros for another rank's pairs)."""
+    _fused_against_sparse(rows, "pairs", dtype, monkeypatch, routing)
+
+
+@pytest.mark.parametrize("rows, routing", [(1, "router"), (9, "router"), (13, "ep_slice"),
+                                           (64, "skewed"), (100, "last"), (129, "router")])
+def test_the_grouped_path_at_128_experts_equals_the_sparse_path(rows: int, routing: str,
+                                                                monkeypatch) -> None:
+    """float32 (triton's interpreter multiplies bfloat16 tl.dot operands wrongly; the GPU test
+    checks bfloat16): 1 row (8 experts of 128: 120 empty, 113 blocks past the runs), decode and
+    prefill rows through the align kernel, 129 rows (1032 pairs) through the torch alignment."""
+    _fused_against_sparse(rows, "grouped", torch.float32, monkeypatch, routing)
