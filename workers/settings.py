@@ -125,7 +125,7 @@ class SpecChoice:
         help="with --adaptive: draft trees (S steps, top-k K, N verify tokens per request) among "
              "the goodput policy's candidates beside its chain depths, each priced from the "
              "cost table and chosen by expected tokens per cost (docs/policy.md, \"Draft trees\");"
-             " implies --policy goodput; e.g. 3x2x6,5x4x8,6x8x16")
+             " implies --policy goodput; e.g. 3x2x6,5x4x8,7x2x12,7x4x16")
     """`--tree-candidates`: goodput's `tree_candidates` (issue 35)."""
 
     def build(self) -> "AdaptiveConfig":

@@ -97,7 +97,7 @@ TREES = ("goodput_tree",)
 and `--tree-candidates` (default `TREE_CANDIDATES`), each tree priced from the cost table's chain
 rows and verify table (`adaptive_dist.policy.tree`). Needs --model-costs with a verify table or
 the start-up measurement of both."""
-TREE_CANDIDATES = ("3x2x6", "5x4x8", "6x8x16")
+TREE_CANDIDATES = ("3x2x6", "5x4x8", "7x2x12", "7x4x16")
 TREE_GOALS = {"transition": {1: (1.20, None), 16: (1.05, None), 64: (1.00, None)},
               "transition_long": {1: (1.20, None), 16: (1.05, None), 64: (1.00, None)},
               "mixed": {1: (1.20, None), 16: (1.05, None), 64: (1.00, None)}}
@@ -558,6 +558,15 @@ def oracle_pricing(engine: Engine, verify: Any, group: Any = None) -> collection
     return shapes
 
 
+def rounds_at_candidate(shapes: dict) -> dict[str, int]:
+    """Rounds with requests per candidate: "chainS" or "tree SxKxN" (`RoundStats.rounds_at_shape`
+    collapsed over batch and verify tokens; a tree's key carries its top-k and N)."""
+    out: collections.Counter = collections.Counter()
+    for key, n in shapes.items():
+        out[f"tree {key[0]}x{key[3]}x{key[4]}" if len(key) == 5 else f"chain{key[0]}"] += n
+    return dict(sorted(out.items()))
+
+
 def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
                device: str, batch: int | None = None, spread: float = 0.0,
                model: RoundCost | None = None, window: int | None = None,
@@ -609,6 +618,7 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
     out.update(switches=stats.switches, probes=stats.probes, resets=stats.resets,
                timeline=[list(x) for x in stats.steps_timeline],
                rounds_at_steps={str(k): v for k, v in sorted(stats.rounds_at_steps.items())},
+               rounds_at_candidate=rounds_at_candidate(stats.rounds_at_shape),
                calibration=[list(c) for c in stats.calibration])
     if engine.planner.round_cost is not None:  # goodput: the table its last decision read
         out.update(timed_rounds=stats.timed_rounds,
@@ -770,6 +780,7 @@ def summarise(workload: str, batch: int, policy: str, rep: int, parts: list[dict
             "gc_full_collections": sum(p.get("gc_full_collections", 0) for p in parts),
             "gc_seconds": max(p.get("gc_seconds", 0.0) for p in parts),
             "rounds_at_steps": lead["rounds_at_steps"], "timeline": lead["timeline"],
+            "rounds_at_candidate": lead.get("rounds_at_candidate"),
             "calibration": [[sum(p["calibration"][i][j] for p in leaders) for j in range(3)]
                             for i in range(10)] if "calibration" in lead else None,
             "phase_rounds": lead["phase_rounds"]}
