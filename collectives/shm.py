@@ -253,6 +253,8 @@ class HostReducer:
         self.waits = 0              # rounds this rank waited in (a peer was not there yet),
         self.waited_s = 0.0         #   their wall time, and how many of them blocked in the
         self.slept = 0              #   kernel (the others ended within the spin)
+        self.blocks = 0             # futex waits entered (a sleeper woken by every arrival, not
+                                    #   only the last, would count one per arrival)
         self.spin_max_s = spin_s()
         self._spin = self.spin_max_s
         self._spin_hits = 1.0       # recent waits that ended within spin_max_s (an average)
@@ -360,8 +362,8 @@ class HostReducer:
         turned off by ``ADAPTIVE_DIST_SHM_FUTEX=0``): one harmless wake of a word nobody
         waits on."""
         if os.environ.get("ADAPTIVE_DIST_SHM_FUTEX", "1") == "0" or \
-                not sys.platform.startswith("linux"):
-            return False
+                not sys.platform.startswith("linux") or len(self.local) > 2048:
+            return False    # (FUTEX_OP's compared value has 12 bits: "all but me" < 2048)
         try:
             import ctypes
 
@@ -502,6 +504,7 @@ class HostReducer:
                 check = now + LIVENESS_S
                 self._raise_if_gone(self._seqs[r & 1] if seqs is None else seqs, r, members,
                                     now >= deadline)
+            self.blocks += 1
             futex.wait(addr, seen, check - now)
         self._waited(t0, time.perf_counter(), True)
 

@@ -8,17 +8,30 @@ alpha-beta model to extrapolate them to large clusters (issues 27, 37).
     shared-memory segment; plain python3 + torch, the plot only when matplotlib is installed)
 
 Per world size, ``--repeats`` times, the cases interleaved with a barrier before each: the
-reduction alone by recursive doubling over gloo and through shared memory, each also back to
-back (``*_steady``: the mean of 3 rounds that follow a first one, the cost of a round when the
-ranks follow each other rather than the barrier's skew), and a whole ``begin_round`` +
-``end_round`` over each, and over a group of one (``begin_round_local``: the round's host work
-with no collective, every rank at once); ``--all-cases`` adds the old all-gather, gloo's ring all-reduce and the
-gathered ``begin_round`` (slow at 16 ranks). Medians and p90 (rank 0's clock) of each repeat, and
-their median. Then what a waiting rank costs the host: rank 0 arrives, every other rank 2 ms
-later; rank 0's process time over its wall time in the collective (shared memory against
-gloo). Then per-hop latency and per-byte cost fitted to those points, extrapolated with a stated
-inter-node latency: the hierarchical scheme (shared memory in a host, recursive doubling between
-hosts' leaders) beside the flat one (and, with ``--all-cases``, the old ones).
+reduction alone by recursive doubling over gloo and through shared memory (also with the spin
+off, ``reduce_shm_spin0``: every early rank blocks in the kernel and is woken), a whole
+``begin_round`` + ``end_round`` over each, and over a group of one (``begin_round_local``: the
+round's host work with no collective, every rank at once); ``*_steady``: back-to-back calls
+after a first one (the ranks follow each other as in an engine's loop, and the caches are warm);
+``--all-cases`` adds the old all-gather, gloo's ring all-reduce and the gathered
+``begin_round`` (slow at 16 ranks).
+
+Every rank reads one clock (``perf_counter``, CLOCK_MONOTONIC: the same for every process of the
+host) around each call; after a repeat the readings are gathered, and a call's figure is
+``from_last_us``: from the last rank's call until every rank has returned — the collective's
+cost without the skew with which the ranks arrive (a gloo barrier lets ranks go tens to
+hundreds of µs apart, ``skew_us`` says how far; an engine's ranks arrive as their rounds end). That is the figure the issue's
+goals are read against. ``rank0_us`` (rank 0's wall time in the call, skew included: this
+bench's figure before) and ``skew_us`` (last call minus first) are beside it. Medians and p90 of
+each repeat, then their median. The ranks are not pinned (``--pin``: one CPU each, by local
+rank); a host with fewer free cores than ranks puts the scheduler's delays into every figure.
+
+Then what a waiting rank costs the host: rank 0 arrives, every other rank 2 ms later; rank 0's
+process time (every thread) and its waiting thread's time over its wall time in the collective
+(shared memory with and without the spin, against gloo). Then per-hop latency and per-byte cost
+fitted to those points, extrapolated with a stated inter-node latency: the hierarchical scheme
+(shared memory in a host, recursive doubling between hosts' leaders) beside the flat one (and,
+with ``--all-cases``, the old ones).
 Writes OUT/results.json and OUT/consensus_cost.png.
 """
 from __future__ import annotations
@@ -53,7 +66,7 @@ def stats(xs: list[float]) -> dict:
 
 
 # ---------------------------------------------------------------------------------- one world
-CASES = ("gather", "reduce", "reduce_gloo_ring", "reduce_shm", "reduce_shm_spin0",
+CASES = ("gather", "reduce", "reduce_gloo_ring", "reduce_shm", "reduce_shm_spin<us>",
          "begin_round_gather", "begin_round_reduce", "begin_round_shm",
          "reduce_steady", "reduce_shm_steady", "begin_round_shm_steady",
          "begin_round_local", "begin_round_local_steady")
@@ -113,10 +126,12 @@ def worker(args) -> None:
     shm = consensus.ReduceChannel(world, layout, "shm")
     spin_env = getattr(shm_mod, "SPIN_ENV", "ADAPTIVE_DIST_SHM_SPIN_US")   # (an older tree: none)
     spin = os.environ.get(spin_env)
-    os.environ[spin_env] = "0"          # the same transport, never spinning
-    shm0 = consensus.ReduceChannel(world, layout, "shm")
+    by_spin = {}                        # the same transport with another spin bound (0: none)
+    for us in args.spin_us:
+        os.environ[spin_env] = f"{us:g}"
+        by_spin[f"reduce_shm_spin{us:g}"] = consensus.ReduceChannel(world, layout, "shm")
     if spin is None:
-        del os.environ[spin_env]
+        os.environ.pop(spin_env, None)
     else:
         os.environ[spin_env] = spin
     coords = {"gather": RoundCoordinator(cfg, world, scheme="gather", clock=None),
@@ -146,7 +161,7 @@ def worker(args) -> None:
 
     cases = {"gather": lambda: gather.gather(vec), "reduce": lambda: doubling.reduce(vec),
              "reduce_gloo_ring": lambda: ring.reduce(vec), "reduce_shm": lambda: shm.reduce(vec),
-             "reduce_shm_spin0": lambda: shm0.reduce(vec),
+             **{name: (lambda ch=ch: ch.reduce(vec)) for name, ch in by_spin.items()},
              "begin_round_gather": round_of(coords["gather"]),
              "begin_round_reduce": round_of(coords["reduce"]),
              "begin_round_shm": round_of(coords["shm"]),
@@ -155,7 +170,6 @@ def worker(args) -> None:
              "begin_round_shm_steady": steady(round_of(coords["shm"])),
              "begin_round_local": round_of(coords["local"]),
              "begin_round_local_steady": steady(round_of(coords["local"]))}
-    assert tuple(cases) == CASES
     if not args.all_cases:
         cases = {k: v for k, v in cases.items() if k not in OLD_CASES}
     names = list(cases)
@@ -195,22 +209,32 @@ def worker(args) -> None:
     res = {name: {fig: {k: statistics.median(r[name][fig][k] for r in repeats)
                         for k in ("median_us", "p10_us", "p90_us", "mean_us")}
                   for fig in repeats[0][name]} for name in names}
-    # a waiting rank's host time: rank 0 first, the others WAIT_MS later
+    # a waiting rank's host time: rank 0 first, the others WAIT_MS later; and the same call when
+    # rank 0 comes WAIT_MS after the others (it does not wait): the difference is the wait's
     waits = {}
-    for name, ch in (("shm", shm), ("shm_spin0", shm0), ("doubling", doubling)):
-        cpu = thread = wall = 0.0
-        for i in range(max(20, args.rounds // 20)):
-            barrier()
-            if ctx.rank != 0:
-                time.sleep(WAIT_MS / 1e3)
-            c0, h0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
-            ch.reduce(vec)
-            cpu += time.process_time() - c0
-            thread += time.thread_time() - h0
-            wall += time.perf_counter() - t0
+    n_wait = max(20, args.rounds // 20)
+    for name, ch in (("shm", shm), *((k[7:], c) for k, c in by_spin.items()),
+                     ("doubling", doubling)):
+        got = {}
+        for first in (True, False):
+            cpu = thread = wall = 0.0
+            for i in range(n_wait):
+                barrier()
+                if (ctx.rank != 0) == first:
+                    time.sleep(WAIT_MS / 1e3)
+                c0, h0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
+                ch.reduce(vec)
+                cpu += time.process_time() - c0
+                thread += time.thread_time() - h0
+                wall += time.perf_counter() - t0
+            got[first] = (cpu, thread, wall)
+        (cpu, thread, wall), (_, thread_last, _) = got[True], got[False]
         # process time: every thread of the rank (gloo's too); thread time: the waiting thread
         waits[name] = {"wall_ms": 1e3 * wall, "cpu_ms": 1e3 * cpu, "cpu_share": cpu / wall,
-                       "thread_cpu_ms": 1e3 * thread, "thread_cpu_share": thread / wall}
+                       "thread_cpu_ms": 1e3 * thread, "thread_cpu_share": thread / wall,
+                       "thread_cpu_us_per_call": 1e6 * thread / n_wait,
+                       "thread_cpu_us_per_call_not_waiting": 1e6 * thread_last / n_wait,
+                       "wait_cpu_us_per_call": 1e6 * (thread - thread_last) / n_wait}
     host = shm.host
     shm_waits = None if host is None else {
         "waits": host.waits, "slept": getattr(host, "slept", None),
@@ -455,6 +479,10 @@ def main() -> None:
                     help="no ranks: the round's host work in this process (begin_round + "
                          "end_round over a group of one, and the reduced vector's parts)")
     ap.add_argument("--batch", type=int, default=4, help="--local: requests a round")
+    ap.add_argument("--spin-us", type=float, nargs="*", default=[0.0],
+                    help="also the shared-memory reduction with these spin bounds, in µs "
+                         "(reduce_shm_spin<us>; 0: never spin; the default channel has the "
+                         "transport's own bound, ADAPTIVE_DIST_SHM_SPIN_US if set)")
     ap.add_argument("--pin", action="store_true",
                     help="pin each rank to one CPU (its local rank modulo the CPUs it may use); "
                          "default: not pinned, the scheduler places the ranks")
@@ -477,7 +505,8 @@ def main() -> None:
                "--master-port", str(29500 + n), "-m", "scripts.bench.consensus",
                "--rounds", str(args.rounds), "--warmup", str(args.warmup),
                "--repeats", str(args.repeats), "--worker-out", part] + \
-            (["--all-cases"] if args.all_cases else []) + (["--pin"] if args.pin else [])
+            (["--all-cases"] if args.all_cases else []) + (["--pin"] if args.pin else []) + \
+            ["--spin-us", *(f"{us:g}" for us in args.spin_us)]
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         with open(part) as f:
             runs.append(json.load(f))
@@ -487,7 +516,8 @@ def main() -> None:
                           "skew_us": {k: round(v["skew_us"]["median_us"])
                                       for k, v in runs[-1]["cases"].items() if "skew_us" in v},
                           "waiting_rank_cpu_share": {
-                              k: [round(v["cpu_share"], 3), round(v.get("thread_cpu_share", -1), 3)]
+                              k: [round(v["cpu_share"], 3), round(v.get("thread_cpu_share", -1), 3),
+                                  round(v.get("wait_cpu_us_per_call", -1), 1)]
                               for k, v in
                               runs[-1]["waiting_rank"].items() if isinstance(v, dict)}}),
               flush=True)

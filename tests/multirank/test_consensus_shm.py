@@ -84,6 +84,55 @@ def test_shm_equals_gloo_doubling_bit_for_bit(world):
             ["all_gather_object.consensus_transport.control"]
 
 
+def staggered_job(rank: int, world: int, rounds: int, gap_s: float) -> dict:
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import collectives as C
+    from collectives import shm
+
+    os.environ[shm.SPIN_ENV] = "0"            # every early member blocks in the kernel at once
+    ctx = C.init_distributed(timeout_s=30.0, backend="gloo")
+    group = ctx.layout().group("world")
+    n_sum = 3
+    _, host = shm.setup(group, 5, n_sum, "shm")
+    sums = []
+    for r in range(rounds):
+        dist.barrier(group=group.control_pg)
+        time.sleep(rank * gap_s)              # rank 0 first, then one member every gap_s
+        t = torch.tensor([rank, 1, r, rank, -rank], dtype=torch.int64)
+        host.all_reduce_sum_max(t)
+        sums.append(t.tolist())
+    out = {"sums": sums, "waits": host.waits, "slept": host.slept, "blocks": host.blocks,
+           "spin_max_us": host.spin_max_s * 1e6,
+           "liveness_checks": int(host.waited_s / shm.LIVENESS_S) + rounds}
+    host.close()
+    ctx.shutdown()
+    return out
+
+
+def test_only_the_last_arrival_wakes_the_sleepers():
+    """Members arrive one at a time, 10 ms apart, with no spin: every early member blocks in the
+    kernel once a round and is woken by the last arrival only (an arrival that woke every
+    sleeper would wake rank 0 three times a round, and each woken member would block again)."""
+    world, rounds = 4, 6
+    res = run_ranks(staggered_job, world, world, rounds, 0.01, timeout=150)
+    for r in res:
+        v = r.value
+        assert v["sums"] == [[sum(range(world)), world, world * i, world - 1, 0]
+                             for i in range(rounds)], v
+        assert v["spin_max_us"] == 0.0
+    early = [res[i].value for i in range(world - 1)]
+    for v in early:
+        assert v["waits"] == v["slept"] == rounds, early
+        # one block a round, and one more per liveness check (every 50 ms of a wait); a member
+        # may re-check once when an arrival lands between its read of the counter and the
+        # kernel's (the kernel then returns at once)
+        assert rounds <= v["blocks"] <= rounds + v["liveness_checks"] + 2, early
+        assert v["blocks"] < 2 * rounds, early
+
+
 def mismatch_job(rank: int) -> str:
     import collectives as C
     from adaptive_dist import consensus
