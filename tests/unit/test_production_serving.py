@@ -120,3 +120,7 @@ def test_end_to_end_on_the_cpu_at_a_tiny_shape(tmp_path) -> None:
     assert row["served"]["decode_over_prediction"] > 0
     table = report["modes"]["no-spec"]["table_s"]
     assert set(table) == {"1", "2"} and all(set(r) == {"0"} for r in table.values())
+    # the table process measured the prefill term: the output prediction prices each wave's
+    assert report["modes"]["no-spec"]["prefill_cost_ms"]
+    assert row["prediction"]["served"]["tokens_per_s"] > 0
+    assert row["served"]["output_over_served_prediction"] > 0
