@@ -132,15 +132,10 @@ def test_align_beyond_the_kernel_is_the_torch_alignment() -> None:
 def moe_block(dtype: torch.dtype):
     """A Qwen3-30B-A3B-shaped MoE block (128 experts, top 8, normalised top-k) at widths D and
     F, random weights (drawn in float32, then cast), in `dtype`."""
-    from workers.model.config import LlamaConfig, MoeSpec
     from workers.model.moe import MoeBlock
     from workers.model.parallel import ModelParallel
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=D, intermediate_size=3 * D, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2,
-                      architecture="Qwen3MoeForCausalLM",
-                      moe=MoeSpec(num_experts=E, top_k=TOP_K, expert_size=F, norm_topk_prob=True))
-    moe = MoeBlock(cfg, ModelParallel.single("cpu"))
+    moe = MoeBlock(_config(), ModelParallel.single("cpu"))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in moe.parameters():
@@ -194,3 +189,80 @@ def test_the_grouped_path_at_128_experts_equals_the_sparse_path(rows: int, routi
     checks bfloat16): 1 row (8 experts of 128: 120 empty, 113 blocks past the runs), decode and
     prefill rows through the align kernel, 129 rows (1032 pairs) through the torch alignment."""
     _fused_against_sparse(rows, "grouped", torch.float32, monkeypatch, routing)
+
+
+def _config():
+    from workers.model.config import LlamaConfig, MoeSpec
+
+    return LlamaConfig(vocab_size=64, hidden_size=D, intermediate_size=3 * D,
+                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                       architecture="Qwen3MoeForCausalLM",
+                       moe=MoeSpec(num_experts=E, top_k=TOP_K, expert_size=F,
+                                   norm_topk_prob=True))
+
+
+def _ep_block(rank: int):
+    """`moe_block`'s float32 weights as expert-parallel rank `rank` of 2 holds them (experts
+    64·rank .. 64·rank + 63), built without processes (its collectives are not called)."""
+    from collectives import Group
+    from workers.model.moe import MoeBlock
+    from workers.model.parallel import ModelParallel
+
+    full = moe_block(torch.float32)
+    pair = Group(name="mlp", ranks=(0, 1), rank=rank, device=torch.device("cpu"))
+    block = MoeBlock(_config(), ModelParallel(attn=pair, mlp=pair, dp=Group.single("cpu"),
+                                              moe="ep"))
+    assert block.local == tuple(range(64 * rank, 64 * rank + 64))
+    with torch.no_grad():
+        block.gate.weight.copy_(full.gate.weight)
+        for e in block.local:
+            for mine, theirs in zip(block.experts[str(e)].parameters(),
+                                    full.experts[str(e)].parameters()):
+                mine.copy_(theirs)
+    return block
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("rows", [3, 9])
+def test_moe_block_fused_on_an_expert_parallel_rank_equals_its_sparse_part(rank: int,
+                                                                           rows: int) -> None:
+    """`MoeBlock.fused` on rank 0 and rank 1 of `--moe-parallel ep` over 2 (64 experts each;
+    rank 1's ids shifted down, the other rank's landing at 64 or more): this rank's part of the
+    sum, as `MoeBlock.sparse` adds it (3 rows: the pair path; 9: the grouped GEMMs)."""
+    block = _ep_block(rank)
+    x = torch.randn(rows, D, generator=torch.Generator().manual_seed(rows + rank))
+    ids, weights = block.route(x)
+    assert ((ids >= 64) == (rank == 0)).any() and ((ids < 64) == (rank == 0)).any()
+    with bounds_checked():
+        got = block.fused(x, ids, weights)
+    torch.testing.assert_close(got, block.sparse(x, ids, weights), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_equals_the_softmax_over_every_expert(norm: bool, dtype) -> None:
+    """`MoeBlock.route` (top k of the logits, then the softmax of those k when renormalised)
+    against the definition, as transformers' Qwen3-MoE / Mixtral / Qwen2-MoE routers compute it:
+    the float32 softmax over all 128 experts, its top 8, divided by their sum when
+    `norm_topk_prob`. Every pair's weight and, tie order aside, the experts picked."""
+    import dataclasses
+
+    block = moe_block(dtype)
+    x = torch.randn(200, D, generator=torch.Generator().manual_seed(7)).to(dtype)
+    spec = block.spec
+    block.spec = dataclasses.replace(spec, norm_topk_prob=norm)
+    try:
+        ids, weights = block.route(x)
+    finally:
+        block.spec = spec
+    probs = torch.softmax(torch.nn.functional.linear(x, block.gate.weight).float(), dim=-1)
+    want, want_ids = torch.topk(probs, TOP_K, dim=-1)
+    if norm:
+        want = want / want.sum(dim=-1, keepdim=True)
+    assert ids.shape == weights.shape == (200, TOP_K) and weights.dtype == dtype
+    # the picked experts' probabilities are the top 8 (equal values may come in another order)
+    torch.testing.assert_close(probs.gather(1, ids), probs.gather(1, want_ids), atol=0, rtol=0)
+    if dtype == torch.float32:
+        assert torch.equal(ids, want_ids)
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0, "rtol": 8e-3}
+    torch.testing.assert_close(weights, want.to(dtype), **tol)

@@ -112,11 +112,20 @@ class MoeBlock(FusedOwner):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the top-k expert ids [N, k], their routing weights [N, k] in ``tokens``' dtype)."""
-        probs = torch.softmax(F.linear(tokens, self.gate.weight).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
+        """(the top-k expert ids [N, k], their routing weights [N, k] in ``tokens``' dtype): the
+        float32 softmax of the router's logits at its top k, renormalised over them when
+        ``norm_topk_prob``. The softmax is monotone, so the top k of the logits are the top k of
+        the probabilities, and renormalised they are the softmax of those k logits alone: four
+        kernels (the logits, top k, a softmax that casts to float32, the cast back) where the
+        softmax over all experts, top k, sum and divide took seven (issue 36: a decode round
+        runs 48 such layers)."""
+        logits = F.linear(tokens, self.gate.weight)
         if self.spec.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            top, ids = torch.topk(logits, self.spec.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
         return ids, weights.to(tokens.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,11 +151,12 @@ class MoeBlock(FusedOwner):
         """This rank's experts through the grouped GEMMs (``workers.moe_kernels``)."""
         e, width = len(self.local), self.down.stacked.shape[-1]
         w13 = self.gate_up.stacked.view(e, 2 * width, -1)    # [gate_e; up_e] rows per expert
-        if e == self.spec.num_experts:   # every expert here (tp, or one rank): ids as routed
+        first = self.local[0]
+        if first == 0:   # every expert (tp, one rank) or ep's first rank: ids past e are others'
             local_ids = ids
-        else:   # ep: this rank's experts first .. first + e - 1; the others' the sentinel e
-            local_ids = ids - self.local[0]
-            local_ids = torch.where((local_ids >= 0) & (local_ids < e), local_ids, e)
+        else:   # ep: this rank's experts first .. first + e - 1 at 0 .. e - 1; the others' ids
+            # land at e or more (below first: + E - first >= e), which the kernels skip
+            local_ids = torch.remainder(ids - first, self.spec.num_experts)
         return moe_kernels.fused_moe(tokens, local_ids, weights, w13, self.down.stacked)
 
     def sparse(self, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
