@@ -59,6 +59,12 @@ def require_round_cost(config: AdaptiveConfig) -> AdaptiveConfig:
     error = missing_inputs_error(config)
     if error is not None:
         raise error
+    trees = getattr(config, "tree_candidates", ()) if config.policy == "goodput" else ()
+    if trees:   # a trace's accept lengths are a chain's: what a tree accepts is not in it
+        raise ConfigError(f"tree_candidates={[list(t[:3]) for t in trees]}: consensus-only mode "
+                          f"replays chains' accept lengths (a trace holds what each request "
+                          f"would accept with unlimited steps of a chain); draft trees need the "
+                          f"engine (generate, serve)")
     return config
 
 

@@ -206,3 +206,13 @@ def test_the_tree_candidates_flag() -> None:
         with pytest.raises(ValueError, match="--tree-candidates") as err:
             SpecChoice(tree_candidates=bad, **kw).build()
         assert word in str(err.value)
+
+
+def test_consensus_only_mode_refuses_trees(costs) -> None:
+    from adaptive_dist.replay import require_round_cost
+
+    with pytest.raises(ConfigError, match="tree_candidates.*consensus-only"):
+        require_round_cost(goodput(*costs, [[3, 2, 6]]))
+    chains = load_config(None, "goodput").replace(round_cost=restrict_costs(costs[0],
+                                                                            (0, 1, 3, 7)))
+    assert require_round_cost(chains) is chains
