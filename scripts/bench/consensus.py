@@ -27,8 +27,9 @@ each repeat, then their median. The ranks are not pinned (``--pin``: one CPU eac
 rank); a host with fewer free cores than ranks puts the scheduler's delays into every figure.
 
 Then what a waiting rank costs the host: rank 0 arrives, every other rank 2 ms later; rank 0's
-process time (every thread) and its waiting thread's time over its wall time in the collective
-(shared memory with and without the spin, against gloo). Then per-hop latency and per-byte cost
+process time (every thread) and its waiting thread's time over its wall time in the collective,
+and that thread time less the same call's when rank 0 comes 2 ms after the others and does not
+wait (``wait_cpu_us_per_call``), for shared memory with each spin bound and for gloo. Then per-hop latency and per-byte cost
 fitted to those points, extrapolated with a stated inter-node latency: the hierarchical scheme
 (shared memory in a host, recursive doubling between hosts' leaders) beside the flat one (and,
 with ``--all-cases``, the old ones).
