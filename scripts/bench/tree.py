@@ -25,6 +25,7 @@ from typing import Any
 
 from scripts.bench.common import (build, encode_prompts, load_pair, make_prompts, static_spec,
                                   sync, tokenizer)
+from adaptive_dist.shape import TreeShape
 from workers.loading import DEFAULT_MODEL
 from workers.sampling import SamplingParams
 
@@ -92,6 +93,11 @@ def main() -> None:
                                                     device=args.device, graphs=True)
         for tree in args.trees:
             k, n = (int(x) for x in tree.split("x"))
+            try:
+                TreeShape(steps, k, n)
+            except ValueError as err:   # e.g. 2x12 at 3 steps: 10 nodes
+                print(f"tree {tree} at {steps} steps skipped: {err}")
+                continue
             for graphs in (False, True) if args.device == "cuda" else (False,):
                 engines[f"tree{steps}/{tree}" + ("/graphs" if graphs else "")] = build(
                     static_spec(steps), target, head, batch=args.batch, context=context,
