@@ -91,10 +91,10 @@ def with_model_costs(spec: AdaptiveConfig, value: str) -> AdaptiveConfig:
 #
 # - the context term: the packed verify forward measured again with every token's row holding C
 #   cached positions (`agreed_verify_cost_ms_at_context` = `{C: {tokens: ms}}`, one or more C).
-#   A round whose `n` real verify tokens read `P` KV positions in all costs costs, beyond its
-#   price at context 0, `(v(r, P / n) - v(r, 0)) * n / r` at the rung r holding n (padding tokens
-#   read nothing), `v(r, c)` linear between the measured contexts (0 being the base table) and
-#   extended past the last by its last segment. With one C that is `slope(r) * P`, `slope(r) =
+#   A round whose `n` real verify tokens read `P` KV positions in all costs, beyond its price at
+#   context 0, `(v(r, P / n) - v(r, 0)) * n / r` at the rung r holding n (padding tokens read
+#   nothing), `v(r, c)` linear between the measured contexts (from 0: the term's own row "0",
+#   else the base table) and extended past the last by its last segment. With one C that is `slope(r) * P`, `slope(r) =
 #   (v(r, C) - v(r, 0)) / (r * C)` seconds per (token x position).
 # - the prefill term: a prefill's seconds by the token slots it runs (`prefill_cost_ms` =
 #   `{slots: ms}`: the forward's part that follows its token slots), linear between the measured
@@ -114,6 +114,15 @@ def _seconds(row: Any) -> Any:
     if not isinstance(row, dict):
         return row
     return {k: v / 1e3 if is_number(v) else v for k, v in row.items()}
+
+
+def _rung_costs(row: Any, where: str) -> VerifyCost:
+    """``{"<count>": seconds}`` (counts >= 1, seconds > 0) parsed as a ``VerifyCost`` is, its
+    errors naming ``where``."""
+    try:
+        return VerifyCost.parse(row)
+    except ConfigError as err:
+        raise ConfigError(str(err).replace("verify_cost", where, 1)) from None
 
 
 def _interp(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
@@ -150,7 +159,8 @@ class ContextTerm:
             if not isinstance(key, str) or not key.isdigit():
                 raise ConfigError(f"{where}: key {key!r} must be a context >= 0 written as a "
                                   f"string")
-            rows[int(key)] = VerifyCost.parse(row) if not isinstance(row, VerifyCost) else row
+            rows[int(key)] = (row if isinstance(row, VerifyCost)
+                              else _rung_costs(row, f"{where}[{key!r}]"))
         contexts = tuple(sorted(rows))
         if contexts == (0,):
             raise ConfigError(f"{where}: only context 0; the term needs a context >= 1")
@@ -213,7 +223,8 @@ class PrefillTerm:
     def parse(value: Any, per_million_ms: Any = None) -> "PrefillTerm":
         """From the file's ``prefill_cost_ms`` (``{"<slots>": ms}``) and
         ``prefill_ms_per_million_positions``."""
-        pairs = VerifyCost.parse(_seconds(value))
+        ms = _rung_costs(value, PREFILL_KEY)   # named in the file's unit
+        pairs = VerifyCost(ms.tokens, tuple(c / 1e3 for c in ms.costs))
         per = None
         if per_million_ms is not None:
             if not is_number(per_million_ms) or per_million_ms < 0:
