@@ -354,6 +354,11 @@ def copy_terms(run: Path, table: Path) -> None:
     if "prefill_cost_ms" not in data:
         raise SystemExit(f"--copy-terms: {run} has no cost model terms (run model_shapes with "
                          f"--cost-context)")
+    differ = [k for k in ("layout", "shape", "gpu", "tiny", "max_batch", "context")
+              if k in data and k in into and data[k] != into[k]]
+    if differ:
+        raise SystemExit(f"--copy-terms: {run} was measured with other "
+                         + ", ".join(f"{k} ({data[k]!r}, the table {into[k]!r})" for k in differ))
     for key in TERM_KEYS:
         into.pop(key, None)
         if key in data:

@@ -248,6 +248,12 @@ def test_copy_terms_into_a_table_file(tmp_path) -> None:
     model = cost_model(table)
     assert model.unpriced() == [] and model.context.contexts == (0, 512)
     assert json.loads(open(table).read())["cost_terms_command"] == "model_shapes --cost-context 512"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**json.loads(run.read_text()), "shape": "qwen3-30b-a3b"}))
+    shaped = tmp_path / "shaped.json"
+    shaped.write_text(json.dumps({**json.loads(open(table).read()), "shape": "llama3-8b"}))
+    with pytest.raises(SystemExit, match="other shape"):
+        copy_terms(other, shaped)
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"command": "model_shapes"}))
     with pytest.raises(SystemExit, match="no cost model terms"):
