@@ -322,6 +322,11 @@ def measure_cost_terms(engine: Any, contexts: list[int], ragged: list[int],
     context = ContextTerm.parse({str(c): VerifyCost.parse({str(t): v for t, v in row.items()})
                                  for c, row in at.items()}) if at else None
     prefill = fit_prefill([(x.slots, x.positions, x.seconds) for x in samples])
+    print(f"== cost model terms: the verify forward at contexts {sorted(at)} in {t1 - t0:.1f} s, "
+          f"{len(samples)} prefill shapes in {t2 - t1:.1f} s; prefill ms by slots "
+          + json.dumps({s: round(1e3 * c, 3) for s, c in zip(prefill.slots, prefill.costs)})
+          + f", attention {1e9 * (prefill.per_position or 0):.3f} ms per million positions",
+          flush=True)
     return {"context": context, "prefill": prefill, "context_seconds": t1 - t0,
             "prefill_seconds": t2 - t1, "prefill_samples": [x.as_json() for x in samples]}
 
