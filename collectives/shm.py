@@ -38,7 +38,11 @@ between reads) for at most ``SPIN_S`` when recent waits mostly ended within that
 that is late) spends a few µs a round on the CPU and then blocks in the kernel, so it uses no
 CPU until the last arrival wakes it; a rank whose peers come within tens of µs is not put to
 sleep and woken (a wake-up of an idle core costs tens of µs on a virtual machine).
-``ADAPTIVE_DIST_SHM_SPIN_US`` sets ``SPIN_S`` (0: no spin). Without a futex
+``ADAPTIVE_DIST_SHM_SPIN_US`` sets ``SPIN_S`` (0: no spin). ``ADAPTIVE_DIST_SHM_EARLY_WAKE=1`` makes
+the last but one arrival wake the sleepers too; a member woken before the round is complete
+spins up to ``SPIN_S`` for the last one (its wake-up then overlaps the wait for the last member
+instead of following it) before it blocks again. A bad value of either is refused on every
+member at set-up, naming the rank. Without a futex
 (``ADAPTIVE_DIST_SHM_FUTEX=0``, or not Linux) a waiter reads every slot's sequence word and
 sleeps instead, doubling from ``SLEEP0_S`` up to ``SLEEP_MAX_S`` (timer slack 1 µs). A wait is
 bounded by the control group's timeout; a local member whose process is gone is seen within
@@ -79,6 +83,7 @@ NOBODY_BYTE = 80         #   a word nobody waits on (FUTEX_WAKE_OP's first addre
 SPIN_S = 50e-6           # the longest spin before blocking (ADAPTIVE_DIST_SHM_SPIN_US) ...
 SPIN_MIN_S = 3e-6        # ... and the spin when recent waits mostly outlasted SPIN_S
 SPIN_ENV = "ADAPTIVE_DIST_SHM_SPIN_US"
+EARLY_WAKE_ENV = "ADAPTIVE_DIST_SHM_EARLY_WAKE"
 SLEEP0_S = 10e-6         # without a futex: the first sleep, doubled up to SLEEP_MAX_S (a late
 SLEEP_MAX_S = 100e-6     #   peer is seen at most this late; each wake-up costs a few µs of CPU)
 TIMER_SLACK_NS = 1000    # the waiting thread's timer slack (Linux's default, 50 µs, would
@@ -173,6 +178,17 @@ def spin_s() -> float:
 _add_reduce, _max_reduce = np.add.reduce, np.maximum.reduce
 
 
+def early_wake() -> bool:
+    """Whether the last but one arrival of a round wakes the sleepers too
+    (``ADAPTIVE_DIST_SHM_EARLY_WAKE=1``; default 0): a woken member spins for the last arrival,
+    so its wake-up overlaps the wait for the last member instead of following it; it costs a
+    second wake-up and spin when the last member comes later than the spin."""
+    raw = os.environ.get(EARLY_WAKE_ENV, "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{EARLY_WAKE_ENV}={raw!r}: 0 or 1")
+    return raw == "1"
+
+
 def _futex_op(op: int, oparg: int, cmp: int, cmparg: int) -> int:
     """``FUTEX_OP(op, oparg, cmp, cmparg)`` (both arguments 12-bit, two's complement)."""
     return (op << 28) | (cmp << 24) | ((oparg & 0xFFF) << 12) | (cmparg & 0xFFF)
@@ -188,10 +204,10 @@ class _Futex:
 
     SYS_FUTEX = 202                                   # x86-64
     WAIT, WAKE_OP = 0, 5
-    OP_ADD, CMP_EQ = 1, 0
+    OP_ADD, CMP_EQ, CMP_GE = 1, 0, 5
     ALL = 0x7FFFFFFF
 
-    def __init__(self, mm: mmap.mmap, n_local: int) -> None:
+    def __init__(self, mm: mmap.mmap, n_local: int, early: bool = False) -> None:
         import ctypes
 
         self.counts = [ctypes.c_uint32.from_buffer(mm, COUNT_BYTE + 4 * k) for k in range(3)]
@@ -206,8 +222,11 @@ class _Futex:
         self._sys.argtypes = [ctypes.c_long] * 7
         self._ts = (ctypes.c_long * 2)()
         self._ts_addr = ctypes.addressof(self._ts)
-        # add 1; the old value n_local - 1 (this arrival completes the round): wake them all
-        self._last = _futex_op(self.OP_ADD, 1, self.CMP_EQ, n_local - 1)
+        # add 1; the old value n_local - 1 (this arrival completes the round): wake them all;
+        # early: already at n_local - 2 (the last but one arrival wakes them too)
+        self.early = early and n_local > 2
+        self._last = (_futex_op(self.OP_ADD, 1, self.CMP_GE, n_local - 2) if self.early else
+                      _futex_op(self.OP_ADD, 1, self.CMP_EQ, n_local - 1))
         self._add = _futex_op(self.OP_ADD, 1, self.CMP_EQ, -1)   # (never 2^32 - 1: no 2nd wake)
 
     def arrive(self, k: int) -> bool:
@@ -355,7 +374,7 @@ class HostReducer:
         # the futex only if every local member can use it (a member that cannot would not
         # count its arrivals); else every member polls the slots and sleeps
         if all(states[i][2] for i in self.local):
-            self._futex = _Futex(self._mm, n_local)
+            self._futex = _Futex(self._mm, n_local, early_wake())
 
     def _futex_usable(self) -> bool:
         """Whether this process can wait on the segment's futex words (Linux x86-64, not
@@ -453,7 +472,7 @@ class HostReducer:
                     cell, need = futex.counts[k], len(self.local)
                     if cell.value < need:
                         self._wait(lambda: cell.value >= need, futex.count_addr[k], cell, r,
-                                   self.local)
+                                   self.local, None, futex.early)
                 else:
                     self._poll(self._seqs[p], r, self.local)
                 # the ufuncs' own reductions (np.sum / np.max add a few µs of Python a call)
@@ -478,11 +497,13 @@ class HostReducer:
             vec[:] = res[HEAD:HEAD + n]
 
     def _wait(self, ready, addr: int, cell, r: int, members: list[int],
-              seqs: Optional[np.ndarray] = None) -> None:
+              seqs: Optional[np.ndarray] = None, early: bool = False) -> None:
         """Until ``ready()``: a bounded spin, then blocking on the futex word ``cell`` (at
         ``addr``), which changes when ``ready()`` may have become true. ``members``: whom this
         waits for (group indices; their sequence words ``seqs``, by default this parity's
-        slots), named if they are gone or late."""
+        slots), named if they are gone or late. ``early``: the last but one arrival wakes the
+        sleepers too (``EARLY_WAKE_ENV``), so a member woken before the round is complete spins
+        again, up to ``spin_max_s``, before it blocks again."""
         t0 = time.perf_counter()
         end = t0 + self._spin
         while not ready():
@@ -506,6 +527,10 @@ class HostReducer:
                                     now >= deadline)
             self.blocks += 1
             futex.wait(addr, seen, check - now)
+            if early:      # woken by the last but one arrival, maybe: the last is near
+                end = time.perf_counter() + self.spin_max_s
+                while not ready() and time.perf_counter() < end:
+                    os.sched_yield()
         self._waited(t0, time.perf_counter(), True)
 
     def _waited(self, t0: float, t1: float, slept: bool) -> None:
@@ -571,16 +596,23 @@ def setup(group: Group, n: int, n_sum: int, requested: str,
     if group.size == 1:
         return requested if requested != "auto" else "doubling", None
     why = unavailable()
-    out = gather(group, (requested, host_key(), why), "consensus_transport")
+    try:                      # the wait's settings, checked here so every member hears of it
+        spin_s()
+        early_wake()
+        bad_env = None
+    except ValueError as exc:
+        bad_env = str(exc)
+    out = gather(group, (requested, host_key(), why, bad_env), "consensus_transport")
     asked: dict[str, list[int]] = {}
-    for i, (req, _, _) in enumerate(out):
+    for i, (req, _, _, _) in enumerate(out):
         asked.setdefault(req, []).append(group.ranks[i])
     if len(asked) > 1:
         shown = ", ".join(f"ranks {rs} have {req!r}" for req, rs in asked.items())
         raise StartupError(f"consensus transport on group {group.name!r}: ranks disagree on "
                            f"the algorithm ({shown}); start every rank with the same one")
-    hosts = [h for _, h, _ in out]
-    cannot = {group.ranks[i]: w for i, (_, _, w) in enumerate(out) if w is not None}
+    hosts = [h for _, h, _, _ in out]
+    cannot = {group.ranks[i]: w for i, (_, _, w, _) in enumerate(out) if w is not None}
+    bad = {group.ranks[i]: e for i, (_, _, _, e) in enumerate(out) if e is not None}
     one_host = len(set(hosts)) == 1
     if requested == "auto":
         requested = "shm" if one_host and not cannot else "doubling"
@@ -589,6 +621,9 @@ def setup(group: Group, n: int, n_sum: int, requested: str,
     if cannot:
         detail = "; ".join(f"rank {r}: {w}" for r, w in cannot.items())
         raise StartupError(f"consensus transport 'shm' on group {group.name!r} refused: {detail}")
+    if bad:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in bad.items())
+        raise StartupError(f"consensus transport 'shm' on group {group.name!r}: {detail}")
     if timeout_s is None:
         timeout_s = control_timeout(group)
     return "shm", HostReducer(group, n, n_sum, hosts, True, timeout_s)

@@ -9,7 +9,8 @@ alpha-beta model to extrapolate them to large clusters (issues 27, 37).
 
 Per world size, ``--repeats`` times, the cases interleaved with a barrier before each: the
 reduction alone by recursive doubling over gloo and through shared memory (also with the spin
-off, ``reduce_shm_spin0``: every early rank blocks in the kernel and is woken), a whole
+off, ``reduce_shm_spin0``: every early rank blocks in the kernel and is woken; with
+``--early-wake``, ``reduce_shm_early``: the last but one arrival wakes the sleepers too), a whole
 ``begin_round`` + ``end_round`` over each, and over a group of one (``begin_round_local``: the
 round's host work with no collective, every rank at once); ``*_steady``: back-to-back calls
 after a first one (the ranks follow each other as in an engine's loop, and the caches are warm);
@@ -135,6 +136,15 @@ def worker(args) -> None:
         os.environ.pop(spin_env, None)
     else:
         os.environ[spin_env] = spin
+    early_env = getattr(shm_mod, "EARLY_WAKE_ENV", None)
+    if args.early_wake and early_env is not None:   # the last but one arrival wakes too
+        early = os.environ.get(early_env)
+        os.environ[early_env] = "1"
+        by_spin["reduce_shm_early"] = consensus.ReduceChannel(world, layout, "shm")
+        if early is None:
+            os.environ.pop(early_env, None)
+        else:
+            os.environ[early_env] = early
     coords = {"gather": RoundCoordinator(cfg, world, scheme="gather", clock=None),
               "reduce": RoundCoordinator(cfg, world, algorithm="doubling", clock=None),
               "shm": RoundCoordinator(cfg, world, algorithm="shm", clock=None),
@@ -214,7 +224,7 @@ def worker(args) -> None:
     # rank 0 comes WAIT_MS after the others (it does not wait): the difference is the wait's
     waits = {}
     n_wait = max(20, args.rounds // 20)
-    for name, ch in (("shm", shm), *((k[7:], c) for k, c in by_spin.items()),
+    for name, ch in (("shm", shm), *((k[len("reduce_"):], c) for k, c in by_spin.items()),
                      ("doubling", doubling)):
         got = {}
         for first in (True, False):
@@ -426,6 +436,7 @@ def plot(runs: list[dict], mdl: dict, path: str) -> None:
                         ("reduce_gloo_ring", "gloo ring all-reduce x2"),
                         ("reduce_shm", "reduce, shared memory"),
                         ("reduce_shm_spin0", "reduce, shared memory, no spin"),
+                        ("reduce_shm_early", "reduce, shared memory, early wake"),
                         ("reduce_steady", "reduce, doubling, back to back"),
                         ("reduce_shm_steady", "reduce, shared memory, back to back"),
                         ("begin_round_gather", "begin_round, gather"),
@@ -484,6 +495,9 @@ def main() -> None:
                     help="also the shared-memory reduction with these spin bounds, in µs "
                          "(reduce_shm_spin<us>; 0: never spin; the default channel has the "
                          "transport's own bound, ADAPTIVE_DIST_SHM_SPIN_US if set)")
+    ap.add_argument("--early-wake", action="store_true",
+                    help="also the shared-memory reduction whose last but one arrival wakes the "
+                         "sleepers (reduce_shm_early; ADAPTIVE_DIST_SHM_EARLY_WAKE=1)")
     ap.add_argument("--pin", action="store_true",
                     help="pin each rank to one CPU (its local rank modulo the CPUs it may use); "
                          "default: not pinned, the scheduler places the ranks")
@@ -507,7 +521,8 @@ def main() -> None:
                "--rounds", str(args.rounds), "--warmup", str(args.warmup),
                "--repeats", str(args.repeats), "--worker-out", part] + \
             (["--all-cases"] if args.all_cases else []) + (["--pin"] if args.pin else []) + \
-            ["--spin-us", *(f"{us:g}" for us in args.spin_us)]
+            ["--spin-us", *(f"{us:g}" for us in args.spin_us)] + \
+            (["--early-wake"] if args.early_wake else [])
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         with open(part) as f:
             runs.append(json.load(f))

@@ -84,7 +84,7 @@ def test_shm_equals_gloo_doubling_bit_for_bit(world):
             ["all_gather_object.consensus_transport.control"]
 
 
-def staggered_job(rank: int, world: int, rounds: int, gap_s: float) -> dict:
+def staggered_job(rank: int, world: int, rounds: int, gap_s: float, early: bool) -> dict:
     import time
 
     import torch
@@ -93,6 +93,7 @@ def staggered_job(rank: int, world: int, rounds: int, gap_s: float) -> dict:
     from collectives import shm
 
     os.environ[shm.SPIN_ENV] = "0"            # every early member blocks in the kernel at once
+    os.environ[shm.EARLY_WAKE_ENV] = "1" if early else "0"
     ctx = C.init_distributed(timeout_s=30.0, backend="gloo")
     group = ctx.layout().group("world")
     n_sum = 3
@@ -112,25 +113,56 @@ def staggered_job(rank: int, world: int, rounds: int, gap_s: float) -> dict:
     return out
 
 
-def test_only_the_last_arrival_wakes_the_sleepers():
+@pytest.mark.parametrize("early", [False, True], ids=["last-wakes", "early-wake"])
+def test_only_the_last_arrival_wakes_the_sleepers(early):
     """Members arrive one at a time, 10 ms apart, with no spin: every early member blocks in the
     kernel once a round and is woken by the last arrival only (an arrival that woke every
-    sleeper would wake rank 0 three times a round, and each woken member would block again)."""
+    sleeper would wake rank 0 three times a round, and each woken member would block again).
+    With the early wake, the last but one arrival wakes them too: ranks 0 and 1 block twice a
+    round, rank 2 (the last but one) once."""
     world, rounds = 4, 6
-    res = run_ranks(staggered_job, world, world, rounds, 0.01, timeout=150)
+    res = run_ranks(staggered_job, world, world, rounds, 0.01, early, timeout=150)
     for r in res:
         v = r.value
         assert v["sums"] == [[sum(range(world)), world, world * i, world - 1, 0]
                              for i in range(rounds)], v
         assert v["spin_max_us"] == 0.0
-    early = [res[i].value for i in range(world - 1)]
-    for v in early:
-        assert v["waits"] == v["slept"] == rounds, early
-        # one block a round, and one more per liveness check (every 50 ms of a wait); a member
+    waiting = [res[i].value for i in range(world - 1)]     # every member but the last
+    for i, v in enumerate(waiting):
+        assert v["waits"] == v["slept"] == rounds, waiting
+        # its blocks a round, and one more per liveness check (every 50 ms of a wait); a member
         # may re-check once when an arrival lands between its read of the counter and the
         # kernel's (the kernel then returns at once)
-        assert rounds <= v["blocks"] <= rounds + v["liveness_checks"] + 2, early
-        assert v["blocks"] < 2 * rounds, early
+        want = 2 * rounds if early and i < world - 2 else rounds
+        assert want <= v["blocks"] <= want + v["liveness_checks"] + 2, waiting
+        assert v["blocks"] < want + rounds, waiting
+
+
+def bad_spin_job(rank: int) -> str:
+    import collectives as C
+    from adaptive_dist import consensus
+    from adaptive_dist.config import AdaptiveConfig
+    from adaptive_dist.policy import depth_policy
+
+    if rank == 1:
+        os.environ["ADAPTIVE_DIST_SHM_SPIN_US"] = "fast"
+    ctx = C.init_distributed(timeout_s=20.0, backend="gloo")
+    group = ctx.layout().group("world")
+    layout = consensus.ReducedLayout(depth_policy(AdaptiveConfig()).reducer.needs)
+    try:
+        consensus.ReduceChannel(group, layout, "shm")
+    except C.StartupError as exc:
+        return str(exc)
+    finally:
+        ctx.shutdown()
+    return "no error"
+
+
+def test_a_bad_wait_setting_is_refused_on_every_rank_naming_the_rank():
+    res = run_ranks(bad_spin_job, 2, timeout=90)
+    assert {r.value for r in res} == {
+        "consensus transport 'shm' on group 'world': rank 1: ADAPTIVE_DIST_SHM_SPIN_US='fast': "
+        "microseconds from 0 to 10000"}, [r.value for r in res]
 
 
 def mismatch_job(rank: int) -> str:

@@ -38,3 +38,13 @@ def test_the_futex_words_sit_in_the_header_on_their_own_line():
     assert len(words) == 5 and all(w % 4 == 0 for w in words)
     assert all(64 <= w and w + 4 <= 128 for w in words)        # bytes 64-127: one cache line
     assert shm.HDR * 8 == 128                                    # the slots start after it
+
+
+def test_the_early_wake_is_read_and_checked_by_name(monkeypatch):
+    monkeypatch.delenv(shm.EARLY_WAKE_ENV, raising=False)
+    assert shm.early_wake() is False
+    monkeypatch.setenv(shm.EARLY_WAKE_ENV, "1")
+    assert shm.early_wake() is True
+    monkeypatch.setenv(shm.EARLY_WAKE_ENV, "yes")
+    with pytest.raises(ValueError, match=r"ADAPTIVE_DIST_SHM_EARLY_WAKE='yes': 0 or 1"):
+        shm.early_wake()
