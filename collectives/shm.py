@@ -37,7 +37,7 @@ between reads) for at most ``SPIN_S`` when recent waits mostly ended within that
 ``SPIN_MIN_S``: a rank that waits long rounds after round (a lightly loaded DP rank, a peer
 that is late) spends a few µs a round on the CPU and then blocks in the kernel, so it uses no
 CPU until the last arrival wakes it; a rank whose peers come within tens of µs is not put to
-sleep and woken (a wake-up of an idle core costs tens of µs on a virtual machine).
+sleep and woken (a wake-up is a scheduler hop, and the woken process runs its Python cold).
 ``ADAPTIVE_DIST_SHM_SPIN_US`` sets ``SPIN_S`` (0: no spin). ``ADAPTIVE_DIST_SHM_EARLY_WAKE=1`` makes
 the last but one arrival wake the sleepers too; a member woken before the round is complete
 spins up to ``SPIN_S`` for the last one (its wake-up then overlaps the wait for the last member
