@@ -212,9 +212,59 @@ def _kernels() -> SimpleNamespace:
             tl.store(block_expert_ptr + b, tl.sum(below.to(tl.int64), axis=1),
                      mask=b < length // BLOCK)
 
+    @triton.jit
+    def route_kernel(logits_ptr, ids_ptr, weights_ptr, num_experts, top_k, stride_l,
+                     EXPERTS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr):
+        # one program per row: its top k logits (the largest first, the lower expert on a tie)
+        # and the float32 softmax at them, over those k (NORM) or over every expert
+        r = tl.program_id(0).to(tl.int64)
+        ex = tl.arange(0, EXPERTS)
+        logits = tl.load(logits_ptr + r * stride_l + ex, mask=ex < num_experts,
+                         other=float("-inf")).to(tl.float32)
+        top = tl.max(logits, axis=0)
+        exps = tl.exp(logits - top)                     # 0 past the experts
+        slot = tl.arange(0, K)
+        picked = tl.zeros([K], tl.int32)
+        left = logits
+        for j in tl.static_range(K):
+            best = tl.max(left, axis=0)
+            first = tl.min(tl.where(left == best, ex, EXPERTS), axis=0)
+            picked = tl.where(slot == j, first, picked)
+            left = tl.where(ex == first, float("-inf"), left)
+        live = slot < top_k
+        chosen = tl.sum(tl.where(ex[None, :] == picked[:, None], exps[None, :], 0.0), axis=1)
+        if NORM:
+            total = tl.sum(tl.where(live, chosen, 0.0), axis=0)
+        else:
+            total = tl.sum(exps, axis=0)
+        tl.store(ids_ptr + r * top_k + slot, picked.to(tl.int64), mask=live)
+        tl.store(weights_ptr + r * top_k + slot,
+                 (chosen / total).to(weights_ptr.dtype.element_ty), mask=live)
+
     return SimpleNamespace(gate_up=gate_up_kernel, down=down_kernel,
                            pair_gate_up=pair_gate_up_kernel, pair_down=pair_down_kernel,
-                           align=align_kernel)
+                           align=align_kernel, route=route_kernel)
+
+
+def route(logits: torch.Tensor, top_k: int, norm: bool, dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's choice from its logits [N, E] in one Triton program per row: (the top
+    ``top_k`` experts [N, k] int64, the largest logit first; their weights [N, k] in ``dtype``:
+    the float32 softmax over all ``E`` at them, renormalised over the ``k`` when ``norm``). What
+    ``MoeBlock.route``'s torch ops compute (top k, softmax, cast: some 4 kernels) up to the
+    last bits of the exponentials and which of two equal logits comes first (here the lower
+    expert)."""
+    n, experts = logits.shape
+    if not 0 < top_k <= experts:
+        raise ValueError(f"route: top_k={top_k}; allowed: 1 .. the number of experts ({experts})")
+    ids = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(n, top_k, dtype=dtype, device=logits.device)
+    if n:
+        logits = logits if logits.stride(1) == 1 else logits.contiguous()
+        _kernels().route[(n,)](logits, ids, weights, experts, top_k, logits.stride(0),
+                               EXPERTS=max(16, 1 << (experts - 1).bit_length()),
+                               K=1 << (top_k - 1).bit_length(), NORM=norm)
+    return ids, weights
 
 
 def align(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M

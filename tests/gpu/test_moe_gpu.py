@@ -314,6 +314,37 @@ def test_align_at_the_production_shape_graph_replayed_every_row_count() -> None:
             del graph, junk
 
 
+@pytest.mark.parametrize("experts, top_k", [(128, 8), (60, 4), (4, 3)])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_route_kernel_on_the_gpu_equals_the_routing_definition(experts: int, top_k: int,
+                                                                   norm: bool, dtype) -> None:
+    """`moe_kernels.route` compiled and graph-replayed at 1 and 333 rows, against the float32
+    softmax over every expert, its top k (of equal logits the lower expert first), renormalised
+    when `norm` (`tests/unit/test_moe_kernels.py` checks the same in the interpreter)."""
+    from workers import moe_kernels
+
+    for rows in (1, 333):
+        logits = torch.zeros(rows, experts, dtype=dtype, device=DEV)
+        graph, (ids, weights) = _captured(
+            lambda: moe_kernels.route(logits, top_k, norm, dtype))
+        junk = _scramble()
+        gen = torch.Generator(DEV).manual_seed(rows * experts)
+        logits.copy_(torch.randn(rows, experts, generator=gen, device=DEV) * 2)
+        graph.replay()
+        torch.cuda.synchronize()
+        values = logits.float().cpu()
+        for row in range(rows):
+            want = sorted(range(experts), key=lambda e: (-values[row, e].item(), e))[:top_k]
+            assert ids[row].tolist() == want, (rows, row)
+        want = torch.softmax(values, dim=-1).gather(1, ids.cpu())
+        if norm:
+            want = want / want.sum(dim=-1, keepdim=True)
+        tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0, "rtol": 8e-3}
+        torch.testing.assert_close(weights.cpu(), want.to(dtype), **tol)
+        del graph, junk
+
+
 def test_the_bench_graphs_hold_what_they_read() -> None:
     """`scripts.bench.moe_layer.graphed`'s replay keeps the callable it captured, and so the
     tensors its closure holds (before the fix a bare `graph.replay` let them go: issue 36)."""

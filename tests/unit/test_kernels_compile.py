@@ -55,6 +55,7 @@ CASES = {
     "pair_down": [("bf16", dict(BLOCK_N=16, BLOCK_K=256)),
                   ("fp32", dict(BLOCK_N=16, BLOCK_K=256))],
     "align": [("i64", dict(BLOCK=16, EXPERTS=128, CHUNK=64))],
+    "route": [("bf16", dict(EXPERTS=128, K=8, NORM=True)), ("fp32", dict(EXPERTS=16, K=4, NORM=False))],
 }
 out = {}
 found = {**vars(kernels._kernels()), **vars(moe_kernels._kernels())}

@@ -266,3 +266,33 @@ def test_route_equals_the_softmax_over_every_expert(norm: bool, dtype) -> None:
         assert torch.equal(ids, want_ids)
     tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0, "rtol": 8e-3}
     torch.testing.assert_close(weights, want.to(dtype), **tol)
+
+
+@pytest.mark.parametrize("experts, top_k", [(128, 8), (8, 2), (4, 3), (60, 4), (6, 6)])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_route_kernel_equals_the_routing_definition(experts: int, top_k: int, norm: bool,
+                                                        dtype) -> None:
+    """`moe_kernels.route` (one program per row: what `MoeBlock.route` runs where the fused
+    kernels serve) against the float32 softmax over every expert, its top k, renormalised when
+    `norm`: the experts (of equal logits, frequent in bfloat16, the lower first) and weights.
+    Expert counts that are not powers of two, a top k that is not (3) and all of them (6)."""
+    gen = torch.Generator().manual_seed(experts * top_k)
+    logits = (torch.randn(37, experts, generator=gen) * 2).to(dtype)
+    logits[3, :3] = logits[3, 3]                # ties, in float32 too
+    with bounds_checked() as ran:
+        ids, weights = moe_kernels.route(logits, top_k, norm, dtype)
+    assert ran == ["route_kernel"] and ids.dtype == torch.int64 and weights.dtype == dtype
+    probs = torch.softmax(logits.float(), dim=-1)
+    # the definition, the lower expert first among equal logits: sort by (-logit, expert)
+    for row in range(logits.shape[0]):
+        values = logits[row].float().tolist()
+        order = sorted(range(experts), key=lambda e: (-values[e], e))[:top_k]
+        assert ids[row].tolist() == order, row
+    want = probs.gather(1, ids)
+    if norm:
+        want = want / want.sum(dim=-1, keepdim=True)
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0, "rtol": 8e-3}
+    torch.testing.assert_close(weights, want.to(dtype), **tol)
+    with pytest.raises(ValueError, match="top_k=0; allowed: 1 .. the number of experts"):
+        moe_kernels.route(logits, 0, norm, dtype)

@@ -118,8 +118,13 @@ class MoeBlock(FusedOwner):
         the probabilities, and renormalised they are the softmax of those k logits alone: four
         kernels (the logits, top k, a softmax that casts to float32, the cast back) where the
         softmax over all experts, top k, sum and divide took seven (issue 36: a decode round
-        runs 48 such layers)."""
+        runs 48 such layers); where the fused kernels serve (CUDA, the fused path's dtypes) two:
+        the logits and `moe_kernels.route` (the same up to the exponentials' last bits, and of
+        two equal logits the lower expert first)."""
         logits = F.linear(tokens, self.gate.weight)
+        if kernels.enabled(tokens) and tokens.dtype in moe_kernels.DTYPES:   # one more kernel
+            return moe_kernels.route(logits, self.spec.top_k, self.spec.norm_topk_prob,
+                                     tokens.dtype)
         if self.spec.norm_topk_prob:
             top, ids = torch.topk(logits, self.spec.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1, dtype=torch.float32)
