@@ -2,6 +2,7 @@
 grouped GEMMs in Triton, static shapes (so a CUDA graph captures it at every depth and bucket).
 
     out = fused_moe(x [N, d], ids [N, k], weights [N, k], w13 [E, 2F, d], w2 [E, d, F])
+    ids, weights = route(logits [N, E], k, norm, dtype)      # the router's choice, one kernel
 
 ``ids`` are local expert indices (``E`` or more: an expert of another rank, contributing nothing
 here); ``w13[e]`` is expert ``e``'s gate rows then its up rows; the result is
