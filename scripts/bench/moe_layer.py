@@ -21,7 +21,10 @@ weights set, on one GPU, CUDA-graph replayed (the eager figure is the host launc
    round over the same rows) over the bandwidth. The KV it reads is left out of the floor (about
    0.1 GB per 1024 positions and row: batch 64 at 1024 reads 6.4 GB more).
 
-Writes OUT/moe_layer.json and OUT/moe_layer.png. `--tiny`: a smoke test of this script on the
+`--ways` times some of the layer's ways only (each alone in its own process, under
+`CUDA_LAUNCH_BLOCKING=1`, pinpoints a fault). Writes OUT/moe_layer.json and OUT/moe_layer.png
+(after the layer part, and again with the round), and in the JSON's `choices` the rows whose
+figures argue against `PAIR_PATH_PAIRS` / `ALIGN_KERNEL_PAIRS`. `--tiny`: a smoke test of this script on the
 CPU (the tiny-moe shape, triton's interpreter, no graphs, wall-clock timing; the numbers mean
 nothing).
 """
@@ -41,6 +44,7 @@ from scripts.bench.common import gpu_name, pyplot, save, write_json
 
 D, F, E, TOP_K = 2048, 768, 128, 8      # Qwen3-30B-A3B's (--tiny: the tiny-moe shape's)
 SHAPE, DEVICE = "qwen3-30b-a3b", "cuda"
+WAYS = ("graph", "graph_grouped", "kernels", "align_kernel", "align_torch", "eager")
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,6 +56,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--round-batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--no-round", action="store_true", help="time the layer only")
+    p.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS),
+                   help="the layer's ways to capture and time (one alone, in its own process "
+                        "with CUDA_LAUNCH_BLOCKING=1, pinpoints a fault)")
     p.add_argument("--tiny", action="store_true", help="a CPU smoke test of this script")
     p.add_argument("--out", default="runs/moe_layer")
     return p.parse_args()
@@ -169,12 +176,13 @@ def layer_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                     return layer(x)
                 finally:
                     mk.PAIR_PATH_PAIRS = saved
-            calls[n] = {"graph": graphed(layer), "graph_grouped": graphed(grouped)}
             ids = moe.route(x)[0]
-            calls[n].update(kernels=graphed(kernels_only(moe, x)),
-                            align_kernel=graphed(lambda ids=ids: mk.align_kernel(ids, E)),
-                            align_torch=graphed(lambda ids=ids: mk.align_torch(ids, E)),
-                            eager=layer)
+            make = {"graph": lambda: graphed(layer), "graph_grouped": lambda: graphed(grouped),
+                    "kernels": lambda: graphed(kernels_only(moe, x)),
+                    "align_kernel": lambda: graphed(lambda ids=ids: mk.align_kernel(ids, E)),
+                    "align_torch": lambda: graphed(lambda ids=ids: mk.align_torch(ids, E)),
+                    "eager": lambda: layer}
+            calls[n] = {way: make[way]() for way in args.ways}
         samples: dict[tuple[int, str], list[float]] = {}
         for r in range(args.repeats):          # interleaved: every N and way once per repeat
             for n in args.rows:
@@ -187,21 +195,16 @@ def layer_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             floor_ms = 1000 * hit * 3 * F * D * 2 / args.bandwidth
             row = {"rows": n, "experts_hit": hit, "floor_ms": floor_ms}
             row["path"] = "pairs" if n * TOP_K <= mk.PAIR_PATH_PAIRS else "grouped"
-            for way in ("graph", "graph_grouped", "kernels", "align_kernel", "align_torch",
-                        "eager"):
+            for way in args.ways:
                 ts = sorted(samples[(n, way)])
                 row[f"{way}_ms"] = statistics.median(ts)
                 row[f"{way}_spread_ms"] = [ts[0], ts[-1]]
                 row[f"{way}_over_floor"] = row[f"{way}_ms"] / floor_ms
             out.append(row)
-            print(f"rows {n:>4}: layer (graph, {row['path']}) {row['graph_ms'] * 1e3:7.1f} us, "
-                  f"grouped {row['graph_grouped_ms'] * 1e3:7.1f} us (align: kernel "
-                  f"{row['align_kernel_ms'] * 1e3:.1f} us, torch {row['align_torch_ms'] * 1e3:.1f}"
-                  f" us), its kernels alone "
-                  f"{row['kernels_ms'] * 1e3:7.1f} us, eager {row['eager_ms'] * 1e3:7.1f} us; "
-                  f"{hit:>3} experts hit, floor {floor_ms * 1e3:6.1f} us: graph "
-                  f"x{row['graph_over_floor']:.2f}, kernels x{row['kernels_over_floor']:.2f}",
-                  flush=True)
+            times = ", ".join(f"{way} {row[f'{way}_ms'] * 1e3:.1f} us "
+                              f"(x{row[f'{way}_over_floor']:.2f})" for way in args.ways)
+            print(f"rows {n:>4} ({row['path']}; {hit:>3} experts hit, floor "
+                  f"{floor_ms * 1e3:6.1f} us): {times}", flush=True)
     del moe, calls
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -285,10 +288,11 @@ def choices(layer: list[dict[str, Any]]) -> dict[str, Any]:
 
     return {"PAIR_PATH_PAIRS": mk.PAIR_PATH_PAIRS, "ALIGN_KERNEL_PAIRS": mk.ALIGN_KERNEL_PAIRS,
             "pair_path_slower_at_rows": [r["rows"] for r in layer if r["path"] == "pairs"
-                                         and r["graph_ms"] > r["graph_grouped_ms"]],
+                                         and r.get("graph_ms", 0) > r.get("graph_grouped_ms",
+                                                                          float("inf"))],
             "align_kernel_slower_at_rows": [
                 r["rows"] for r in layer if r["rows"] * TOP_K <= mk.ALIGN_KERNEL_PAIRS
-                and r["align_kernel_ms"] > r["align_torch_ms"]]}
+                and r.get("align_kernel_ms", 0) > r.get("align_torch_ms", float("inf"))]}
 
 
 def report(args: argparse.Namespace, layer: list[dict[str, Any]], rounds: list[dict[str, Any]],
@@ -314,7 +318,8 @@ def report(args: argparse.Namespace, layer: list[dict[str, Any]], rounds: list[d
                               ("align_kernel_ms", "d:", "alignment, one Triton program"),
                               ("align_torch_ms", "+:", "alignment, torch ops"),
                               ("floor_ms", "s--", "experts hit / bandwidth")):
-        ax.plot(ns, [1000 * r[key] for r in layer], style, label=label)
+        if key in layer[0]:
+            ax.plot(ns, [1000 * r[key] for r in layer], style, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("routed rows")

@@ -375,7 +375,7 @@ def test_the_moe_layer_bench_runs_every_way_at_the_production_shape() -> None:
     from scripts.bench import moe_layer
 
     rows = moe_layer.layer_rows(argparse.Namespace(rows=[1, 9, 300], iters=3, repeats=1,
-                                                   bandwidth=3.25e12))
+                                                   bandwidth=3.25e12, ways=list(moe_layer.WAYS)))
     assert [r["path"] for r in rows] == ["pairs", "grouped", "grouped"]
     for r in rows:
         for way in ("graph", "graph_grouped", "kernels", "align_kernel", "align_torch", "eager"):
