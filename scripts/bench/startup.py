@@ -49,8 +49,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
+TREES = "3x2x6,5x4x8,7x2x12,7x4x16"
+"""`goodput-trees`' tree candidates (issue 35: the priced benchmark's set)."""
 MODES = {"no-spec": ["--no-spec"], "goodput": ["--adaptive", "--policy", "goodput"],
-         "static3": ["--steps", "3"]}
+         "static3": ["--steps", "3"],
+         "goodput-trees": ["--adaptive", "--policy", "goodput", "--tree-candidates", TREES]}
 
 
 def say(text: str) -> None:
@@ -288,13 +291,17 @@ def count(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_grad_enabled(False)
     target, head = load_pair(None)
     specs = {"no-spec": no_spec(), "goodput": load_config(None, "goodput"),
-             "static3": load_config(None, "static", initial_steps=3)}
+             "static3": load_config(None, "static", initial_steps=3),
+             "goodput-trees": load_config(None, "goodput").replace(
+                 tree_candidates=TREES.split(","))}
     out: dict[str, Any] = {"max_batch_size": args.max_batch_size,
                            "max_context_len": args.max_model_len}
     for mode in args.runs.split(","):
         spec = specs[mode]
         if spec.needs_round_cost:   # a table, so the build measures none
             spec = spec.replace(round_cost={str(s): 1.0 + s for s in spec.candidate_steps})
+        if "verify_cost" in spec.start_up_needs:   # trees: a verify table too (any numbers)
+            spec = spec.replace(verify_cost={str(t): 1.0 + t for t in (1, 2, 4, 8, 16)})
         extra = dict(padded_prefill_tokens=args.padded_prefill_tokens,
                      defer_prefill_width=args.defer_prefill_width)
         cfg = EngineConfig(spec=spec, max_batch_size=args.max_batch_size,
