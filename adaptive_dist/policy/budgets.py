@@ -8,11 +8,14 @@ accepted there: ``c_i(k) = (hits_k + PRIOR_WEIGHT * q_i) / (reached_k + PRIOR_WE
 conditional acceptance at k, ``q_i`` being the request's rate over every position it reached,
 shrunk toward the rate pooled over every request the rank has seen (decayed alike) by
 ``PRIOR_WEIGHT`` pseudo-observations (a request never seen: the pooled per-position rates), and
-``s_i(k) = c_i(1) * ... * c_i(k)`` the probability that position k survives: what drafting it is worth in expected tokens. Counts decay by ``DECAY`` per round of the
-request, so a request's own last rounds dominate within a few rounds (a regime change is taken in
-one or two rounds, where a batch EMA needs tens). Every input is something every rank of a DP
-replica has alike (the replica's requests and their accepted lengths), so the replica's ranks
-compute the same budgets.
+``s_i(k) = c_i(1) * ... * c_i(k)`` the probability that position k survives: what drafting it
+is worth in expected tokens. Counts decay by ``DECAY`` per round in which the request drafts, so
+its own last drafts dominate within a few rounds (a regime change is taken in one or two rounds,
+where a batch EMA needs tens); a round in which it drafts nothing leaves them as they are, but
+for the catch-up's shadow checks (``observe_shadow``), so through a stretch at 0 draft forwards
+every estimate stays where the last drafts left it (docs/policy.md). Every input is something
+every rank of a DP replica has alike (the replica's requests and their accepted lengths), so the
+replica's ranks compute the same budgets.
 
 The value curve. For a shape (S draft forwards, T verify tokens) a rank with ``n`` requests fills
 its ``T - n`` verify places beyond the requests' own tokens with the positions worth most: first
@@ -20,10 +23,11 @@ position 1 of every request due a check (when S >= 1; ``SurvivalTracker.due``: a
 never drafted, or drafted nothing in its last ``probe_every`` rounds — one that drafts nothing
 never learns again), then every other position ``k <= S``, position 1 of the other requests
 included, in order of ``s_i(k)`` (a request's positions come in order, since ``s_i`` falls with
-k). ``V(S, T) = n + sum of the chosen s_i(k)``: the tokens the rank expects to commit. Every rank sends ``V`` for every candidate S and token rung T in its round vector (fixed
-point, ``VALUE_SCALE``, summed exactly as integers), and every rank picks, from the same sums, the
-shape with the most expected tokens per second of the agreed cost table (``shape_cost``) for the
-next round: decided at round r, checked in round r+1's pre-flight, run in round r+1. The budgets
+k). ``V(S, T) = n + sum of the chosen s_i(k)``: the tokens the rank expects to commit. Every
+rank sends ``V`` for every candidate S and token rung T in its round vector (fixed point,
+``VALUE_SCALE``, summed exactly as integers), and every rank picks, from the same sums, the shape
+with the most expected tokens per second of the agreed cost table (``shape_cost``) for the next
+round: decided at round r, checked in round r+1's pre-flight, run in round r+1. The budgets
 of a round are the fill of its agreed shape, from the estimates as they stand.
 """
 from __future__ import annotations
