@@ -91,6 +91,10 @@ class GoodputSection(PolicySection):
     chain's misses the tree's siblings cover, default ``policy.tree.DEFAULT_COVERAGE``).
     Candidate index ``len(candidate_steps) + j`` is tree ``j``; each is priced from
     ``round_cost`` and ``verify_cost`` (``adaptive_dist.policy.tree``). Empty: chains only."""
+    tree_overhead: float = 0.0
+    """Seconds added to every tree round's price (``policy.tree.tree_round_cost``): what a tree
+    round runs beyond a chain's that the tables do not measure (ranking the nodes, the tree
+    mask, the path's KV commit); >= 0, in the cost table's units. 0: none priced."""
     cost_alpha: float = 0.0
     """EMA weight of a timed round in its cost-table row's offset (in [0, 1]; 0: the table stays
     as agreed at start-up). The engine's rounds are timed (seconds from one round's begin to the
@@ -365,6 +369,11 @@ class GoodputPolicy(CountingPolicy):
                   "verify_cost", c.verify_cost.to_json(),
                   f"applies to the goodput policy with per_request or tree_candidates only "
                   f"(policy={c.policy!r}, per_request={c.per_request!r})")
+        check(is_number(c.tree_overhead) and 0 <= c.tree_overhead < MARGIN_LIMIT,
+              "tree_overhead", c.tree_overhead, "must be a finite number >= 0 (seconds)")
+        if c.tree_overhead:
+            check(bool(c.tree_candidates), "tree_overhead", c.tree_overhead,
+                  "applies with tree_candidates only")
         if c.tree_candidates:
             trees = [list(t) for t in c.tree_candidates]
             check(c.policy == cls.name, "tree_candidates", trees,

@@ -201,14 +201,15 @@ def draft_forward_cost(table: RoundCost, verify: VerifyCost, rows: int) -> tuple
 
 
 def tree_round_cost(table: RoundCost, verify: VerifyCost, steps: int, topk: int, tokens: int,
-                    batch: int) -> float:
+                    batch: int, overhead: float = 0.0) -> float:
     """Seconds of a tree round ``(S, K, N)`` at padded batch ``batch``:
-    ``D₁(b) + (S - 1) h(b K) + verify(b N)`` (module docstring), ``b`` the row's bucket."""
+    ``D₁(b) + (S - 1) h(b K) + verify(b N)`` (module docstring), ``b`` the row's bucket, plus
+    ``overhead`` (goodput's ``tree_overhead``: what a tree round runs beyond a chain's)."""
     bucket, row = _row(table, batch)
     d1, _ = _line(table, verify, bucket, row)
     h, _ = draft_forward_cost(table, verify, bucket * topk)
     v, _ = verify_seconds(verify, bucket * tokens)
-    return d1 + (steps - 1) * h + v
+    return d1 + (steps - 1) * h + v + overhead
 
 
 def chain_round_cost(table: RoundCost, steps: int, batch: int) -> float:
@@ -258,5 +259,6 @@ def shape_scores(cfg: Any, p: float, batch: int, table: RoundCost, verify: Verif
     then every tree's ``(1 + E(c, S)) / tree_round_cost``."""
     out = list(chain_scores)
     for s, k, n, f in trees_of(cfg):
-        out.append((1.0 + expected_tree(p, s, f)) / tree_round_cost(table, verify, s, k, n, batch))
+        out.append((1.0 + expected_tree(p, s, f))
+                   / tree_round_cost(table, verify, s, k, n, batch, cfg.tree_overhead))
     return out

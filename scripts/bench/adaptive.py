@@ -502,7 +502,7 @@ def run_window(engine: Engine, prompts: list[list[int]], batch: int, rounds: int
 
 
 def modelled_seconds(rounds: dict[tuple, int], table: RoundCost,
-                     verify: Any = None) -> float:
+                     verify: Any = None, tree_overhead: float = 0.0) -> float:
     """The time `rounds` ((steps, padded batch, verify tokens) -> count) take by `table` (a
     round_cost table, its row picked as the policy picks it: `policy.cost_row`); with `verify`
     (a `VerifyCost`) a round's verify forward is priced by its own tokens
@@ -517,7 +517,8 @@ def modelled_seconds(rounds: dict[tuple, int], table: RoundCost,
             if verify is None:
                 raise ValueError("a tree round is priced with the verify table; --model-costs "
                                  "has none (agreed_verify_cost_ms)")
-            total += n * tree_round_cost(table, verify, steps, key[3], key[4], batch)
+            total += n * tree_round_cost(table, verify, steps, key[3], key[4], batch,
+                                         tree_overhead)
         elif verify is not None and len(key) > 2:
             total += n * shape_cost(table, verify, steps, key[2], batch)
         else:
@@ -605,8 +606,8 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
         phase = {"seconds": time.perf_counter() - start, "tokens": tokens}
         if model is not None:
             ran = counter - shapes
-            phase.update(wall_seconds=phase["seconds"],
-                         seconds=modelled_seconds(ran, model, verify))
+            phase.update(wall_seconds=phase["seconds"], seconds=modelled_seconds(
+                ran, model, verify, getattr(engine.config.spec, "tree_overhead", 0.0)))
         out["phases"].append(phase)
         out["phase_rounds"].append(engine.planner.round - round0)
     if window is not None:   # the last window's requests in flight: uncounted, cut short
