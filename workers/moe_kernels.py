@@ -20,11 +20,12 @@ here); ``w13[e]`` is expert ``e``'s gate rows then its up rows; the result is
 3. ``down``: per block, ``h W_down^T`` times each pair's routing weight, written to its pair.
 4. The ``k`` pairs of each token summed.
 
-A decode round routes few pairs (batch 1 at top 8: 8), and there the alignment — some 25 small
-torch ops, each a kernel of a few microseconds run one after the other inside a CUDA graph (an
-estimate of 50-100 us per layer, not measured here: `scripts.bench.moe_layer` times it), against
-~23 us to read the 8 experts' weights at 3.25 TB/s — and the grouped grid (one 16-row block per
-expert and column slice, nearly all of them empty padding) likely cost more than the weights. So at most `PAIR_PATH_PAIRS` pairs take the pair path instead: no alignment;
+A decode round routes few pairs (batch 1 at top 8: 8), and there the alignment and the grouped
+grid (one 16-row block per expert and column slice, nearly all of them empty padding) cost more
+than the weights (one H200, graph-replayed, Qwen3-30B-A3B's shape: the torch alignment 47 us, the
+one-program alignment 11 us, against 23 us to read the 8 experts' weights at 3.25 TB/s;
+`docs/data/runs/moe_layer_h200_2026-12-03/`). So at most `PAIR_PATH_PAIRS` pairs (2 rows at top
+8: where the layer measured faster so) take the pair path instead: no alignment;
 per (pair, column slice) one program multiplies the pair's token row by its expert's weights
 (a GEMV: the slice's rows read once, contiguous along the reduction), the same float32
 accumulation and the same roundings as the grouped kernels; a pair whose expert is another
@@ -45,11 +46,17 @@ BLOCK_M = 16     # sorted rows per block (tl.dot's smallest tile; decode rounds 
 BLOCK_N = 64     # output columns per program
 BLOCK_K = 64     # reduction slice
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)   # tl.dot's (float64: MoeBlock.dense)
-PAIR_PATH_PAIRS = 64   # at most this many (token, choice) pairs: the pair path
+# At most this many (token, choice) pairs: the pair path. One H200, Qwen3-30B-A3B's layer (top 8)
+# graph-replayed (docs/data/runs/moe_layer_h200_2026-12-03/moe_layer.json): the pair path against
+# the grouped GEMMs 58.8 / 65.3 us at 1 row (8 pairs), 70.4 / 72.4 at 2 (16), but 117.0 / 105.5
+# at 4 (32) and 180.0 / 156.0 at 8 (64): the grouped GEMMs from 32 pairs on.
+PAIR_PATH_PAIRS = 16
 PAIR_BLOCK_N = 16      # the pair path's output columns per program
 PAIR_BLOCK_K = 256     # its reduction slice
-ALIGN_KERNEL_PAIRS = 1024   # at most this many pairs: `align` in one Triton program (its steps
-                            # run one after another: a guess, to be measured against the sort)
+# At most this many pairs: `align` in one Triton program (its steps run one after another). The
+# same run: faster than the torch ops at every row count up to 1024 pairs (10-57 us against
+# 47-79 us), slower past it (256 rows: 106 against 82 us), where the torch ops serve.
+ALIGN_KERNEL_PAIRS = 1024
 ALIGN_CHUNK = 64            # pairs per step of that program
 
 
