@@ -7,7 +7,8 @@ alpha-beta model to extrapolate them to large clusters (issues 27, 37).
     (launches one torchrun per world size on this host: CPU ranks, gloo over loopback and one
     shared-memory segment; plain python3 + torch, the plot only when matplotlib is installed)
 
-Per world size, ``--repeats`` times, the cases interleaved with a barrier before each: the
+Per world size, ``--repeats`` times, the cases interleaved with a barrier before each (their
+order rotated every iteration: with a fixed order a case's position confounded its figure): the
 reduction alone by recursive doubling over gloo and through shared memory (also with the spin
 off, ``reduce_shm_spin0``: every early rank blocks in the kernel and is woken; with
 ``--early-wake``, ``reduce_shm_early``: the last but one arrival wakes the sleepers too), a whole
@@ -195,7 +196,11 @@ def worker(args) -> None:
                 print(f"[consensus] world {ctx.world_size}: repeat {rep + 1}/{args.repeats}, "
                       f"iteration {i}/{total}", flush=True)
             j = i - args.warmup
-            for c, name in enumerate(names):
+            # the order rotates every iteration (the same on every rank): each case follows each
+            # other equally often, so none is always the one after gloo's exchange (the coldest)
+            r = i % len(names)
+            for c in (*range(r, len(names)), *range(r)):
+                name = names[c]
                 fn = cases[name]
                 barrier()
                 if getattr(fn, "steady", False):
