@@ -2,7 +2,8 @@
 launch and computes in float32 like the torch code it replaces (why: ``docs/ARCHITECTURE.md``,
 "Fused kernels").
 
-``rms_norm``, ``add_rms_norm`` (the residual add fused in), ``rope``, ``silu_mul``, ``store_kv``
+``rms_norm``, ``add_rms_norm`` (the residual add fused in), ``rope``, ``qk_norm_rope`` (Qwen3's
+query and key norms with the rotation), ``silu_mul``, ``store_kv``
 (a layer's K and V into the paged cache), ``greedy_accept`` and ``one_hot`` (greedy acceptance,
 ``spec_decode.verify``), ``lag_append`` (the depth-0 lag ring, ``workers.worker.draft_lag``),
 ``uniforms`` (the counter-based uniforms of sampled rows, bit-identical to the torch code) and
@@ -98,6 +99,38 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         out = out_ptr + (t.to(tl.int64) * heads + h) * 2 * half + cols
         tl.store(out, (a * c - b * s).to(x1.dtype), mask=mask)
         tl.store(out + half, (b * c + a * s).to(x1.dtype), mask=mask)
+
+    @triton.jit
+    def qk_norm_rope_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, tokens,
+                            q_heads, heads, half, eps, BLOCK_T: tl.constexpr,
+                            BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+        # `rms_norm` of every query and key head (the query heads by one weight, the key heads by
+        # the other), then `rope`'s rotation of the result, rounded as those two kernels round
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
+        h = tl.arange(0, BLOCK_H)[None, :, None]
+        cols = tl.arange(0, BLOCK)[None, None, :]
+        row = (t < tokens) & (cols < half)
+        mask = row & (h < heads)
+        base = x_ptr + t.to(tl.int64) * stride_xt + h * 2 * half + cols
+        x1 = tl.load(base, mask=mask, other=0.0)
+        x2 = tl.load(base + half, mask=mask, other=0.0)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        r = tl.rsqrt((tl.sum(a * a, axis=2) + tl.sum(b * b, axis=2)) / (2 * half) + eps)
+        r = r[:, :, None]
+        is_q = h < q_heads
+        wq1 = tl.load(qw_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)
+        wq2 = tl.load(qw_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)
+        wk1 = tl.load(kw_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)
+        wk2 = tl.load(kw_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        n1 = (tl.where(is_q, wq1, wk1) * (a * r).to(x1.dtype).to(tl.float32)).to(dt)
+        n2 = (tl.where(is_q, wq2, wk2) * (b * r).to(x1.dtype).to(tl.float32)).to(dt)
+        n1, n2 = n1.to(tl.float32), n2.to(tl.float32)
+        c = tl.load(cos_ptr + t * half + cols, mask=row, other=0.0)
+        s = tl.load(sin_ptr + t * half + cols, mask=row, other=0.0)
+        out = out_ptr + (t.to(tl.int64) * heads + h) * 2 * half + cols
+        tl.store(out, (n1 * c - n2 * s).to(dt), mask=mask)
+        tl.store(out + half, (n2 * c + n1 * s).to(dt), mask=mask)
 
     @triton.jit
     def silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, n, BLOCK: tl.constexpr):
@@ -366,6 +399,7 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         tl.store(out_ptr + b * n + j, u, mask=j < n)
 
     return SimpleNamespace(rms_norm=rms_norm_kernel, rope=rope_kernel, silu_mul=silu_mul_kernel,
+                           qk_norm_rope=qk_norm_rope_kernel,
                            padded_attention=padded_attention_kernel,
                            padded_attention_tiled=padded_attention_tiled_kernel,
                            tree_attention=tree_attention_kernel,
@@ -419,6 +453,41 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
                                              heads, half, BLOCK_T=block_t, BLOCK_H=block_h,
                                              BLOCK=block)
     return out
+
+
+def qk_norm_rope(qk: torch.Tensor, q_heads: int, k_heads: int, head_dim: int,
+                 q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head query and key norms and their rotation in one launch, where four ran
+    (`rms_norm` and `rope` for each): `qk` [T, >= (q_heads + k_heads) * head_dim] holds the
+    query heads then the key heads side by side from column 0 (a fused QKV GEMM's output);
+    every head is RMS-normalised over `head_dim` (float32 statistics, `eps`) by `q_weight` or
+    `k_weight` [head_dim], rounded to their dtype, then rotated by `cos`/`sin` [T, head_dim/2]
+    (rotate-half). Returns (q [T, q_heads, head_dim], k [T, k_heads, head_dim]), views of one
+    buffer in the weights' dtype."""
+    t = qk.shape[0]
+    heads = q_heads + k_heads
+    if qk.dim() != 2 or qk.shape[1] < heads * head_dim or head_dim % 2:
+        raise ValueError(f"qk_norm_rope: qk of shape {tuple(qk.shape)} for {q_heads} query and "
+                         f"{k_heads} key heads of {head_dim}; allowed: [T, >= heads * head_dim] "
+                         "and an even head_dim")
+    if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,) \
+            or q_weight.dtype != k_weight.dtype:
+        raise ValueError(f"qk_norm_rope: norm weights {tuple(q_weight.shape)} {q_weight.dtype}, "
+                         f"{tuple(k_weight.shape)} {k_weight.dtype}; allowed: [head_dim] each, "
+                         "one dtype")
+    if qk.stride(1) != 1:
+        qk = qk.contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    out = torch.empty((t, heads, head_dim), dtype=q_weight.dtype, device=qk.device)
+    if t:
+        half = head_dim // 2
+        block_h, block = _pow2(heads), _pow2(half)
+        block_t = _tile_tokens(block_h * block)
+        _kernels().qk_norm_rope[(-(-t // block_t),)](
+            qk, q_weight.contiguous(), k_weight.contiguous(), cos, sin, out, qk.stride(0), t,
+            q_heads, heads, half, eps, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK=block)
+    return out[:, :q_heads], out[:, q_heads:]
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,45 @@ def test_rms_norm_and_residual_add(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_qk_norm_rope_equals_the_norms_then_the_rotation(dtype: torch.dtype, tokens: int) -> None:
+    """One launch for Qwen3's per-head query and key norms and RoPE against the torch code it
+    replaces (`RMSNorm` per head, its own weight for the query and the key heads, then
+    `apply_rope`): a QKV GEMM's output with the V columns after (strided rows), 5 query and 2
+    key heads (not a power of two), 1 token and 300 (several programs)."""
+    torch.manual_seed(2)
+    hd, nq, nk = 16, 5, 2
+    q_norm, k_norm = RMSNorm(hd, 1e-6).to(DEV, dtype), RMSNorm(hd, 1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        q_norm.weight.normal_()
+        k_norm.weight.normal_()
+    qkv = (3 * torch.randn(tokens, (nq + 2 * nk) * hd, device=DEV)).to(dtype)
+    angles = torch.randn(tokens, hd // 2, device=DEV)
+    cos, sin = angles.cos(), angles.sin()
+    q, k = kernels.qk_norm_rope(qkv, nq, nk, hd, q_norm.weight, k_norm.weight, 1e-6, cos, sin)
+    assert q.shape == (tokens, nq, hd) and k.shape == (tokens, nk, hd)
+    assert kernels._tile_tokens(8 * 8) < 300
+    enabled = kernels.enabled
+    kernels.enabled = lambda x: False      # the torch code, on the same device
+    try:
+        want_q = apply_rope(q_norm(qkv[:, :nq * hd].reshape(tokens, nq, hd)), cos, sin)
+        want_k = apply_rope(k_norm(qkv[:, nq * hd:(nq + nk) * hd].reshape(tokens, nk, hd)),
+                            cos, sin)
+    finally:
+        kernels.enabled = enabled
+    torch.testing.assert_close(q, want_q, **tol(dtype))
+    torch.testing.assert_close(k, want_k, **tol(dtype))
+    empty = kernels.qk_norm_rope(qkv[:0], nq, nk, hd, q_norm.weight, k_norm.weight, 1e-6,
+                                 cos[:0], sin[:0])
+    assert empty[0].shape == (0, nq, hd) and empty[1].shape == (0, nk, hd)
+    with pytest.raises(ValueError, match="qk of shape .* allowed: .T, >= heads . head_dim"):
+        kernels.qk_norm_rope(qkv[:, :hd], nq, nk, hd, q_norm.weight, k_norm.weight, 1e-6,
+                             cos, sin)
+    with pytest.raises(ValueError, match="norm weights .* one dtype"):
+        kernels.qk_norm_rope(qkv, nq, nk, hd, q_norm.weight, k_norm.weight[:8], 1e-6, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_and_silu_mul(dtype: torch.dtype) -> None:
     torch.manual_seed(1)
     x = torch.randn(6, 3, 16, device=DEV).to(dtype)

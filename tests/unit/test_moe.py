@@ -91,6 +91,33 @@ def test_logits_at_every_position_equal_transformers(saved, kind: str, layout: s
     assert (ref - got).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("rows", [1, 23])
+def test_the_fused_kernels_forced_on_equal_transformers(saved, rows: int, monkeypatch) -> None:
+    """Qwen3-MoE (per-head q/k norms) with every fused kernel forced on, in triton's interpreter:
+    the residual adds with the norms, the q/k norms with RoPE in one launch
+    (`kernels.qk_norm_rope`), the route kernel and the fused experts (1 row: the pair path; 23
+    rows, 46 pairs: the grouped GEMMs); logits within 1e-4 of transformers'."""
+    pytest.importorskip("triton")
+    from workers import kernels, moe_kernels
+    model, root = saved["qwen3_moe"]
+    ours = load_llama(root / "new")
+    assert ours.config.qk_norm and (rows * 2 <= moe_kernels.PAIR_PATH_PAIRS) == (rows == 1)
+    ids = torch.randint(0, VOCAB, (rows,), generator=torch.Generator().manual_seed(rows))
+    launched: list[str] = []
+    fused = kernels.qk_norm_rope
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        launched.append("qk_norm_rope")
+        return fused(*args, **kwargs)
+    monkeypatch.setattr(kernels, "qk_norm_rope", counted)
+    monkeypatch.setattr(kernels, "enabled", lambda x: True)
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]
+        got = ours.compute_logits(ours(ids, torch.arange(rows), DenseCausalAttention([rows])))
+    assert launched == ["qk_norm_rope"] * ours.config.num_hidden_layers
+    assert (ref - got).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_greedy_no_spec_equals_transformers_generate(saved, kind: str) -> None:
     from hf_models import assert_greedy_equals_generate

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from collectives import ops
+from workers import kernels
 from workers.attention.base import LayerAttention
 from workers.model.config import LlamaConfig, _DecoderDims
 from workers.model.layers import (
@@ -48,8 +49,9 @@ class LlamaAttention(FusedOwner):
     every query and key head before RoPE (Qwen3: ``q_norm`` / ``k_norm`` over ``head_dim``).
 
     Q, K and V are one GEMM (``FusedColumns``: this rank's rows ``[q; k; v]`` in one buffer, the
-    parameters ``q_proj``/``k_proj``/``v_proj`` views of it) and, without ``qk_norm``, Q and K
-    are rotated in one RoPE launch (they are adjacent in the GEMM's output)."""
+    parameters ``q_proj``/``k_proj``/``v_proj`` views of it) and Q and K are rotated in one RoPE
+    launch (they are adjacent in the GEMM's output); with ``qk_norm`` on the fused path that
+    launch normalises them too (``kernels.qk_norm_rope``: one kernel where four ran)."""
 
     def __init__(self, cfg: _DecoderDims, layer_id: int, par: ModelParallel,
                  in_features: int | None = None) -> None:
@@ -79,7 +81,11 @@ class LlamaAttention(FusedOwner):
         nq, nk, _ = self.qkv.split
         qkv = self.qkv(x)                                     # [T, (Hq + 2 Hkv) * D]
         v = qkv[:, nq + nk:].view(t, -1, hd)
-        if self.q_norm is not None:
+        if self.q_norm is not None and kernels.enabled(qkv) and self.q_norm.eps == self.k_norm.eps:
+            # the q and k heads side by side: both norms and the rotation in one launch
+            q, k = kernels.qk_norm_rope(qkv, nq // hd, nk // hd, hd, self.q_norm.weight,
+                                        self.k_norm.weight, self.q_norm.eps, cos, sin)
+        elif self.q_norm is not None:
             q = apply_rope(self.q_norm(qkv[:, :nq].view(t, -1, hd)), cos, sin)
             k = apply_rope(self.k_norm(qkv[:, nq:nq + nk].view(t, -1, hd)), cos, sin)
         else:  # q and k heads side by side: one rotation
