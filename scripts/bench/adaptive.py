@@ -866,7 +866,8 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
             "warm_phases": {w: WARM[w] for w in args.workloads if w in WARM},
             "repeats_done": len({r["repeat"] for r in records}),
             "workloads": {w: WORKLOADS[w] for w in args.workloads},
-            "command": " ".join(sys.argv), "merged": list(args.merge)}
+            "command": " ".join(sys.argv), "merged": list(args.merge),
+            "tree_candidates": list(TREE_CANDIDATES_IN_USE)}
     goals = goal_rows(analysis)
     write_json(out / "results.json", {"meta": meta, "analysis": analysis, "goals": goals,
                                       "runs": records})
