@@ -1,6 +1,7 @@
 """Device kernels per phase of a speculative round, counted on a CPU (no GPU needed).
 
     python -m scripts.diag.count_kernels [--batch 16] [--depths 0 1 3 7] [--sampled] [--out FILE]
+        [--shape tiny-moe]             # a Qwen3-MoE-layered target (random weights), not the pair
         (FILE.json and a plot next to it, FILE.png)
         [--ops]                        # also the per-op breakdown of every phase
     python -m scripts.diag.count_kernels --merge BEFORE.json AFTER.json   # one before/after table
@@ -44,7 +45,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first importe
 
 import torch  # noqa: E402
 
-from scripts.bench.common import build, load_pair, pyplot, save, static_spec  # noqa: E402
+from scripts.bench.common import (  # noqa: E402
+    build,
+    load_pair,
+    pyplot,
+    random_pair,
+    save,
+    static_spec,
+)
 
 VIEW_OPS = frozenset(f"aten::{n}" for n in (
     "view", "reshape", "_reshape_alias", "as_strided", "slice", "select", "expand", "expand_as",
@@ -90,9 +98,12 @@ class _Counting:
                                 a.zero_()
                 return run
 
-        real = kernels._kernels()
-        wrapped = SimpleNamespace(**{k: Launcher(k, v) for k, v in vars(real).items()})
-        kernels._kernels = lambda: wrapped  # noqa: E731 (read at every launch)
+        from workers import moe_kernels
+
+        for module in (kernels, moe_kernels):   # the MoE path's launches too (MoeBlock.fused)
+            real = module._kernels()
+            wrapped = SimpleNamespace(**{k: Launcher(k, v) for k, v in vars(real).items()})
+            module._kernels = (lambda w: lambda: w)(wrapped)  # read at every launch
 
 
 def count_events(events: list[Any]) -> Counter:
@@ -186,9 +197,12 @@ def run(args: argparse.Namespace) -> dict:
     from workers import loading
 
     torch.set_num_threads(1)
-    target, head = load_pair(loading.DEFAULT_MODEL, "cpu")
+    if args.shape:   # random bfloat16 weights of a named shape (scripts.gen.make_checkpoint)
+        target, head = random_pair(args.shape, "eagle3", "cpu")
+    else:
+        target, head = load_pair(loading.DEFAULT_MODEL, "cpu")
     _Counting.install()
-    out = {"meta": {"batch": args.batch, "greedy": not args.sampled,
+    out = {"meta": {"batch": args.batch, "greedy": not args.sampled, "shape": args.shape,
                     "workers": str(Path(loading.__file__).resolve().parent.parent),
                     "torch": torch.__version__}, "depths": {}}
     for depth in args.depths:
@@ -231,6 +245,10 @@ def main() -> int:
     p.add_argument("--depths", nargs="+", type=int, default=[0, 1, 3, 7])
     p.add_argument("--sampled", action="store_true", help="sampled requests (default: greedy)")
     p.add_argument("--ops", action="store_true", help="print the per-op breakdown")
+    p.add_argument("--shape", default=None,
+                   help="a target of this shape with random weights (scripts.gen.make_checkpoint,"
+                        " e.g. tiny-moe: the Qwen3-MoE layer's kernels) instead of the bundled "
+                        "pair")
     p.add_argument("--merge", nargs=2, metavar=("BEFORE", "AFTER"), default=None)
     p.add_argument("--out", default=None, help="write the counts as JSON")
     args = p.parse_args()
