@@ -95,7 +95,9 @@ def with_model_costs(spec: AdaptiveConfig, value: str) -> AdaptiveConfig:
 #   context 0, `(v(r, P / n) - v(r, 0)) * n / r` at the rung r holding n (padding tokens read
 #   nothing), `v(r, c)` linear between the measured contexts (from 0: the term's own row "0",
 #   else the base table) and extended past the last by its last segment. With one C that is `slope(r) * P`, `slope(r) =
-#   (v(r, C) - v(r, 0)) / (r * C)` seconds per (token x position).
+#   (v(r, C) - v(r, 0)) / (r * C)` seconds per (token x position). Never below the narrowest
+#   rung's extra at the round's longest row (`ContextTerm.floor`): the kernel lasts as long as
+#   its longest row's program.
 # - the prefill term: a prefill's seconds by the token slots it runs (`prefill_cost_ms` =
 #   `{slots: ms}`: the forward's part that follows its token slots), linear between the measured
 #   slot counts and past the ends by the nearest segment, plus its attention,
@@ -176,11 +178,15 @@ class ContextTerm:
                 for c, row in zip(self.contexts, self.costs)}
 
     def extra(self, base: VerifyCost, tokens: int, positions: float,
-              real_tokens: Optional[int] = None) -> float:
+              real_tokens: Optional[int] = None, longest: float = 0.0) -> float:
         """Seconds a verify forward at rung ``tokens`` whose ``real_tokens`` (default: all of
         them; padding tokens read nothing) read ``positions`` KV positions in all costs beyond
         its context-0 price: read at the rung that holds the real tokens, ``r``, as ``(v(r, m) -
-        v(r, 0)) n / r`` with ``m = positions / n`` their mean context (never below 0)."""
+        v(r, 0)) n / r`` with ``m = positions / n`` their mean context, and never below what the
+        term's narrowest rung (one token) costs at ``longest``, the context of the round's
+        longest row (`floor`): the attention kernel runs one program per token and KV head, each
+        over its own row, so it lasts at least as long as the longest row's program, however
+        short the others are (never below 0)."""
         if positions <= 0:
             return 0.0
         if tokens not in self.tokens:
@@ -192,7 +198,17 @@ class ContextTerm:
         xs, ys = self._points(base, j)
         v0 = ys[0]
         at = _interp(xs, ys, positions / n)
-        return max(at - v0, 0.0) * n / rung   # noise may measure a context below none
+        mean = max(at - v0, 0.0) * n / rung   # noise may measure a context below none
+        return max(mean, self.floor(base, longest))
+
+    def floor(self, base: VerifyCost, longest: float) -> float:
+        """Seconds the narrowest measured rung (one token where the term has rung 1) adds at
+        ``longest`` cached positions over none: the time of one row's attention at that
+        context, below which a forward holding such a row cannot go (0 for ``longest <= 0``)."""
+        if longest <= 0:
+            return 0.0
+        xs, ys = self._points(base, 0)
+        return max(_interp(xs, ys, float(longest)) - ys[0], 0.0)
 
     def _points(self, base: VerifyCost, j: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(contexts, seconds) of rung ``j`` from context 0: the term's own row 0 when it has
@@ -309,10 +325,11 @@ class CostModel:
         return out
 
     def round_seconds(self, steps: int, tokens: int, batch: int, positions: float = 0.0,
-                      real_tokens: Optional[int] = None) -> float:
+                      real_tokens: Optional[int] = None, longest: float = 0.0) -> float:
         """Seconds of a decode round of ``steps`` draft forwards and ``tokens`` verify tokens
         (a rung) at padded batch ``batch`` whose ``real_tokens`` read ``positions`` KV
-        positions (the context term where the model has one; else the base price)."""
+        positions, the longest row ``longest`` of them (the context term where the model has
+        one, `ContextTerm.extra`; else the base price)."""
         from adaptive_dist.policy.budgets import shape_cost
         from adaptive_dist.policy.goodput import cost_row
         from adaptive_dist.shape import token_bucket
@@ -323,7 +340,7 @@ class CostModel:
             price = dict(self.round_cost.rows[cost_row(self.round_cost, batch)])[steps]
         if self.context is not None and self.verify_cost is not None and positions > 0:
             rung = token_bucket(tokens, self.context.tokens)
-            price += self.context.extra(self.verify_cost, rung, positions, real_tokens)
+            price += self.context.extra(self.verify_cost, rung, positions, real_tokens, longest)
         return price
 
     def prefill_seconds(self, slots: int, positions: float = 0.0) -> float:

@@ -38,10 +38,10 @@ cost table file has (`agreed_verify_cost_ms_at_context`, `prefill_cost_ms`,
 in a server's order (a few per round, at most `--max-batch` running) and run with per-request
 budgets and overlap on, every engine step timed. A step waits for the round launched by the step
 before, so each plan is charged the next step's time. Every round is priced by the model (its
-decode part at the KV positions its verify tokens read, its prefill by slots and prompt
-positions; a term not measured is priced at its base and named) and by the decode table alone;
-measured / predicted is reported per kind (decode, prefill, mixed) and over all, with the
-served tokens/s the model predicts for the schedule beside the measured.
+decode part at the KV positions its verify tokens read and the context of its longest row, its
+prefill by slots and prompt positions; a term not measured is priced at its base and named) and
+by the decode table alone; measured / predicted is reported per kind (decode, prefill, mixed)
+and over all, with the served tokens/s the model predicts for the schedule beside the measured.
 """
 from __future__ import annotations
 
@@ -71,6 +71,10 @@ def parse_args() -> argparse.Namespace:
                    help="a MoE shape's experts over the ranks (see --moe-parallel of generate)")
     p.add_argument("--reanalyse", nargs="+", metavar="JSON", help="recompute a finished run's "
                    "GPU busy shares (kernel time over the agreed cost) and plot")
+    p.add_argument("--reprice", nargs="+", metavar=("RUN", "TABLE"),
+                   help="price a finished --schedule run's rounds again by the cost model of "
+                        "TABLE (a cost table file; default the run's own terms) and print "
+                        "measured / predicted per kind")
     p.add_argument("--copy-terms", nargs=2, metavar=("RUN", "TABLE"),
                    help="copy the cost model's terms a --cost-context run measured (RUN, its "
                         "JSON) into the cost table file TABLE, beside its decode tables")
@@ -163,6 +167,11 @@ def main() -> int:
     if args.reanalyse:  # recompute the busy shares and the plot of a finished run
         for name in args.reanalyse:
             finish(json.loads(Path(name).read_text()), Path(name))
+        return 0
+    if args.reprice:
+        if len(args.reprice) > 2:
+            raise SystemExit("--reprice RUN [TABLE]: at most two files")
+        reprice(Path(args.reprice[0]), args.reprice[1] if len(args.reprice) > 1 else None)
         return 0
     if args.copy_terms:
         copy_terms(Path(args.copy_terms[0]), Path(args.copy_terms[1]))
@@ -398,6 +407,102 @@ def served_prediction(kinds: dict[str, Any], tokens: int) -> dict[str, Any]:
             "base_tokens_per_s": per_s("base_s")}
 
 
+def schedule_requests(n: int, context: int, vocab: int) -> tuple[Any, list[tuple[list[int], int]]]:
+    """`--schedule`'s requests, (prompt ids, output tokens) in the order they are created (the
+    last arrives first), and the generator that then draws the arrivals per step (seed 7)."""
+    import random
+
+    rng = random.Random(7)
+    lengths = [p for p in (16, 64, 200, 512) if p + 256 <= context] or [8]
+    outputs = [o for o in (32, 64, 128, 256) if max(lengths) + o <= context] or [8]
+    return rng, [([rng.randrange(vocab) for _ in range(rng.choice(lengths))], rng.choice(outputs))
+                 for _ in range(n)]
+
+
+def replay_contexts(rounds: list[dict[str, Any]], n: int, context: int,
+                    vocab: int) -> list[int]:
+    """The longest row's context in each of a finished `--schedule` run's `rounds` (a run
+    recorded before `longest_context` was): its requests replayed in their arrival order, each
+    round's prefill taking the next prompts its `prefill_tokens` hold, every running request
+    growing one token a round and leaving at its output length (depth 0, or nothing accepted:
+    a random head). Checked against every round at depth 0: its request count must be the
+    recorded one and the KV positions its verify tokens read within one per request of the
+    recorded (a request's length is read before the round in flight commits its token, and a
+    draft accepted at depth > 0 is not replayed), else ValueError naming the round (the replay
+    does not hold for that run)."""
+    _, pending = schedule_requests(n, context, vocab)
+    prompts = [len(ids) for ids, _ in reversed(pending)]   # in arrival order
+    outs = [out for _, out in reversed(pending)]
+    running: list[list[int]] = []   # [context, tokens generated, output length]
+    longest = []
+    for i, r in enumerate(rounds):
+        running = [q for q in running if q[1] < q[2]]
+        fresh, tokens = [], 0
+        while tokens < r["prefill_tokens"] and prompts:
+            fresh.append([prompts[0], 0, outs[0]])
+            tokens += prompts.pop(0)
+            outs.pop(0)
+        rows = running + fresh
+        if tokens != r["prefill_tokens"] or (r["steps"] == 0 and (
+                len(rows) != r["requests"]
+                or abs(sum(q[0] for q in rows) - r["positions_read"]) > len(rows))):
+            raise ValueError(f"round {i}: the replay gives {len(rows)} requests reading "
+                             f"{sum(q[0] for q in rows)} positions, prefilling {tokens} tokens; "
+                             f"the run recorded {r['requests']}, {r['positions_read']}, "
+                             f"{r['prefill_tokens']}")
+        longest.append(max((q[0] for q in rows), default=0))
+        for q in rows:
+            q[0] += 1
+            q[1] += 1
+        running = rows
+    return longest
+
+
+def reprice(path: Path, table: str | None = None) -> dict[str, Any]:
+    """`--reprice`: a finished `--schedule` run's rounds priced again by the cost model of
+    `table` (a cost table file; default the run's own terms and tables), the longest row's
+    context replayed where the run did not record it (`replay_contexts`). Returns and prints
+    measured / predicted per kind, as the run did."""
+    from adaptive_dist.config import RoundCost, VerifyCost
+    from adaptive_dist.cost_tables import CostModel, cost_model
+
+    data = json.loads(path.read_text())
+    check = data.get("schedule_check")
+    if not check or not check.get("rounds"):
+        raise SystemExit(f"--reprice: {path} holds no --schedule rounds")
+    model = cost_model(table or str(path))
+    rounds = [dict(r) for r in check["rounds"]]
+    if any("longest_context" not in r for r in rounds):
+        n = int(data["command"].split("--schedule")[1].split()[0])
+        from scripts.gen.make_checkpoint import SHAPES
+
+        shape = data["shape"] if not data.get("tiny") else (
+            "tiny-moe" if data["shape"] == "qwen3-30b-a3b" else "tiny")
+        vocab = SHAPES[shape]["vocab_size"]
+        for r, c in zip(rounds, replay_contexts(rounds, n, data["context"], vocab)):
+            r["longest_context"] = c
+    kinds: dict[str, Any] = {}
+    for r in rounds:
+        decode = model.round_seconds(r["steps"], r["tokens"], r["batch"], r["positions_read"],
+                                     r["verify_tokens_real"], r["longest_context"])
+        pre = (model.prefill_seconds(r["prefill_slots"], r["prefill_positions"])
+               if r["prefill_slots"] else 0.0)
+        for kind in (r["kind"], "all"):
+            k = kinds.setdefault(kind, {"rounds": 0, "measured_s": 0.0, "predicted_s": 0.0})
+            k["rounds"] += 1
+            k["measured_s"] += r["seconds"]
+            k["predicted_s"] += decode + pre
+    print(f"== {path}: measured / predicted, repriced by {table or 'its own terms'}")
+    for kind in KINDS + ("all",):
+        k = kinds.get(kind)
+        if k:
+            k["measured_over_predicted"] = k["measured_s"] / k["predicted_s"]
+            print(f"   {kind:8s} {k['rounds']:4d} rounds  measured {1e3 * k['measured_s']:9.1f} "
+                  f"ms  predicted {1e3 * k['predicted_s']:9.1f} ms  "
+                  f"x{k['measured_over_predicted']:.3f}", flush=True)
+    return kinds
+
+
 def check_schedule(engine: Any, n: int, context: int, vocab: int,
                    model: Any = None, profile_rounds: bool = False) -> dict[str, Any]:
     """`--schedule`: `n` requests (prompts of 16 .. 512 tokens, outputs of 32 .. 256) admitted
@@ -409,24 +514,21 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int,
     `adaptive_dist.cost_tables.CostModel`; default the engine's own tables): `predicted` with
     every term the model has (the context its verify tokens read, its prefill), `base` with the
     decode table alone. Every round is kept (its time, the time the host waited for the device,
-    both prices, shape, batch, the KV positions its verify tokens read, its prefill's slots and
-    positions); `served` is the tokens/s each way (`served_prediction`). `profile_rounds`: rounds
-    `PROFILE_AT` under the torch profiler (their kernels kept in `profiled`)."""
+    both prices, shape, batch, the KV positions its verify tokens read, its longest row's
+    context, its prefill's slots and positions); `served` is the tokens/s each way
+    (`served_prediction`). `profile_rounds`: rounds `PROFILE_AT` under the torch profiler (their
+    kernels kept in `profiled`)."""
     import random
 
     from adaptive_dist.cost_tables import CostModel
     from workers.sampling import SamplingParams
 
-    rng = random.Random(7)
     spec = engine.config.spec
     model = model if model is not None else CostModel(spec.round_cost, spec.verify_cost)
     worker = engine.worker
     cuda = worker.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    lengths = [p for p in (16, 64, 200, 512) if p + 256 <= context] or [8]
-    outputs = [o for o in (32, 64, 128, 256) if max(lengths) + o <= context] or [8]
-    pending = [([rng.randrange(vocab) for _ in range(rng.choice(lengths))],
-                rng.choice(outputs)) for _ in range(n)]
+    rng, pending = schedule_requests(n, context, vocab)
     waited = [0.0]
     collect = worker.collect
 
@@ -480,20 +582,22 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int,
         budget = plan.budget_of()
         ctx = {rid: running.get(rid, waiting.get(rid, 0)) for rid in budget}
         read = sum((budget[rid] + 1) * c for rid, c in ctx.items())
+        longest = max(ctx.values(), default=0)
         real = sum(b + 1 for b in budget.values())
         fresh = [waiting[rid] for rid in budget if rid in waiting]
         kind = ("decode" if not plan.extend_tokens else
                 "prefill" if len(fresh) == len(budget) else "mixed")
         tokens, batch = plan.shape.verify_tokens, plan.batch_pad
         base = model.round_seconds(plan.steps, tokens, batch)
-        decode = model.round_seconds(plan.steps, tokens, batch, read, real)
+        decode = model.round_seconds(plan.steps, tokens, batch, read, real, longest)
         slots, positions = prefill_size(engine, plan, fresh) if plan.extend_tokens else (0, 0)
         pre = model.prefill_seconds(slots, positions) if slots else 0.0
         rounds.append({"kind": kind, "waited": waited[0], "base": base,
                        "predicted": decode + pre, "predicted_decode": decode,
                        "predicted_prefill": pre, "steps": plan.steps, "tokens": tokens,
                        "batch": batch, "requests": len(budget), "verify_tokens_real": real,
-                       "positions_read": read, "prefill_tokens": plan.extend_tokens,
+                       "positions_read": read, "longest_context": longest,
+                       "prefill_tokens": plan.extend_tokens,
                        "prefill_slots": slots, "prefill_positions": positions})
     t = time.perf_counter()
     engine.drain()

@@ -1,11 +1,13 @@
 """The cost model's context and prefill terms (`adaptive_dist.cost_tables`, issues 32 and 34):
 the interpolation and the fit against synthetic timings of known form, a table file without
 them (every older one) loading with both named as not priced, a file with them read back and bad
-entries named, and the start-up measurement (`workers.worker.round_cost`) producing both on the
-tiny CPU pair."""
+entries named, the floor at a round's longest row, the start-up measurement
+(`workers.worker.round_cost`) producing both on the tiny CPU pair, and the committed GPU check
+priced again (`model_shapes --reprice`)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ from adaptive_dist.cost_tables import (CONTEXT_KEY, PREFILL_KEY, PREFILL_POSITIO
                                        ContextTerm, PrefillTerm, causal_positions, cost_model,
                                        fit_prefill)
 from adaptive_dist.policy.budgets import shape_cost
+from scripts.bench.model_shapes import TERM_KEYS
 
 RUNGS = (1, 2, 4, 8, 16)
 BASE = VerifyCost(RUNGS, tuple(0.004 + 1e-5 * t for t in RUNGS))
@@ -75,6 +78,36 @@ def test_the_rung_holding_the_real_tokens_prices_them() -> None:
     assert low.extra(BASE, 4, 10**6) == 0.0
 
 
+def test_a_round_costs_at_least_its_longest_row() -> None:
+    """The floor (`ContextTerm.floor`): a kernel whose programs each run over one row's context
+    lasts as long as the longest row's. Timed like that (rung 1 pays 0.3 ms at 256 positions,
+    0.9 ms at 768; every rung the same at a context: bound by the row, not the tokens), 24 real
+    tokens at a mean of 200 positions whose longest row holds 700 cost what 700 costs at rung 1,
+    not what 200 does; with every row at the mean the floor is the mean's own price, and with
+    the longest row unknown (0) the mean prices the round as before."""
+    def extra(c):
+        return 3e-4 * min(c, 256) / 256 + 6e-4 * max(c - 256, 0) / 512
+    rungs = (1, 2, 4, 8, 16, 32)
+    base = VerifyCost(rungs, tuple(0.004 + 1e-5 * t for t in rungs))
+    term = ContextTerm.parse({str(c): {str(t): base.cost(t) + extra(c) for t in rungs}
+                              for c in (0, 256, 768)})
+    assert term.floor(base, 700) == pytest.approx(extra(700))
+    assert term.floor(base, 0) == 0.0
+    by_mean = term.extra(base, 32, 24 * 200, real_tokens=24)
+    assert by_mean == pytest.approx(extra(200) * 24 / 32)
+    assert term.extra(base, 32, 24 * 200, real_tokens=24, longest=700) == pytest.approx(
+        extra(700))
+    # every row at the mean: the floor is no more than the mean's price at a full rung
+    assert term.extra(base, 32, 32 * 200, longest=200) == pytest.approx(extra(200))
+    # a rung that pays more than the floor (throughput-bound) keeps its own price
+    wide = ContextTerm.parse({"256": {str(t): base.cost(t) + 1.6e-4 * t for t in rungs}})
+    assert wide.floor(base, 256) == pytest.approx(1.6e-4)
+    assert wide.extra(base, 32, 32 * 256, longest=256) == pytest.approx(32 * 1.6e-4)
+    model = CostModel(ROUND, base, term, None)
+    assert model.round_seconds(0, 32, 4, 24 * 200, 24, longest=700) == pytest.approx(
+        shape_cost(ROUND, base, 0, 32, 4) + extra(700))
+
+
 def test_the_prefill_fit_recovers_known_terms() -> None:
     """Synthetic timings of the form the model assumes, sampled as `prefill_shapes` samples:
     narrow rows at every rows bucket, one row at every wider width, more rows at the widest."""
@@ -113,13 +146,68 @@ def test_the_model_prices_a_round_at_its_context() -> None:
     assert CostModel(ROUND, BASE).round_seconds(3, 8, 4, positions=6000) == pytest.approx(base)
 
 
-def test_an_older_table_loads_with_both_terms_unpriced() -> None:
-    model = cost_model("docs/data/cost_tables/h200_tp1_llama3-8b.json")
+def test_an_older_table_loads_with_both_terms_unpriced(tmp_path) -> None:
+    # the one-H200 8B table as it was before its terms were copied in (2026-12-03)
+    data = json.loads(Path("docs/data/cost_tables/h200_tp1_llama3-8b.json").read_text())
+    for key in TERM_KEYS:
+        data.pop(key, None)
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(data))
+    model = cost_model(str(older))
     assert model.context is None and model.prefill is None and model.verify_cost is not None
     assert [u.split(" ")[0] for u in model.unpriced()] == ["context", "prefill"]
     assert model.round_seconds(0, 64, 64, positions=20_000) == pytest.approx(
         model.round_seconds(0, 64, 64))
     assert model.prefill_seconds(4096, 10**6) == 0.0
+
+
+def test_the_shipped_8b_table_holds_both_terms() -> None:
+    """`h200_tp1_llama3-8b.json` with the terms of the first GPU check (model_shapes
+    --cost-context 256 768, copied with --copy-terms): contexts 0/256/768 on the verify
+    forward's rungs, the prefill by slots from 32 to 16384 with its attention."""
+    model = cost_model("docs/data/cost_tables/h200_tp1_llama3-8b.json")
+    assert model.unpriced() == []
+    assert model.context.contexts == (0, 256, 768)
+    assert model.context.tokens == model.verify_cost.tokens
+    assert model.prefill.slots[0] == 32 and model.prefill.slots[-1] == 16384
+    assert model.prefill.per_position > 0
+    # a longer context costs more at every rung; the floor at 768 is rung 1's own extra
+    for j, t in enumerate(model.context.tokens):
+        assert model.context.extra(model.verify_cost, t, 768 * t) > model.context.extra(
+            model.verify_cost, t, 256 * t) > 0
+    assert model.context.floor(model.verify_cost, 768) == pytest.approx(
+        model.context.costs[2][0] - model.context.costs[0][0])
+
+
+def test_the_first_gpu_check_repriced_with_its_longest_rows(capsys) -> None:
+    """The committed one-H200 schedule run (2026-12-03, recorded before `longest_context`): the
+    replay of its arrivals gives every depth-0 round's request count exactly and its positions
+    within one per request; priced with its own terms and no longest row the replay reproduces
+    the run's own prices (decode x1.067), with the floor at the longest row its decode rounds
+    come within 2% (x1.015)."""
+    from scripts.bench.model_shapes import replay_contexts, reprice
+
+    run = Path("docs/data/runs/schedule_check_h200_8b_costmodel_2026-12-03.json")
+    data = json.loads(run.read_text())
+    rounds = data["schedule_check"]["rounds"]
+    longest = replay_contexts(rounds, 96, data["context"], 128256)
+    assert len(longest) == len(rounds)
+    for r, c in zip(rounds, longest):   # the longest row: within the round's positions
+        assert 16 <= c <= 512 + 256
+        if r["steps"] == 0:
+            assert c <= r["positions_read"] + r["requests"]
+    model = cost_model(str(run))
+    again = sum(model.round_seconds(r["steps"], r["tokens"], r["batch"], r["positions_read"],
+                                    r["verify_tokens_real"]) for r in rounds
+                if r["kind"] == "decode")
+    assert again == pytest.approx(data["schedule_check"]["decode"]["predicted_s"])
+    kinds = reprice(run)
+    assert kinds["decode"]["measured_over_predicted"] == pytest.approx(1.015, abs=0.001)
+    assert kinds["mixed"]["measured_over_predicted"] == pytest.approx(0.955, abs=0.001)
+    assert kinds["all"]["rounds"] == len(rounds)
+    assert "decode" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="round 0"):
+        replay_contexts(rounds, 96, data["context"], 1000)   # another schedule
 
 
 def _file(tmp_path, **extra) -> str:
@@ -224,8 +312,10 @@ def test_the_schedule_check_prices_every_kind_on_the_cpu() -> None:
         if r["prefill_slots"]:
             assert r["predicted_prefill"] == pytest.approx(
                 prefill.cost(r["prefill_slots"], r["prefill_positions"]))
+        assert 0 < r["longest_context"] <= r["positions_read"]
         assert r["predicted_decode"] == pytest.approx(model.round_seconds(
-            r["steps"], r["tokens"], r["batch"], r["positions_read"], r["verify_tokens_real"]))
+            r["steps"], r["tokens"], r["batch"], r["positions_read"], r["verify_tokens_real"],
+            r["longest_context"]))
     every = out["all"]
     assert every["rounds"] == len(rounds)
     assert every["predicted_s"] == pytest.approx(sum(r["predicted"] for r in rounds))
