@@ -10,6 +10,9 @@ shape, next to what the engine's own round table predicts for the same batch (is
         --merge --out OUT
     python -m scripts.bench.production_serving --checkpoint DIR --modes goodput --reuse-tables \
         --merge --out OUT
+    # a finished run's levels priced again with a table's prefill term (runs nothing)
+    python -m scripts.bench.production_serving --reprice OUT/summary.log \
+        --round-table docs/data/cost_tables/h200_tp1_llama3-8b.json
     # the same pipeline end to end on the CPU, a tiny random shape (a smoke test of this script)
     python -m scripts.bench.production_serving --checkpoint /tmp/ps --shape tiny --device cpu \\
         --concurrency 1,4 --input-len 32 --output-len 16 --max-batch-size 4 --max-model-len 256 \\
@@ -252,6 +255,50 @@ def predict_served(tables: dict[str, Any], concurrency: int, prediction: dict[st
     return {"tokens_per_s": c * output_len / (decode + prefill), "wave_decode_s": decode,
             "wave_prefill_s": prefill, "prefill_share": prefill / (decode + prefill),
             "prefill_slots": slots}
+
+
+def summary_rows(text: str) -> list[dict[str, Any]]:
+    """The rows of a run's printed Markdown table (`markdown`'s first nine columns: mode,
+    concurrency, bucket, table round ms, predicted tok/s, served decode tok/s, decode /
+    predicted, served output tok/s, TTFT p50), for a run whose results.json was not kept."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 9 or cells[0] not in MODES or not cells[1].isdigit():
+            continue
+        rows.append({"mode": cells[0], "concurrency": int(cells[1]),
+                     "round_ms": float(cells[3]), "predicted_tokens_per_s": float(cells[4]),
+                     "decode_tokens_per_s": float(cells[5]),
+                     "output_tokens_per_s": float(cells[7])})
+    if not rows:
+        raise ValueError("no rows of the results table (| mode | concurrency | bucket | round "
+                         "ms | predicted | ... |) in the summary")
+    return rows
+
+
+def reprice(text: str, tables: dict[str, Any], input_len: int,
+            output_len: int) -> list[dict[str, Any]]:
+    """Each level of a finished run's summary (`summary_rows`) priced again with the prefill
+    term of `tables` (`predict_served` at the level's own table round time; the accepted
+    draft tokens per request-round recovered from the printed decode prediction, `c (1 + a) /
+    t`, never below 0): served output over the prediction with prefills, beside the decode-only
+    prediction's ratios."""
+    out = []
+    for row in summary_rows(text):
+        c, t = row["concurrency"], row["round_ms"] / 1e3
+        accepted = max(0.0, row["predicted_tokens_per_s"] * t / c - 1.0)
+        served = predict_served(tables, c, {"round_ms": row["round_ms"],
+                                            "accepted_per_request_round": accepted},
+                                input_len, output_len)
+        predicted = served.get("tokens_per_s")
+        out.append({**row, "accepted_per_request_round": accepted, "served_prediction": served,
+                    "decode_over_prediction": row["decode_tokens_per_s"]
+                    / row["predicted_tokens_per_s"],
+                    "output_over_decode_prediction": row["output_tokens_per_s"]
+                    / row["predicted_tokens_per_s"],
+                    "output_over_served_prediction": (row["output_tokens_per_s"] / predicted
+                                                      if predicted else None)})
+    return out
 
 
 # ---- the server, /metrics and bench_serving ----------------------------------------------------
@@ -545,6 +592,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="seconds the round table and the server may take to start")
     p.add_argument("--bench-timeout", type=float, default=1800.0)
     p.add_argument("--out", default="runs/production_serving")
+    p.add_argument("--reprice", default=None, metavar="SUMMARY",
+                   help="price the levels of a finished run's printed table (SUMMARY: its log) "
+                        "again with the prefill term of --round-table FILE, at --input-len and "
+                        "--output-len, and print served output over that prediction; runs "
+                        "nothing")
     p.add_argument("--measure-table", default=None, metavar="OUT.json", help=argparse.SUPPRESS)
     p.add_argument("--context", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=5, help=argparse.SUPPRESS)
@@ -559,6 +611,25 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.reprice:
+        if not args.round_table:
+            raise SystemExit("--reprice SUMMARY needs --round-table FILE (a cost table file "
+                             "with prefill_cost_ms)")
+        rows = reprice(Path(args.reprice).read_text(), table_from_file(args.round_table),
+                       args.input_len, args.output_len)
+        print("| mode | concurrency | table round ms | decode-only predicted tok/s | served "
+              "output tok/s | output / decode-only | predicted with prefills tok/s | wave "
+              "prefill s | output / predicted with prefills |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            sp = r["served_prediction"]
+            print(f"| {r['mode']} | {r['concurrency']} | {r['round_ms']:.2f} | "
+                  f"{r['predicted_tokens_per_s']:.0f} | {r['output_tokens_per_s']:.0f} | "
+                  f"{r['output_over_decode_prediction']:.3f} | "
+                  + _cell(sp.get("tokens_per_s"), "{:.0f}") + " | "
+                  + _cell(sp.get("wave_prefill_s"), "{:.3f}") + " | "
+                  + _cell(r["output_over_served_prediction"], "{:.3f}") + " |")
+        return 0
     if args.measure_table:
         flags = args.serve_flags[1:] if args.serve_flags[:1] == ["--"] else args.serve_flags
         return _measure_main(Path(args.measure_table), args.context, args.repeats, flags,

@@ -80,6 +80,35 @@ def test_the_served_prediction_prices_each_wave_s_prefill() -> None:
     assert "prefill" in row2["prediction"]["served"]["unpriced"]
 
 
+def test_the_committed_8b_run_repriced_with_the_measured_prefill_term() -> None:
+    """`--reprice`: the one-H200 8B run's printed table (2026-12-03, its per-level results.json
+    not kept) against the 8B table's prefill term: each level a wave of (O - 1) decode rounds
+    at the level's table round time and one prefill of c x 1024 tokens."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs/data/runs/production_serving_h200_8b/summary.log").read_text()
+    tables = ps.table_from_file(str(root / "docs/data/cost_tables/h200_tp1_llama3-8b.json"))
+    rows = ps.reprice(text, tables, 1024, 256)
+    got = {(r["mode"], r["concurrency"]): r for r in rows}
+    assert sorted(got) == sorted((m, c) for m in ("no-spec", "goodput") for c in (1, 16, 64))
+    r = got[("no-spec", 64)]
+    assert r["round_ms"] == 8.24 and r["output_tokens_per_s"] == 4110
+    assert r["accepted_per_request_round"] == pytest.approx(0.0, abs=1e-3)
+    from adaptive_dist.cost_tables import PrefillTerm, causal_positions
+
+    prefill = PrefillTerm.parse(tables["prefill_cost_ms"],
+                                tables["prefill_ms_per_million_positions"])
+    wave = 255 * 8.24e-3 + prefill.cost(64 * 1024, causal_positions([1024] * 64))
+    assert r["served_prediction"]["tokens_per_s"] == pytest.approx(64 * 256 / wave)
+    assert r["output_over_served_prediction"] == pytest.approx(4110 * wave / (64 * 256))
+    assert r["output_over_decode_prediction"] == pytest.approx(4110 / 7765)
+    assert 0.90 < r["output_over_served_prediction"] < 0.92
+    assert 0.87 < got[("goodput", 64)]["output_over_served_prediction"] < 0.88
+    with pytest.raises(ValueError, match="no rows"):
+        ps.summary_rows("nothing here")
+
+
 def test_a_cost_table_file_is_read_in_seconds(tmp_path) -> None:
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"context": 1024, "agreed_round_cost_ms": {"1": {"0": 5.0}}}))
