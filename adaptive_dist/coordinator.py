@@ -51,6 +51,9 @@ class Executed:
                                    self.use_graph, self.batch_bucket)
 
 
+_INTS = frozenset((int,))   # an accept length's one type (bool is not an int here)
+
+
 def shape_tokens(shape: RoundShape) -> int:
     """A shape's verify tokens as the plan hash reads them: a tree's with its top-k and tokens
     per request (``policy.tree.tree_code``) above bit 32, so ranks that would run trees of the
@@ -209,6 +212,11 @@ class RoundCoordinator:
         # verifies the rung that holds its tokens, a per-request round any of them
         self.ladder = tuple(verify_ladder) if verify_ladder is not None else None
         self._ladders: dict[int, tuple[int, ...]] = {}   # no ladder: the chain's, by its top
+        # per candidate index: (draft forwards, tree or None, the tree's code); the config is
+        # frozen, so a candidate's are read from it once
+        self._candidates: dict[int, tuple[int, Optional[tuple[int, int, int, float]], int]] = {}
+        # a chain round's shape by (steps, largest batch): the same frozen RoundShape every round
+        self._chain_shapes: dict[tuple[int, int], RoundShape] = {}
         self.rule: Optional[PerRequestRule] = None
         if config.per_request:
             if self.ladder is None:
@@ -255,15 +263,26 @@ class RoundCoordinator:
                 group, layout, algorithm, guard.timeout_s if guard is not None else None)
         self.stats.steps_timeline.append((0, self.steps))
 
+    def _candidate(self) -> tuple[int, Optional[tuple[int, int, int, float]], int]:
+        """The candidate in force: (draft forwards, tree or None, the tree's code; 0: a chain)."""
+        index = self.state.index
+        got = self._candidates.get(index)
+        if got is None:
+            tree = candidate_tree(self.config, index)
+            got = self._candidates[index] = (
+                candidate_steps_of(self.config, index), tree,
+                tree_code(tree[1], tree[2]) if tree is not None else 0)
+        return got
+
     @property
     def steps(self) -> int:
         """Draft forwards of the candidate in force (a chain's depth, a tree's steps)."""
-        return candidate_steps_of(self.config, self.state.index)
+        return self._candidate()[0]
 
     @property
     def tree(self) -> Optional[tuple[int, int, int, float]]:
         """The tree candidate in force, (S, K, N, coverage); None: a chain."""
-        return candidate_tree(self.config, self.state.index)
+        return self._candidate()[1]
 
     @property
     def shape_code(self) -> int:
@@ -271,8 +290,7 @@ class RoundCoordinator:
         tokens, or the tree in force's code (``policy.tree.tree_code``; 0: a chain)."""
         if self.rule is not None:
             return self.state.tokens
-        tree = self.tree
-        return tree_code(tree[1], tree[2]) if tree is not None else 0
+        return self._candidate()[2]
 
     @property
     def round_cost(self) -> Any:
@@ -324,14 +342,16 @@ class RoundCoordinator:
         now = self._clock() if self._clock is not None else None
         period = -1.0 if now is None or self._last_begin is None else now - self._last_begin
         self._last_begin = now
+        local, state = self.local, self.state
+        steps, _, code = self._candidate()
         vec = consensus.RoundVector(
             round=self.round, n_req=r.num_requests, num_tokens=r.num_tokens,
             n_extend=r.num_extend, extend_len=r.extend_len, can_graph=r.can_graph, seq=r.seq,
-            leave=r.leave, done=r.done, prev_n_req=self._prev_n_req, ema=self.ema, ema_fail=self.ema_fail,
-            weight=self.weight,
-            steps=self.steps, counted=self.state.counted, last_switch=self.state.last_switch,
+            leave=r.leave, done=r.done, prev_n_req=self._prev_n_req, ema=local.ema,
+            ema_fail=local.ema_fail, weight=local.weight,
+            steps=steps, counted=state.counted, last_switch=state.last_switch,
             config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash, period=period,
-            tokens=self.shape_code, values=values,
+            tokens=state.tokens if self.rule is not None else code, values=values,
         )
         cluster = self._agree(vec)
         self._time_previous(cluster)
@@ -421,7 +441,7 @@ class RoundCoordinator:
         """
         plan = plan if plan is not None else self._prev_plan
         steps = plan.steps if plan is not None else self.steps
-        if accepts and (any(type(a) is not int for a in accepts)
+        if accepts and (not _INTS.issuperset(map(type, accepts))
                         or min(accepts) < 0 or max(accepts) > steps):
             for a in accepts:
                 if type(a) is not int or not 0 <= a <= steps:  # bool is not an int here
@@ -534,15 +554,13 @@ class RoundCoordinator:
             shape = self.rule.shape(self.state, c.n_req_max)
             budgets = self.rule.budgets(self._survivals, shape)
         else:
-            ladder = self.ladder
-            if not ladder:
-                top = max(c.n_req_max, 1) * (steps + 1)
-                ladder = self._ladders.get(top)
-                if ladder is None:
-                    ladder = self._ladders[top] = token_ladder(top)
-            shape = RoundShape(steps, effective_tokens(0, c.n_req_max, steps, ladder))
             tree = self.tree
-            if tree is not None:   # every row its tree of N tokens: B_pad * N verify tokens
+            if tree is None:
+                shape = self._chain_shapes.get((steps, c.n_req_max))
+                if shape is None:
+                    shape = self._chain_shapes[(steps, c.n_req_max)] = self._chain_shape(
+                        steps, c.n_req_max)
+            else:   # every row its tree of N tokens: B_pad * N verify tokens
                 rows = bucket if use_graph else c.n_req_max
                 shape = RoundShape(steps, max(rows, 1) * tree[2], tree[1], tree[2])
         return RoundPlan(
@@ -554,6 +572,17 @@ class RoundCoordinator:
             seq=c.seq_min, leave=c.any_leave, extend_width=c.extend_len_max,
             shape=shape, requests=tuple(requests), budgets=budgets,
         )
+
+    def _chain_shape(self, steps: int, n_req_max: int) -> RoundShape:
+        """A chain round's shape: ``steps`` draft forwards, the verify rung that holds the
+        largest batch's tokens (the engine's ladder, or the chain's own up to its top)."""
+        ladder = self.ladder
+        if not ladder:
+            top = max(n_req_max, 1) * (steps + 1)
+            ladder = self._ladders.get(top)
+            if ladder is None:
+                ladder = self._ladders[top] = token_ladder(top)
+        return RoundShape(steps, effective_tokens(0, n_req_max, steps, ladder))
 
     def decision_digest(self) -> int:
         """A rolling digest of every plan so far (for comparing ranks at the end of a run)."""
