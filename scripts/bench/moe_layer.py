@@ -1,7 +1,11 @@
 """The fused MoE layer (``workers.moe_kernels``) and the depth-0 round against the floor their
 weights set, on one GPU, CUDA-graph replayed (the eager figure is the host launching ~25 ops).
 
-    python -m scripts.bench.moe_layer --out OUT     # est. 3-5 min on one H200 (not run yet)
+    python -m scripts.bench.moe_layer --out OUT     # 48 s on one H200 (every way, the round)
+    python -m scripts.bench.moe_layer --ways graph graph_grouped --rows 1 2 4 8 16 --out OUT
+
+One H200's run: `docs/data/runs/moe_layer_h200_2026-12-03/`, read in `docs/results.md`, "MoE rounds
+against their weight floor".
 
 1. The layer: one Qwen3-30B-A3B-shaped sparse MLP (d 2048, 128 experts of width 768, top 8,
    bfloat16, random weights), routed rows N = 1, 2, 4 ... 512 (a decode round of batch B at
@@ -21,7 +25,9 @@ weights set, on one GPU, CUDA-graph replayed (the eager figure is the host launc
    round over the same rows) over the bandwidth. The KV it reads is left out of the floor (about
    0.1 GB per 1024 positions and row: batch 64 at 1024 reads 6.4 GB more).
 
-`--ways` times some of the layer's ways only (each alone in its own process, under
+`--profile` also runs torch.profiler over each round's replays: kernels per round and their device
+time by kind (MoE, attention, norms and RoPE, GEMMs, other), the sum against the round's time
+(the difference: gaps between kernels). `--ways` times some of the layer's ways only (each alone in its own process, under
 `CUDA_LAUNCH_BLOCKING=1`, pinpoints a fault). Writes OUT/moe_layer.json and OUT/moe_layer.png
 (after the layer part, and again with the round), and in the JSON's `choices` the rows whose
 figures argue against `PAIR_PATH_PAIRS` / `ALIGN_KERNEL_PAIRS`. `--tiny`: a smoke test of this script on the
@@ -59,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS),
                    help="the layer's ways to capture and time (one alone, in its own process "
                         "with CUDA_LAUNCH_BLOCKING=1, pinpoints a fault)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile each round's replays (torch.profiler): its kernels per "
+                        "round and their device time, by kind (where the round's time goes)")
     p.add_argument("--tiny", action="store_true", help="a CPU smoke test of this script")
     p.add_argument("--out", default="runs/moe_layer")
     return p.parse_args()
@@ -211,6 +220,51 @@ def layer_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
+KINDS = (("moe", ("pair_gate_up", "pair_down", "gate_up_kernel", "down_kernel", "align_kernel",
+                   "route_kernel")),
+         ("attention", ("padded_attention", "store_kv", "tree_attention")),
+         ("norm_rope", ("rms_norm", "rope", "silu_mul")),
+         ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "cublas", "splitk", "aten::mm",
+                   "aten::addmm", "aten::linear")))
+
+
+def kind_of(name: str) -> str:
+    """The part of a round a kernel (an operator on the CPU) belongs to, by its name."""
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_round(body: Callable[[], Any], replays: int) -> dict[str, Any]:
+    """torch.profiler over `replays` calls of a round's `body` (on a GPU its graph replays: the
+    kernels inside them, as CUPTI reports them; on the CPU the operators, CPU time): per round, the
+    kernels and their device time, by kind (`KINDS`) and the costliest 20 by name. A GPU round
+    with no kernel reported (a profiler that does not see into graphs) says so: 0 kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = DEVICE == "cuda"
+    body()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(replays):
+            body()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = [(e.key, e.count / replays,
+             (e.device_time_total if cuda else e.self_cpu_time_total) / replays / 1000)
+            for e in prof.key_averages()]
+    rows = [r for r in rows if r[2] > 0]
+    by_kind: dict[str, list[float]] = {}
+    for name, count, ms in rows:
+        acc = by_kind.setdefault(kind_of(name), [0.0, 0.0])
+        acc[0] += count
+        acc[1] += ms
+    rows.sort(key=lambda r: -r[2])
+    return {"kernels_per_round": sum(r[1] for r in rows), "kernel_ms": sum(r[2] for r in rows),
+            "by_kind": by_kind, "top": [list(r) for r in rows[:20]], "replays": replays,
+            "what": "kernels (GPU, device time)" if cuda else "operators (CPU time)"}
+
+
 def round_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The depth-0 round of the Qwen3-30B-A3B-shaped target (no head) at each batch, graph
     replayed over the measurement's rows, against its weight floor."""
@@ -247,6 +301,12 @@ def round_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                 worker.buffers.budget[:batch] = 0
                 with torch.inference_mode():
                     samples.append(clock(body, args.iters))
+            if args.profile:
+                rows.start()
+                worker.buffers.rows[:batch] = torch.arange(batch, device=DEVICE)
+                worker.buffers.budget[:batch] = 0
+                with torch.inference_mode():
+                    profiled = profile_round(body, replays=5)
         floor_bytes = (every - experts_all - embed.numel() * embed.element_size()
                        + batch * row_bytes + sum(hits) * expert_bytes)
         floor_ms = 1000 * floor_bytes / args.bandwidth
@@ -258,6 +318,13 @@ def round_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"round batch {batch:>3}: {med:6.2f} ms (graph replay, depth 0, no head), floor "
               f"{floor_ms:5.2f} ms ({floor_bytes / 1e9:.2f} GB: {sum(hits) / len(hits):.1f} "
               f"experts per layer), x{med / floor_ms:.2f}", flush=True)
+        if args.profile:
+            out[-1]["profile"] = profiled
+            kinds = ", ".join(f"{k} {n:.0f} kernels {ms:.3f} ms"
+                              for k, (n, ms) in profiled["by_kind"].items())
+            print(f"  profiled: {profiled['kernels_per_round']:.0f} kernels per round, "
+                  f"{profiled['kernel_ms']:.3f} ms of kernel time (the rest of the round's time: "
+                  f"gaps between them); {kinds}", flush=True)
     engine.close()
     return out
 

@@ -277,3 +277,16 @@ def test_speculative_sampling_over_a_moe_target_keeps_its_distribution(tmp_path:
     head = random_head("eagle3", target, [0, 2, 3, 5], seed=4, aux_layer_ids=(-1, 0, 1))
     engine = engine_for(target, head, "static", steps=3, max_batch=64)
     check_keeps_target_law(engine, target, seed=78)
+
+
+def test_the_moe_bench_sorts_a_rounds_kernels_by_kind() -> None:
+    """`scripts.bench.moe_layer --profile` sums a round's kernels by kind, by their names."""
+    from scripts.bench.moe_layer import kind_of
+    assert [kind_of(n) for n in (
+        "pair_gate_up_kernel", "route_kernel", "align_kernel", "down_kernel",
+        "qk_norm_rope_kernel", "rms_norm_kernel", "rope_kernel",
+        "padded_attention_tiled_kernel", "store_kv_kernel",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "nvjet_tst_64x8_64x16_4x1_v",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>")] == [
+        "moe", "moe", "moe", "moe", "norm_rope", "norm_rope", "norm_rope", "attention",
+        "attention", "gemm", "gemm", "other"]
