@@ -61,20 +61,31 @@ class CollectiveRecorder:
         # the guard compares the entry across the group's members first (a debug mode that
         # catches a reshaped collective before a backend can crash or hang on it).
         self.before_issue: Optional[Callable[[CollectiveEntry, object], None]] = None
+        # per (op, group, shape, dtype): the entry's shape and dtype fields and the signature's
+        # bytes the hash reads (a round's collectives repeat theirs every round)
+        self._signatures: dict[tuple, tuple[tuple[int, ...], str, bytes]] = {}
+
+    SIGNATURE_CACHE = 4096   # distinct signatures kept (more: the cache starts again)
 
     def record(self, op: str, group: str, tensor: torch.Tensor) -> CollectiveEntry:
-        entry = CollectiveEntry(
-            self.count, op, group, tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")
-        )
+        key = (op, group, tensor.shape, tensor.dtype)
+        sig = self._signatures.get(key)
+        if sig is None:
+            if len(self._signatures) >= self.SIGNATURE_CACHE:
+                self._signatures.clear()
+            shape, dtype = tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")
+            sig = self._signatures[key] = (
+                shape, dtype, repr(CollectiveEntry(0, op, group, shape, dtype).signature()).encode())
+        entry = CollectiveEntry(self.count, op, group, sig[0], sig[1])
         self.count += 1
         if self.keep_log:
             self.log.append(entry)
-        self.window.append(entry)
-        if len(self.window) > self.WINDOW_LIMIT:
-            del self.window[: len(self.window) - self.WINDOW_LIMIT]
-        h = hashlib.blake2b(self._digest, digest_size=16)
-        h.update(repr(entry.signature()).encode())
-        self._digest = h.digest()
+        window = self.window
+        window.append(entry)
+        if len(window) > self.WINDOW_LIMIT:
+            del window[: len(window) - self.WINDOW_LIMIT]
+        # the rolling hash: blake2b of the previous digest followed by the signature's repr
+        self._digest = hashlib.blake2b(self._digest + sig[2], digest_size=16).digest()
         return entry
 
     def digest_words(self) -> tuple[int, int]:
