@@ -3,7 +3,7 @@ over gloo, and the reduction through shared memory within a host (issue 37) — 
 alpha-beta model to extrapolate them to large clusters (issues 27, 37).
 
     python -m scripts.bench.consensus --worlds 2 4 8 16 --rounds 1000 --repeats 3 --out runs/consensus
-    python -m scripts.bench.consensus --local [--batch 4] [--rounds 2000] [--repeats 5]
+    python -m scripts.bench.consensus --local [--batch 4] [--rounds 2000] [--repeats 5] [--cold-us 500]
     (launches one torchrun per world size on this host: CPU ranks, gloo over loopback and one
     shared-memory segment; plain python3 + torch, the plot only when matplotlib is installed)
 
@@ -280,7 +280,9 @@ def local(args) -> dict:
     of a coordinator over a group of one, ``--batch`` requests a round, and the reduced vector's
     parts alone (encode into the channel's buffer and read back, ``agreed`` + ``decode``).
     Per repeat the median wall time of a round and its thread CPU time (which a loaded host
-    inflates less), then the medians over the repeats; microseconds."""
+    inflates less), then the medians over the repeats; microseconds. ``--cold-us`` adds
+    ``round_cold``: a quarter of ``--rounds`` rounds each after a sleep of that long, timed one
+    by one (an engine's round follows its wait for the GPU: the caches as the wait left them)."""
     import torch
 
     from collectives import Group
@@ -325,7 +327,21 @@ def local(args) -> dict:
         for name, (wall, cpu) in samples.items():
             per[name]["wall_us"].append(statistics.median(wall))
             per[name]["cpu_us"].append(statistics.median(cpu))
+        if args.cold_us > 0:
+            # the engine's pattern: the host sleeps while the GPU runs, then one round, with
+            # what the sleep left of the caches (each round timed alone)
+            wall, cpu = [], []
+            for _ in range(max(1, args.rounds // 4)):
+                time.sleep(args.cold_us / 1e6)
+                t0, c0 = time.perf_counter(), time.thread_time()
+                one_round()
+                cpu.append((time.thread_time() - c0) * 1e6)
+                wall.append((time.perf_counter() - t0) * 1e6)
+            cold = per.setdefault("round_cold", {"wall_us": [], "cpu_us": []})
+            cold["wall_us"].append(statistics.median(wall))
+            cold["cpu_us"].append(statistics.median(cpu))
     return {"batch": b, "rounds": args.rounds, "repeats": args.repeats,
+            "cold_us": args.cold_us,
             **{name: {k: statistics.median(v) for k, v in d.items()} | {"per_repeat": d}
                for name, d in per.items()}}
 
@@ -496,6 +512,9 @@ def main() -> None:
                     help="no ranks: the round's host work in this process (begin_round + "
                          "end_round over a group of one, and the reduced vector's parts)")
     ap.add_argument("--batch", type=int, default=4, help="--local: requests a round")
+    ap.add_argument("--cold-us", type=float, default=500.0,
+                    help="--local: also round_cold, each round after a sleep of this many µs "
+                         "(0: not measured)")
     ap.add_argument("--spin-us", type=float, nargs="*", default=[0.0],
                     help="also the shared-memory reduction with these spin bounds, in µs "
                          "(reduce_shm_spin<us>; 0: never spin; the default channel has the "
