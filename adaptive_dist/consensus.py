@@ -36,7 +36,6 @@ import torch
 
 from collectives import DivergenceError, Group, ops, shm
 from adaptive_dist.policy.reducers import Pooled
-from adaptive_dist.policy.rules import acceptance_rate
 
 MAGIC = 0x5ADE  # vector format version (0x5ADC: before tokens and the value curve; 0x5ADB:
                 #   before extend_len; 0x5ADA: before period; 0x5AD9: before ema_fail)
@@ -194,6 +193,7 @@ _SHIFTS = tuple(LIMB_BITS * k for k in range(LIMBS))
 _SCALE = 1 << FRACTION_BITS
 _LOW = -(1 << 63) + 1    # the MAX of a rank that has nothing to say (no weight)
 _F64, _I64 = struct.Struct("<d"), struct.Struct("<q")
+_pack_f64, _unpack_f64, _pack_i64, _unpack_i64 = _F64.pack, _F64.unpack, _I64.pack, _I64.unpack
 _compress = itertools.compress
 _DIGITS = tuple(range(LIMBS))
 
@@ -201,12 +201,12 @@ _DIGITS = tuple(range(LIMBS))
 def float_key(x: float) -> int:
     """An int64 with the order of float64 ``x`` (the maximum of keys is the key of the
     maximum); ``key_float`` inverts it (-0.0 maps to +0.0)."""
-    b = _I64.unpack(_F64.pack(x))[0]
+    b = _unpack_i64(_pack_f64(x))[0]
     return b if b >= 0 else -(b & 0x7FFFFFFFFFFFFFFF)
 
 
 def key_float(k: int) -> float:
-    return _F64.unpack(_I64.pack(k))[0] if k >= 0 else -_F64.unpack(_I64.pack(-k))[0]
+    return _unpack_f64(_pack_i64(k))[0] if k >= 0 else -_unpack_f64(_pack_i64(-k))[0]
 
 
 def put_fixed(t: float, out: list, base: int) -> bool:
@@ -343,7 +343,8 @@ class ReducedLayout:
         if w > 0:
             out[3] = 1
             e, f = vec.ema, vec.ema_fail
-            p = acceptance_rate(e, f)
+            den = e + f                          # acceptance_rate(e, f), inline
+            p = 1.0 if den == 0 else e / den
             terms = (w * e, w * f, w * p)
             base = len(_SUM_INTS)
             for j in self._terms:

@@ -445,9 +445,9 @@ class HostReducer:
     def all_reduce_sum_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """``ops.all_reduce_sum_max`` through the segment (one recorded collective on every
         member: ``all_reduce.sum_max.shm.control``)."""
-        if tensor.dtype != torch.int64 or tensor.dim() != 1 or tensor.numel() != self.n:
-            raise ValueError(f"shared-memory reduction: a 1-D int64 host tensor of {self.n}")
         if tensor is not self._last_tensor:   # the channel passes the same buffer every round
+            if tensor.dtype != torch.int64 or tensor.dim() != 1 or tensor.numel() != self.n:
+                raise ValueError(f"shared-memory reduction: a 1-D int64 host tensor of {self.n}")
             v = tensor.numpy()
             self._last_tensor, self._views = tensor, (v, v[:self.n_sum], v[self.n_sum:])
         ops._run("all_reduce.sum_max.shm.control", self.group, tensor, self._round)
