@@ -463,8 +463,7 @@ def reprice(path: Path, table: str | None = None) -> dict[str, Any]:
     `table` (a cost table file; default the run's own terms and tables), the longest row's
     context replayed where the run did not record it (`replay_contexts`). Returns and prints
     measured / predicted per kind, as the run did."""
-    from adaptive_dist.config import RoundCost, VerifyCost
-    from adaptive_dist.cost_tables import CostModel, cost_model
+    from adaptive_dist.cost_tables import cost_model
 
     data = json.loads(path.read_text())
     check = data.get("schedule_check")
@@ -518,8 +517,6 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int,
     context, its prefill's slots and positions); `served` is the tokens/s each way
     (`served_prediction`). `profile_rounds`: rounds `PROFILE_AT` under the torch profiler (their
     kernels kept in `profiled`)."""
-    import random
-
     from adaptive_dist.cost_tables import CostModel
     from workers.sampling import SamplingParams
 
