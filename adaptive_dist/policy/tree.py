@@ -15,7 +15,7 @@ round's draft work (the first step's logits, the S - 1 head forwards over b rows
 over ``b (S + 1)`` rows, the acceptance). It is linear in S: ``D(S, b) = D₁(b) + (S - 1) h(b)``
 with ``h(b)`` one draft forward over b rows, taken from the row's shallowest and deepest positive
 depths (``draft_forward_cost``; the depths between are the check, ``derivation_check``: on the
-H200 8B table depth 3 is predicted within 0.5% of the measured round at every batch). A tree
+H200 8B table depth 3 is derived within 0.12% of the measured round at batch 1-32, 1.2% at 64). A tree
 round runs the same first step and acceptance, S - 1 head forwards over ``b K`` rows and one verify
 over ``b N`` tokens: ``cost = D₁(b) + (S - 1) h(b K) + verify(b N)``. ``h`` at ``b K`` rows is
 interpolated between the table's batch buckets (linear), and past the largest bucket the line
@@ -28,10 +28,12 @@ counted at b K rows instead of b (so a tree's draft steps are priced a little hi
 acceptance rate p accepts ``E(p, S) = p + ... + p^S``. A tree verifies, below each accepted
 node, the head's K best children (as many as the budget N leaves): the target's token is among
 them with probability ``c = p + (1 - p) f``, where ``f`` is the share of the chain's misses that
-a sibling covers, per tree shape. Measured on the bundled pair, ``f`` is about the same in every
-prompt regime (code, high entropy) for one shape while p moves from 0.13 to 0.87, so one ``f`` per
-shape, fitted on what the trees accepted (``DEFAULT_COVERAGE``, docs/policy.md), turns the
-rate the policy already tracks into every tree's expectation: ``E(c, S)``. While a tree runs, its
+a sibling covers, per tree shape. Measured on the bundled pair, ``f`` is about the same in the
+code and high-entropy regimes (p 0.87 and 0.13) for a tree whose budget leaves room for siblings
+at every level (within 0.05 accepted tokens per round); for a tree whose budget is small for its
+steps it over-predicts by 5-11% where the head is sure and under-predicts where it is not
+(docs/policy.md, "Draft trees"). One ``f`` per shape (default by K, ``DEFAULT_COVERAGE``) turns
+the rate the policy already tracks into every tree's expectation: ``E(c, S)``. While a tree runs, its
 rounds measure c, not p: the policy reads the chain-equivalent ``p = (c - f) / (1 - f)``
 (``chain_rate``), so every candidate is scored from one rate, whatever shape ran.
 """
