@@ -294,6 +294,27 @@ class ClusterRound:
             pooled=pooled(c["ema"], c["weight"], c["ema_fail"]), values_sum=values_sum)
 
 
+def _positional(cls: type) -> Callable[..., object]:
+    """A constructor of frozen dataclass ``cls`` from every field's value in the fields' order:
+    the instance ``cls(*values)`` builds (equal, the same repr and hash), without ``__init__``'s
+    one ``object.__setattr__`` per field (a round builds a ``ClusterRound`` and a ``Pooled``).
+    Refused for a class whose ``__init__`` does more (``__post_init__``, slots, no init)."""
+    params = getattr(cls, "__dataclass_params__", None)
+    if (params is None or not params.frozen or not params.init
+            or hasattr(cls, "__post_init__") or hasattr(cls, "__slots__")):
+        raise TypeError(f"_positional: {cls.__name__} is not a plain frozen dataclass")
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    new, n = object.__new__, len(names)
+
+    def make(*values: object) -> object:
+        if len(values) != n:
+            raise TypeError(f"{cls.__name__}: {len(values)} values for {n} fields")
+        obj = new(cls)
+        obj.__dict__.update(zip(names, values))
+        return obj
+    return make
+
+
 _SUM_INTS = ("n_req", "prev_n_req", "weight", "live")
 _MAX_INTS = ("n_req", "num_tokens", "n_extend", "extend_len", "no_graph", "not_done",
              "neg_seq", "leave", "untimed", "period", "inexact",
@@ -306,6 +327,14 @@ _POOLED_ORDER = ("live", "weight", "ema_sum", "fail_sum", "rate_sum", "ema_min",
 if tuple(f.name for f in dataclasses.fields(Pooled)) != _POOLED_ORDER:
     raise ImportError("adaptive_dist.consensus: Pooled's fields moved; ReducedLayout.decode "
                       "builds it positionally in the order " + ", ".join(_POOLED_ORDER))
+_CLUSTER_ORDER = ("round", "n_req_sum", "n_req_max", "tokens_max", "extend_max",
+                  "extend_len_max", "all_graph", "all_done", "seq_min", "any_leave",
+                  "prev_n_req_sum", "untimed", "period_max", "pooled", "values_sum")
+if tuple(f.name for f in dataclasses.fields(ClusterRound)) != _CLUSTER_ORDER:
+    raise ImportError("adaptive_dist.consensus: ClusterRound's fields moved; "
+                      "ReducedLayout.decode builds it positionally in the order "
+                      + ", ".join(_CLUSTER_ORDER))
+_new_pooled, _new_cluster = _positional(Pooled), _positional(ClusterRound)
 
 
 class ReducedLayout:
@@ -397,10 +426,10 @@ class ReducedLayout:
                     base += LIMBS
                 else:
                     mix.append((s, 0.0))
-            pooled = Pooled(live, float(red[2]), exact[0], exact[1], exact[2],
+            pooled = _new_pooled(live, float(red[2]), exact[0], exact[1], exact[2],
                             -key_float(red[m + 12]) + 0.0, key_float(red[m + 11]),
                             -key_float(red[m + 14]) + 0.0, key_float(red[m + 13]), tuple(mix))
-        return ClusterRound(
+        return _new_cluster(
             red[self.agree_at + 2], red[0], red[m], red[m + 1], red[m + 2], red[m + 3],
             not red[m + 4], not red[m + 5], -red[m + 6], bool(red[m + 7]), red[1],
             bool(red[m + 8]), key_float(red[m + 9]) + 0.0, pooled,
