@@ -294,16 +294,22 @@ class ClusterRound:
             pooled=pooled(c["ema"], c["weight"], c["ema_fail"]), values_sum=values_sum)
 
 
-def _positional(cls: type) -> Callable[..., object]:
+def _plain_frozen(cls: type, who: str) -> tuple[str, ...]:
+    """The field names of ``cls``, a frozen dataclass whose ``__init__`` only sets its fields
+    (no ``__post_init__``, no slots); else ``TypeError``."""
+    params = getattr(cls, "__dataclass_params__", None)
+    if (params is None or not params.frozen or not params.init
+            or hasattr(cls, "__post_init__") or hasattr(cls, "__slots__")):
+        raise TypeError(f"{who}: {getattr(cls, '__name__', cls)} is not a plain frozen dataclass")
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def frozen_positional(cls: type) -> Callable[..., object]:
     """A constructor of frozen dataclass ``cls`` from every field's value in the fields' order:
     the instance ``cls(*values)`` builds (equal, the same repr and hash), without ``__init__``'s
     one ``object.__setattr__`` per field (a round builds a ``ClusterRound`` and a ``Pooled``).
     Refused for a class whose ``__init__`` does more (``__post_init__``, slots, no init)."""
-    params = getattr(cls, "__dataclass_params__", None)
-    if (params is None or not params.frozen or not params.init
-            or hasattr(cls, "__post_init__") or hasattr(cls, "__slots__")):
-        raise TypeError(f"_positional: {cls.__name__} is not a plain frozen dataclass")
-    names = tuple(f.name for f in dataclasses.fields(cls))
+    names = _plain_frozen(cls, "frozen_positional")
     new, n = object.__new__, len(names)
 
     def make(*values: object) -> object:
@@ -311,6 +317,22 @@ def _positional(cls: type) -> Callable[..., object]:
             raise TypeError(f"{cls.__name__}: {len(values)} values for {n} fields")
         obj = new(cls)
         obj.__dict__.update(zip(names, values))
+        return obj
+    return make
+
+
+def frozen_by_name(cls: type) -> Callable[..., object]:
+    """``frozen_positional`` by keyword: every field by name, none missing, none unknown (a
+    field added to ``cls`` is a ``TypeError`` naming it at the first call)."""
+    names = frozenset(_plain_frozen(cls, "frozen_by_name"))
+    new = object.__new__
+
+    def make(**values: object) -> object:
+        if values.keys() != names:
+            raise TypeError(f"{cls.__name__}: missing {sorted(names - values.keys())}, "
+                            f"unknown {sorted(values.keys() - names)}")
+        obj = new(cls)
+        obj.__dict__.update(values)
         return obj
     return make
 
@@ -334,7 +356,7 @@ if tuple(f.name for f in dataclasses.fields(ClusterRound)) != _CLUSTER_ORDER:
     raise ImportError("adaptive_dist.consensus: ClusterRound's fields moved; "
                       "ReducedLayout.decode builds it positionally in the order "
                       + ", ".join(_CLUSTER_ORDER))
-_new_pooled, _new_cluster = _positional(Pooled), _positional(ClusterRound)
+_new_pooled, _new_cluster = frozen_positional(Pooled), frozen_positional(ClusterRound)
 
 
 class ReducedLayout:

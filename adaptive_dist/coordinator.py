@@ -109,6 +109,12 @@ class RoundPlan:
         return dict(zip(self.requests, self.budgets))
 
 
+# a round's vector and plan built without the frozen __init__'s one object.__setattr__ per
+# field (every field by name; the same instance: consensus.frozen_by_name)
+_new_vector = consensus.frozen_by_name(consensus.RoundVector)
+_new_plan = consensus.frozen_by_name(RoundPlan)
+
+
 @dataclass(frozen=True)
 class RoundOutcome:
     """The decision made at the end of a round, known at the next ``begin_round``."""
@@ -344,7 +350,7 @@ class RoundCoordinator:
         self._last_begin = now
         local, state = self.local, self.state
         steps, _, code = self._candidate()
-        vec = consensus.RoundVector(
+        vec = _new_vector(
             round=self.round, n_req=r.num_requests, num_tokens=r.num_tokens,
             n_extend=r.num_extend, extend_len=r.extend_len, can_graph=r.can_graph, seq=r.seq,
             leave=r.leave, done=r.done, prev_n_req=self._prev_n_req, ema=local.ema,
@@ -563,7 +569,7 @@ class RoundCoordinator:
             else:   # every row its tree of N tokens: B_pad * N verify tokens
                 rows = bucket if use_graph else c.n_req_max
                 shape = RoundShape(steps, max(rows, 1) * tree[2], tree[1], tree[2])
-        return RoundPlan(
+        return _new_plan(
             round=self.round, steps=steps, use_graph=use_graph,
             batch_bucket=bucket if use_graph else None,
             batch_pad=bucket if use_graph else c.n_req_max,

@@ -1,4 +1,4 @@
-"""consensus._positional (issue 37): decode's constructor of a ClusterRound and a Pooled gives
+"""consensus.frozen_positional / frozen_by_name (issue 37): decode's constructor of a ClusterRound and a Pooled gives
 the instance the dataclass's own __init__ gives (equal, same repr and hash, still frozen), and
 refuses a class whose __init__ does more."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from adaptive_dist import consensus
-from adaptive_dist.consensus import ClusterRound, _positional
+from adaptive_dist.consensus import ClusterRound, RoundVector, frozen_by_name, frozen_positional
 from adaptive_dist.policy.reducers import Pooled
 
 
@@ -48,4 +48,22 @@ def test_positional_refuses_a_class_whose_init_does_more():
 
     for cls in (Checked, Mutable, int):
         with pytest.raises(TypeError, match="not a plain frozen dataclass"):
-            _positional(cls)
+            frozen_positional(cls)
+        with pytest.raises(TypeError, match="not a plain frozen dataclass"):
+            frozen_by_name(cls)
+
+
+def test_by_name_equals_the_dataclass_init_and_names_a_missing_field():
+    make = frozen_by_name(RoundVector)
+    rng = random.Random(7)
+    for _ in range(100):
+        kw = {f.name: rng.randrange(-9, 9) for f in dataclasses.fields(RoundVector)}
+        kw.update(ema=rng.random(), ema_fail=rng.random(), period=rng.random(),
+                  values=tuple(rng.randrange(99) for _ in range(rng.randrange(3))))
+        a, b = RoundVector(**kw), make(**kw)
+        assert a == b and repr(a) == repr(b) and hash(a) == hash(b) and a.row() == b.row()
+    del kw["period"]
+    with pytest.raises(TypeError, match=r"missing \['period'\]"):
+        make(**kw)
+    with pytest.raises(TypeError, match=r"unknown \['periods'\]"):
+        make(**kw, period=0.0, periods=1.0)
