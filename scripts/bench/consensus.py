@@ -282,7 +282,9 @@ def local(args) -> dict:
     Per repeat the median wall time of a round and its thread CPU time (which a loaded host
     inflates less), then the medians over the repeats; microseconds. ``--cold-us`` adds
     ``round_cold``: a quarter of ``--rounds`` rounds each after a sleep of that long, timed one
-    by one (an engine's round follows its wait for the GPU: the caches as the wait left them)."""
+    by one (an engine's round follows its wait for the GPU: the caches as the wait left them).
+    ``bytecodes_per_round`` / ``python_calls_per_round``: the round's Python work counted over
+    200 rounds (``sys.settrace`` opcode events; independent of the host's load)."""
     import torch
 
     from collectives import Group
@@ -340,8 +342,24 @@ def local(args) -> dict:
             cold = per.setdefault("round_cold", {"wall_us": [], "cpu_us": []})
             cold["wall_us"].append(statistics.median(wall))
             cold["cpu_us"].append(statistics.median(cpu))
+    # the round's Python work, counted (independent of the host's load): bytecodes executed and
+    # Python calls a round, by sys.settrace's opcode events over 200 rounds
+    count = {"call": 0, "opcode": 0}
+
+    def trace(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event in count:
+            count[event] += 1
+        return trace
+    sys.settrace(trace)
+    try:
+        for _ in range(200):
+            one_round()
+    finally:
+        sys.settrace(None)
     return {"batch": b, "rounds": args.rounds, "repeats": args.repeats,
-            "cold_us": args.cold_us,
+            "cold_us": args.cold_us, "bytecodes_per_round": count["opcode"] / 200,
+            "python_calls_per_round": count["call"] / 200,
             **{name: {k: statistics.median(v) for k, v in d.items()} | {"per_repeat": d}
                for name, d in per.items()}}
 
