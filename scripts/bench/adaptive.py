@@ -39,7 +39,7 @@ out of every figure), and `mixed` (one stream of 4 segments of `--mixed-rounds` 
 kept full: each request's regime drawn from shares of code / high-entropy / repetitive that drift
 linearly over the run (`MIXED_DRIFT`), its output budget from a log-normal, `--mixed-median` 200,
 `--mixed-sigma` 0.8, held to `--mixed-cap` 1200, so the batch's acceptance moves as requests come
-and go). `goals.md` and the results' `goals` hold issue 26's goal rows (`GOALS`) per adaptive
+and go; `--mixed-seed N` another stream of the same law). `goals.md` and the results' `goals` hold issue 26's goal rows (`GOALS`) per adaptive
 policy. `--model-costs FILE` reads a cost table file (`docs/data/cost_tables/*.json`, its
 `agreed_round_cost_ms`; the file's name recorded as `meta.model_costs_file`);
 `--model-costs TABLE` prices every run's rounds by a
@@ -150,6 +150,10 @@ MIXED_DRIFT = ((0.5, 0.3, 0.2), (0.3, 0.5, 0.2), (0.2, 0.3, 0.5), (0.45, 0.1, 0.
 """The mixed stream's shares of (code, high_entropy, repetitive) at the start of each of its
 segments (and at the end of the last): a request's regime is drawn from the shares interpolated
 linearly at its place in the segment."""
+MIXED_SEED_STRIDE = 1000
+"""`--mixed-seed M` adds `M * MIXED_SEED_STRIDE` to the seed of every draw of the mixed stream
+(a replica's regimes, the segments' budgets); larger than any replica or segment index, so no
+two (seed, replica, segment) share a draw."""
 PER_REQUEST_GOALS = {"transition": (1.10, 0.97), "transition_long": (1.10, 0.97),
                      "mixed": {1: (1.10, None), 16: (1.08, None), 64: (1.15, None)},
                      "heterogeneous": (1.05, None)}
@@ -378,6 +382,11 @@ def parse_args() -> argparse.Namespace:
                         "5x the median)")
     p.add_argument("--mixed-cap", type=int, default=1200,
                    help="mixed: the largest budget (tokens)")
+    p.add_argument("--mixed-seed", type=int, default=0, metavar="N",
+                   help="mixed: which stream (N >= 0; 0 the stream of every record before the "
+                        "option): changes only the random draws of the workload, each "
+                        "request's regime and output budget, the same for every policy of the "
+                        "run; recorded as meta.mixed.seed")
     p.add_argument("--model-costs", default=None, metavar="FILE|JSON",
                    help="a cost table file (docs/data/cost_tables/*.json: its "
                         "agreed_round_cost_ms, read as seconds) or a JSON table. "
@@ -438,6 +447,8 @@ def parse_args() -> argparse.Namespace:
         value = getattr(args, flag)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} {value}: must be >= 1")
+    if args.mixed_seed < 0:
+        p.error(f"--mixed-seed {args.mixed_seed}: must be >= 0")
     if not (args.mixed_median >= 1 and args.mixed_sigma >= 0):
         p.error("--mixed-median must be >= 1 and --mixed-sigma >= 0")
     if not 0 <= args.cost_alpha <= 1:
@@ -748,9 +759,12 @@ def workload_phases(args: argparse.Namespace, workload: str, batch: int,
         segments = len(WORKLOADS["mixed"])
         # enough prompts that a segment's stream never cycles: a request a round per place
         n = batch * window
-        phases = [mixed_stream(enc, n, s, segments, seed=replica)[0] for s in range(segments)]
+        # --mixed-seed M shifts every draw's seed by M * MIXED_SEED_STRIDE (M = 0: as before)
+        shift = args.mixed_seed * MIXED_SEED_STRIDE
+        phases = [mixed_stream(enc, n, s, segments, seed=replica + shift)[0]
+                  for s in range(segments)]
         lengths = [lognormal_budgets(n, args.mixed_median, args.mixed_sigma, args.mixed_cap,
-                                     seed=100 + s) for s in range(segments)]
+                                     seed=100 + s + shift) for s in range(segments)]
         return phases, lengths, window
     window = args.long_phase_rounds if workload in LONG else args.phase_rounds
     regime = [phase[replica % 2] for phase in WORKLOADS[workload]]
@@ -862,7 +876,7 @@ def write(args: argparse.Namespace, records: list[dict], ctx: Any, quiet: bool =
             "long_phase_rounds": args.long_phase_rounds,
             "mixed": {"rounds": args.mixed_rounds or args.phase_rounds or 100,
                       "median": args.mixed_median, "sigma": args.mixed_sigma,
-                      "cap": args.mixed_cap, "drift": MIXED_DRIFT},
+                      "cap": args.mixed_cap, "drift": MIXED_DRIFT, "seed": args.mixed_seed},
             "warm_phases": {w: WARM[w] for w in args.workloads if w in WARM},
             "repeats_done": len({r["repeat"] for r in records}),
             "workloads": {w: WORKLOADS[w] for w in args.workloads},

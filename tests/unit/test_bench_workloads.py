@@ -327,3 +327,41 @@ def test_server_shaped_workloads_run_end_to_end(tmp_path):
     assert len(runs[("code_warm", "static3")]["phases"]) == 1
     assert {r["workload"] for r in data["goals"]} == {"mixed", "code_warm", "transition_long"}
     assert (out / "goals.md").is_file() and (out / "mixed_b2.png").stat().st_size > 0
+
+
+def test_mixed_seed_changes_only_the_mixed_stream():
+    """`--mixed-seed`: another seed draws another request stream (regimes and budgets), the
+    same seed the same one; seed 0 is the stream every record before the option used."""
+    from types import SimpleNamespace
+
+    bench = _bench_adaptive()
+    enc = {k: [[i, j] for j in range(50)] for i, k in enumerate(("code", "high_entropy",
+                                                                "repetitive"))}
+
+    def stream(seed, replica=0):
+        args = SimpleNamespace(mixed_rounds=6, phase_rounds=None, mixed_median=64.0,
+                               mixed_sigma=0.8, mixed_cap=400, mixed_seed=seed)
+        return bench.workload_phases(args, "mixed", 4, enc, replica)
+
+    assert stream(0) == stream(0) and stream(3) == stream(3)
+    phases0, lengths0, window = stream(0)
+    phases1, lengths1, _ = stream(1)
+    assert window == 6 and len(phases1) == len(phases0) == 4
+    assert [len(p) for p in phases1] == [len(p) for p in phases0] == [24] * 4
+    assert phases1 != phases0 and lengths1 != lengths0
+    # seed 0 is the stream of the records made before the option
+    assert phases0 == [bench.mixed_stream(enc, 24, s, 4, seed=0)[0] for s in range(4)]
+    assert lengths0 == [bench.lognormal_budgets(24, 64.0, 0.8, 400, seed=100 + s)
+                        for s in range(4)]
+    # another seed is not another replica's stream
+    assert stream(1)[0] != stream(0, replica=1)[0]
+    bad = subprocess_run_parse(["--mixed-seed", "-1"])
+    assert bad.returncode != 0 and "--mixed-seed -1: must be >= 0" in bad.stderr
+
+
+def subprocess_run_parse(extra):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-c", "import sys; from scripts.bench import adaptive;"
+                           " sys.argv = ['adaptive'] + sys.argv[1:]; adaptive.parse_args()",
+                           *extra], capture_output=True, text=True, timeout=300, cwd=ROOT)
