@@ -32,6 +32,7 @@ FLOAT_ARGS = {"eps", "scale"}
 CASES = {
     "rms_norm": [("fp16", dict(HAS_DELTA=True, BLOCK=256)), ("fp32", dict(HAS_DELTA=False, BLOCK=64))],
     "rope": [("bf16", dict(BLOCK_T=8, BLOCK_H=16, BLOCK=16)), ("fp32", dict(BLOCK_T=1, BLOCK_H=64, BLOCK=64))],
+    "qk_norm_rope": [("bf16", dict(BLOCK_T=1, BLOCK_H=64, BLOCK=64)), ("fp32", dict(BLOCK_T=4, BLOCK_H=8, BLOCK=16))],
     "silu_mul": [("fp16", dict(BLOCK=1024))],
     "padded_attention": [("fp16", dict(PAGE=16, BLOCK_D=32, BLOCK_N=64)),
                          ("fp64", dict(PAGE=16, BLOCK_D=16, BLOCK_N=64))],
