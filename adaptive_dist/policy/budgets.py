@@ -11,9 +11,13 @@ shrunk toward the rate pooled over every request the rank has seen (decayed alik
 ``s_i(k) = c_i(1) * ... * c_i(k)`` the probability that position k survives: what drafting it
 is worth in expected tokens. Counts decay by ``DECAY`` per round in which the request drafts, so
 its own last drafts dominate within a few rounds (a regime change is taken in one or two rounds,
-where a batch EMA needs tens); a round in which it drafts nothing leaves them as they are, but
-for the catch-up's shadow checks (``observe_shadow``), so through a stretch at 0 draft forwards
-every estimate stays where the last drafts left it (docs/policy.md). Every input is something
+where a batch EMA needs tens); a round in which the rank drafts nothing at all (0 draft
+forwards) multiplies every request's counts by ``IDLE_DECAY`` (rates kept, weight lost: the
+estimate relaxes toward the request's own rate and then the pooled one), or a stretch at 0 draft
+forwards would hold every estimate at its low until the catch-up's shadow checks
+(``observe_shadow``). The raw ``s_i(k)`` is then calibrated: per tenth of the raw prediction the
+rank keeps decayed sums of the drafted positions' predictions and of whether they survived, and
+a prediction is scaled by its tenth's observed-over-predicted ratio (docs/policy.md). Every input is something
 every rank of a DP replica has alike (the replica's requests and their accepted lengths), so the
 replica's ranks compute the same budgets.
 
@@ -58,6 +62,16 @@ VALUE_SCALE = 1 << 24
 """Value curves travel as ``round(V * VALUE_SCALE)`` integers: exact sums on every rank."""
 FORGET_ROUNDS = 64
 """A request not seen for this many rounds is forgotten (it finished)."""
+IDLE_DECAY = 0.956
+"""Weight of every request's counts per round in which the rank drafted nothing: about
+``DECAY ** (1 / 8)``, so that 8 such rounds (the default ``probe_every``) weigh like one drafting
+round's decay."""
+CAL_BINS = 10
+"""Calibration: predicted survivals are scored in this many equal bins of ``[0, 1]``."""
+CAL_DECAY = 0.95
+"""Weight of the rank's calibration counts per round that drafted."""
+CAL_WEIGHT = 8.0
+"""Pseudo-observations of a perfectly calibrated prediction in every calibration bin."""
 
 
 @dataclass
@@ -72,12 +86,16 @@ class Counts:
     def empty(depth: int) -> "Counts":
         return Counts([0.0] * depth, [0.0] * depth)
 
-    def add(self, budget: int, accept: int, decay: float) -> None:
-        """One round that drafted ``budget`` tokens and had ``accept`` of them accepted:
-        positions ``1 .. min(accept + 1, budget)`` were reached, ``1 .. accept`` accepted."""
+    def age(self, decay: float) -> None:
+        """Every count multiplied by ``decay``: the estimate keeps its rates and loses weight."""
         for k in range(len(self.reached)):
             self.reached[k] *= decay
             self.hits[k] *= decay
+
+    def add(self, budget: int, accept: int, decay: float) -> None:
+        """One round that drafted ``budget`` tokens and had ``accept`` of them accepted:
+        positions ``1 .. min(accept + 1, budget)`` were reached, ``1 .. accept`` accepted."""
+        self.age(decay)
         for k in range(min(accept + 1, budget, len(self.reached))):
             self.reached[k] += 1.0
             if k < accept:
@@ -96,8 +114,15 @@ class SurvivalTracker:
     """Per request: (its rounds in a row that drafted nothing, the round it was last seen in);
     a request absent has never drafted (nor been shadow-checked)."""
 
+    cal_predicted: list[float] = field(init=False)
+    cal_survived: list[float] = field(init=False)
+    """Calibration, per bin of the raw prediction: decayed sums of the raw predicted survivals
+    of drafted positions and of whether they survived (``observe``)."""
+
     def __post_init__(self) -> None:
         self.pooled = Counts.empty(self.depth)
+        self.cal_predicted = [0.0] * CAL_BINS
+        self.cal_survived = [0.0] * CAL_BINS
 
     def observe(self, rids: Sequence[int], budgets: Sequence[int],
                 accepts: Sequence[int]) -> None:
@@ -105,7 +130,9 @@ class SurvivalTracker:
         ``accepts[j]`` accepted (in round order). Requests not seen for ``FORGET_ROUNDS`` rounds
         are dropped."""
         self.rounds += 1
-        if budgets and max(budgets) > 0:   # the pool decays per round that drafted
+        drafted = bool(budgets) and max(budgets) > 0
+        if drafted:   # the pool decays per round that drafted
+            self._score(rids, budgets, accepts)
             for k in range(self.depth):
                 self.pooled.reached[k] *= POOL_DECAY
                 self.pooled.hits[k] *= POOL_DECAY
@@ -113,6 +140,11 @@ class SurvivalTracker:
             if d <= 0:
                 if rid in self.idle:
                     self.idle[rid] = (self.idle[rid][0] + 1, self.rounds)
+                if not drafted and rid in self.requests:
+                    # a round in which nothing drafted renews no estimate: the evidence ages
+                    # (toward the request's own rate and the pooled one), or a stretch at 0
+                    # draft forwards would hold every estimate at its low for good
+                    self.requests[rid].age(IDLE_DECAY)
                 continue
             self.idle[rid] = (0, self.rounds)
             counts = self.requests.get(rid)
@@ -131,6 +163,26 @@ class SurvivalTracker:
             for rid in [r for r, (_, seen) in self.idle.items()
                         if self.rounds - seen > FORGET_ROUNDS]:
                 del self.idle[rid]
+
+    def _score(self, rids: Sequence[int], budgets: Sequence[int],
+               accepts: Sequence[int]) -> None:
+        """Calibration: every drafted position's raw survival as the tracker predicts it before
+        this round's results are added (the prediction the round's budgets were filled from,
+        when the round was planned after the one before was observed) against whether it
+        survived (position ``k`` of a request that drafted ``d`` and had ``a`` accepted:
+        ``k <= a``), into the bin of the prediction; the counts decay by ``CAL_DECAY`` first."""
+        for b in range(CAL_BINS):
+            self.cal_predicted[b] *= CAL_DECAY
+            self.cal_survived[b] *= CAL_DECAY
+        prior = self.prior()
+        for rid, d, a in zip(rids, budgets, accepts):
+            if d <= 0:
+                continue
+            surv = self.raw_survival(rid, prior)
+            for k in range(min(d, self.depth)):
+                b = min(int(surv[k] * CAL_BINS), CAL_BINS - 1)
+                self.cal_predicted[b] += surv[k]
+                self.cal_survived[b] += 1.0 if k < a else 0.0
 
     def observe_shadow(self, rids: Sequence[int], checks: Sequence[tuple[int, int]]) -> None:
         """Depth-0 shadow checks (``(hits, checks)`` per request: the head's greedy guesses
@@ -158,7 +210,24 @@ class SurvivalTracker:
         return [(p.hits[k] + PRIOR_START) / (p.reached[k] + 1.0) for k in range(self.depth)]
 
     def survival(self, rid: int, prior: Optional[list[float]] = None) -> list[float]:
-        """``s(1..depth)`` of request ``rid`` (the prior's alone for a request never seen).
+        """``s(1..depth)`` of request ``rid``: its raw survival (``raw_survival``) calibrated by
+        what the rank's drafts have shown: a raw ``r`` in bin ``b`` becomes
+        ``r * (survived_b + CAL_WEIGHT * r) / (predicted_b + CAL_WEIGHT * r)`` (the bin's
+        observed over predicted survival, ``CAL_WEIGHT`` pseudo-observations of ``r`` itself),
+        held to at most 1 and to at most the position before (a request's positions stay in
+        order)."""
+        out, last = [], 1.0
+        for r in self.raw_survival(rid, prior):
+            b = min(int(r * CAL_BINS), CAL_BINS - 1)
+            c = r * (self.cal_survived[b] + CAL_WEIGHT * r) / (self.cal_predicted[b] + CAL_WEIGHT * r) \
+                if r > 0 else 0.0
+            last = min(last, c)
+            out.append(last)
+        return out
+
+    def raw_survival(self, rid: int, prior: Optional[list[float]] = None) -> list[float]:
+        """The raw ``s(1..depth)`` of request ``rid`` (the prior's alone for a request never
+        seen).
 
         Two levels: the request's own rate over every position it reached, shrunk toward the
         pooled rate (``PRIOR_WEIGHT`` pseudo-observations of it), is the prior of each of its

@@ -13,10 +13,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from adaptive_dist.config import AdaptiveConfig, ConfigError, RoundCost, VerifyCost
 from adaptive_dist.policy.budgets import (
+    CAL_BINS,
+    CAL_DECAY,
+    CAL_WEIGHT,
+    IDLE_DECAY,
     VALUE_SCALE,
     Estimates,
     SurvivalTracker,
@@ -183,6 +188,90 @@ def test_a_request_idle_for_probe_every_rounds_is_due_again() -> None:
     assert tracker.due(5, 8)
     tracker.observe_shadow([5], [(1, 2)])          # a shadow check is a check
     assert not tracker.due(5, 8)
+
+
+def test_a_round_that_drafted_nothing_ages_every_estimate_toward_the_pool() -> None:
+    """At 0 draft forwards nothing renews an estimate: each request's counts lose weight by
+    IDLE_DECAY per such round (rates kept), so a stretch at 0 does not hold the estimates at their
+    low; a round in which the rank drafted keeps an idle request's counts as they were."""
+    tracker = SurvivalTracker(7)
+    for _ in range(3):
+        tracker.observe([1, 2], [3, 3], [0, 3])    # 1 rejects at once, 2 accepts all
+    low = tracker.raw_survival(1)[0]
+    reached, hits = list(tracker.requests[1].reached), list(tracker.requests[1].hits)
+    tracker.observe([1, 2], [0, 3], [0, 3])         # 2 drafted: 1's counts kept
+    assert tracker.requests[1].reached == reached and tracker.requests[1].hits == hits
+    tracker.observe([1, 2], [0, 0], [0, 0])         # nothing drafted: every count aged
+    assert tracker.requests[1].reached == pytest.approx([x * IDLE_DECAY for x in reached])
+    assert tracker.requests[1].hits == pytest.approx([x * IDLE_DECAY for x in hits])
+    pooled = (sum(tracker.pooled.hits) + 0.5) / (sum(tracker.pooled.reached) + 1.0)
+    after_one = tracker.raw_survival(1)[0]
+    for _ in range(59):      # IDLE_DECAY ** 60: about 7% of the counts' weight left
+        tracker.observe([1, 2], [0, 0], [0, 0])
+    assert tracker.requests[1].reached == pytest.approx([x * IDLE_DECAY ** 60 for x in reached])
+    now = tracker.raw_survival(1)[0]
+    assert low < after_one < now < pooled and pooled - now < 0.3 * (pooled - low)
+
+
+def _stream(seed: int, rounds: int, requests: int, p_accept: float):
+    """A rank's rounds: every request drafts 7, each position accepted with ``p_accept`` given
+    the one before (the same law for every request: its own history is noise)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(rounds):
+        accepts = []
+        for _ in range(requests):
+            a = 0
+            while a < 7 and rng.random() < p_accept:
+                a += 1
+            accepts.append(a)
+        yield list(range(requests)), [7] * requests, accepts
+
+
+def test_calibration_scores_drafted_positions_by_their_raw_prediction() -> None:
+    tracker = SurvivalTracker(7)
+    assert tracker.survival(3) == tracker.raw_survival(3)   # nothing scored yet: raw
+    predicted, survived = [0.0] * CAL_BINS, [0.0] * CAL_BINS
+    for rids, budgets, accepts in _stream(0, 12, 4, 0.7):
+        raws = [tracker.raw_survival(r) for r in rids]      # what the round was filled from
+        predicted = [x * CAL_DECAY for x in predicted]
+        survived = [x * CAL_DECAY for x in survived]
+        for raw, d, a in zip(raws, budgets, accepts):
+            for k in range(d):
+                b = min(int(raw[k] * CAL_BINS), CAL_BINS - 1)
+                predicted[b] += raw[k]
+                survived[b] += k < a
+        tracker.observe(rids, budgets, accepts)
+    assert tracker.cal_predicted == pytest.approx(predicted)
+    assert tracker.cal_survived == pytest.approx(survived)
+    raw, got = tracker.raw_survival(0), tracker.survival(0)
+    want, last = [], 1.0
+    for r in raw:
+        b = min(int(r * CAL_BINS), CAL_BINS - 1)
+        last = min(last, r * (survived[b] + CAL_WEIGHT * r) / (predicted[b] + CAL_WEIGHT * r))
+        want.append(last)
+    assert got == pytest.approx(want)
+    assert all(x >= y for x, y in zip(got, got[1:])) and got[0] <= 1.0
+    # a round that drafted nothing scores nothing and decays nothing
+    before = list(tracker.cal_predicted)
+    tracker.observe([0, 1], [0, 0], [0, 0])
+    assert tracker.cal_predicted == before
+
+
+def test_calibration_brings_predictions_closer_to_what_survives() -> None:
+    """Requests of one law whose own histories are noise: the raw estimate follows each
+    request's last rounds (over-confident after full accepts, too low after a rejection); the
+    calibrated one, scored on rounds it has not seen, errs less (Brier score)."""
+    tracker = SurvivalTracker(7)
+    raw_err = cal_err = 0.0
+    for i, (rids, budgets, accepts) in enumerate(_stream(1, 120, 16, 0.8)):
+        if i >= 40:
+            for r, a in zip(rids, accepts):
+                for k, (x, y) in enumerate(zip(tracker.raw_survival(r), tracker.survival(r))):
+                    hit = float(k < a)
+                    raw_err += (x - hit) ** 2
+                    cal_err += (y - hit) ** 2
+        tracker.observe(rids, budgets, accepts)
+    assert cal_err < 0.97 * raw_err
 
 
 # ---- refusals ------------------------------------------------------------------------------------
