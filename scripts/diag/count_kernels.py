@@ -76,9 +76,15 @@ class _Counting:
     and ops do not depend on values, and the interpreter would take minutes)."""
 
     on = False
+    hooks: list = []     # called with each launch's kernel name (diag.layer_kernels' count)
+    installed = False
+    launching = False    # inside a recorded launch
 
     @classmethod
     def install(cls) -> None:
+        if cls.installed:
+            return
+        cls.installed = True
         from types import SimpleNamespace
 
         from workers import kernels
@@ -92,10 +98,16 @@ class _Counting:
 
             def __getitem__(self, grid: Any) -> Any:
                 def run(*args: Any, **kwargs: Any) -> None:
+                    for hook in cls.hooks:
+                        hook(self.name)
                     with torch.profiler.record_function(TRITON_PREFIX + self.name):
-                        for a in args:  # integer outputs (tokens, lengths) must stay in range
-                            if isinstance(a, torch.Tensor) and not a.is_floating_point():
-                                a.zero_()
+                        cls.launching = True    # the zeroing is not the model's (no count)
+                        try:
+                            for a in args:  # integer outputs (tokens, lengths) stay in range
+                                if isinstance(a, torch.Tensor) and not a.is_floating_point():
+                                    a.zero_()
+                        finally:
+                            cls.launching = False
                 return run
 
         from workers import moe_kernels
