@@ -106,9 +106,30 @@ def with_model_costs(spec: AdaptiveConfig, value: str) -> AdaptiveConfig:
 #   `sum len (len + 1) / 2`), the two fitted together from prefills of the same slots at other
 #   widths (`fit_prefill`).
 
+# - the catch-up term (cost model version 2): one catch-up forward of the draft cache at depth 0
+#   (the head over every row's full lag ring, `catchup_rounds` entries, attending the head's own
+#   cache) per padded batch bucket, every row holding C cached positions
+#   (`catchup_cost_ms_at_context` = `{C: {bucket: ms}}`), with `catchup_rounds` (the interval the
+#   table's depth-0 entries were measured with) and the table's `context` (what its rows held).
+#   A depth-0 entry of the decode table holds one catch-up per `catchup_rounds` rounds at that
+#   context; a round priced with the term knows whether it ran one: its entry less that share,
+#   plus the term at the round's context if it did (`CostModel.round_seconds(catchup=...)`).
+#
+# Versions (`cost_model_version`, absent: 1). Version 1 files have the decode table and the
+# context and prefill terms; version 2 adds the catch-up term. Compatibility: a file without
+# `catchup_cost_ms_at_context` (every version-1 table) loads as before and prices catch-ups as
+# before, inside the depth-0 entries (one per `catchup_rounds` rounds at the table's context;
+# whether a round ran one changes nothing, `unpriced` says so); a file of a version above
+# `COST_MODEL_VERSION` is refused by name.
+
 CONTEXT_KEY = "agreed_verify_cost_ms_at_context"
 PREFILL_KEY = "prefill_cost_ms"
 PREFILL_POSITION_KEY = "prefill_ms_per_million_positions"
+CATCHUP_KEY = "catchup_cost_ms_at_context"
+CATCHUP_ROUNDS_KEY = "catchup_rounds"
+VERSION_KEY = "cost_model_version"
+COST_MODEL_VERSION = 2
+"""The cost table format this code reads and writes (1: no catch-up term)."""
 
 
 def _seconds(row: Any) -> Any:
@@ -303,6 +324,76 @@ def fit_prefill(samples: Any) -> PrefillTerm:
 
 
 @dataclass(frozen=True)
+class CatchupTerm:
+    """Seconds of one catch-up forward (the head over every row's full lag ring) per padded
+    batch bucket at one or more cached contexts (``costs[i][j]``: context ``contexts[i]``,
+    bucket ``buckets[j]``); ``every``: the catch-up interval the decode table's depth-0 entries
+    were measured with (each holds one catch-up per ``every`` rounds), at ``base_context``
+    cached positions (the table's ``context``)."""
+
+    contexts: tuple[int, ...]
+    buckets: tuple[int, ...]
+    costs: tuple[tuple[float, ...], ...]
+    every: int
+    base_context: int = 0
+
+    @staticmethod
+    def parse(value: Any, every: Any, base_context: Any = 0) -> "CatchupTerm":
+        """From the file's ``catchup_cost_ms_at_context`` (``{"<context>": {"<bucket>": ms}}``,
+        every context the same buckets), ``catchup_rounds`` and ``context``."""
+        if not isinstance(value, dict) or not value:
+            raise ConfigError(f'{CATCHUP_KEY}={value!r}: must be a non-empty object '
+                              f'{{"<context>": {{"<bucket>": ms, ...}}, ...}}')
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ConfigError(f"{CATCHUP_ROUNDS_KEY}={every!r}: the catch-up term needs the "
+                              f"interval its table's depth-0 entries were measured with (an "
+                              f"integer >= 1)")
+        if base_context is None:
+            base_context = 0
+        if not isinstance(base_context, int) or isinstance(base_context, bool) \
+                or base_context < 0:
+            raise ConfigError(f"context={base_context!r}: must be an integer >= 0 (the cached "
+                              f"positions the decode table was measured at)")
+        rows = {}
+        for key, row in value.items():
+            if not isinstance(key, str) or not key.isdigit():
+                raise ConfigError(f"{CATCHUP_KEY}: key {key!r} must be a context >= 0 written "
+                                  f"as a string")
+            ms = _rung_costs(row, f"{CATCHUP_KEY}[{key!r}]")   # counts >= 1, costs > 0
+            rows[int(key)] = ms
+        contexts = tuple(sorted(rows))
+        buckets = rows[contexts[0]].tokens
+        for c in contexts:
+            if rows[c].tokens != buckets:
+                raise ConfigError(f"{CATCHUP_KEY}[{str(c)!r}]: buckets {list(rows[c].tokens)} "
+                                  f"differ from context {contexts[0]}'s {list(buckets)}")
+        return CatchupTerm(contexts, buckets,
+                           tuple(tuple(ms / 1e3 for ms in rows[c].costs) for c in contexts),
+                           every, base_context)
+
+    def to_json(self) -> dict:
+        """The file's keys (milliseconds); the table's ``context`` is the table's own key."""
+        return {CATCHUP_KEY: {str(c): {str(b): 1e3 * v for b, v in zip(self.buckets, row)}
+                              for c, row in zip(self.contexts, self.costs)},
+                CATCHUP_ROUNDS_KEY: self.every}
+
+    def cost(self, batch: int, context: float) -> float:
+        """Seconds of one catch-up at padded batch ``batch`` (the smallest measured bucket
+        holding it; past the largest, the largest) whose rows hold ``context`` cached positions:
+        linear between the measured contexts, past either end by the nearest segment (one
+        context: that value), never below the lowest measured context's price."""
+        j = next((i for i, b in enumerate(self.buckets) if b >= batch), len(self.buckets) - 1)
+        ys = tuple(row[j] for row in self.costs)
+        at = _interp(tuple(float(c) for c in self.contexts), ys, float(context))
+        return max(at, ys[0])
+
+    def share(self, batch: int) -> float:
+        """What a depth-0 entry of the decode table holds of catch-ups per round: one at the
+        table's context per ``every`` rounds."""
+        return self.cost(batch, self.base_context) / self.every
+
+
+@dataclass(frozen=True)
 class CostModel:
     """What a cost table file prices: decode rounds (``round_cost``, with ``verify_cost`` by
     their own verify tokens), the context their attention reads (``context``) and prefills
@@ -313,6 +404,7 @@ class CostModel:
     context: Optional[ContextTerm] = None
     prefill: Optional[PrefillTerm] = None
     name: Optional[str] = None
+    catchup: Optional[CatchupTerm] = None
 
     def unpriced(self) -> list[str]:
         """The terms this model does not price, for reports."""
@@ -322,14 +414,24 @@ class CostModel:
                        "cached positions)")
         if self.prefill is None:
             out.append("prefill (prefills priced at 0)")
+        if self.catchup is None:
+            out.append("catch-up (depth-0 rounds priced with the table's share of catch-ups at "
+                       "its context, whether a round ran one or not)")
         return out
 
     def round_seconds(self, steps: int, tokens: int, batch: int, positions: float = 0.0,
-                      real_tokens: Optional[int] = None, longest: float = 0.0) -> float:
+                      real_tokens: Optional[int] = None, longest: float = 0.0,
+                      catchup: Optional[bool] = None,
+                      catchup_context: Optional[float] = None) -> float:
         """Seconds of a decode round of ``steps`` draft forwards and ``tokens`` verify tokens
         (a rung) at padded batch ``batch`` whose ``real_tokens`` read ``positions`` KV
         positions, the longest row ``longest`` of them (the context term where the model has
-        one, `ContextTerm.extra`; else the base price)."""
+        one, `ContextTerm.extra`; else the base price). ``catchup`` (None: not known, the
+        table's price) whether a catch-up of the draft cache ran in the round: with the
+        catch-up term a depth-0 round is priced without the table's share of catch-ups
+        (`CatchupTerm.share`) and a round that ran one adds `catchup_seconds` at
+        ``catchup_context`` (default the round's longest row, else its mean context); without
+        the term ``catchup`` changes nothing."""
         from adaptive_dist.policy.budgets import shape_cost
         from adaptive_dist.policy.goodput import cost_row
         from adaptive_dist.shape import token_bucket
@@ -341,7 +443,21 @@ class CostModel:
         if self.context is not None and self.verify_cost is not None and positions > 0:
             rung = token_bucket(tokens, self.context.tokens)
             price += self.context.extra(self.verify_cost, rung, positions, real_tokens, longest)
+        if catchup is not None and self.catchup is not None:
+            if steps == 0:
+                price -= self.catchup.share(batch)
+            if catchup:
+                if catchup_context is None:
+                    n = real_tokens if real_tokens is not None else tokens
+                    catchup_context = longest or (positions / n if n else 0.0)
+                price += self.catchup_seconds(batch, catchup_context)
         return price
+
+    def catchup_seconds(self, batch: int, context: float = 0.0) -> float:
+        """Seconds of one catch-up of the draft cache at padded batch ``batch``, its rows at
+        ``context`` cached positions (0.0 when the model has no catch-up term: the table's
+        depth-0 entries hold them, see ``unpriced``)."""
+        return self.catchup.cost(batch, context) if self.catchup is not None else 0.0
 
     def prefill_seconds(self, slots: int, positions: float = 0.0) -> float:
         """Seconds of a prefill (0.0 when the model prices none: see ``unpriced``)."""
@@ -355,10 +471,22 @@ def cost_model(value: str) -> CostModel:
     path = Path(value)
     data = json.loads(path.read_text()) if name is not None else json.loads(value)
     where = name or "--model-costs"
-    context = prefill = None
+    context = prefill = catchup = None
     if not isinstance(data, dict):
         return CostModel(table, verify, name=name)
     try:
+        version = data.get(VERSION_KEY, 1)
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ConfigError(f"{VERSION_KEY}={version!r}: must be an integer >= 1")
+        if version > COST_MODEL_VERSION:
+            raise ConfigError(f"{VERSION_KEY}={version}: this code reads cost tables up to "
+                              f"version {COST_MODEL_VERSION}")
+        if data.get(CATCHUP_KEY) is not None:
+            if version < 2:
+                raise ConfigError(f"{CATCHUP_KEY} is a version-2 term; the file says "
+                                  f"{VERSION_KEY} {version}")
+            catchup = CatchupTerm.parse(data[CATCHUP_KEY], data.get(CATCHUP_ROUNDS_KEY),
+                                        data.get("context", 0))
         if data.get(CONTEXT_KEY) is not None:
             raw = data[CONTEXT_KEY]
             context = ContextTerm.parse({c: _seconds(row) for c, row in raw.items()}
@@ -374,4 +502,32 @@ def cost_model(value: str) -> CostModel:
             prefill = PrefillTerm.parse(data[PREFILL_KEY], data.get(PREFILL_POSITION_KEY))
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
-    return CostModel(table, verify, context, prefill, name)
+    return CostModel(table, verify, context, prefill, name, catchup)
+
+
+def price_round_log(records: Any, model: CostModel, rank: int = 0) -> list[float]:
+    """Seconds `model` prices each of `rank`'s lines of a round log (`--round-log`, read by
+    `workers.round_log.read_round_log`) at, in file order: a decode line as a round of its
+    `draft_forwards` and `padded_tokens` (the model's verify rung holding them) at the batch of
+    its requests (the bucket holding them),
+    with its catch-up (`catchup`, at its `longest` request's context; a line without the key,
+    written before it existed, at the table's price); a prefill line as a prefill of its
+    `padded_tokens` token slots, its attention not priced (the log does not hold the prompts'
+    lengths)."""
+    out = []
+    for rec in records:
+        if rec.get("rank", 0) != rank:
+            continue
+        if rec["kind"] == "prefill":
+            out.append(model.prefill_seconds(int(rec["padded_tokens"])))
+            continue
+        batch = max(1, len(rec["requests"]))
+        tokens = int(rec["padded_tokens"])
+        if model.verify_cost is not None:
+            from adaptive_dist.shape import token_bucket
+
+            tokens = token_bucket(tokens, model.verify_cost.tokens)
+        out.append(model.round_seconds(int(rec["draft_forwards"]), tokens,
+                                       batch, catchup=rec.get("catchup"),
+                                       catchup_context=float(rec.get("longest", 0))))
+    return out

@@ -328,7 +328,9 @@ class Engine:
                                 int((checks > 0).sum()))
                 shadow_rows = [tuple(x) for x in result.shadow.tolist()]
             if self.round_log is not None:
-                self.round_log.decode(plan, launched.executed, rids, budgets, accepts)
+                self.round_log.decode(plan, launched.executed, rids, budgets, accepts,
+                                      handle.catchup, handle.pending,
+                                      max((r.num_tokens for r in reqs), default=0))
         self.planner.end_round(accepts, plan=plan, shadow=shadow,
                                requests=rids if plan.requests else None, shadow_rows=shadow_rows)
 

@@ -8,7 +8,11 @@ replay its acceptance (`python -m adaptive_dist consensus --trace FILE`; docs/cl
 
 `kind` is "decode" (a speculative round: `draft` = the tokens the request drafted, `accepted` =
 those accepted, the bonus excluded; `verify_tokens` = this rank's real verify tokens, the sum of
-`draft + 1`; `padded_tokens` = the agreed verify tokens every rank ran) or "prefill" (the round's
+`draft + 1`; `padded_tokens` = the agreed verify tokens every rank ran; `catchup` = whether the
+head's catch-up over the lag ring ran in the round, `pending` = the width of the deferred
+prompts' head forward that ran with it, 0 none, `longest` = the tokens of the round's longest
+request: what the cost model's catch-up term prices, `adaptive_dist.cost_tables.price_round_log`;
+lines written before these keys existed lack them and price as rounds without) or "prefill" (the round's
 prefill: `verify_tokens` = this rank's prompt tokens, `padded_tokens` = the agreed ones, each
 request with `draft` 0 and `accepted` 0). `id` is the request's id (`generate`: the prompt's
 index; `serve`: the server's request number). A rank without requests writes no line for a round.
@@ -36,14 +40,19 @@ class RoundLog:
         self._file.flush()
 
     def decode(self, plan: Any, executed: Any, rids: Sequence[int], budgets: Sequence[int],
-               accepts: Sequence[int]) -> None:
-        """A speculative round this rank ran requests in."""
+               accepts: Sequence[int], catchup: bool = False, pending: int = 0,
+               longest: int = 0) -> None:
+        """A speculative round this rank ran requests in (`catchup`: the lag ring's catch-up
+        forward ran in it; `pending`: the deferred prompts' head forward ran at that width;
+        `longest`: the tokens of its longest request, as the host counted them when it read the
+        round)."""
         if not rids:
             return
         self.write({"round": plan.round, "rank": self.rank, "kind": "decode",
                     "draft_forwards": executed.shape.draft_forwards,
                     "verify_tokens": int(sum(budgets) + len(budgets)),
                     "padded_tokens": executed.shape.verify_tokens, "graph": bool(plan.use_graph),
+                    "catchup": bool(catchup), "pending": int(pending), "longest": int(longest),
                     "requests": [{"id": int(r), "draft": int(d), "accepted": int(a)}
                                  for r, d, a in zip(rids, budgets, accepts)]})
 

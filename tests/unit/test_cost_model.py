@@ -142,7 +142,7 @@ def test_the_model_prices_a_round_at_its_context() -> None:
     assert model.round_seconds(3, 8, 4, positions=6000, real_tokens=7) == pytest.approx(
         base + SLOPE * 6000)
     assert model.prefill_seconds(512, 1000) == 0.0
-    assert [u.split(" ")[0] for u in model.unpriced()] == ["prefill"]
+    assert [u.split(" ")[0] for u in model.unpriced()] == ["prefill", "catch-up"]
     assert CostModel(ROUND, BASE).round_seconds(3, 8, 4, positions=6000) == pytest.approx(base)
 
 
@@ -155,7 +155,7 @@ def test_an_older_table_loads_with_both_terms_unpriced(tmp_path) -> None:
     older.write_text(json.dumps(data))
     model = cost_model(str(older))
     assert model.context is None and model.prefill is None and model.verify_cost is not None
-    assert [u.split(" ")[0] for u in model.unpriced()] == ["context", "prefill"]
+    assert [u.split(" ")[0] for u in model.unpriced()] == ["context", "prefill", "catch-up"]
     assert model.round_seconds(0, 64, 64, positions=20_000) == pytest.approx(
         model.round_seconds(0, 64, 64))
     assert model.prefill_seconds(4096, 10**6) == 0.0
@@ -166,7 +166,7 @@ def test_the_shipped_8b_table_holds_both_terms() -> None:
     --cost-context 256 768, copied with --copy-terms): contexts 0/256/768 on the verify
     forward's rungs, the prefill by slots from 32 to 16384 with its attention."""
     model = cost_model("docs/data/cost_tables/h200_tp1_llama3-8b.json")
-    assert model.unpriced() == []
+    assert [u.split(" ")[0] for u in model.unpriced()] == ["catch-up"]   # a version-1 file
     assert model.context.contexts == (0, 256, 768)
     assert model.context.tokens == model.verify_cost.tokens
     assert model.prefill.slots[0] == 32 and model.prefill.slots[-1] == 16384
@@ -224,7 +224,8 @@ def test_a_table_with_both_terms_reads_back(tmp_path) -> None:
            for c, row in linear_context((256, 1024)).to_json().items()}
     prefill = PrefillTerm((32, 4096), (0.003, 0.09), 4e-11)
     model = cost_model(_file(tmp_path, **{CONTEXT_KEY: ctx}, **prefill.to_json()))
-    assert model.context.contexts == (256, 1024) and model.unpriced() == []
+    assert model.context.contexts == (256, 1024)
+    assert [u.split(" ")[0] for u in model.unpriced()] == ["catch-up"]
     assert model.context.extra(model.verify_cost, 16, 9000) == pytest.approx(SLOPE * 9000)
     assert model.prefill.per_position == pytest.approx(4e-11)
     assert model.prefill_seconds(2064, 10**6) == pytest.approx(0.003 + 0.087 / 2 + 4e-5)
@@ -322,7 +323,7 @@ def test_the_schedule_check_prices_every_kind_on_the_cpu() -> None:
     served = out["served"]
     assert served["predicted_tokens_per_s"] == pytest.approx(
         served["output_tokens"] / every["predicted_s"])
-    assert out["unpriced"] == []
+    assert [u.split(" ")[0] for u in out["unpriced"]] == ["catch-up"]
     assert engine.scheduler.has_work is False
 
 
@@ -336,7 +337,8 @@ def test_copy_terms_into_a_table_file(tmp_path) -> None:
     table = _file(tmp_path)
     copy_terms(run, tmp_path / "table.json")
     model = cost_model(table)
-    assert model.unpriced() == [] and model.context.contexts == (0, 512)
+    assert model.context.contexts == (0, 512)
+    assert [u.split(" ")[0] for u in model.unpriced()] == ["catch-up"]
     assert json.loads(open(table).read())["cost_terms_command"] == "model_shapes --cost-context 512"
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**json.loads(run.read_text()), "shape": "qwen3-30b-a3b"}))

@@ -131,7 +131,7 @@ def test_catch_up_runs_every_catchup_every_rounds_and_before_drafting(pair, grap
 
     def counted(*args):
         calls.append(engine.planner.i)
-        real(*args)
+        return real(*args)
 
     worker.lag.catch_up = counted
     prompts = random_prompts(2, vocab=64, seed=3)

@@ -148,10 +148,14 @@ class DraftLag:
             self.deferred_len[self.slots.dummy:].zero_()
 
     # ---- the catch-up ------------------------------------------------------------------------
-    def catch_up(self, bufs: StepBuffers, bp: int, reach: int, graph_bucket: int | None) -> None:
+    def catch_up(self, bufs: StepBuffers, bp: int, reach: int,
+                 graph_bucket: int | None) -> tuple[int, bool]:
         """The draft cache caught up: the deferred prompts (if any prefill left its head part
-        since the last catch-up), then the lag ring (if any depth-0 round ran since)."""
+        since the last catch-up), then the lag ring (if any depth-0 round ran since). Returns
+        what ran: (the deferred prompts' forward width, 0: none; whether the ring's forward
+        ran), for the round log and the cost model's catch-up term."""
         width = self.deferred_width
+        ring = bool(self.rounds_behind)
         if width:
             if graph_bucket is None:
                 self.prompt_phase(bp, reach, width)
@@ -164,6 +168,7 @@ class DraftLag:
             else:
                 self.table.replay(GraphKey(CATCHUP, batch=graph_bucket))
             self.rounds_behind = 0
+        return width, ring
 
     def catchup_phase(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
         """The head over each row's lag ring: `lag` tokens at positions n-lag+1 .. n (draft KV

@@ -286,8 +286,10 @@ class EagleWorker:
         # logprobs): the acceptance's variant with the processing; none: the plain variant
         processed = any(r.params.processed for r in reqs)
         reach = self._reach(reqs, graph_bucket)
+        pending, caught = 0, False
         if bufs.steps > 0 and self.lag.behind:
-            self.lag.catch_up(bufs, bp, reach, graph_bucket)   # drafting resumes: first the cache
+            # drafting resumes: first the cache
+            pending, caught = self.lag.catch_up(bufs, bp, reach, graph_bucket)
         if shape.tree is not None:   # draft, verify, accept and commit; then draft-extend
             if graph_bucket is None:
                 runner.run(bufs, bp, reach, greedy)
@@ -306,7 +308,7 @@ class EagleWorker:
                 self.table.replay(key)
         shadow = False
         if bufs.steps == 0 and self.lag.built and self.lag.count_round():
-            self.lag.catch_up(bufs, bp, reach, graph_bucket)   # a full ring
+            pending, caught = self.lag.catch_up(bufs, bp, reach, graph_bucket)   # a full ring
             shadow = True
         width = bufs.out.shape[1]
         out = bufs.out[:len(reqs)]
@@ -326,7 +328,7 @@ class EagleWorker:
         extra = bufs.extra_columns
         return LaunchedRound(reqs=reqs, host=host, done=done, steps=bufs.steps, extra=extra,
                              shadow=shadow, logprobs=logprobs, shape=shape,
-                             budgets=tuple(budgets))
+                             budgets=tuple(budgets), catchup=caught, pending=pending)
 
     @staticmethod
     def tree_key(tree: TreeShape, bucket: int, greedy: bool) -> GraphKey:

@@ -263,6 +263,69 @@ def measure_target_contexts(worker: TimedWorker, ladder: Sequence[int],
     return out
 
 
+def measure_catchups(worker: TimedWorker, tiers: RuntimeStatePool, buckets: Sequence[int],
+                     contexts: Sequence[int], graphs: bool, repeats: int = 3
+                     ) -> dict[int, dict[int, float]]:
+    """The catch-up term of the cost model (`adaptive_dist.cost_tables.CatchupTerm`): seconds of
+    one catch-up forward of the draft cache (`DraftLag.catchup_phase`: the head over every row's
+    full lag ring, `catchup_every` entries, attending the head's cache) per batch bucket, every
+    row holding each of `contexts` cached positions: {context actually held: {bucket:
+    seconds}}, each the median of `repeats` chains of `COST_CHAIN` catch-ups after a warm-up
+    chain; through the catch-up's CUDA graph at the bucket (`graphs`, when captured), else its
+    eager body. Before every catch-up each row's ring is full again (one small device fill,
+    timed with it). {} without a lag ring (no head, or no depth-0 tier). Applies tier 0 (the
+    caller applies the one it wants after). A context beyond a slot's pages is held at what
+    fits, below the ring's length at the ring's length; a repeated one measured once.
+    Collective like every measurement: every rank the same buckets and contexts in order."""
+    lag = worker.lag
+    if not getattr(lag, "built", False) or 0 not in tiers.states:
+        return {}
+    from workers.kv_cache import pages_for
+    from workers.worker.graph_table import GraphKey, GraphPhase
+
+    sync = (torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None))
+    tiers.apply(0)
+    bufs = tiers.states[0].payload   # tier 0's StepBuffers (the shadow columns)
+    every, slots = lag.catchup_every, worker.slots
+    out: dict[int, dict[int, float]] = {}
+    begun, total = time.perf_counter(), len(contexts) * len(buckets)
+    for context in contexts:
+        held = max(every, room(worker, context, 1))
+        if held in out:
+            continue
+        row: dict[int, float] = {}
+        with TrafficRows(worker, max(buckets), held, chain=1) as rows:
+            held = rows.context
+            n = rows.count
+            for bucket in buckets:
+                startup_log.current().progress(
+                    "catch-up costs", len(out) * len(buckets) + len(row), total,
+                    f"bucket {bucket}, context {held}", since=begun)
+                key = GraphKey(GraphPhase.CATCHUP, batch=bucket)
+                table = lag.table
+                if graphs and table is not None and key in table:
+                    body = (lambda k=key: table.replay(k))
+                else:
+                    reach = min(pages_for(held + 1, slots.page_size), slots.reach)
+                    body = lag.catchup_phase_body(bufs, bucket, reach)
+                used = min(bucket, n)
+                times = []
+                for _ in range(repeats + 1):   # the first is a warm-up
+                    rows.start()
+                    bufs.rows.fill_(slots.dummy)
+                    bufs.rows[:used] = torch.arange(used, device=bufs.rows.device)
+                    sync()
+                    start = time.perf_counter()
+                    for _ in range(COST_CHAIN):
+                        lag.ring_len[:used] = every   # a full ring, as after `every` rounds
+                        body()
+                    sync()
+                    times.append((time.perf_counter() - start) / COST_CHAIN)
+                row[bucket] = statistics.median(times[1:])
+        out[held] = row
+    return out
+
+
 PREFILL_CHAIN = 2
 """Prefills per sample of a prefill's cost."""
 

@@ -85,3 +85,5 @@ class LaunchedRound:
     logprobs: tuple[torch.Tensor, torch.Tensor] | None = None   # host views, when copied
     shape: Any = None       # the round's `adaptive_dist.shape.RoundShape`
     budgets: tuple[int, ...] = ()   # each request's draft tokens
+    catchup: bool = False   # the lag ring's catch-up forward ran in the round (before or after)
+    pending: int = 0        # the deferred prompts' head forward ran at this width (0: none)
