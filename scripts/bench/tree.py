@@ -71,8 +71,20 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=6, help="prompts per regime")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ways", choices=("eager", "graphs", "both"), default=None,
+                   help="which engines run: eager, through CUDA graphs, or both (default: both "
+                        "on CUDA with --model, graphs only with --shape — an 8B eager round is "
+                        "launch-bound and prices nothing; eager on the CPU)")
+    p.add_argument("--regimes", nargs="+", default=None, metavar="NAME",
+                   help="only these prompt regimes (default: every regime; with --shape the "
+                        "first only, since random weights accept nothing in any regime)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    ways = args.ways or ("eager" if args.device != "cuda" else
+                         "graphs" if args.shape is not None else "both")
+    if ways != "eager" and args.device != "cuda":
+        p.error(f"--ways {ways}: CUDA graphs need --device cuda")
+    modes = {"eager": (False,), "graphs": (True,), "both": (False, True)}[ways]
 
     if args.shape is not None:
         from scripts.bench.common import random_pair
@@ -82,40 +94,55 @@ def main() -> None:
         target, head = load_pair(args.model, args.device)
     tok = tokenizer(args.model, None, target.config.vocab_size)
     regimes = encode_prompts(make_prompts(args.prompts, seed=0), tok.encode)
+    if args.regimes is not None:
+        unknown = sorted(set(args.regimes) - set(regimes))
+        if unknown:
+            p.error(f"--regimes: unknown {unknown}; the regimes are {sorted(regimes)}")
+        regimes = {r: regimes[r] for r in args.regimes}
+    elif args.shape is not None:
+        regimes = dict(list(regimes.items())[:1])
     context = max(len(x) for v in regimes.values() for x in v) + args.new_tokens + 64
     engines: dict[str, Any] = {}
+    names = []                        # (name, steps, tree or None, graphs) in build order
     for steps in args.steps:
-        engines[f"chain{steps}"] = build(static_spec(steps), target, head, batch=args.batch,
-                                         context=context, device=args.device, graphs=False)
-        if args.device == "cuda":
-            engines[f"chain{steps}/graphs"] = build(static_spec(steps), target, head,
-                                                    batch=args.batch, context=context,
-                                                    device=args.device, graphs=True)
+        for graphs in modes:
+            names.append((f"chain{steps}" + ("/graphs" if graphs else ""), steps, None, graphs))
         for tree in args.trees:
             k, n = (int(x) for x in tree.split("x"))
             try:
                 TreeShape(steps, k, n)
             except ValueError as err:   # e.g. 2x12 at 3 steps: 10 nodes
-                print(f"tree {tree} at {steps} steps skipped: {err}")
+                print(f"tree {tree} at {steps} steps skipped: {err}", flush=True)
                 continue
-            for graphs in (False, True) if args.device == "cuda" else (False,):
-                engines[f"tree{steps}/{tree}" + ("/graphs" if graphs else "")] = build(
-                    static_spec(steps), target, head, batch=args.batch, context=context,
-                    device=args.device, graphs=graphs, speculative_eagle_topk=k,
-                    speculative_num_draft_tokens=n)
-    for engine in engines.values():
-        engine.warmup()
+            for graphs in modes:
+                names.append((f"tree{steps}/{tree}" + ("/graphs" if graphs else ""), steps,
+                              (k, n), graphs))
+    t0 = time.perf_counter()
+    for i, (name, steps, tree, graphs) in enumerate(names):
+        extra = {} if tree is None else dict(speculative_eagle_topk=tree[0],
+                                             speculative_num_draft_tokens=tree[1])
+        engines[name] = build(static_spec(steps), target, head, batch=args.batch,
+                              context=context, device=args.device, graphs=graphs, **extra)
+        engines[name].warmup()
+        print(f"[tree] built and warmed {name} ({i + 1}/{len(names)}, "
+              f"{time.perf_counter() - t0:.0f} s)", flush=True)
     rows: list[dict] = []
+    total = len(regimes) * args.repeats
     for regime, prompts in regimes.items():
         for repeat in range(args.repeats):
             for name, engine in engines.items():
                 res = run(engine, prompts, args.new_tokens, args.device, args.batch)
                 rows.append({"regime": regime, "engine": name, "repeat": repeat, **res})
+            print(f"[tree] {regime} repeat {repeat + 1}/{args.repeats} done "
+                  f"({len(rows) // len(engines)}/{total}, {time.perf_counter() - t0:.0f} s)",
+                  flush=True)
     summary: dict[str, dict[str, Any]] = {}
     for row in rows:
         key = f"{row['regime']} {row['engine']}"
+        steps = row["engine"].split("/")[0].lstrip("chaintre")
+        suffix = "/graphs" if row["engine"].endswith("/graphs") else ""
         chain = next(r for r in rows if r["regime"] == row["regime"] and r["repeat"] == row[
-            "repeat"] and r["engine"] == "chain" + row["engine"].split("/")[0].lstrip("chaintre"))
+            "repeat"] and r["engine"] == f"chain{steps}{suffix}")
         s = summary.setdefault(key, {"accept_per_round": row["accept_per_round"],
                                      "tokens_per_s": [], "ms_per_round": [],
                                      "equal_to_chain": True})
@@ -170,13 +197,16 @@ def calibrate(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     regimes = list(dict.fromkeys(k.split(" ", 1)[0] for k in summary))
-    trees = [e for e in dict.fromkeys(k.split(" ", 1)[1] for k in summary)
-             if e.startswith("tree") and "/graphs" not in e]
+    engines = list(dict.fromkeys(k.split(" ", 1)[1] for k in summary))
+    eager = [e for e in engines if e.startswith("tree") and "/graphs" not in e]
+    # the eager engines when they ran (acceptance does not depend on the path), else the graphs'
+    trees = eager or [e for e in engines if e.startswith("tree")]
     for tree in trees:
         steps = int(tree[len("tree"):].split("/")[0])
+        suffix = "/graphs" if tree.endswith("/graphs") else ""
         cells = {}
         for regime in regimes:
-            chain = summary.get(f"{regime} chain{steps}")
+            chain = summary.get(f"{regime} chain{steps}{suffix}")
             mine = summary.get(f"{regime} {tree}")
             if chain and mine:
                 cells[regime] = (solve_rate(chain["accept_per_round"], steps),
