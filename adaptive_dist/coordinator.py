@@ -34,7 +34,12 @@ from adaptive_dist.policy import (
     pick_bucket,
 )
 from adaptive_dist.policy.budgets import PerRequestRule, effective_tokens
-from adaptive_dist.policy.tree import candidate_steps_of, candidate_tree, tree_code
+from adaptive_dist.policy.tree import (
+    candidate_steps_of,
+    candidate_tree,
+    per_request_rule,
+    tree_code,
+)
 from adaptive_dist.shape import RoundShape, token_ladder
 
 
@@ -223,11 +228,11 @@ class RoundCoordinator:
         self._candidates: dict[int, tuple[int, Optional[tuple[int, int, int, float]], int]] = {}
         # a chain round's shape by (steps, largest batch): the same frozen RoundShape every round
         self._chain_shapes: dict[tuple[int, int], RoundShape] = {}
-        self.rule: Optional[PerRequestRule] = None
+        self.rule: Optional[PerRequestRule] = None   # or policy.tree.TreeBudgetRule
         if config.per_request:
             if self.ladder is None:
                 raise ValueError("per-request budgets need the engine's verify_ladder")
-            self.rule = PerRequestRule(config, self.ladder)
+            self.rule = per_request_rule(config, self.ladder)
         self._survivals: list[list[float]] = []
         self._predicted: dict[int, dict[int, list[float]]] = {}   # round -> rid -> s(1..K)
         self.config = config
@@ -294,8 +299,9 @@ class RoundCoordinator:
     def shape_code(self) -> int:
         """The round vector's must-agree ``tokens`` column: per-request budgets' decided verify
         tokens, or the tree in force's code (``policy.tree.tree_code``; 0: a chain)."""
-        if self.rule is not None:
-            return self.state.tokens
+        if self.rule is not None:   # with trees: the tree's code too (TreeBudgetRule.code)
+            code = getattr(self.rule, "code", None)
+            return code(self.state) if code is not None else self.state.tokens
         return self._candidate()[2]
 
     @property
@@ -357,7 +363,7 @@ class RoundCoordinator:
             ema_fail=local.ema_fail, weight=local.weight,
             steps=steps, counted=state.counted, last_switch=state.last_switch,
             config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash, period=period,
-            tokens=state.tokens if self.rule is not None else code, values=values,
+            tokens=self.shape_code if self.rule is not None else code, values=values,
         )
         cluster = self._agree(vec)
         self._time_previous(cluster)
@@ -461,8 +467,12 @@ class RoundCoordinator:
             of = plan.budget_of()
             budgets = [of[rid] for rid in rids]
             if self.rule is not None:
-                self._calibrate(plan.round, rids, budgets, accepts)
-                self.rule.tracker.observe(rids, budgets, accepts)
+                # a tree's budgets are verify nodes: the tracker takes its drafted depths
+                drafted = getattr(self.rule, "drafted", None)
+                depths = (drafted(rids, budgets, plan.shape) if drafted is not None
+                          else budgets)
+                self._calibrate(plan.round, rids, depths, accepts)
+                self.rule.tracker.observe(rids, depths, accepts)
                 if shadow_rows is not None:
                     self.rule.tracker.observe_shadow(rids, shadow_rows)
         self.stats.count_drafts(accepts, steps, budgets)

@@ -241,11 +241,11 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
 
     @triton.jit
     def tree_attention_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, cached_ptr, tk_ptr, tv_ptr,
-                              mask_ptr, out_ptr, stride_qt, stride_qh, stride_ks, stride_kh,
-                              stride_vs, stride_vh, stride_pb, stride_tb, stride_tm, stride_th,
-                              queries, nodes, groups, reach_tokens, head_dim, scale,
+                              mask_ptr, live_ptr, out_ptr, stride_qt, stride_qh, stride_ks,
+                              stride_kh, stride_vs, stride_vh, stride_pb, stride_tb, stride_tm,
+                              stride_th, queries, nodes, groups, reach_tokens, head_dim, scale,
                               PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_M: tl.constexpr):
+                              BLOCK_M: tl.constexpr, HAS_LIVE: tl.constexpr):
         # one program per (tree node of row b, query head): the row's context through its page
         # table (KV 0 .. cached - 1), then the tree nodes its mask row allows, one online softmax
         tok = tl.program_id(0)          # tok = b * queries + i
@@ -254,6 +254,8 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         b = tok // queries
         kvh = h // groups
         n_ctx = tl.minimum(tl.load(cached_ptr + b), reach_tokens)
+        if HAS_LIVE:   # a node the forward does not verify reads no context
+            n_ctx = tl.where(tl.load(live_ptr + tok) != 0, n_ctx, 0)
         d = tl.arange(0, BLOCK_D)
         dmask = d < head_dim
         q = tl.load(q_ptr + tok * stride_qt + h * stride_qh + d, mask=dmask, other=0.0)
@@ -599,11 +601,13 @@ def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
 
 def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                    page_tab: torch.Tensor, cached: torch.Tensor, tree_k: torch.Tensor,
-                   tree_v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+                   tree_v: torch.Tensor, mask: torch.Tensor, scale: float,
+                   live: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of draft-tree nodes (`workers.attention.tree`): `q` [B*Q, Hq, D], node `i` of
     row `b` sees KV ``0 .. cached[b] - 1`` through `page_tab` [B, P] (capped at the row's reach)
     and the tree slots `j` of `tree_k`/`tree_v` [B, M, Hkv, D] where `mask` [B, Q, M] (bool or
-    int8) is set (its ancestors and itself: at least one per node). Returns [B*Q, Hq, D] in
+    int8) is set (its ancestors and itself: at least one per node); `live` [B, Q] (optional):
+    a node not live reads no context (its ancestors' slots alone). Returns [B*Q, Hq, D] in
     `q`'s dtype."""
     tokens, heads, dim = q.shape
     if q.stride(-1) != 1:
@@ -614,14 +618,16 @@ def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     v_flat = v_pages.view(-1, kv_heads, v_pages.shape[3])
     tree_k, tree_v = tree_k.contiguous(), tree_v.contiguous()
     flags = mask.to(torch.int8).contiguous()
+    alive = live.to(torch.int8).contiguous() if live is not None else flags
     out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
     if tokens:
         _kernels().tree_attention[(tokens, heads)](
-            q, k_flat, v_flat, page_tab, cached, tree_k, tree_v, flags, out, q.stride(0),
+            q, k_flat, v_flat, page_tab, cached, tree_k, tree_v, flags, alive, out, q.stride(0),
             q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
             page_tab.stride(0), tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), queries,
             nodes, heads // kv_heads, page_tab.shape[1] * page_size, dim, scale, PAGE=page_size,
-            BLOCK_D=_pow2(dim), BLOCK_N=64, BLOCK_M=max(16, min(64, _pow2(nodes))), num_warps=2)
+            BLOCK_D=_pow2(dim), BLOCK_N=64, BLOCK_M=max(16, min(64, _pow2(nodes))),
+            HAS_LIVE=live is not None, num_warps=2)
     return out
 
 

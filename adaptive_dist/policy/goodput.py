@@ -379,8 +379,6 @@ class GoodputPolicy(CountingPolicy):
             check(c.policy == cls.name, "tree_candidates", trees,
                   f"draft trees are priced by the round cost: the goodput policy only "
                   f"(policy={c.policy!r})")
-            check(not c.per_request, "tree_candidates", trees,
-                  "per-request budgets with draft trees are not implemented (per_request=true)")
             check(c.reducer != Mixture.name, "tree_candidates", trees,
                   "the mixture reducer's per-rank expectations are chains' only; use "
                   "weighted_mean or min with draft trees")

@@ -264,3 +264,273 @@ def shape_scores(cfg: Any, p: float, batch: int, table: RoundCost, verify: Verif
         out.append((1.0 + expected_tree(p, s, f))
                    / tree_round_cost(table, verify, s, k, n, batch, cfg.tree_overhead))
     return out
+
+
+# ---- per-request trees (``per_request`` with ``tree_candidates``) ----------------------------
+PER_REQUEST_TREE_CODE = 1 << 20
+"""With per-request budgets the must-agree ``tokens`` column is the decided verify tokens ``T``
+plus the tree's code times this (``T < 2**20``): a rank that would run another K or N, or a
+chain where the others run a tree, differs there as one that would run another T does."""
+
+
+def _level_rates(survival: Sequence[float], share: float, ran: float,
+                 coverage: float) -> list[tuple[float, float]]:
+    """Per position k of a request: (the chain's rate p(k), the tree's c(k) at ``coverage``).
+    The observed conditional rate ``r(k) = s(k) / s(k - 1)`` of the tracker's calibrated
+    survival ``s`` mixes rounds of both kinds: ``share`` of the request's recent drafted rounds
+    were trees of coverage ``ran`` (their accepted depths measure a tree's per-level rate, not
+    the chain's). The chain's rate is ``(1 - share) r + share chain_rate(r, ran)``; the tree's
+    ``(1 - share) tree_rate(r, f) + share tree_rate((r - ran) / (1 - ran), f)`` (the second term
+    unclamped inside, so a tree of the coverage that ran gets its observed rate back: a request
+    whose trees miss is not lifted to ``f`` by the model), held to [0, 1]."""
+    out, prev = [], 1.0
+    for s in survival:
+        r = s / prev if prev > 0 else 0.0
+        prev = s
+        if share > 0:
+            raw = (r - ran) / (1.0 - ran)
+            p = (1.0 - share) * r + share * min(1.0, max(0.0, raw))
+            c = (1.0 - share) * tree_rate(r, coverage) + share * min(
+                1.0, max(0.0, tree_rate(raw, coverage)))
+        else:
+            p, c = r, tree_rate(r, coverage)
+        out.append((p, c))
+    return out
+
+
+def chain_survival(survival: Sequence[float], share: float = 0.0,
+                   ran: float = 0.0) -> list[float]:
+    """A request's chain survival ``s(1..)`` from the tracker's calibrated survival
+    (``_level_rates``' chain rates multiplied; ``share`` 0: ``survival`` itself)."""
+    if share <= 0:
+        return list(survival)
+    out, s = [], 1.0
+    for p, _ in _level_rates(survival, share, ran, 0.0):
+        s *= p
+        out.append(s)
+    return out
+
+
+def tree_node_values(survival: Sequence[float], steps: int, topk: int, coverage: float,
+                     tokens: int, share: float = 0.0, ran: float = 0.0) -> list[float]:
+    """The estimated survival of a request's ``N - 1`` verify nodes in a tree ``(S, K, N)``, in
+    the order the device admits them (its best by cumulative draft log-probability), held
+    non-increasing.
+
+    From the tracker's calibrated survival (``_level_rates``: per position the chain's rate
+    ``p(k)`` and the tree's ``c(k) = p + (1 - p) f``, the estimator of the per-batch trees, per
+    request and position): ``s(k)`` the chain's survival, ``t(k) = c(1)...c(k)`` the probability
+    that the tree still holds the target's path at depth k. Of the tree's nodes at depth k the
+    head's first choice (the chain's draft) survives with ``s(k)``; its K - 1 siblings share the
+    rest, ``(t(k) - s(k)) / (K - 1)`` each. Those ``S K`` values in decreasing order, zeros past
+    them, are the node values (the first ``N - 1``)."""
+    rates = _level_rates(list(survival[:steps]) + [0.0] * (steps - len(survival)), share, ran,
+                         coverage)
+    out, s, t = [], 1.0, 1.0
+    for p, c in rates:
+        s *= p
+        t *= c
+        out.append(s)
+        out.extend([max(t - s, 0.0) / (topk - 1)] * (topk - 1))
+    out.sort(reverse=True)
+    return (out + [0.0] * tokens)[:tokens - 1]
+
+
+class TreeBudgetRule:
+    """Per-request budgets over chains and trees (``per_request`` with ``tree_candidates``): each
+    request drafts a chain of its own depth, or verifies its own number of nodes ``N_i`` of the
+    round's tree (0 .. N - 1: its ``N_i`` best by the head's cumulative log-probability, a
+    subtree; 0: the root alone, the bonus token). The round's shape is agreed as for chains:
+    candidate index ``i < len(candidate_steps)`` a chain of S draft forwards, ``len + j`` the
+    tree ``j`` (S steps, top-k K, at most N tokens a request), and the verify tokens T, a rung.
+
+    Where each part runs. On the host, from replica-shared data (the requests, their budgets and
+    accepted depths, the shapes that ran): the estimates (``budgets.SurvivalTracker``), the node
+    values (``tree_node_values``), the value curves, the shape and every request's ``N_i`` (the
+    fill of ``budgets``, the same function as the chain's, over node values). On the device: the
+    tree's drafting and which of its nodes are a request's ``N_i`` best (the head's cumulative
+    log-probabilities never leave it); the host's node values stand in for them in the fill."""
+
+    def __init__(self, config: Any, ladder: Sequence[int]) -> None:
+        from adaptive_dist.policy.budgets import PerRequestRule
+
+        self.config = config
+        self.chains = PerRequestRule(config, ladder)   # the chain's rule and its tracker
+        self.tracker = self.chains.tracker
+        self.candidates = config.candidate_steps
+        self.trees = trees_of(config)
+        self.ladder = tuple(ladder)
+        depth = max([max(self.candidates)] + [t[0] for t in self.trees] + [1])
+        if depth > self.tracker.depth:
+            from adaptive_dist.policy.budgets import SurvivalTracker
+
+            self.tracker = self.chains.tracker = SurvivalTracker(depth)
+        # per request: (decayed share of its drafted rounds that were trees, their coverage)
+        self.tree_share: dict[int, tuple[float, float]] = {}
+        self._nodes: list[list[list[float]]] = []   # per tree: the round's requests' values
+
+    @property
+    def n_values(self) -> int:
+        return (len(self.candidates) + len(self.trees)) * len(self.ladder)
+
+    def survivals(self, rids: Sequence[int]) -> Any:
+        """The chains' estimates (``budgets.Estimates``, taken back to the chain's rates where
+        trees ran) and, kept for ``curve`` and ``budgets``, every tree's node values."""
+        from adaptive_dist.policy.budgets import Estimates
+
+        raw = self.chains.survivals(rids)
+        chains, self._nodes = [], [[] for _ in self.trees]
+        for rid, surv in zip(rids, raw):
+            share, ran = self.tree_share.get(rid, (0.0, 0.0))
+            for j, (s, k, n, f) in enumerate(self.trees):
+                self._nodes[j].append(tree_node_values(surv, s, k, f, n, share, ran))
+            chains.append(chain_survival(surv, share, ran))
+        return Estimates(chains, raw.due)
+
+    def _tree_estimates(self, j: int, survivals: Any) -> Any:
+        from adaptive_dist.policy.budgets import Estimates
+
+        return Estimates(self._nodes[j], survivals.due)
+
+    def curve(self, survivals: Any) -> tuple[int, ...]:
+        """The chains' value curves (``budgets.value_curve``) then every tree's over its N - 1
+        node places: ``(chains + trees) x rungs`` integers."""
+        from adaptive_dist.policy.budgets import value_curve
+
+        out = list(value_curve(survivals, self.candidates, self.ladder))
+        for j, (s, k, n, f) in enumerate(self.trees):
+            out.extend(value_curve(self._tree_estimates(j, survivals), [n - 1], self.ladder))
+        return tuple(out)
+
+    def shape_cost(self, index: int, tokens: int, batch: int) -> float:
+        """Seconds of candidate ``index`` at ``tokens`` verify tokens and padded batch
+        ``batch``: a chain's ``budgets.shape_cost``; a tree's ``D₁(b) + (S - 1) h(b K) +
+        verify(T)`` (``tree_round_cost``'s terms with the verify at the round's rung)."""
+        from adaptive_dist.policy.budgets import shape_cost
+
+        cfg = self.config
+        if index < len(self.candidates):
+            return shape_cost(cfg.round_cost, cfg.verify_cost, self.candidates[index], tokens,
+                              batch)
+        s, k, _, _ = self.trees[index - len(self.candidates)]
+        return tree_tokens_cost(cfg.round_cost, cfg.verify_cost, s, k, tokens, batch,
+                                cfg.tree_overhead)
+
+    def shape(self, state: Any, n_req_max: int) -> Any:
+        """This round's shape: the candidate in force at the decided tokens, raised to the rung
+        that holds the largest batch's own tokens; a tree's held to the rung of ``n_req_max N``
+        (more places than every request's whole tree are worth nothing, and the worker's graphs
+        of a bucket stop there)."""
+        from adaptive_dist.policy.budgets import effective_tokens
+        from adaptive_dist.shape import RoundShape
+
+        if state.index < len(self.candidates):
+            return self.chains.shape(state, n_req_max)
+        s, k, n, _ = self.trees[state.index - len(self.candidates)]
+        top = token_bucket(max(n_req_max, 1) * n, self.ladder)
+        decided = state.tokens if state.tokens else top
+        return RoundShape(s, max(min(decided, top), effective_tokens(1, n_req_max, s,
+                                                                     self.ladder)), k, n)
+
+    def code(self, state: Any) -> int:
+        """The must-agree ``tokens`` column (``PER_REQUEST_TREE_CODE``)."""
+        if state.index < len(self.candidates):
+            return state.tokens
+        _, k, n, _ = self.trees[state.index - len(self.candidates)]
+        return state.tokens + tree_code(k, n) * PER_REQUEST_TREE_CODE
+
+    def decide(self, state: Any, summed: Sequence[int], n_req_sum: int, n_req_max: int,
+               batch: int) -> tuple[Any, Any]:
+        """The next round's candidate and tokens: the most expected tokens per second over every
+        candidate and every rung that holds ``n_req_max`` (ties: fewer tokens, then the lower
+        index); an idle round keeps the shape."""
+        from dataclasses import replace
+
+        from adaptive_dist.policy.base import Decision
+        from adaptive_dist.policy.budgets import VALUE_SCALE
+
+        if n_req_sum <= 0:
+            return state, Decision(False, False, None, state.index, state.index,
+                                   tokens=state.tokens)
+        width = len(self.ladder)
+        best: Optional[tuple[float, int, int]] = None
+        for a in range(len(self.candidates) + len(self.trees)):
+            for b, t in enumerate(self.ladder):
+                if t < n_req_max:
+                    continue
+                rate = summed[a * width + b] / VALUE_SCALE / self.shape_cost(a, t, batch)
+                key = (rate, -t, -a)
+                if best is None or key > best:
+                    best = key
+        if best is None:
+            index, tokens, rate = 0, self.ladder[-1], 0.0
+        else:
+            rate, tokens, index = best[0], -best[1], -best[2]
+        counted = state.counted + 1
+        new = replace(state, counted=counted, tokens=tokens)
+        if index != state.index:
+            new = replace(new, index=index, last_switch=counted)
+        return new, Decision(True, False, None, state.index, index, tokens=tokens, rate=rate)
+
+    def budgets(self, survivals: Any, shape: Any) -> tuple[int, ...]:
+        """Each request's draft tokens (a chain) or verify nodes ``N_i`` (a tree: the fill of
+        ``budgets.fill_budgets`` over its node values, ``sum(N_i + 1) <= T``)."""
+        from adaptive_dist.policy.budgets import fill_budgets
+        from adaptive_dist.shape import RoundShape
+
+        if shape.tree is None:
+            return self.chains.budgets(survivals, shape)
+        j = self.trees.index(next(t for t in self.trees if t[:3] == (
+            shape.draft_forwards, shape.topk, shape.tree_tokens)))
+        return fill_budgets(self._tree_estimates(j, survivals),
+                            RoundShape(shape.tree_tokens - 1, shape.verify_tokens))
+
+    def drafted(self, rids: Sequence[int], budgets: Sequence[int], shape: Any) -> list[int]:
+        """The drafted depth of each request (what the tracker records: positions ``1 ..
+        min(a + 1, d)`` reached) — a tree's ``min(N_i, S)`` — and each request's share of tree
+        rounds moved (``budgets.DECAY`` per drafted round, as its counts)."""
+        from adaptive_dist.policy.budgets import DECAY
+
+        tree = shape.tree
+        f = 0.0
+        if tree is not None:
+            f = next(t[3] for t in self.trees if t[:3] == (tree.steps, tree.topk, tree.tokens))
+        out = []
+        for rid, d in zip(rids, budgets):
+            if d <= 0:
+                out.append(0)
+                continue
+            share, ran = self.tree_share.get(rid, (0.0, 0.0))
+            x = 1.0 if tree is not None else 0.0
+            new = DECAY * share + (1.0 - DECAY) * x
+            if new > 1e-6:
+                ran = (DECAY * share * ran + (1.0 - DECAY) * x * f) / new
+                self.tree_share[rid] = (new, ran)
+            else:
+                self.tree_share.pop(rid, None)
+            out.append(min(d, tree.steps) if tree is not None else d)
+        if len(self.tree_share) > 4 * max(len(rids), 64):   # finished requests
+            keep = set(rids)
+            self.tree_share = {r: v for r, v in self.tree_share.items() if r in keep}
+        return out
+
+
+def tree_tokens_cost(table: RoundCost, verify: VerifyCost, steps: int, topk: int, tokens: int,
+                     batch: int, overhead: float = 0.0) -> float:
+    """Seconds of a tree round of ``steps`` steps at top-k ``topk`` verifying ``tokens`` packed
+    tokens at padded batch ``batch``: ``D₁(b) + (S - 1) h(b K) + verify(tokens)`` (the price
+    ``tree_round_cost`` gives a round whose every row verifies N, with the verify forward at
+    the round's own tokens)."""
+    bucket, row = _row(table, batch)
+    d1, _ = _line(table, verify, bucket, row)
+    h, _ = draft_forward_cost(table, verify, bucket * topk)
+    v, _ = verify_seconds(verify, tokens)
+    return d1 + (steps - 1) * h + v + overhead
+
+
+def per_request_rule(config: Any, ladder: Sequence[int]) -> Any:
+    """The per-request rule of a config: ``TreeBudgetRule`` with tree candidates, else
+    ``budgets.PerRequestRule``."""
+    from adaptive_dist.policy.budgets import PerRequestRule
+
+    return TreeBudgetRule(config, ladder) if trees_of(config) else PerRequestRule(config, ladder)

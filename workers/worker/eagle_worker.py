@@ -84,6 +84,9 @@ class EagleWorker:
             for s_, k_, n_, _ in trees_of(config.spec):
                 shape_ = TreeShape(s_, k_, n_)
                 self.trees[shape_] = TreeRound(shape_, self.slots, self.models)
+        # with per-request budgets a tree round is ragged: each row its own N_b best nodes, the
+        # verify forward the plan's T packed tokens (one graph per tree, bucket and rung)
+        self.ragged_trees = bool(self.trees) and bool(getattr(config.spec, "per_request", False))
         # host staging of a round (rows and budgets in, results out), two sets: with overlap the
         # next round is staged while the device may still copy the previous one's
         top = self.slots.round_rows.shape[0]
@@ -179,10 +182,12 @@ class EagleWorker:
             for tree, runner in self.trees.items():   # adaptive trees drafting this depth
                 if tree.steps != bufs.steps:
                     continue
-                for greedy in (False, True):
-                    self.table.capture(self.tree_key(tree, bucket, greedy),
-                                       lambda b=bucket, g=greedy, r=runner: r.run(bufs, b, reach,
-                                                                                  g))
+                for packed in self.tree_rungs(tree, bucket):
+                    for greedy in (False, True):
+                        self.table.capture(
+                            self.tree_key(tree, bucket, greedy, packed),
+                            lambda b=bucket, g=greedy, r=runner, t=packed: r.run(
+                                bufs, b, reach, g, t or None))
         self.slots.set_dummy_length(0)
         startup_log.captured(f"depth {bufs.steps}", len(self.table) - count,
                              time.perf_counter() - start,
@@ -260,7 +265,12 @@ class EagleWorker:
             if runner is None:
                 raise RuntimeError(f"the round's shape is the tree {shape.tree}, which this "
                                    f"worker did not build (its trees: {list(self.trees)})")
-            if shape.verify_tokens != bp * shape.tree_tokens:
+            if self.ragged_trees:   # per-request: the plan's rung, each row its nodes
+                if tokens not in self.tree_rungs(shape.tree, bp):
+                    raise RuntimeError(f"the round's tree shape {shape} verifies {tokens} "
+                                       f"tokens, not a rung of {bp} rows' trees "
+                                       f"{list(self.tree_rungs(shape.tree, bp))}")
+            elif shape.verify_tokens != bp * shape.tree_tokens:
                 raise RuntimeError(f"the round's tree shape {shape} does not fit {bp} rows")
             if any(r.params.processed for r in reqs):
                 raise RuntimeError("top-k, min_tokens, penalties and logprobs are not "
@@ -268,8 +278,16 @@ class EagleWorker:
         elif tokens not in self.ladder:
             raise RuntimeError(f"the round's shape verifies {tokens} tokens, not a rung of this "
                                f"worker's ladder {list(self.ladder)}")
-        budgets = [steps] * len(reqs) if budgets is None else list(budgets)
-        if len(budgets) != len(reqs) or not shape.fits(budgets):
+        ragged = self.ragged_trees and shape.tree is not None
+        if ragged:   # a tree's budgets are verify nodes (0 .. N - 1; default: all N - 1)
+            budgets = ([shape.tree_tokens - 1] * len(reqs) if budgets is None
+                       else list(budgets))
+            fits = (all(0 <= d < shape.tree_tokens for d in budgets)
+                    and sum(budgets) + len(budgets) <= tokens)
+        else:
+            budgets = [steps] * len(reqs) if budgets is None else list(budgets)
+            fits = shape.fits(budgets)
+        if len(budgets) != len(reqs) or not fits:
             raise RuntimeError(f"budgets {budgets} of {len(reqs)} requests do not fit the "
                                f"round's shape {shape}")
         stage = self._stages[self._launches % 2]
@@ -292,12 +310,13 @@ class EagleWorker:
             pending, caught = self.lag.catch_up(bufs, bp, reach, graph_bucket)
         if shape.tree is not None:   # draft, verify, accept and commit; then draft-extend
             if graph_bucket is None:
-                runner.run(bufs, bp, reach, greedy)
+                runner.run(bufs, bp, reach, greedy, tokens if ragged else None)
             elif runner is self.tree:
                 self.table.replay(GraphKey(GraphPhase.TREE, batch=bp, steps=steps,
                                            greedy=greedy))
             else:
-                self.table.replay(self.tree_key(shape.tree, bp, greedy))
+                self.table.replay(self.tree_key(shape.tree, bp, greedy,
+                                                tokens if ragged else 0))
         for phase in round_phases(bufs.steps):
             if shape.tree is not None and phase is not GraphPhase.EXTEND:
                 continue
@@ -331,10 +350,27 @@ class EagleWorker:
                              budgets=tuple(budgets), catchup=caught, pending=pending)
 
     @staticmethod
-    def tree_key(tree: TreeShape, bucket: int, greedy: bool) -> GraphKey:
-        """The graph of an adaptive tree's round (draft, verify, accept, commit) at a bucket."""
+    def tree_key(tree: TreeShape, bucket: int, greedy: bool, packed: int = 0) -> GraphKey:
+        """The graph of an adaptive tree's round (draft, verify, accept, commit) at a bucket;
+        `packed`: a per-request tree round's verify tokens T (its N in `nodes`)."""
+        if packed:
+            return GraphKey(GraphPhase.TREE, batch=bucket, steps=tree.steps, tokens=packed,
+                            greedy=greedy, topk=tree.topk, nodes=tree.tokens)
         return GraphKey(GraphPhase.TREE, batch=bucket, steps=tree.steps, tokens=tree.tokens,
                         greedy=greedy, topk=tree.topk)
+
+    def tree_rungs(self, tree: TreeShape, bucket: int) -> tuple[int, ...]:
+        """The verify tokens a tree round at padded batch `bucket` may run: (0,) — every row its
+        N — without per-request budgets; with them the ladder's rungs from the one holding the
+        next smaller bucket's batch + 1 (a batch this bucket serves; 1 without graphs or for
+        the smallest bucket) to the one holding `bucket * N` (`policy.tree.TreeBudgetRule.shape`
+        never asks more)."""
+        if not self.ragged_trees:
+            return (0,)
+        smaller = [b for b in self.buckets if b < bucket]
+        low = token_bucket(max(smaller) + 1, self.ladder) if smaller else 1
+        high = token_bucket(bucket * tree.tokens, self.ladder)
+        return tuple(t for t in self.ladder if low <= t <= high)
 
     def collect(self, launched: "LaunchedRound") -> "RoundResult":
         """Wait for a launched round and read its results (the round's one host synchronisation:

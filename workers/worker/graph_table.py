@@ -58,6 +58,7 @@ class GraphKey:
     processed: bool = False   # the acceptance with the logits processing (docs/sampling.md)
     head: bool = True     # the prefill with the head's part (False: deferred to the catch-up)
     topk: int = 0         # a draft tree's top-k (tree; with tokens = its N): an adaptive tree
+    nodes: int = 0        # a per-request tree's N (tree; tokens: the round's packed T)
 
     def __post_init__(self) -> None:
         if not isinstance(self.phase, GraphPhase):
@@ -77,7 +78,7 @@ class GraphKey:
                     + ("" if self.head else "/deferred"))
         parts = [self.phase.value] + [f"{k}={v}" for k, v in (
             ("batch", self.batch), ("steps", self.steps), ("tokens", self.tokens),
-            ("topk", self.topk))
+            ("topk", self.topk), ("nodes", self.nodes))
             if v or k == "steps" and self.phase in STEPPED]
         if self.phase in SAMPLED:
             parts.append(f"greedy={self.greedy}")

@@ -30,6 +30,14 @@ last token `x_n`, head feature `g_n`), on the device, with no host synchronisati
 
 Every rank of a DP cluster runs the same forwards with the same row counts (`Bp * K` per draft
 step, `Bp * N` in verify), whatever its trees hold.
+
+Per-request trees (``--per-request`` with tree candidates; `run(..., tokens=T)`): row `b`
+verifies its `N_b` best nodes (`budget[b]`, 0 .. N - 1; the host's fill, `policy.tree`) — the
+first `N_b` of the same best-first order, so a subtree — and the verify forward runs the agreed
+`T` packed tokens: every row's root and kept nodes back to back in creation order, padded to `T`
+(`workers.attention.tree.PackedTreeAttention`). A node left out is its own parent (no one's
+child: the walk never reaches it). The drafting is the same at every `N_b` (`Bp * K` rows per
+step); `N_b = 0` verifies the root alone (the bonus token).
 """
 from __future__ import annotations
 
@@ -38,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from adaptive_dist.shape import TreeShape
-from workers.attention.tree import TreeAttention, TreeKV, commit
+from workers.attention.tree import PackedTreeAttention, TreeAttention, TreeKV, commit
 from workers.spec_decode import SALT_ACCEPT, SALT_BONUS, probs, sample_from, uniforms
 from workers.worker.models import RankModels
 from workers.worker.slots import SlotState, StepBuffers
@@ -52,6 +60,7 @@ class Tree:
     parent: torch.Tensor   # [Bp, N] each token's parent (the root its own)
     depth: torch.Tensor    # [Bp, N] 0 for the root
     mask: torch.Tensor     # [Bp, N, N] bool: token i sees token j (j an ancestor of i, or i)
+    live: torch.Tensor | None = None   # [Bp, N] bool: verified (per-request trees; None: all)
 
 
 def _log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -83,15 +92,22 @@ class TreeRound:
     def __init__(self, tree: TreeShape, slots: SlotState, models: RankModels) -> None:
         self.tree, self.slots, self.models = tree, slots, models
 
-    def run(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool) -> None:
+    def run(self, bufs: StepBuffers, bp: int, reach: int, greedy: bool,
+            tokens: int | None = None) -> None:
         """Draft, verify and accept over the round's first `bp` rows; fill `bufs` as the
         chain's acceptance does (accepted lengths, committed tokens, the path's target
-        features) and commit the path's target K/V. Draft-extend follows (the chain's)."""
+        features) and commit the path's target K/V. Draft-extend follows (the chain's).
+        `tokens`: a per-request tree round's packed verify tokens T (each row its
+        `bufs.budget` best nodes); None: every row its N tokens."""
         rows = bufs.rows[:bp]
         n, real = self.slots.row_state(rows)
         pages = self.slots.pages_of(rows, reach)
-        tree = self.draft(rows, n, pages)
-        hidden, logits, memory = self.verify(tree, n, pages)
+        budget = bufs.budget[:bp] if tokens is not None else None
+        tree = self.draft(rows, n, pages, budget)
+        if tokens is None:
+            hidden, logits, memory = self.verify(tree, n, pages)
+        else:
+            hidden, logits, memory = self.verify_packed(tree, n, pages, real, tokens)
         if greedy:
             accept, path, tokens = self.accept_greedy(tree, logits.argmax(-1), real)
         else:
@@ -107,7 +123,8 @@ class TreeRound:
         bufs.out[:bp, 0] = self.slots.last_token[rows]
 
     # ---- draft -------------------------------------------------------------------------------
-    def draft(self, rows: torch.Tensor, n: torch.Tensor, pages: torch.Tensor) -> Tree:
+    def draft(self, rows: torch.Tensor, n: torch.Tensor, pages: torch.Tensor,
+              budget: torch.Tensor | None = None) -> Tree:
         """The tree of every row and its N-token verify set (steps 1 and 2 of the docstring)."""
         steps, k, tokens = self.tree.steps, self.tree.topk, self.tree.tokens
         models, bp, device = self.models, rows.shape[0], rows.device
@@ -151,23 +168,31 @@ class TreeRound:
             anc = anc | (torch.arange(anc.shape[2], device=device)[None, None, :]
                          == (start + origin)[:, :, None])
         return self.select(rows, torch.cat(scores, 1), torch.cat(toks, 1),
-                           torch.cat(parents, 1), torch.cat(depths, 1))
+                           torch.cat(parents, 1), torch.cat(depths, 1), budget)
 
     def select(self, rows: torch.Tensor, score: torch.Tensor, token: torch.Tensor,
-               parent: torch.Tensor, depth: torch.Tensor) -> Tree:
-        """The root and the N-1 best nodes, in creation order, with their tree mask."""
+               parent: torch.Tensor, depth: torch.Tensor,
+               budget: torch.Tensor | None = None) -> Tree:
+        """The root and the N-1 best nodes, in creation order, with their tree mask; with
+        `budget` [Bp] each row's first `budget[b]` of them by score are live (the rest are
+        their own parents: nobody's child, seeing themselves alone)."""
         bp, device, n = rows.shape[0], rows.device, self.tree.tokens
-        chosen = _top(score, n - 1).sort(dim=1).values                            # [Bp, N-1]
+        chosen, rank = _top(score, n - 1).sort(dim=1)          # [Bp, N-1], rank: best-first
         verify_index = torch.zeros_like(score, dtype=torch.int64)
         verify_index.scatter_(1, chosen, torch.arange(1, n, device=device).expand(bp, n - 1))
         up = parent.gather(1, chosen)
         up = torch.where(up < 0, torch.zeros_like(up), verify_index.gather(1, up.clamp(min=0)))
         zero = torch.zeros(bp, 1, dtype=torch.int64, device=device)
         parent_v = torch.cat([zero, up], 1)
+        live = None
+        if budget is not None:
+            live = torch.cat([torch.ones_like(zero, dtype=torch.bool),
+                              rank < budget[:, None]], 1)
+            parent_v = torch.where(live, parent_v, torch.arange(n, device=device)[None, :])
         return Tree(tokens=torch.cat([self.slots.last_token[rows][:, None],
                                       token.gather(1, chosen)], 1),
                     parent=parent_v, depth=torch.cat([zero, depth.gather(1, chosen)], 1),
-                    mask=ancestors(parent_v, self.tree.steps))
+                    mask=ancestors(parent_v, self.tree.steps), live=live)
 
     # ---- verify and accept -------------------------------------------------------------------
     def verify(self, tree: Tree, n: torch.Tensor, pages: torch.Tensor
@@ -185,12 +210,48 @@ class TreeRound:
         logits = target.compute_logits(hidden)
         return hidden, logits.view(bp, count, -1), memory
 
+    def verify_packed(self, tree: Tree, n: torch.Tensor, pages: torch.Tensor,
+                      real: torch.Tensor, tokens: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, TreeKV]:
+        """The target over `tokens` packed tokens: every real row's live nodes back to back (in
+        creation order), the rest padding -> (features and logits on the `[Bp, N]` grid, the
+        nodes' K/V; a node not verified: zeros). A live node past `tokens` (the host's fill
+        never leaves one) is dropped with its descendants (they come after it)."""
+        models = self.models
+        pool, target = models.target_kv, models.target
+        bp, count = tree.tokens.shape
+        device, cells = tree.tokens.device, bp * count
+        live = tree.live & (real[:, None] > 0)
+        per_row = live.to(torch.int64).sum(1)
+        dest = (per_row.cumsum(0) - per_row)[:, None] + live.to(torch.int64).cumsum(1) - 1
+        live = live & (dest < tokens)
+        tree.live = live
+        tree.parent = torch.where(live, tree.parent, torch.arange(count, device=device)[None, :])
+        dest = torch.where(live, dest, torch.full_like(dest, tokens)).reshape(-1)
+        grid = torch.full((tokens + 1,), cells, dtype=torch.int64, device=device)
+        grid.scatter_(0, dest, torch.arange(cells, device=device))   # padding: row Bp, slot 0
+        grid = grid[:tokens]
+        pad = torch.zeros(1, dtype=torch.int64, device=device)
+        ids = torch.cat([tree.tokens.reshape(-1), pad])[grid]
+        pos = torch.cat([(n[:, None] + tree.depth).reshape(-1), pad])[grid]
+        dtype = next(target.parameters()).dtype
+        memory = TreeKV(len(pool.k), bp + 1, count, pool.num_kv_heads, target.config.head_dim,
+                        dtype, device)
+        attn = PackedTreeAttention(pool, pages, n, memory, tree.mask, grid, live)
+        hidden = target(ids, pos, attn)
+        logits = target.compute_logits(hidden)
+        hidden_g = hidden.new_zeros((cells + 1, hidden.shape[-1]))
+        hidden_g[grid] = hidden
+        logits_g = logits.new_zeros((cells + 1, logits.shape[-1]))
+        logits_g[grid] = logits
+        return hidden_g[:cells], logits_g[:cells].view(bp, count, -1), memory
+
     def _children(self, tree: Tree, node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The first K children of `node` [Bp] in verify order (most likely draft first):
         (indices [Bp, K], valid [Bp, K])."""
         count = tree.tokens.shape[1]
         j = torch.arange(count, device=node.device)[None, :]
-        child = (tree.parent == node[:, None]) & (j > 0)
+        child = (tree.parent == node[:, None]) & (j > 0) & (j != node[:, None])
         key = torch.where(child, j, j + count).sort(dim=1).values[:, :self.tree.topk]
         return key % count, key < count
 
