@@ -196,6 +196,10 @@ _F64, _I64 = struct.Struct("<d"), struct.Struct("<q")
 _pack_f64, _unpack_f64, _pack_i64, _unpack_i64 = _F64.pack, _F64.unpack, _I64.pack, _I64.unpack
 _compress = itertools.compress
 _DIGITS = tuple(range(LIMBS))
+_F1075 = FRACTION_BITS + 1            # 1074 - log2(d) is _F1075 - d.bit_length()
+_TWO_LIMBS = 2 * LIMB_BITS
+_SIGN = 1 << 63
+_lshift = operator.lshift
 
 
 def float_key(x: float) -> int:
@@ -212,20 +216,38 @@ def key_float(k: int) -> float:
 def put_fixed(t: float, out: list, base: int) -> bool:
     """Write float64 ``t`` as the integer ``t·2^1074`` in signed base-2^40 digits into
     ``out[base:base+LIMBS]`` (zeros beforehand); False when it does not fit (non-finite, or
-    |t| ≥ 2^86), and the round's sums then come from the gathered vectors."""
+    |t| ≥ 2^86), and the round's sums then come from the gathered vectors.
+
+    ``t = n / d`` exactly (``float.as_integer_ratio``: ``d`` a power of two). A ``t`` with a
+    fraction has ``|n| < 2^53`` and ``2 <= d <= 2^1074``: ``n·2^(1074 - log2 d)`` has at most
+    three nonzero digits, from digit ``(1074 - log2 d) // 40 <= 26``, so three writes stay
+    inside the ``LIMBS`` (the zero digits among them were zero already). An integral ``t``
+    takes the digit loop (``_put_wide``), which stops where the digits run out of room."""
     if t == 0.0:
         return True
-    if not math.isfinite(t):
+    try:
+        n, d = t.as_integer_ratio()
+    except (OverflowError, ValueError):   # ±inf, nan
         return False
-    m, e = math.frexp(t)
-    mant = int(m * 9007199254740992.0)   # |m|·2^53: an integer below 2^53, exact
-    pos = e - 53 + FRACTION_BITS
-    sign = -1 if mant < 0 else 1
-    mant = abs(mant)
-    if pos < 0:                          # a subnormal's trailing zeros
-        mant >>= -pos
-        pos = 0
-    v, k = mant << (pos % LIMB_BITS), base + pos // LIMB_BITS
+    if d == 1:
+        return _put_wide(n, out, base)
+    pos = _F1075 - d.bit_length()         # 1074 - log2(d): 0 <= pos <= 1073
+    k = base + pos // LIMB_BITS
+    if n < 0:
+        v = -n << (pos % LIMB_BITS)
+        out[k:k + 3] = -(v & _MASK), -((v >> LIMB_BITS) & _MASK), -(v >> _TWO_LIMBS)
+    else:
+        v = n << (pos % LIMB_BITS)
+        out[k:k + 3] = v & _MASK, (v >> LIMB_BITS) & _MASK, v >> _TWO_LIMBS
+    return True
+
+
+def _put_wide(n: int, out: list, base: int) -> bool:
+    """``put_fixed`` of the integer ``n`` (``n·2^1074``), digit by digit: False once a nonzero
+    digit falls past the ``LIMBS`` (the digits below are written, as the gather path ignores
+    them)."""
+    sign = -1 if n < 0 else 1
+    v, k = abs(n) << (FRACTION_BITS % LIMB_BITS), base + FRACTION_BITS // LIMB_BITS
     end = base + LIMBS
     while v:
         if k >= end:
@@ -246,9 +268,7 @@ def get_fixed(limbs: Sequence[int]) -> float:
     if not nz:
         return 0.0
     k0 = nz[0]
-    acc = 0
-    for k in nz:
-        acc += limbs[k] << LIMB_BITS * (k - k0)
+    acc = sum(map(_lshift, limbs[k0:nz[-1] + 1], _SHIFTS))   # the digits from k0 up, in C
     exp, bits = LIMB_BITS * k0 - FRACTION_BITS, abs(acc).bit_length()
     if bits <= 1000 and -1000 <= exp + bits <= 1000:
         # a normal result: float() of an int rounds half to even, and scaling by 2^exp is exact
@@ -343,6 +363,11 @@ _MAX_INTS = ("n_req", "num_tokens", "n_extend", "extend_len", "no_graph", "not_d
              "ema_max", "neg_ema_min", "rate_max", "neg_rate_min")
 _EXACT_TERMS = ("ema_sum", "fail_sum", "rate_sum")   # w·ema, w·ema_fail, w·p: the exact sums
 _NO_EXTREMES = (_LOW,) * 4
+_N_SUM_INTS = len(_SUM_INTS)
+_NO_SIGN = 0x7FFFFFFFFFFFFFFF
+_neg = operator.neg
+_pack_2d, _unpack_2q = struct.Struct("<2d").pack, struct.Struct("<2q").unpack
+_pack_4Q, _unpack_4d = struct.Struct("<4Q").pack, struct.Struct("<4d").unpack
 _AGREE_OF = operator.attrgetter(*MUST_AGREE[1:])   # "magic" is the format's, not the vector's
 _POOLED_ORDER = ("live", "weight", "ema_sum", "fail_sum", "rate_sum", "ema_min", "ema_max",
                  "rate_min", "rate_max", "mix")   # decode builds a Pooled positionally
@@ -384,43 +409,59 @@ class ReducedLayout:
         self._terms = tuple(_EXACT_TERMS.index(n) for n in self.sums)
         self._mixed = tuple(s for s in self.mix_steps if s)
         self.struct = struct.Struct(f"={self.size}q")   # the vector as the int64 buffer's bytes
+        self._zeros = [0] * self.size                   # encode copies it: one list a round
 
     def encode(self, vec: RoundVector) -> list[int]:
         """This rank's contribution (the columns in the order the class docstring gives)."""
-        out = [0] * self.size
-        w = vec.weight
-        out[0], out[1], out[2] = vec.n_req, vec.prev_n_req, w
+        return self.encode_round(
+            vec.n_req, vec.num_tokens, vec.n_extend, vec.extend_len, vec.can_graph, vec.done,
+            vec.seq, vec.leave, vec.prev_n_req, vec.ema, vec.ema_fail, vec.weight, vec.period,
+            _AGREE_OF(vec), vec.values)
+
+    def encode_round(self, n_req: int, num_tokens: int, n_extend: int, extend_len: int,
+                     can_graph: bool, done: bool, seq: int, leave: bool, prev_n_req: int,
+                     ema: float, ema_fail: float, weight: int, period: float,
+                     agree: Sequence[int], values: Sequence[int]) -> list[int]:
+        """``encode`` from the round's fields themselves, no ``RoundVector`` built (the
+        coordinator's round; a vector is built only on the slow path). ``agree``: the
+        must-agree fields after ``magic``, in ``MUST_AGREE``'s order (round, steps, tokens,
+        counted, last_switch, config_hash, prev_plan_hash). The same list ``encode`` gives."""
+        out = self._zeros[:]
+        out[0], out[1], out[2] = n_req, prev_n_req, weight
         ok = True
-        if w > 0:
+        if weight > 0:
             out[3] = 1
-            e, f = vec.ema, vec.ema_fail
-            den = e + f                          # acceptance_rate(e, f), inline
-            p = 1.0 if den == 0 else e / den
-            terms = (w * e, w * f, w * p)
-            base = len(_SUM_INTS)
+            den = ema + ema_fail                 # acceptance_rate(e, f), inline
+            p = 1.0 if den == 0 else ema / den
+            base = _N_SUM_INTS
             for j in self._terms:
-                ok = put_fixed(terms[j], out, base) and ok
+                ok = put_fixed(weight * (ema if j == 0 else ema_fail if j == 1 else p),
+                               out, base) and ok
                 base += LIMBS
             for s in self._mixed:
-                ok = put_fixed(w * self.expected(p, s), out, base) and ok
+                ok = put_fixed(weight * self.expected(p, s), out, base) and ok
                 base += LIMBS
-            ke, kp = float_key(e), float_key(p)
+            ke, kp = _unpack_2q(_pack_2d(ema, p))   # float keys: float_key, two at once
+            if ke < 0:
+                ke = -(ke & _NO_SIGN)
+            if kp < 0:
+                kp = -(kp & _NO_SIGN)
             extremes = (ke, -ke, kp, -kp)        # float_key(-x) is -float_key(x): the sign bit
         else:
             extremes = _NO_EXTREMES
-        if len(vec.values) != self.n_values:
-            raise ValueError(f"round vector: {len(vec.values)} values, the layout has "
+        if len(values) != self.n_values:
+            raise ValueError(f"round vector: {len(values)} values, the layout has "
                              f"{self.n_values}")
-        out[self.values_at:self.n_sum] = vec.values
-        period = vec.period
+        if values:
+            out[self.values_at:self.n_sum] = values
         out[self.n_sum:self.agree_at] = (
-            vec.n_req, vec.num_tokens, vec.n_extend, vec.extend_len, int(not vec.can_graph),
-            int(not vec.done), -vec.seq, int(vec.leave), int(period < 0),
-            float_key(period) if math.isfinite(period) else _LOW, int(not ok)) + extremes
-        agree = (REDUCED_MAGIC, *map(int, _AGREE_OF(vec)))
+            n_req, num_tokens, n_extend, extend_len, int(not can_graph), int(not done), -seq,
+            int(leave), int(period < 0), float_key(period) if math.isfinite(period) else _LOW,
+            int(not ok)) + extremes
+        agree = (REDUCED_MAGIC, *map(int, agree))
         a = self.agree_at
         out[a::2] = agree
-        out[a + 1::2] = [-v for v in agree]
+        out[a + 1::2] = map(_neg, agree)
         return out
 
     def agreed(self, red: Sequence[int]) -> bool:
@@ -437,7 +478,7 @@ class ReducedLayout:
         live = red[3]
         pooled = None
         if live:
-            exact, base = [0.0, 0.0, 0.0], len(_SUM_INTS)   # Σw·ema, Σw·ema_fail, Σw·p
+            exact, base = [0.0, 0.0, 0.0], _N_SUM_INTS   # Σw·ema, Σw·ema_fail, Σw·p
             for j in self._terms:
                 exact[j] = get_fixed(red[base:base + LIMBS])
                 base += LIMBS
@@ -448,9 +489,13 @@ class ReducedLayout:
                     base += LIMBS
                 else:
                     mix.append((s, 0.0))
+            # the float keys of the extremes back to floats, four at once (key_float's bits)
+            k1, k2, k3, k4 = red[m + 11:m + 15]
+            e_max, ne_min, p_max, np_min = _unpack_4d(_pack_4Q(
+                k1 if k1 >= 0 else -k1 | _SIGN, k2 if k2 >= 0 else -k2 | _SIGN,
+                k3 if k3 >= 0 else -k3 | _SIGN, k4 if k4 >= 0 else -k4 | _SIGN))
             pooled = _new_pooled(live, float(red[2]), exact[0], exact[1], exact[2],
-                            -key_float(red[m + 12]) + 0.0, key_float(red[m + 11]),
-                            -key_float(red[m + 14]) + 0.0, key_float(red[m + 13]), tuple(mix))
+                                 -ne_min + 0.0, e_max, -np_min + 0.0, p_max, tuple(mix))
         return _new_cluster(
             red[self.agree_at + 2], red[0], red[m], red[m + 1], red[m + 2], red[m + 3],
             not red[m + 4], not red[m + 5], -red[m + 6], bool(red[m + 7]), red[1],
@@ -491,22 +536,27 @@ class ReduceChannel:
         self.buf = torch.zeros(layout.size, dtype=torch.int64)
         self._np = self.buf.numpy()
         self._bytes = memoryview(self._np)   # the same memory: packed and read by one struct
+        self._pack_into, self._unpack_from = layout.struct.pack_into, layout.struct.unpack_from
         self.algorithm, self.host = shm.setup(group, layout.size, layout.n_sum, algorithm,
                                               timeout_s)
 
     def reduce(self, vec: RoundVector) -> list[int]:
         """This rank's vector reduced over the group: the integers, identical on every member."""
-        pack = self.layout.struct
+        return self.reduce_encoded(self.layout.encode(vec), vec.round)
+
+    def reduce_encoded(self, encoded: list[int], round_: int) -> list[int]:
+        """``reduce`` of a vector already encoded (``ReducedLayout.encode_round``) for round
+        ``round_`` (named when a field is no int64)."""
         try:
-            pack.pack_into(self._bytes, 0, *self.layout.encode(vec))
+            self._pack_into(self._bytes, 0, *encoded)
         except struct.error as exc:
-            raise ValueError(f"round vector of round {vec.round}: a field is not an integer in "
+            raise ValueError(f"round vector of round {round_}: a field is not an integer in "
                              f"int64's range ({exc})") from None
         if self.host is not None:
             self.host.all_reduce_sum_max(self.buf)
         else:
             ops.all_reduce_sum_max(self.buf, self.group, self.layout.n_sum, self.algorithm)
-        return list(pack.unpack_from(self._bytes))
+        return list(self._unpack_from(self._bytes))
 
     def close(self) -> None:
         """Unmap a shared-memory segment (the file itself was unlinked at set-up)."""

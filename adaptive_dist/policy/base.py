@@ -9,6 +9,7 @@ and applies nothing itself.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Optional, Protocol, Sequence
 
@@ -22,6 +23,33 @@ from adaptive_dist.policy.rules import (
 
 if TYPE_CHECKING:
     from adaptive_dist.config import AdaptiveConfig, PolicySection, RoundCost
+
+
+_PLAIN: dict[type, frozenset] = {}   # class -> its field names (empty: not plain)
+
+
+def evolve(obj: Any, **changes: Any) -> Any:
+    """``dataclasses.replace(obj, **changes)`` for the round's frozen records (the state, the
+    estimate), without the frozen ``__init__``'s one ``object.__setattr__`` per field: the same
+    instance (equal, the same repr and hash). A class whose ``__init__`` does more
+    (``__post_init__``, ``init=False`` fields, slots) and a name that is not a field take
+    ``dataclasses.replace`` (which refuses the unknown name)."""
+    cls = type(obj)
+    names = _PLAIN.get(cls)
+    if names is None:
+        params = getattr(cls, "__dataclass_params__", None)
+        plain = (params is not None and params.frozen and params.init
+                 and not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__")
+                 and all(f.init for f in dataclasses.fields(cls)))
+        names = _PLAIN[cls] = (frozenset(f.name for f in dataclasses.fields(cls)) if plain
+                               else frozenset())
+    if not names or not names.issuperset(changes) or obj.__dict__.keys() != names:
+        return replace(obj, **changes)
+    new = object.__new__(cls)
+    d = new.__dict__
+    d.update(obj.__dict__)
+    d.update(changes)
+    return new
 
 
 @dataclass(frozen=True)
@@ -227,8 +255,8 @@ class CountingPolicy(abc.ABC):
         """Every round measures: the EMAs update, the weight grows by the requests (``shadow``
         is not read)."""
         ema, ema_fail, reset = self.round_update(estimate.ema, estimate.ema_fail, accepts, steps)
-        return (replace(estimate, ema=ema, ema_fail=ema_fail,
-                        weight=estimate.weight + len(accepts)), Observed(reset))
+        return (evolve(estimate, ema=ema, ema_fail=ema_fail,
+                       weight=estimate.weight + len(accepts)), Observed(reset))
 
     # ---- the decision ----------------------------------------------------------------------
     def pooled(self, emas: Sequence[float], weights: Sequence[float],
@@ -264,7 +292,7 @@ class CountingPolicy(abc.ABC):
             return state, Decision(False, False, None, state.index, state.index)
         cfg = self.config
         counted = state.counted + 1
-        state = replace(state, counted=counted)
+        state = evolve(state, counted=counted)
         global_ema = self.reducer.ema(pooled) if pooled is not None else None
         point = is_decision_point(counted, cfg.warmup_batches, cfg.update_interval)
         dwell_ok = state.last_switch < 0 or counted - state.last_switch >= cfg.min_dwell_rounds
@@ -280,7 +308,7 @@ class CountingPolicy(abc.ABC):
     @staticmethod
     def switch(state: PolicyState, new_index: int) -> PolicyState:
         """``state`` after a switch to ``new_index`` at the counted round it holds."""
-        return replace(state, index=new_index, last_switch=state.counted)
+        return evolve(state, index=new_index, last_switch=state.counted)
 
     @classmethod
     def in_engine(cls, config: "AdaptiveConfig", catchup_rounds: int) -> "AdaptiveConfig":

@@ -3,6 +3,8 @@ EMA updates, the acceptance rate, counting and decision points, the ladder walk,
 """
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Optional, Sequence
 
 INITIAL_EMA_FAIL = 1.0
@@ -16,6 +18,9 @@ def ema_update(ema: float, accepts: Sequence[int], alpha: float) -> float:
     return (1.0 - alpha) * ema + alpha * (sum(accepts) / len(accepts))
 
 
+_lt, _repeat = operator.lt, itertools.repeat
+
+
 def fail_flags(accepts: Sequence[int], steps: int) -> list[float]:
     """Per request, 1.0 if it rejected a draft token (``accept < steps``), else 0.0."""
     return [1.0 if a < steps else 0.0 for a in accepts]
@@ -23,8 +28,12 @@ def fail_flags(accepts: Sequence[int], steps: int) -> list[float]:
 
 def ema_fail_update(ema_fail: float, accepts: Sequence[int], steps: int, alpha: float) -> float:
     """``(1-α)·ema_fail + α·(share of requests with accept < steps)``; unchanged for an empty
-    round (the same rule as ``ema_update``)."""
-    return ema_update(ema_fail, fail_flags(accepts, steps), alpha)
+    round (the same rule as ``ema_update`` of ``fail_flags``: the flags' float sum is the
+    count of fails, exactly, and ``count / n`` rounds as ``float(count) / n`` does)."""
+    n = len(accepts)
+    if n == 0:
+        return ema_fail
+    return (1.0 - alpha) * ema_fail + alpha * (sum(map(_lt, accepts, _repeat(steps))) / n)
 
 
 def acceptance_rate(ema: float, ema_fail: float) -> float:

@@ -175,6 +175,13 @@ def test_encoder_gives_the_field_by_field_vector(reducer, policy, n_values):
             tokens=rng.randrange(64), values=tuple(rng.randrange(1 << 40) for _ in range(n_values)))
         got, want = layout.encode(vec), reduced_vector(layout, vec)
         assert got == want and all(type(x) is int for x in got), vec
+        # the coordinator's encoder, from the round's fields (no RoundVector): the same list
+        fields = layout.encode_round(
+            vec.n_req, vec.num_tokens, vec.n_extend, vec.extend_len, vec.can_graph, vec.done,
+            vec.seq, vec.leave, vec.prev_n_req, vec.ema, vec.ema_fail, vec.weight, vec.period,
+            (vec.round, vec.steps, vec.tokens, vec.counted, vec.last_switch, vec.config_hash,
+             vec.prev_plan_hash), vec.values)
+        assert fields == want, vec
     # the sums read back: terms over the whole exponent range, summed over a few ranks
     for _ in range(300):
         terms = [_any_float(rng) for _ in range(rng.randint(1, 6))]

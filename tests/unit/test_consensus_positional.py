@@ -67,3 +67,55 @@ def test_by_name_equals_the_dataclass_init_and_names_a_missing_field():
         make(**kw)
     with pytest.raises(TypeError, match=r"unknown \['periods'\]"):
         make(**kw, period=0.0, periods=1.0)
+
+
+def test_evolve_equals_dataclasses_replace():
+    """policy.base.evolve (the round's state and estimate, issue 37) gives the instance
+    ``dataclasses.replace`` gives: equal, the same repr and hash, frozen; an unknown field is
+    refused as replace refuses it; a class whose __init__ does more takes replace itself."""
+    from adaptive_dist.policy.base import PolicyState, RankEstimate, evolve
+    from adaptive_dist.policy.goodput import GoodputEstimate, GoodputState
+
+    rng = random.Random(38)
+    for _ in range(300):
+        est = RankEstimate(rng.random() * 7, rng.random(), rng.randrange(100))
+        changes = {"ema": rng.random(), "weight": rng.randrange(9)}
+        a, b = dataclasses.replace(est, **changes), evolve(est, **changes)
+        assert a == b and repr(a) == repr(b) and hash(a) == hash(b) and type(b) is RankEstimate
+        st = PolicyState(rng.randrange(3), rng.randrange(99), rng.randrange(-1, 9))
+        a, b = dataclasses.replace(st, counted=st.counted + 1), evolve(st, counted=st.counted + 1)
+        assert a == b and repr(a) == repr(b) and hash(a) == hash(b)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            b.counted = 0
+    for obj in (GoodputState(1), GoodputEstimate(2.0)):      # subclasses: every field copied
+        got = evolve(obj, index=0) if isinstance(obj, GoodputState) else evolve(obj, weight=3)
+        want = (dataclasses.replace(obj, index=0) if isinstance(obj, GoodputState)
+                else dataclasses.replace(obj, weight=3))
+        assert got == want and repr(got) == repr(want) and type(got) is type(want)
+    with pytest.raises(TypeError):
+        evolve(RankEstimate(1.0), nope=1)
+
+    @dataclasses.dataclass(frozen=True)
+    class Checked:
+        x: int
+
+        def __post_init__(self) -> None:
+            if self.x < 0:
+                raise ValueError("x < 0")
+    assert evolve(Checked(1), x=2) == Checked(2)
+    with pytest.raises(ValueError, match="x < 0"):     # replace ran, so did __post_init__
+        evolve(Checked(1), x=-1)
+
+
+def test_fail_ema_update_equals_the_flags_ema():
+    """rules.ema_fail_update (a count in C since issue 37) is ema_update of the float flags."""
+    from adaptive_dist.policy.rules import ema_fail_update, ema_update, fail_flags
+
+    rng = random.Random(39)
+    for _ in range(20000):
+        steps = rng.randrange(0, 9)
+        accepts = [rng.randrange(0, steps + 1) for _ in range(rng.randrange(0, 40))]
+        ema_fail, alpha = rng.random(), rng.choice([0.1, 0.3, rng.random()])
+        want = ema_update(ema_fail, fail_flags(accepts, steps), alpha)
+        got = ema_fail_update(ema_fail, accepts, steps, alpha)
+        assert got == want and type(got) is type(want), (accepts, steps)
