@@ -51,6 +51,12 @@ For each mode (`no-spec`: `serve --no-spec`; `goodput`: `serve --adaptive --poli
    `c` requests is priced as `(O - 1) / (1 + a)` decode rounds of `t` plus one prefill of `c`
    prompts of `I` tokens: `c O / ((O - 1) / (1 + a) t + prefill(c I slots, c I (I + 1) / 2
    positions))` output tokens/s. A `--round-table FILE` without `prefill_cost_ms` leaves it out.
+   goodput's table process also measures the catch-up term (cost model version 2,
+   `workers.worker.round_cost.measure_catchups`: one catch-up of the draft cache per bucket at
+   0, the table's context and twice it); with it a wave's depth-0 rounds are priced without the
+   table's share of catch-ups (one per `catchup_rounds` rounds at the table's context) and with
+   the wave's own, `(O - 1) / catchup_rounds` of them at contexts spread over `I .. I + O`
+   (`wave_catchups`). A table without the term leaves the share in (as before) and says so.
 
 Writes OUT/results.json (settings, each mode's tables, every level's bench_serving result line,
 its /metrics deltas, the prediction and the ratios, goodput over no-spec) and
@@ -179,6 +185,8 @@ def _measure_main(out: Path, context: int, repeats: int, flags: list[str],
         samples = measure_prefills(engine.worker, max(1, min(repeats, 3)), prefill_tokens or (),
                                    graphs=engine.worker.graphs is not None)
         prefill = fit_prefill([(x.slots, x.positions, x.seconds) for x in samples])
+        prefilled = time.perf_counter()
+        catchups = catchup_json(engine, context, max(1, min(repeats, 3)))
         own = engine.config.spec.round_cost
         device = str(cluster.config.device)
         write_json(out, {
@@ -186,7 +194,8 @@ def _measure_main(out: Path, context: int, repeats: int, flags: list[str],
             "context": context, "repeats": repeats,
             "engine_table_s": own.to_json() if own is not None else None,
             **prefill.to_json(), "prefill_samples": [x.as_json() for x in samples],
-            "prefill_measure_s": time.perf_counter() - measured,
+            "prefill_measure_s": prefilled - measured, **catchups,
+            "catchup_measure_s": time.perf_counter() - prefilled,
             "engine_build_s": built, "measure_s": time.perf_counter() - start - built,
             "mode": cluster.config.mode, "device": device,
             "gpu": gpu_name(device) if device.startswith("cuda") else None,
@@ -198,18 +207,42 @@ def _measure_main(out: Path, context: int, repeats: int, flags: list[str],
     return run_distributed(launch, settings, job)
 
 
+def catchup_json(engine: Any, context: int, repeats: int) -> dict[str, Any]:
+    """The catch-up term of `engine` as a cost table file holds it (version 2: milliseconds by
+    context and bucket, `catchup_rounds`): measured at no context, at the table's `context` and
+    at twice it (held inside a slot's pages), every bucket the round table has; {} without a
+    lag ring (`--no-spec`)."""
+    from adaptive_dist.cost_tables import (CATCHUP_KEY, CATCHUP_ROUNDS_KEY, COST_MODEL_VERSION,
+                                           VERSION_KEY)
+    from workers.worker.round_cost import measure_catchups
+
+    worker = engine.worker
+    buckets = worker.buckets or tuple(b for b in engine.config.spec.graph_buckets
+                                      if b <= engine.config.max_batch_size) or (1,)
+    at = measure_catchups(worker, engine.pool, buckets, [0, context, 2 * context],
+                          graphs=bool(worker.buckets), repeats=repeats)
+    engine.pool.apply(engine.config.spec.initial_steps)
+    if not at:
+        return {}
+    return {VERSION_KEY: COST_MODEL_VERSION, CATCHUP_ROUNDS_KEY: worker.lag.catchup_every,
+            CATCHUP_KEY: {str(c): {str(b): 1e3 * v for b, v in row.items()}
+                          for c, row in at.items()}}
+
+
 def table_from_file(path: str) -> dict[str, Any]:
     """`--round-table FILE`: a cost table file's `agreed_round_cost_ms`, in seconds."""
     data = json.loads(Path(path).read_text())
     if "agreed_round_cost_ms" not in data:
         raise SystemExit(f"--round-table {path}: no 'agreed_round_cost_ms' (a "
                          f"docs/data/cost_tables/*.json file)")
-    from adaptive_dist.cost_tables import PREFILL_KEY, PREFILL_POSITION_KEY
+    from adaptive_dist.cost_tables import (CATCHUP_KEY, CATCHUP_ROUNDS_KEY, PREFILL_KEY,
+                                           PREFILL_POSITION_KEY)
 
     return {"table_s": {b: {s: ms / 1e3 for s, ms in row.items()}
                         for b, row in data["agreed_round_cost_ms"].items()},
             "context": data.get("context"), "file": path,
-            **{k: data[k] for k in (PREFILL_KEY, PREFILL_POSITION_KEY) if k in data}}
+            **{k: data[k] for k in (PREFILL_KEY, PREFILL_POSITION_KEY, CATCHUP_KEY,
+                                    CATCHUP_ROUNDS_KEY) if k in data}}
 
 
 def bucket_of(table: dict[str, dict[str, float]], concurrency: int) -> str:
@@ -234,13 +267,46 @@ def predict(table: dict[str, dict[str, float]], concurrency: int, depths: dict[i
             "tokens_per_s": concurrency * (1.0 + accepted) / seconds}
 
 
+def catchup_term(tables: dict[str, Any], base_context: Optional[int] = None) -> Any:
+    """The catch-up term of `tables` (a measured table's or a table file's keys), its depth-0
+    entries' context `base_context` (default the table's own `context`); None without one."""
+    from adaptive_dist.cost_tables import CATCHUP_KEY, CATCHUP_ROUNDS_KEY, CatchupTerm
+
+    if tables.get(CATCHUP_KEY) is None:
+        return None
+    return CatchupTerm.parse(tables[CATCHUP_KEY], tables.get(CATCHUP_ROUNDS_KEY),
+                             base_context if base_context is not None
+                             else tables.get("context") or 0)
+
+
+def wave_catchups(term: Any, concurrency: int, rounds: float, input_len: int,
+                  output_len: int) -> dict[str, Any]:
+    """What the catch-up term changes in a wave of `rounds` depth-0 rounds at batch
+    `concurrency`: the depth-0 table price holds one catch-up per `every` rounds at the table's
+    context (`share`); the wave runs `rounds / every` of them, their rows' contexts spread evenly
+    over `input_len .. input_len + output_len` (each priced at its own context, the midpoints of
+    equal parts). Seconds added (`delta`: the catch-ups at their contexts less the share)."""
+    n = rounds / term.every
+    parts = max(1, round(n))
+    at = [term.cost(concurrency, input_len + output_len * (i + 0.5) / parts)
+          for i in range(parts)]
+    catchups = n * sum(at) / parts
+    share = rounds * term.share(concurrency)
+    return {"catchups": n, "catchup_s": catchups, "table_share_s": share,
+            "delta_s": catchups - share}
+
+
 def predict_served(tables: dict[str, Any], concurrency: int, prediction: dict[str, Any],
-                   input_len: int, output_len: int) -> dict[str, Any]:
+                   input_len: int, output_len: int, mode: str = "goodput",
+                   base_context: Optional[int] = None) -> dict[str, Any]:
     """Output tokens/s the table predicts for a level, prefills included: a wave of `c` requests
     costs `(O - 1) / (1 + a)` decode rounds at the level's round time `t` (`predict`: the first
     output token comes from the prefill) and one prefill of `c` prompts of `I` tokens
     (`prefill(c x I slots, c x I (I + 1) / 2 positions)`, the cost model's prefill term), so
-    `c O / ((O - 1) / (1 + a) t + prefill)`. Without a prefill term in `tables`: None, named."""
+    `c O / ((O - 1) / (1 + a) t + prefill)`. Without a prefill term in `tables`: None, named.
+    With a catch-up term (cost model version 2) and a `mode` with a head, the depth-0 rounds'
+    catch-ups priced at their contexts instead of the table's share (`wave_catchups`; the share
+    at `base_context`, default the table's own context: the context `t` was measured at)."""
     from adaptive_dist.cost_tables import (PREFILL_KEY, PREFILL_POSITION_KEY, PrefillTerm,
                                            causal_positions)
 
@@ -252,9 +318,18 @@ def predict_served(tables: dict[str, Any], concurrency: int, prediction: dict[st
     decode = rounds * prediction["round_ms"] / 1e3
     slots = c * input_len
     prefill = term.cost(slots, causal_positions([input_len] * c))
+    out: dict[str, Any] = {}
+    catchup = catchup_term(tables, base_context) if mode != "no-spec" else None
+    if catchup is not None:
+        share0 = float(prediction.get("depth_share", {}).get("0", 1.0))
+        out["catchups"] = wave_catchups(catchup, c, rounds * share0, input_len, output_len)
+        decode += out["catchups"]["delta_s"]
+    elif mode != "no-spec":
+        out["unpriced"] = ("catch-up (the table's depth-0 price holds one per catchup_rounds "
+                           "rounds at its context)")
     return {"tokens_per_s": c * output_len / (decode + prefill), "wave_decode_s": decode,
             "wave_prefill_s": prefill, "prefill_share": prefill / (decode + prefill),
-            "prefill_slots": slots}
+            "prefill_slots": slots, **out}
 
 
 def summary_rows(text: str) -> list[dict[str, Any]]:
@@ -281,15 +356,18 @@ def reprice(text: str, tables: dict[str, Any], input_len: int,
     """Each level of a finished run's summary (`summary_rows`) priced again with the prefill
     term of `tables` (`predict_served` at the level's own table round time; the accepted
     draft tokens per request-round recovered from the printed decode prediction, `c (1 + a) /
-    t`, never below 0): served output over the prediction with prefills, beside the decode-only
-    prediction's ratios."""
+    t`, never below 0) and, where `tables` has one, its catch-up term (goodput's depth-0 rounds:
+    the summary's round time was measured at `input_len + output_len / 2` cached positions, the
+    context of the catch-up share it holds): served output over the prediction with prefills,
+    beside the decode-only prediction's ratios."""
     out = []
     for row in summary_rows(text):
         c, t = row["concurrency"], row["round_ms"] / 1e3
         accepted = max(0.0, row["predicted_tokens_per_s"] * t / c - 1.0)
         served = predict_served(tables, c, {"round_ms": row["round_ms"],
                                             "accepted_per_request_round": accepted},
-                                input_len, output_len)
+                                input_len, output_len, row["mode"],
+                                base_context=input_len + output_len // 2)
         predicted = served.get("tokens_per_s")
         out.append({**row, "accepted_per_request_round": accepted, "served_prediction": served,
                     "decode_over_prediction": row["decode_tokens_per_s"]
@@ -395,7 +473,7 @@ def compare(row: dict[str, Any], table: dict[str, dict[str, float]],
     row["prediction"] = predict(table, c, depths, accepted * share_spec)
     if tables is not None and output_len:
         row["prediction"]["served"] = predict_served(tables, c, row["prediction"], input_len,
-                                                     output_len)
+                                                     output_len, row["mode"])
     if not bench or not bench.get("completed"):
         return
     predicted = row["prediction"]["tokens_per_s"]
@@ -594,9 +672,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--out", default="runs/production_serving")
     p.add_argument("--reprice", default=None, metavar="SUMMARY",
                    help="price the levels of a finished run's printed table (SUMMARY: its log) "
-                        "again with the prefill term of --round-table FILE, at --input-len and "
-                        "--output-len, and print served output over that prediction; runs "
-                        "nothing")
+                        "again with the prefill term (and the catch-up term, where it has one) "
+                        "of --round-table FILE, at --input-len and --output-len, and print "
+                        "served output over that prediction; runs nothing")
     p.add_argument("--measure-table", default=None, metavar="OUT.json", help=argparse.SUPPRESS)
     p.add_argument("--context", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=5, help=argparse.SUPPRESS)

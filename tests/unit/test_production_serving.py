@@ -80,6 +80,40 @@ def test_the_served_prediction_prices_each_wave_s_prefill() -> None:
     assert "prefill" in row2["prediction"]["served"]["unpriced"]
 
 
+def test_a_wave_s_catchups_are_priced_at_their_contexts() -> None:
+    """Cost model version 2: goodput's depth-0 rounds priced without the table's share of
+    catch-ups (one per 32 rounds at the table's context) and with the wave's own at their
+    contexts; no-spec (no head) and a table without the term unchanged."""
+    from adaptive_dist.cost_tables import CATCHUP_KEY, CATCHUP_ROUNDS_KEY, PrefillTerm
+
+    prefill = PrefillTerm((1024, 65536), (0.02, 1.0), 2e-11)
+    # one catch-up at bucket 64: 2 ms at no context, 4 ms at 1000 positions (2 us a position)
+    term = {CATCHUP_KEY: {"0": {"16": 1.0, "64": 2.0}, "1000": {"16": 1.5, "64": 4.0}},
+            CATCHUP_ROUNDS_KEY: 32}
+    tables = {"table_s": TABLE, "context": 1152, **prefill.to_json(), **term}
+    pred = {"round_ms": 5.7, "accepted_per_request_round": 0.0, "depth_share": {"0": 1.0}}
+    plain = ps.predict_served({"table_s": TABLE, **prefill.to_json()}, 64, pred, 1024, 256)
+    got = ps.predict_served(tables, 64, pred, 1024, 256)
+    c = got["catchups"]
+    assert c["catchups"] == pytest.approx(255 / 32)
+    assert c["table_share_s"] == pytest.approx(255 / 32 * (2e-3 + 2e-6 * 1152))
+    # eight equal parts of 1024 .. 1280: their midpoints, 2 ms + 2 us a position
+    mids = [1024 + 256 * (i + 0.5) / 8 for i in range(8)]
+    assert c["catchup_s"] == pytest.approx(255 / 32 * sum(2e-3 + 2e-6 * m for m in mids) / 8)
+    assert got["wave_decode_s"] - plain["wave_decode_s"] == pytest.approx(
+        c["catchup_s"] - c["table_share_s"])
+    assert "catch-up" in plain["unpriced"]
+    nospec = ps.predict_served(tables, 64, pred, 1024, 256, mode="no-spec")
+    assert nospec["wave_decode_s"] == plain["wave_decode_s"] and "catchups" not in nospec
+    # repriced: the summary's round time was measured at I + O / 2 cached positions
+    text = ("| goodput | 64 | 64 | 5.70 | 11228 | 6364 | 0.57 | 3917 | 1938 | 10.06 | 0: 1 |\n"
+            "| no-spec | 64 | 64 | 5.70 | 11228 | 6216 | 0.55 | 4110 | 1732 | 10.30 | 0: 1 |")
+    rows = {r["mode"]: r for r in ps.reprice(text, {**tables, "context": 1024}, 1024, 256)}
+    assert rows["goodput"]["served_prediction"]["catchups"]["table_share_s"] == pytest.approx(
+        c["table_share_s"])
+    assert "catchups" not in rows["no-spec"]["served_prediction"]
+
+
 def test_the_committed_8b_run_repriced_with_the_measured_prefill_term() -> None:
     """`--reprice`: the one-H200 8B run's printed table (2026-12-03, its per-level results.json
     not kept) against the 8B table's prefill term: each level a wave of (O - 1) decode rounds
@@ -153,3 +187,36 @@ def test_end_to_end_on_the_cpu_at_a_tiny_shape(tmp_path) -> None:
     assert report["modes"]["no-spec"]["prefill_cost_ms"]
     assert row["prediction"]["served"]["tokens_per_s"] > 0
     assert row["served"]["output_over_served_prediction"] > 0
+
+
+def test_goodput_s_table_process_measures_the_catchup_term(tmp_path) -> None:
+    """The table process (`--tables-only`: the engine built as `serve --adaptive --policy
+    goodput` builds it, in a process of its own) writes the catch-up term beside the prefill
+    term: every bucket of its round table at its contexts, as cost model version 2, and a
+    cost table file of it loads with the term."""
+    from adaptive_dist.cost_tables import (CATCHUP_KEY, CATCHUP_ROUNDS_KEY, VERSION_KEY,
+                                           cost_model)
+
+    out = tmp_path / "out"
+    args = ps.parse_args(["--checkpoint", str(tmp_path / "ckpt"), "--shape", "tiny",
+                          "--device", "cpu", "--modes", "goodput", "--concurrency", "2",
+                          "--input-len", "16", "--output-len", "8", "--max-batch-size", "2",
+                          "--max-model-len", "64", "--tables-only", "--out", str(out)])
+    report = ps.run(args)
+    tables = report["modes"]["goodput"]
+    assert tables[VERSION_KEY] == 2 and tables[CATCHUP_ROUNDS_KEY] == 32
+    term = tables[CATCHUP_KEY]
+    # contexts 0, 20 and 40: the first two held at the ring's 32 entries (a catch-up writes
+    # the 32 positions before its rows' ends), measured once
+    assert sorted(map(int, term)) == [32, 40]
+    assert all(set(row) == set(tables["table_s"]) for row in term.values())
+    assert all(v > 0 for row in term.values() for v in row.values())
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({
+        "agreed_round_cost_ms": {b: {d: 1e3 * v for d, v in row.items()}
+                                 for b, row in tables["table_s"].items()},
+        "context": tables["context"], VERSION_KEY: 2, CATCHUP_KEY: term,
+        CATCHUP_ROUNDS_KEY: tables[CATCHUP_ROUNDS_KEY]}))
+    model = cost_model(str(table))
+    assert model.catchup.every == 32 and model.catchup.base_context == 20
+    assert model.catchup_seconds(2, 20) > 0
