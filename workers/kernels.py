@@ -52,6 +52,20 @@ TILED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float64: the pe
 GROUPED_DTYPES = (torch.float16, torch.bfloat16)  # width 1 with grouped heads, on a GPU: tiled
 GROUPED_QUERIES = 16  # query vectors per program at width 1 (tl.dot's least rows)
 
+# Split-KV ("flash-decoding") padded attention: at small grids (decode, verify at small batch)
+# the key range of each (row tile, KV head) is cut into chunks, one program each, whose partial
+# softmax states a combine kernel merges in a fixed order (deterministic). The split count is a
+# function of static values only (rows, width, head counts, the reach, the SM count), so a CUDA
+# graph captures one grid; chunks past a row's live keys write an empty state. Initial values,
+# to be set from `python3 scripts/bench/attention_split.py` on the GPU (docs/engine.md).
+SPLIT_MAX_WIDTH = 8      # split only at widths up to this (decode and small verify widths)
+SPLIT_MIN_REACH = 512    # ... and a reach (page_tab.shape[1] * page_size) of at least this
+SPLIT_BUSY = 0.5         # no split when the unsplit grid has >= this x SMs programs
+SPLIT_PROGRAMS = 2.0     # the split grid aims at this x SMs programs
+SPLIT_MIN_CHUNK = 128    # keys per chunk at least (a multiple of SPLIT_BLOCK_N)
+SPLIT_MAX = 64           # splits at most (the float32 scratch: splits x tokens x heads x D)
+SPLIT_BLOCK_N = 64       # keys per block of the split kernel
+
 
 def _tile_tokens(per_token: int) -> int:
     """Tokens per program of a kernel that handles `per_token` (a power of two) elements of each."""
@@ -240,6 +254,101 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
 
     @triton.jit
+    def padded_attention_split_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, cached_ptr, m_ptr, l_ptr,
+                                      acc_ptr, stride_qt, stride_qh, stride_ks, stride_kh,
+                                      stride_vs, stride_vh, stride_pb, tokens, width, groups,
+                                      reach_tokens, head_dim, scale, chunk, PAGE: tl.constexpr,
+                                      BLOCK_W: tl.constexpr, GROUPS: tl.constexpr,
+                                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                                      IEEE: tl.constexpr):
+        # the tiled kernel's program (BLOCK_W slots of row b x the query heads of KV head kvh)
+        # over keys [split * chunk, (split + 1) * chunk) only; writes its unnormalised softmax
+        # state (running max m, sum l, accumulator acc; float32) for `combine` to merge. A
+        # query with no live key in the chunk (every one, past the row's keys) leaves m = -inf,
+        # l = 0 and no acc.
+        tiles = tl.cdiv(width, BLOCK_W)
+        b = tl.program_id(0) // tiles
+        w0 = (tl.program_id(0) % tiles) * BLOCK_W
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        heads = tl.num_programs(1) * groups
+        m = tl.arange(0, BLOCK_W * GROUPS)
+        w = w0 + m // GROUPS
+        h = kvh * groups + m % GROUPS
+        live = (w < width) & (m % GROUPS < groups)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < head_dim
+        tok = (b * width + w).to(tl.int64)
+        qmask = live[:, None] & dmask[None, :]
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                    mask=qmask, other=0.0)
+        limit = tl.minimum(tl.load(cached_ptr + b) + w + 1, reach_tokens)  # keys [0, limit)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, tl.max(tl.where(live, limit, 0), axis=0))
+        m_i = tl.full([BLOCK_W * GROUPS], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_W * GROUPS], tl.float32)
+        acc = tl.zeros([BLOCK_W * GROUPS, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            pmask = pos < hi
+            page = tl.load(pages_ptr + b * stride_pb + pos // PAGE, mask=pmask, other=0)
+            slot = page.to(tl.int64) * PAGE + pos % PAGE
+            m2 = pmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                        mask=m2, other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                        mask=m2, other=0.0).to(q.dtype)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32)
+            else:
+                s = tl.dot(q, tl.trans(k)).to(tl.float32)
+            seen = pmask[None, :] & (pos[None, :] < limit[:, None])
+            s = tl.where(seen, s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # a query whose keys ended before this block: nothing to add (no NaN)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            if IEEE:
+                pv = tl.dot(p.to(q.dtype), v, input_precision="ieee").to(tl.float32)
+            else:
+                pv = tl.dot(p.to(q.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        part = (split * tokens + tok) * heads + h                    # [splits, tokens, heads]
+        tl.store(m_ptr + part, m_i, mask=live)
+        tl.store(l_ptr + part, l_i, mask=live)
+        tl.store(acc_ptr + part[:, None] * head_dim + d[None, :], acc,
+                 mask=qmask & (m_i > float("-inf"))[:, None])
+
+    @triton.jit
+    def attention_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, head_dim, splits,
+                                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        # one program per (token, query head): the split kernel's states merged in split order
+        tok = tl.program_id(0)
+        h = tl.program_id(1)
+        heads = tl.num_programs(1)
+        row = tok.to(tl.int64) * heads + h
+        stride_s = tl.num_programs(0).to(tl.int64) * heads    # tokens x heads
+        s = tl.arange(0, BLOCK_S)
+        ms = tl.load(m_ptr + s * stride_s + row, mask=s < splits, other=float("-inf"))
+        ls = tl.load(l_ptr + s * stride_s + row, mask=s < splits, other=0.0)
+        m_max = tl.max(ms, axis=0)      # finite: key 0 is in split 0 for every query
+        total = tl.sum(tl.where(ms > float("-inf"), tl.exp(ms - m_max) * ls, 0.0), axis=0)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < head_dim
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for i in range(0, splits):
+            m_s = tl.load(m_ptr + i * stride_s + row)
+            full = m_s > float("-inf")
+            part = tl.load(acc_ptr + (i * stride_s + row) * head_dim + d,
+                           mask=d < tl.where(full, head_dim, 0), other=0.0)
+            acc += tl.where(full, tl.exp(m_s - m_max), 0.0) * part
+        tl.store(out_ptr + row * head_dim + d, (acc / total).to(out_ptr.dtype.element_ty),
+                 mask=dmask)
+
+    @triton.jit
     def tree_attention_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, cached_ptr, tk_ptr, tv_ptr,
                               mask_ptr, live_ptr, out_ptr, stride_qt, stride_qh, stride_ks,
                               stride_kh, stride_vs, stride_vh, stride_pb, stride_tb, stride_tm,
@@ -404,6 +513,8 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
                            qk_norm_rope=qk_norm_rope_kernel,
                            padded_attention=padded_attention_kernel,
                            padded_attention_tiled=padded_attention_tiled_kernel,
+                           padded_attention_split=padded_attention_split_kernel,
+                           attention_combine=attention_combine_kernel,
                            tree_attention=tree_attention_kernel,
                            store_kv=store_kv_kernel,
                            greedy_accept=greedy_accept_kernel, one_hot=one_hot_kernel,
@@ -554,13 +665,49 @@ def _store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: 
         BLOCK_D=block_d)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _split_tile(groups: int, width: int) -> tuple[int, int]:
+    """(BLOCK_W, GROUPS) of the split kernel's program: the query heads of one KV head (padded
+    to a power of two) by as many of a row's slots as reach tl.dot's least rows, and up to all
+    of them within TILE_QUERIES query vectors."""
+    group_slots = _pow2(groups)
+    return max(1, GROUPED_QUERIES // group_slots,
+               min(_pow2(width), TILE_QUERIES // group_slots)), group_slots
+
+
+def attention_splits(rows: int, width: int, heads: int, kv_heads: int, reach_tokens: int,
+                     sm_count: int) -> int:
+    """Key chunks per (row tile, KV head) that `padded_attention` runs on a GPU of `sm_count`
+    SMs (1: the unsplit kernels), from static values only, so a graph captures one grid: split
+    at widths <= SPLIT_MAX_WIDTH, reaches >= SPLIT_MIN_REACH and unsplit grids below
+    SPLIT_BUSY x SMs programs, to about SPLIT_PROGRAMS x SMs programs, chunks of at least
+    SPLIT_MIN_CHUNK keys, SPLIT_MAX chunks at most."""
+    if width > SPLIT_MAX_WIDTH or reach_tokens < SPLIT_MIN_REACH or rows < 1 or kv_heads < 1:
+        return 1
+    block_w, _ = _split_tile(max(1, heads // kv_heads), width)
+    programs = rows * -(-width // block_w) * kv_heads
+    if programs >= SPLIT_BUSY * sm_count:
+        return 1
+    want = -(-int(SPLIT_PROGRAMS * sm_count) // programs)
+    return max(1, min(want, reach_tokens // SPLIT_MIN_CHUNK, SPLIT_MAX))
+
+
 def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                      page_tab: torch.Tensor, cached: torch.Tensor, width: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, splits: int | None = None) -> torch.Tensor:
     """Causal attention of a padded batch: `q` [B*width, Hq, D]; token slot `w` of row `b` sees
     KV indices ``0 .. cached[b] + w`` (capped at the row's reach, ``page_tab.shape[1]`` pages)
     through its page table `page_tab` [B, P]; `k_pages`/`v_pages` [N, page_size, Hkv, Ds]
-    (Ds >= D; channels beyond D ignored). Returns [B*width, Hq, D] in `q`'s dtype."""
+    (Ds >= D; channels beyond D ignored). Returns [B*width, Hq, D] in `q`'s dtype.
+
+    `splits`: the key range cut into at most that many chunks of whole blocks, each its own
+    program, their softmax states merged after (`padded_attention_split` then
+    `attention_combine`; float16/bfloat16/float32); 1: the unsplit kernels; None: on a GPU
+    `attention_splits` of the call's shapes, elsewhere 1."""
     tokens, heads, dim = q.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -569,7 +716,22 @@ def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     v_flat = v_pages.view(-1, kv_heads, v_pages.shape[3])
     out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
     groups = heads // kv_heads
-    if tokens and width >= TILED_WIDTH and q.dtype in TILED_DTYPES:  # a tile of slots x heads
+    reach = page_tab.shape[1] * page_size
+    if splits is None:
+        splits = 1
+        if q.is_cuda and q.dtype in TILED_DTYPES and tokens:
+            splits = attention_splits(tokens // width, width, heads, kv_heads, reach,
+                                      _sm_count(q.device.index if q.device.index is not None
+                                                else torch.cuda.current_device()))
+    elif not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"padded_attention: splits={splits!r}; allowed: None or an int >= 1")
+    elif splits > 1 and q.dtype not in TILED_DTYPES:
+        raise ValueError(f"padded_attention: splits={splits} with {q.dtype}; the split kernel "
+                         f"takes {', '.join(str(t) for t in TILED_DTYPES)} (splits=1 otherwise)")
+    if tokens and splits > 1 and reach > 0:
+        _split_attention(q, k_flat, v_flat, page_tab, cached, out, width, groups, reach,
+                         page_size, scale, splits)
+    elif tokens and width >= TILED_WIDTH and q.dtype in TILED_DTYPES:  # a tile of slots x heads
         group_slots = _pow2(groups)
         block_w = max(1, TILE_QUERIES // group_slots)
         rows = tokens // width
@@ -597,6 +759,31 @@ def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
             page_tab.stride(0), width, heads // kv_heads, page_tab.shape[1] * page_size, dim,
             scale, PAGE=page_size, BLOCK_D=_pow2(dim), BLOCK_N=64, num_warps=2)
     return out
+
+
+def _split_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                     page_tab: torch.Tensor, cached: torch.Tensor, out: torch.Tensor, width: int,
+                     groups: int, reach: int, page_size: int, scale: float, splits: int) -> None:
+    """`padded_attention` with the key range in chunks: the split kernel's softmax states into
+    float32 scratch (torch-allocated: a graph's pool holds it), then the combine into `out`."""
+    tokens, heads, dim = q.shape
+    kv_heads = k_flat.shape[1]
+    blocks = -(-reach // SPLIT_BLOCK_N)
+    chunk = -(-blocks // splits) * SPLIT_BLOCK_N           # keys per chunk, whole blocks
+    n = -(-reach // chunk)                                  # no chunk wholly past the reach
+    block_w, group_slots = _split_tile(groups, width)
+    m = torch.empty((n, tokens, heads), dtype=torch.float32, device=q.device)
+    l = torch.empty((n, tokens, heads), dtype=torch.float32, device=q.device)
+    acc = torch.empty((n, tokens, heads, dim), dtype=torch.float32, device=q.device)
+    kern = _kernels()
+    kern.padded_attention_split[(tokens // width * -(-width // block_w), kv_heads, n)](
+        q, k_flat, v_flat, page_tab, cached, m, l, acc, q.stride(0), q.stride(1),
+        k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
+        page_tab.stride(0), tokens, width, groups, reach, dim, scale, chunk, PAGE=page_size,
+        BLOCK_W=block_w, GROUPS=group_slots, BLOCK_D=max(16, _pow2(dim)), BLOCK_N=SPLIT_BLOCK_N,
+        IEEE=q.dtype == torch.float32, num_warps=4)
+    kern.attention_combine[(tokens, heads)](m, l, acc, out, dim, n, BLOCK_S=_pow2(n),
+                                            BLOCK_D=_pow2(dim), num_warps=1)
 
 
 def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

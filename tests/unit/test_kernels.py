@@ -163,6 +163,150 @@ def test_tiled_padded_attention_matches_static_backend(dtype: torch.dtype, heads
     assert torch.isfinite(out).all()
 
 
+def paged_sdpa(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+               page_tab: torch.Tensor, cached: torch.Tensor, width: int,
+               scale: float) -> torch.Tensor:
+    """An independent reference for `padded_attention`: every row's reach gathered through its
+    page table, torch's `scaled_dot_product_attention` in float64 under the explicit mask (slot
+    `w` of row `b` sees keys ``0 .. min(cached[b] + w, reach - 1)``)."""
+    tokens, hq, dim = q.shape
+    rows, ps, hkv = page_tab.shape[0], k_pages.shape[1], k_pages.shape[2]
+    idx = torch.arange(page_tab.shape[1] * ps, device=q.device)
+    slots = page_tab[:, idx // ps] * ps + idx % ps                                # [B, L]
+    k, v = (x.reshape(-1, hkv, x.shape[3])[slots][..., :dim].transpose(1, 2)
+            .repeat_interleave(hq // hkv, dim=1).double() for x in (k_pages, v_pages))
+    query = q.reshape(rows, width, hq, dim).transpose(1, 2).double()            # [B, Hq, W, D]
+    pos = cached[:, None] + torch.arange(width, device=q.device)[None, :]       # [B, W]
+    mask = idx[None, None, :] <= pos[:, :, None]
+    out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask[:, None],
+                                                           scale=scale)
+    return out.transpose(1, 2).reshape(tokens, hq, dim)
+
+
+# rows, width, KV heads, groups, head dim, dtype, splits asked for; every case: page size 16, a
+# reach of 20 pages (320 keys, 5 blocks of the split kernel), cached lengths off page and chunk
+# boundaries, very different per row (3: the live keys end inside the first chunk; 330: past
+# the reach, capped)
+SPLIT_CASES = [
+    (1, 1, 4, 8, 128, torch.float16, 4),    # Qwen3-MoE's heads at decode
+    (1, 1, 4, 8, 128, torch.bfloat16, 4),
+    (2, 2, 2, 4, 64, torch.float32, 5),
+    (3, 4, 1, 8, 128, torch.float16, 3),
+    (4, 8, 2, 1, 64, torch.float32, 6),     # more splits asked than blocks: one per block
+    (4, 1, 2, 4, 64, torch.bfloat16, 2),
+    (2, 8, 1, 8, 128, torch.bfloat16, 5),
+    (3, 2, 3, 1, 64, torch.float16, 5),     # 3 KV heads (not a power of two)
+    (2, 4, 1, 6, 64, torch.float32, 3),     # 6 query heads per KV head (not a power of two)
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES,
+                         ids=[f"r{c[0]}w{c[1]}kv{c[2]}g{c[3]}d{c[4]}{str(c[5])[6:]}s{c[6]}"
+                              for c in SPLIT_CASES])
+def test_split_padded_attention_matches_sdpa_and_unsplit(case: tuple) -> None:
+    """The split-KV kernels (key chunks, then the combine) against torch's SDPA under the paged
+    causal mask and against the unsplit kernels, rows of very different lengths; chunks past a
+    row's live keys leave empty states that the combine ignores."""
+    rows, width, hkv, groups, dim, dtype, splits = case
+    if dtype == torch.bfloat16 and DEV == "cpu":
+        pytest.skip("triton's interpreter multiplies bfloat16 tl.dot operands wrong (the tiled "
+                    "kernel's too): bfloat16 runs on a GPU, float16 here")
+    torch.manual_seed(sum(case[:5]) + splits)
+    page_size, reach, pages = 16, 20, 96
+    hq = hkv * groups
+    k_pages = torch.randn(pages, page_size, hkv, dim, device=DEV).to(dtype)
+    v_pages = torch.randn(pages, page_size, hkv, dim, device=DEV).to(dtype)
+    page_tab = torch.stack([torch.randperm(pages - 1)[:reach] + 1 for _ in range(rows)])
+    cached = torch.tensor([261, 3, 127, 330][:rows] if rows > 1 else [261])
+    page_tab[cached == 3, 1:] = DUMMY_PAGE     # the short row: the dummy page past its keys
+    page_tab, cached = page_tab.to(DEV), cached.to(DEV)
+    q = torch.randn(rows * width, hq, dim, device=DEV).to(dtype)
+    scale = dim ** -0.5
+    got = kernels.padded_attention(q, k_pages, v_pages, page_tab, cached, width, scale,
+                                   splits=splits)
+    chunk = -(-(-(-reach * page_size // kernels.SPLIT_BLOCK_N)) // splits) * kernels.SPLIT_BLOCK_N
+    assert -(-reach * page_size // chunk) > 1       # the key range really is split
+    want = paged_sdpa(q, k_pages, v_pages, page_tab, cached, width, scale)
+    unsplit = kernels.padded_attention(q, k_pages, v_pages, page_tab, cached, width, scale,
+                                       splits=1)
+    close = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else \
+        {"atol": 2e-2, "rtol": 2e-2}
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, **close)
+    torch.testing.assert_close(got.float(), unsplit.float(), **close)
+
+
+def test_split_padded_attention_refuses_what_it_cannot_run() -> None:
+    q = torch.randn(2, 4, 16, dtype=torch.float64)
+    pages = torch.randn(4, 16, 2, 16, dtype=torch.float64)
+    tab, cached = torch.tensor([[1, 2], [3, 0]]), torch.tensor([20, 5])
+    with pytest.raises(ValueError, match="splits=4 with torch.float64; the split kernel takes"):
+        kernels.padded_attention(q, pages, pages, tab, cached, 1, 0.25, splits=4)
+    with pytest.raises(ValueError, match="splits=0; allowed: None or an int >= 1"):
+        kernels.padded_attention(q, pages, pages, tab, cached, 1, 0.25, splits=0)
+    # float64 and splits=1 (or chosen: on a CPU, 1): the per-slot kernel
+    want = kernels.padded_attention(q, pages, pages, tab, cached, 1, 0.25, splits=1)
+    torch.testing.assert_close(kernels.padded_attention(q, pages, pages, tab, cached, 1, 0.25),
+                               want)
+
+
+def test_attention_splits_from_static_shapes() -> None:
+    """The host's split count: the issue's decode shape (batch 1, Qwen3-MoE's 4 KV heads, 1024
+    keys of reach, 132 SMs) splits; wide, short-reach and already full grids do not; the count
+    stays within SPLIT_MAX and leaves chunks of at least SPLIT_MIN_CHUNK keys."""
+    sms = 132
+    n = kernels.attention_splits(1, 1, 32, 4, 1024, sms)
+    assert 2 <= n <= kernels.SPLIT_MAX and 1024 // n >= kernels.SPLIT_MIN_CHUNK
+    assert kernels.attention_splits(1, kernels.SPLIT_MAX_WIDTH + 1, 32, 4, 1024, sms) == 1
+    assert kernels.attention_splits(1, 1, 32, 4, kernels.SPLIT_MIN_REACH - 1, sms) == 1
+    assert kernels.attention_splits(512, 1, 32, 8, 4096, sms) == 1     # 4096 programs unsplit
+    for rows in (1, 2, 4, 8, 16, 64):
+        for width in (1, 2, 4, 8):
+            for reach in (512, 1024, 4096, 32768):
+                got = kernels.attention_splits(rows, width, 32, 4, reach, sms)
+                assert 1 <= got <= kernels.SPLIT_MAX
+                assert got == 1 or reach // got >= kernels.SPLIT_MIN_CHUNK
+    # more rows never split more
+    assert kernels.attention_splits(8, 1, 32, 8, 4096, sms) <= \
+        kernels.attention_splits(1, 1, 32, 8, 4096, sms)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture is CUDA's")
+@pytest.mark.parametrize("heads", [(32, 4), (32, 8)])
+def test_split_padded_attention_in_a_cuda_graph(heads: tuple) -> None:
+    """The split path as the engine runs it on a GPU: chosen automatically (batch 2, decode, a
+    long reach), captured in a CUDA graph, replayed with other cached lengths (chunks past the
+    new live keys write empty states); equal to SDPA and to the unsplit kernels, and the same
+    bits on every replay."""
+    hq, hkv = heads
+    torch.manual_seed(21)
+    rows, dim, page_size, reach, pages = 2, 128, 16, 256, 600
+    assert kernels.attention_splits(rows, 1, hq, hkv, reach * page_size,
+                                    kernels._sm_count(torch.cuda.current_device())) > 1
+    k_pages = torch.randn(pages, page_size, hkv, dim, device="cuda").to(torch.bfloat16)
+    v_pages = torch.randn(pages, page_size, hkv, dim, device="cuda").to(torch.bfloat16)
+    page_tab = torch.stack([torch.randperm(pages - 1)[:reach] + 1 for _ in range(rows)]).cuda()
+    cached = torch.tensor([4000, 17], device="cuda")
+    q = torch.randn(rows, hq, dim, device="cuda").to(torch.bfloat16)
+    scale = dim ** -0.5
+    kernels.padded_attention(q, k_pages, v_pages, page_tab, cached, 1, scale)   # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.padded_attention(q, k_pages, v_pages, page_tab, cached, 1, scale)
+    for lengths in ([4000, 17], [63, 2900], [0, 4095]):
+        cached.copy_(torch.tensor(lengths))
+        graph.replay()
+        first = out.clone()
+        graph.replay()
+        assert torch.equal(out, first)
+        want = paged_sdpa(q, k_pages, v_pages, page_tab, cached, 1, scale)
+        unsplit = kernels.padded_attention(q, k_pages, v_pages, page_tab, cached, 1, scale,
+                                           splits=1)
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out.float(), unsplit.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_enabled_only_on_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not kernels.enabled(torch.zeros(1))
     if torch.cuda.is_available():
