@@ -110,9 +110,9 @@ def with_model_costs(spec: AdaptiveConfig, value: str) -> AdaptiveConfig:
 #   (the head over every row's full lag ring, `catchup_rounds` entries, attending the head's own
 #   cache) per padded batch bucket, every row holding C cached positions
 #   (`catchup_cost_ms_at_context` = `{C: {bucket: ms}}`), with `catchup_rounds` (the interval the
-#   table's depth-0 entries were measured with) and the table's `context` (what its rows held).
-#   A depth-0 entry of the decode table holds one catch-up per `catchup_rounds` rounds at that
-#   context; a round priced with the term knows whether it ran one: its entry less that share,
+#   table's depth-0 entries were measured with) and `catchup_table_context` (the cached positions
+#   the decode table's rows held; absent: 0, a start-up table's). A depth-0 entry of the decode
+#   table holds one catch-up per `catchup_rounds` rounds at that context; a round priced with the term knows whether it ran one: its entry less that share,
 #   plus the term at the round's context if it did (`CostModel.round_seconds(catchup=...)`).
 #
 # Versions (`cost_model_version`, absent: 1). Version 1 files have the decode table and the
@@ -127,6 +127,7 @@ PREFILL_KEY = "prefill_cost_ms"
 PREFILL_POSITION_KEY = "prefill_ms_per_million_positions"
 CATCHUP_KEY = "catchup_cost_ms_at_context"
 CATCHUP_ROUNDS_KEY = "catchup_rounds"
+CATCHUP_BASE_KEY = "catchup_table_context"
 VERSION_KEY = "cost_model_version"
 COST_MODEL_VERSION = 2
 """The cost table format this code reads and writes (1: no catch-up term)."""
@@ -329,7 +330,7 @@ class CatchupTerm:
     batch bucket at one or more cached contexts (``costs[i][j]``: context ``contexts[i]``,
     bucket ``buckets[j]``); ``every``: the catch-up interval the decode table's depth-0 entries
     were measured with (each holds one catch-up per ``every`` rounds), at ``base_context``
-    cached positions (the table's ``context``)."""
+    cached positions (the file's ``catchup_table_context``)."""
 
     contexts: tuple[int, ...]
     buckets: tuple[int, ...]
@@ -340,7 +341,7 @@ class CatchupTerm:
     @staticmethod
     def parse(value: Any, every: Any, base_context: Any = 0) -> "CatchupTerm":
         """From the file's ``catchup_cost_ms_at_context`` (``{"<context>": {"<bucket>": ms}}``,
-        every context the same buckets), ``catchup_rounds`` and ``context``."""
+        every context the same buckets), ``catchup_rounds`` and ``catchup_table_context``."""
         if not isinstance(value, dict) or not value:
             raise ConfigError(f'{CATCHUP_KEY}={value!r}: must be a non-empty object '
                               f'{{"<context>": {{"<bucket>": ms, ...}}, ...}}')
@@ -352,8 +353,8 @@ class CatchupTerm:
             base_context = 0
         if not isinstance(base_context, int) or isinstance(base_context, bool) \
                 or base_context < 0:
-            raise ConfigError(f"context={base_context!r}: must be an integer >= 0 (the cached "
-                              f"positions the decode table was measured at)")
+            raise ConfigError(f"{CATCHUP_BASE_KEY}={base_context!r}: must be an integer >= 0 "
+                              f"(the cached positions the decode table was measured at)")
         rows = {}
         for key, row in value.items():
             if not isinstance(key, str) or not key.isdigit():
@@ -372,10 +373,10 @@ class CatchupTerm:
                            every, base_context)
 
     def to_json(self) -> dict:
-        """The file's keys (milliseconds); the table's ``context`` is the table's own key."""
+        """The file's keys (milliseconds)."""
         return {CATCHUP_KEY: {str(c): {str(b): 1e3 * v for b, v in zip(self.buckets, row)}
                               for c, row in zip(self.contexts, self.costs)},
-                CATCHUP_ROUNDS_KEY: self.every}
+                CATCHUP_ROUNDS_KEY: self.every, CATCHUP_BASE_KEY: self.base_context}
 
     def cost(self, batch: int, context: float) -> float:
         """Seconds of one catch-up at padded batch ``batch`` (the smallest measured bucket
@@ -486,7 +487,7 @@ def cost_model(value: str) -> CostModel:
                 raise ConfigError(f"{CATCHUP_KEY} is a version-2 term; the file says "
                                   f"{VERSION_KEY} {version}")
             catchup = CatchupTerm.parse(data[CATCHUP_KEY], data.get(CATCHUP_ROUNDS_KEY),
-                                        data.get("context", 0))
+                                        data.get(CATCHUP_BASE_KEY, 0))
         if data.get(CONTEXT_KEY) is not None:
             raw = data[CONTEXT_KEY]
             context = ContextTerm.parse({c: _seconds(row) for c, row in raw.items()}

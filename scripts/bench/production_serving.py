@@ -212,8 +212,8 @@ def catchup_json(engine: Any, context: int, repeats: int) -> dict[str, Any]:
     context and bucket, `catchup_rounds`): measured at no context, at the table's `context` and
     at twice it (held inside a slot's pages), every bucket the round table has; {} without a
     lag ring (`--no-spec`)."""
-    from adaptive_dist.cost_tables import (CATCHUP_KEY, CATCHUP_ROUNDS_KEY, COST_MODEL_VERSION,
-                                           VERSION_KEY)
+    from adaptive_dist.cost_tables import (CATCHUP_BASE_KEY, CATCHUP_KEY, CATCHUP_ROUNDS_KEY,
+                                           COST_MODEL_VERSION, VERSION_KEY)
     from workers.worker.round_cost import measure_catchups
 
     worker = engine.worker
@@ -225,6 +225,7 @@ def catchup_json(engine: Any, context: int, repeats: int) -> dict[str, Any]:
     if not at:
         return {}
     return {VERSION_KEY: COST_MODEL_VERSION, CATCHUP_ROUNDS_KEY: worker.lag.catchup_every,
+            CATCHUP_BASE_KEY: context,
             CATCHUP_KEY: {str(c): {str(b): 1e3 * v for b, v in row.items()}
                           for c, row in at.items()}}
 
@@ -235,14 +236,14 @@ def table_from_file(path: str) -> dict[str, Any]:
     if "agreed_round_cost_ms" not in data:
         raise SystemExit(f"--round-table {path}: no 'agreed_round_cost_ms' (a "
                          f"docs/data/cost_tables/*.json file)")
-    from adaptive_dist.cost_tables import (CATCHUP_KEY, CATCHUP_ROUNDS_KEY, PREFILL_KEY,
-                                           PREFILL_POSITION_KEY)
+    from adaptive_dist.cost_tables import (CATCHUP_BASE_KEY, CATCHUP_KEY, CATCHUP_ROUNDS_KEY,
+                                           PREFILL_KEY, PREFILL_POSITION_KEY)
 
     return {"table_s": {b: {s: ms / 1e3 for s, ms in row.items()}
                         for b, row in data["agreed_round_cost_ms"].items()},
             "context": data.get("context"), "file": path,
             **{k: data[k] for k in (PREFILL_KEY, PREFILL_POSITION_KEY, CATCHUP_KEY,
-                                    CATCHUP_ROUNDS_KEY) if k in data}}
+                                    CATCHUP_ROUNDS_KEY, CATCHUP_BASE_KEY) if k in data}}
 
 
 def bucket_of(table: dict[str, dict[str, float]], concurrency: int) -> str:
@@ -269,14 +270,16 @@ def predict(table: dict[str, dict[str, float]], concurrency: int, depths: dict[i
 
 def catchup_term(tables: dict[str, Any], base_context: Optional[int] = None) -> Any:
     """The catch-up term of `tables` (a measured table's or a table file's keys), its depth-0
-    entries' context `base_context` (default the table's own `context`); None without one."""
-    from adaptive_dist.cost_tables import CATCHUP_KEY, CATCHUP_ROUNDS_KEY, CatchupTerm
+    entries' context `base_context` (default the table's `catchup_table_context`); None
+    without one."""
+    from adaptive_dist.cost_tables import (CATCHUP_BASE_KEY, CATCHUP_KEY, CATCHUP_ROUNDS_KEY,
+                                           CatchupTerm)
 
     if tables.get(CATCHUP_KEY) is None:
         return None
     return CatchupTerm.parse(tables[CATCHUP_KEY], tables.get(CATCHUP_ROUNDS_KEY),
                              base_context if base_context is not None
-                             else tables.get("context") or 0)
+                             else tables.get(CATCHUP_BASE_KEY, 0))
 
 
 def wave_catchups(term: Any, concurrency: int, rounds: float, input_len: int,

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from adaptive_dist.config import ConfigError, RoundCost, VerifyCost
-from adaptive_dist.cost_tables import (CATCHUP_KEY, CATCHUP_ROUNDS_KEY, COST_MODEL_VERSION,
-                                       VERSION_KEY, CatchupTerm, CostModel, cost_model,
+from adaptive_dist.cost_tables import (CATCHUP_BASE_KEY, CATCHUP_KEY, CATCHUP_ROUNDS_KEY,
+                                       COST_MODEL_VERSION, VERSION_KEY, CatchupTerm, cost_model,
                                        price_round_log)
 from adaptive_dist.policy.budgets import shape_cost
 
@@ -26,14 +26,14 @@ TERM = {"0": {"1": 1.0, "4": 2.0}, "1000": {"1": 2.0, "4": 3.0}}
 def _file(tmp_path, **extra) -> str:
     data = {"agreed_round_cost_ms": {"1": {"0": 5.0, "3": 6.0}, "4": {"0": 5.2, "3": 7.5}},
             "agreed_verify_cost_ms": {str(t): 1e3 * c for t, c in zip(RUNGS, BASE.costs)},
-            "context": 500}
+            "context": 2048}   # a max context (model_shapes'), not what the rows held
     data.update(extra)
     path = tmp_path / "table.json"
     path.write_text(json.dumps(data))
     return str(path)
 
 
-def test_the_term_prices_a_catchup_by_bucket_and_context() -> None:
+def test_the_term_prices_a_catchup_by_bucket_and_context(tmp_path) -> None:
     term = CatchupTerm.parse(TERM, 8, 500)
     assert term.cost(1, 0) == pytest.approx(1e-3)
     assert term.cost(3, 0) == pytest.approx(2e-3)          # the bucket holding 3 rows
@@ -43,12 +43,15 @@ def test_the_term_prices_a_catchup_by_bucket_and_context() -> None:
     assert term.share(4) == pytest.approx(2.5e-3 / 8)      # one per 8 rounds at the table's 500
     assert CatchupTerm.parse(TERM, 8, 500).to_json() == {
         CATCHUP_KEY: {c: {b: pytest.approx(v) for b, v in row.items()} for c, row in TERM.items()},
-        CATCHUP_ROUNDS_KEY: 8}
+        CATCHUP_ROUNDS_KEY: 8, CATCHUP_BASE_KEY: 500}
+    # without the table's context (a start-up table): its rows held none
+    assert cost_model(_file(tmp_path, **{VERSION_KEY: 2, CATCHUP_KEY: TERM, CATCHUP_ROUNDS_KEY: 8})
+                      ).catchup.base_context == 0
 
 
 def test_a_round_is_priced_with_the_catchup_it_ran(tmp_path) -> None:
     model = cost_model(_file(tmp_path, **{VERSION_KEY: 2, CATCHUP_KEY: TERM,
-                                          CATCHUP_ROUNDS_KEY: 8}))
+                                          CATCHUP_ROUNDS_KEY: 8, CATCHUP_BASE_KEY: 500}))
     assert model.catchup is not None and model.catchup.base_context == 500
     assert "catch-up" not in " ".join(model.unpriced())
     table = shape_cost(ROUND, BASE, 0, 4, 4)
@@ -96,6 +99,8 @@ def test_a_file_without_the_term_prices_as_before(tmp_path) -> None:
      "differ from context 0"),
     ({VERSION_KEY: 2, CATCHUP_KEY: {"0": {"1": -1.0}}, CATCHUP_ROUNDS_KEY: 8}, "positive"),
     ({VERSION_KEY: 2, CATCHUP_KEY: [], CATCHUP_ROUNDS_KEY: 8}, "non-empty object"),
+    ({VERSION_KEY: 2, CATCHUP_KEY: TERM, CATCHUP_ROUNDS_KEY: 8, CATCHUP_BASE_KEY: -1},
+     "catchup_table_context=-1"),
 ])
 def test_bad_catchup_entries_are_named(tmp_path, extra, shown) -> None:
     path = _file(tmp_path, **extra)

@@ -84,12 +84,13 @@ def test_a_wave_s_catchups_are_priced_at_their_contexts() -> None:
     """Cost model version 2: goodput's depth-0 rounds priced without the table's share of
     catch-ups (one per 32 rounds at the table's context) and with the wave's own at their
     contexts; no-spec (no head) and a table without the term unchanged."""
-    from adaptive_dist.cost_tables import CATCHUP_KEY, CATCHUP_ROUNDS_KEY, PrefillTerm
+    from adaptive_dist.cost_tables import (CATCHUP_BASE_KEY, CATCHUP_KEY, CATCHUP_ROUNDS_KEY,
+                                           PrefillTerm)
 
     prefill = PrefillTerm((1024, 65536), (0.02, 1.0), 2e-11)
     # one catch-up at bucket 64: 2 ms at no context, 4 ms at 1000 positions (2 us a position)
     term = {CATCHUP_KEY: {"0": {"16": 1.0, "64": 2.0}, "1000": {"16": 1.5, "64": 4.0}},
-            CATCHUP_ROUNDS_KEY: 32}
+            CATCHUP_ROUNDS_KEY: 32, CATCHUP_BASE_KEY: 1152}
     tables = {"table_s": TABLE, "context": 1152, **prefill.to_json(), **term}
     pred = {"round_ms": 5.7, "accepted_per_request_round": 0.0, "depth_share": {"0": 1.0}}
     plain = ps.predict_served({"table_s": TABLE, **prefill.to_json()}, 64, pred, 1024, 256)
@@ -108,7 +109,7 @@ def test_a_wave_s_catchups_are_priced_at_their_contexts() -> None:
     # repriced: the summary's round time was measured at I + O / 2 cached positions
     text = ("| goodput | 64 | 64 | 5.70 | 11228 | 6364 | 0.57 | 3917 | 1938 | 10.06 | 0: 1 |\n"
             "| no-spec | 64 | 64 | 5.70 | 11228 | 6216 | 0.55 | 4110 | 1732 | 10.30 | 0: 1 |")
-    rows = {r["mode"]: r for r in ps.reprice(text, {**tables, "context": 1024}, 1024, 256)}
+    rows = {r["mode"]: r for r in ps.reprice(text, {**tables, CATCHUP_BASE_KEY: 0}, 1024, 256)}
     assert rows["goodput"]["served_prediction"]["catchups"]["table_share_s"] == pytest.approx(
         c["table_share_s"])
     assert "catchups" not in rows["no-spec"]["served_prediction"]
@@ -194,8 +195,8 @@ def test_goodput_s_table_process_measures_the_catchup_term(tmp_path) -> None:
     goodput` builds it, in a process of its own) writes the catch-up term beside the prefill
     term: every bucket of its round table at its contexts, as cost model version 2, and a
     cost table file of it loads with the term."""
-    from adaptive_dist.cost_tables import (CATCHUP_KEY, CATCHUP_ROUNDS_KEY, VERSION_KEY,
-                                           cost_model)
+    from adaptive_dist.cost_tables import (CATCHUP_BASE_KEY, CATCHUP_KEY, CATCHUP_ROUNDS_KEY,
+                                           VERSION_KEY, cost_model)
 
     out = tmp_path / "out"
     args = ps.parse_args(["--checkpoint", str(tmp_path / "ckpt"), "--shape", "tiny",
@@ -215,8 +216,8 @@ def test_goodput_s_table_process_measures_the_catchup_term(tmp_path) -> None:
     table.write_text(json.dumps({
         "agreed_round_cost_ms": {b: {d: 1e3 * v for d, v in row.items()}
                                  for b, row in tables["table_s"].items()},
-        "context": tables["context"], VERSION_KEY: 2, CATCHUP_KEY: term,
-        CATCHUP_ROUNDS_KEY: tables[CATCHUP_ROUNDS_KEY]}))
+        VERSION_KEY: 2, CATCHUP_KEY: term, CATCHUP_ROUNDS_KEY: tables[CATCHUP_ROUNDS_KEY],
+        CATCHUP_BASE_KEY: tables[CATCHUP_BASE_KEY]}))
     model = cost_model(str(table))
     assert model.catchup.every == 32 and model.catchup.base_context == 20
     assert model.catchup_seconds(2, 20) > 0
