@@ -134,6 +134,28 @@ class LocalTree(RoundCoordinator):
         return out
 
 
+class LocalPerTree(RoundCoordinator):
+    """The hazard (per-request trees): rank 1 moves, at its first counted round on a tree, to
+    another tree (of the same steps where one is listed: another top-k and N) on its own; the
+    other ranks follow the rule."""
+
+    def __init__(self, *args: Any, rank: int = 0, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.rank, self.strayed = rank, False
+
+    def _decide_shape(self, cluster, plan):  # noqa: ANN001 - same signature as the parent
+        out = super()._decide_shape(cluster, plan)
+        chains, idx = len(self.config.candidate_steps), self.state.index
+        if self.rank == 1 and not self.strayed and idx >= chains and out.decision.counted:
+            trees = self.config.tree_candidates
+            mine = trees[idx - chains]
+            other = [j for j, t in enumerate(trees) if t[0] == mine[0] and t != mine] or \
+                [j for j in range(len(trees)) if j != idx - chains]
+            self.state = replace(self.state, index=chains + other[0])
+            self.strayed = True
+        return out
+
+
 class LocalOnly(RoundCoordinator):
     """The hazard: each rank walks the ladder on its OWN EMA (the other ranks' weights are
     ignored, so the decision is the per-rank one the open proposals warn about)."""
@@ -207,6 +229,8 @@ def _spec(mode: str) -> AdaptiveConfig:
         from engine_fixtures import per_request_config
 
         return per_request_config(per_token=0.05).replace(lockstep_check_every=4)
+    if mode == "pertree":   # per-request budgets over chains and trees, the 8B table
+        return tree_goodput_config().replace(per_request=True, lockstep_check_every=4)
     if mode in ("goodtree", "cycletrees"):   # goodput over chains and trees, the 8B table
         return tree_goodput_config().replace(warmup_batches=1, update_interval=1,
                                              ema_alpha=0.5, lockstep_check_every=4,
@@ -346,7 +370,8 @@ def hazard_job(rank: int, root: str, hazard: str, prompts: list[list[list[int]]]
     guard = ctx.guard(world, check_every=16)
     guard.exit_on_watchdog = False
     target, head = load(root, par)
-    spec = _spec({"local_shape": "perrequest", "local_tree": "goodtree"}.get(hazard, "ema"))
+    spec = _spec({"local_shape": "perrequest", "local_tree": "goodtree",
+                  "local_pertree": "pertree"}.get(hazard, "ema"))
     cfg = EngineConfig(spec=spec, max_batch_size=4, page_size=4, dp=2, attn_tp=layout.attn_tp,
                        max_context_len=target.config.max_position_embeddings)
     engine = build_engine(cfg, target, head, group=world, guard=guard)
@@ -359,6 +384,9 @@ def hazard_job(rank: int, root: str, hazard: str, prompts: list[list[list[int]]]
     elif hazard == "local_tree":
         engine.planner = LocalTree(engine.config.spec, world, guard=guard, rank=rank,
                                    verify_ladder=cfg.verify_ladder)
+    elif hazard == "local_pertree":
+        engine.planner = LocalPerTree(engine.config.spec, world, guard=guard, rank=rank,
+                                      verify_ladder=cfg.verify_ladder)
     t0 = time.monotonic()
     try:
         mine = prompts[par.replica]

@@ -79,3 +79,43 @@ def test_a_rank_that_would_run_another_tree_is_caught_before_its_forwards(model_
         # pre-flight (the tree's code in the must-agree tokens column)
         assert "decisions differ" in msg or ("pre-flight" in msg and "tokens" in msg), msg
         assert value["elapsed"] < 30
+
+
+def test_dp2_greedy_per_request_trees_equal_one_process_in_lockstep(model_dir: Path) -> None:
+    """Per-request trees (``per_request`` with the trees): each request its own nodes of the
+    agreed tree, the verify forward the agreed T packed tokens; under heterogeneous load (1
+    request on one replica, 5 on the other) greedy equals one process and both ranks make the
+    same decisions and issue the same collectives."""
+    modes = ["pertree", "pertree+overlap"]
+    results = run_ranks(dp_jobs.generate_job, 2, str(model_dir), 2, modes, PROMPTS, NEW,
+                        timeout=240)
+    reference = _reference(model_dir)
+    for res in results:
+        for mode in modes:
+            assert res.value[mode]["outputs"] == reference[res.value["replica"]], \
+                f"rank {res.rank} (replica {res.value['replica']}), {mode}"
+    for mode in modes:
+        first = results[0].value[mode]
+        for res in results[1:]:
+            got = res.value[mode]
+            assert got["timeline"] == first["timeline"] and got["digest"] == first["digest"]
+            assert got["log"] == first["log"], f"{mode}: collective logs differ"
+        assert any(len(k) == 5 for k in first["shapes"]), first["shapes"]
+
+
+def test_a_rank_that_would_run_another_per_request_tree_is_caught_before_its_forwards(
+        model_dir: Path) -> None:
+    """Per-request trees: rank 1 alone moves to another tree of the same steps (another top-k
+    and N): the next round's pre-flight names the must-agree column (the tree's code rides in
+    ``tokens`` beside T), before any device collective of that round, in bounded time."""
+    prompts = [[[7] * 6], random_prompts(3, 256, seed=5)]
+    new = [[30], [40, 40, 40]]
+    results = run_ranks(dp_jobs.hazard_job, 2, str(model_dir), "local_pertree", prompts, new,
+                        3.0, timeout=90, check=False)
+    for res in results:
+        assert res.ok, res.traceback
+        value = res.value
+        assert value["raised"] == "DivergenceError", value
+        msg = value["message"]
+        assert "pre-flight" in msg and ("tokens" in msg or "steps" in msg), msg
+        assert value["elapsed"] < 30

@@ -230,8 +230,8 @@ def test_drafted_tree_is_eagle2s(pair, steps, topk, tokens) -> None:
     seen = []
     draft = engine.worker.tree.draft
 
-    def spy(rows, n, pages):
-        tree = draft(rows, n, pages)
+    def spy(rows, n, pages, budget=None):
+        tree = draft(rows, n, pages, budget)
         seen.append((int(engine.worker.slots.last_token[rows[0]]), tree))
         return tree
     engine.worker.tree.draft = spy
