@@ -223,7 +223,8 @@ def main() -> int:
 
         model = CostModel(engine.config.spec.round_cost, verify,
                           terms["context"] if terms else None,
-                          terms["prefill"] if terms else None)
+                          terms["prefill"] if terms else None,
+                          catchup=terms["catchup"] if terms else None)
     schedule = (check_schedule(engine, args.schedule, args.context, target.config.vocab_size,
                                model, args.schedule_profile)
                 if args.schedule and world.size == 1 else None)
@@ -322,22 +323,38 @@ def measure_cost_terms(engine: Any, contexts: list[int], ragged: list[int],
     from adaptive_dist.cost_tables import ContextTerm, fit_prefill
     from workers.worker.round_cost import measure_prefills, measure_target_contexts
 
+    from adaptive_dist.cost_tables import CatchupTerm
+    from workers.worker.round_cost import measure_catchups
+
     worker = engine.worker
     t0 = time.perf_counter()
     at = measure_target_contexts(worker, worker.ladder, [0, *contexts], repeats)
     t1 = time.perf_counter()
     samples = measure_prefills(worker, repeats, ragged, graphs=worker.graphs is not None)
     t2 = time.perf_counter()
+    buckets = worker.buckets or tuple(b for b in engine.config.spec.graph_buckets
+                                      if b <= engine.config.max_batch_size) or (1,)
+    caught = measure_catchups(worker, engine.pool, buckets, [0, *contexts],
+                              graphs=bool(worker.buckets), repeats=repeats)
+    engine.pool.apply(engine.config.spec.initial_steps)
+    t3 = time.perf_counter()
+    # the engine's own table (start-up) was measured with rows holding no cached positions
+    catchup = CatchupTerm.parse({str(c): {str(b): 1e3 * v for b, v in row.items()}
+                                 for c, row in caught.items()},
+                                worker.lag.catchup_every, 0) if caught else None
     context = ContextTerm.parse({str(c): VerifyCost.parse({str(t): v for t, v in row.items()})
                                  for c, row in at.items()}) if at else None
     prefill = fit_prefill([(x.slots, x.positions, x.seconds) for x in samples])
     print(f"== cost model terms: the verify forward at contexts {sorted(at)} in {t1 - t0:.1f} s, "
           f"{len(samples)} prefill shapes in {t2 - t1:.1f} s; prefill ms by slots "
           + json.dumps({s: round(1e3 * c, 3) for s, c in zip(prefill.slots, prefill.costs)})
-          + f", attention {1e9 * (prefill.per_position or 0):.3f} ms per million positions",
-          flush=True)
-    return {"context": context, "prefill": prefill, "context_seconds": t1 - t0,
-            "prefill_seconds": t2 - t1, "prefill_samples": [x.as_json() for x in samples]}
+          + f", attention {1e9 * (prefill.per_position or 0):.3f} ms per million positions"
+          + (f"; the catch-up at contexts {sorted(caught)} in {t3 - t2:.1f} s, ms by bucket "
+             + json.dumps({c: {b: round(1e3 * v, 3) for b, v in row.items()}
+                           for c, row in caught.items()}) if caught else ""), flush=True)
+    return {"context": context, "prefill": prefill, "catchup": catchup,
+            "context_seconds": t1 - t0, "prefill_seconds": t2 - t1,
+            "catchup_seconds": t3 - t2, "prefill_samples": [x.as_json() for x in samples]}
 
 
 def cost_terms_json(terms: dict[str, Any]) -> dict[str, Any]:
@@ -350,15 +367,24 @@ def cost_terms_json(terms: dict[str, Any]) -> dict[str, Any]:
         out[CONTEXT_KEY] = {c: {t: 1e3 * v for t, v in row.items()}
                             for c, row in terms["context"].to_json().items()}
     out.update(terms["prefill"].to_json())
+    if terms.get("catchup") is not None:
+        from adaptive_dist.cost_tables import COST_MODEL_VERSION, VERSION_KEY
+
+        out[VERSION_KEY] = COST_MODEL_VERSION
+        out.update(terms["catchup"].to_json())
     out["prefill_samples"] = terms["prefill_samples"]
     out["cost_terms_seconds"] = {"context": terms["context_seconds"],
-                                 "prefill": terms["prefill_seconds"]}
+                                 "prefill": terms["prefill_seconds"],
+                                 "catchup": terms.get("catchup_seconds")}
     return out
 
 
 TERM_KEYS = ("agreed_verify_cost_ms_at_context", "prefill_cost_ms",
-             "prefill_ms_per_million_positions", "prefill_samples", "cost_terms_seconds")
-"""What `--copy-terms` copies (the first three are what `adaptive_dist.cost_tables` reads)."""
+             "prefill_ms_per_million_positions", "catchup_cost_ms_at_context", "catchup_rounds",
+             "catchup_table_context", "cost_model_version", "prefill_samples",
+             "cost_terms_seconds")
+"""What `--copy-terms` copies (all but the last two are what `adaptive_dist.cost_tables`
+reads; a run without the catch-up term leaves a table's version as it was)."""
 
 
 def copy_terms(run: Path, table: Path) -> None:
@@ -374,6 +400,8 @@ def copy_terms(run: Path, table: Path) -> None:
         raise SystemExit(f"--copy-terms: {run} was measured with other "
                          + ", ".join(f"{k} ({data[k]!r}, the table {into[k]!r})" for k in differ))
     for key in TERM_KEYS:
+        if key == "cost_model_version" and key not in data:
+            continue   # a run without the catch-up term: the table's version as it was
         into.pop(key, None)
         if key in data:
             into[key] = data[key]
@@ -483,7 +511,8 @@ def reprice(path: Path, table: str | None = None) -> dict[str, Any]:
     kinds: dict[str, Any] = {}
     for r in rounds:
         decode = model.round_seconds(r["steps"], r["tokens"], r["batch"], r["positions_read"],
-                                     r["verify_tokens_real"], r["longest_context"])
+                                     r["verify_tokens_real"], r["longest_context"],
+                                     catchup=r.get("catchup"))
         pre = (model.prefill_seconds(r["prefill_slots"], r["prefill_positions"])
                if r["prefill_slots"] else 0.0)
         for kind in (r["kind"], "all"):
@@ -514,7 +543,9 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int,
     every term the model has (the context its verify tokens read, its prefill), `base` with the
     decode table alone. Every round is kept (its time, the time the host waited for the device,
     both prices, shape, batch, the KV positions its verify tokens read, its longest row's
-    context, its prefill's slots and positions); `served` is the tokens/s each way
+    context, whether it ran the draft cache's catch-up and the deferred prompts' forward width,
+    priced by the model's catch-up term where it has one, its prefill's slots and positions);
+    `served` is the tokens/s each way
     (`served_prediction`). `profile_rounds`: rounds `PROFILE_AT` under the torch profiler (their
     kernels kept in `profiled`)."""
     from adaptive_dist.cost_tables import CostModel
@@ -536,6 +567,13 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int,
             waited[0] += time.perf_counter() - t
         return collect(launched)
     worker.collect = timed_collect
+    launch = worker.launch
+    ran = [None]   # the last launched round's handle (whether it ran a catch-up)
+
+    def noted_launch(*args: Any, **kw: Any) -> Any:
+        ran[0] = launch(*args, **kw)
+        return ran[0]
+    worker.launch = noted_launch
     rounds: list[dict[str, Any]] = []
     steps: list[float] = []      # every step's wall time, charged to the plan before it
     profiled: dict[str, Any] = {}
@@ -566,6 +604,7 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int,
             ids, out = pending.pop()
             added.append(engine.add(ids, SamplingParams(max_new_tokens=out)))
         waited[0] = 0.0
+        ran[0] = None
         waiting = {r.rid: len(r.prompt_ids) for r in engine.scheduler.waiting}
         running = {r.rid: r.num_tokens for r in engine.scheduler.running}
         engine.step()
@@ -586,14 +625,17 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int,
                 "prefill" if len(fresh) == len(budget) else "mixed")
         tokens, batch = plan.shape.verify_tokens, plan.batch_pad
         base = model.round_seconds(plan.steps, tokens, batch)
-        decode = model.round_seconds(plan.steps, tokens, batch, read, real, longest)
+        caught = bool(ran[0] is not None and ran[0].catchup)
+        decode = model.round_seconds(plan.steps, tokens, batch, read, real, longest,
+                                     catchup=caught)
         slots, positions = prefill_size(engine, plan, fresh) if plan.extend_tokens else (0, 0)
         pre = model.prefill_seconds(slots, positions) if slots else 0.0
         rounds.append({"kind": kind, "waited": waited[0], "base": base,
                        "predicted": decode + pre, "predicted_decode": decode,
                        "predicted_prefill": pre, "steps": plan.steps, "tokens": tokens,
                        "batch": batch, "requests": len(budget), "verify_tokens_real": real,
-                       "positions_read": read, "longest_context": longest,
+                       "positions_read": read, "longest_context": longest, "catchup": caught,
+                       "pending": ran[0].pending if ran[0] is not None else 0,
                        "prefill_tokens": plan.extend_tokens,
                        "prefill_slots": slots, "prefill_positions": positions})
     t = time.perf_counter()
@@ -601,6 +643,7 @@ def check_schedule(engine: Any, n: int, context: int, vocab: int,
     sync()
     steps.append(time.perf_counter() - t)
     worker.collect = collect
+    worker.launch = launch
     for i, r in enumerate(rounds):   # a plan's device time shows in the next step's wait
         if r is not None:
             r["seconds"] = steps[i + 1]

@@ -12,8 +12,8 @@ import pytest
 
 from adaptive_dist.config import ConfigError, RoundCost, VerifyCost
 from adaptive_dist.cost_tables import (CATCHUP_BASE_KEY, CATCHUP_KEY, CATCHUP_ROUNDS_KEY,
-                                       COST_MODEL_VERSION, VERSION_KEY, CatchupTerm, cost_model,
-                                       price_round_log)
+                                       COST_MODEL_VERSION, VERSION_KEY, CatchupTerm, CostModel,
+                                       cost_model, price_round_log)
 from adaptive_dist.policy.budgets import shape_cost
 
 RUNGS = (1, 2, 4, 8, 16)
@@ -193,3 +193,45 @@ def test_a_round_log_with_catchups_repriced_changes_by_exactly_the_term(tmp_path
     # a line written before the keys existed prices at the table's price
     bare = {k: v for k, v in caught[0].items() if k not in ("catchup", "pending", "longest")}
     assert price_round_log([bare], new) == pytest.approx(price_round_log([bare], old))
+
+
+def test_the_schedule_check_prices_the_catchups_it_ran(tmp_path) -> None:
+    """`scripts.bench.model_shapes.check_schedule` on the tiny pair held at depth 0 (catch-up
+    every 4 rounds): each round records whether it ran the catch-up; with a catch-up term every
+    decode price is the term-less one less the share plus the term where one ran, and
+    `--reprice` of the recorded run with and without the term differs by exactly that."""
+    import torch
+
+    from engine_fixtures import engine_for, tiny_pair
+    from scripts.bench.common import held_at_zero
+    from scripts.bench.model_shapes import check_schedule, reprice
+
+    torch.set_num_threads(1)
+    target, head = tiny_pair(seed=0)
+    engine = engine_for(target, head, "ema", config=held_at_zero(1), max_batch=4,
+                        catchup_rounds=4)
+    spec = engine.config.spec
+    term = CatchupTerm.parse({"0": {"1": 1.0, "4": 2.0}, "64": {"1": 1.5, "4": 3.0}}, 4)
+    model = CostModel(spec.round_cost, spec.verify_cost, catchup=term)
+    out = check_schedule(engine, 6, 288, target.config.vocab_size, model)
+    rounds = out["rounds"]
+    ran = [r for r in rounds if r["catchup"]]
+    assert ran and all(r["steps"] == 0 for r in rounds)
+    plain = CostModel(spec.round_cost, spec.verify_cost)
+    for r in rounds:
+        without = plain.round_seconds(r["steps"], r["tokens"], r["batch"], r["positions_read"],
+                                      r["verify_tokens_real"], r["longest_context"])
+        delta = -term.share(r["batch"]) + (term.cost(r["batch"], r["longest_context"])
+                                          if r["catchup"] else 0.0)
+        assert r["predicted_decode"] == pytest.approx(without + delta)
+    # the recorded run priced again: with the term and without it
+    run = tmp_path / "run.json"
+    base = {"agreed_round_cost": spec.round_cost.to_json(), "schedule_check": out}
+    run.write_text(json.dumps(base))
+    with_term = tmp_path / "with.json"
+    with_term.write_text(json.dumps({**base, VERSION_KEY: 2, **{
+        k: v for k, v in term.to_json().items()}}))
+    a, b = reprice(run), reprice(run, str(with_term))
+    total = sum(-term.share(r["batch"]) + (term.cost(r["batch"], r["longest_context"])
+                                           if r["catchup"] else 0.0) for r in rounds)
+    assert b["all"]["predicted_s"] - a["all"]["predicted_s"] == pytest.approx(total)
