@@ -153,3 +153,44 @@ def test_adaptive_trees_through_graphs_equal_plain_greedy(gpu_pair, prompts, ref
     if cycle:
         assert {k[3:] for k in shapes if len(k) == 5} == {(2, 6), (4, 8), (8, 16)}
     check_pages_back(engine)
+
+
+@pytest.mark.parametrize("cycle", [False, True], ids=["policy", "every-candidate"])
+def test_per_request_trees_through_graphs_equal_plain_greedy(gpu_pair, prompts, reference, cycle,
+                                                             monkeypatch) -> None:
+    """Per-request trees (``per_request`` with trees (3,2,6), (5,4,8), (6,8,16)) through CUDA
+    graphs: one graph per tree, bucket and verify rung captured at start-up (the ragged verify's
+    T packed tokens, each row its own N_i best nodes); the rule's own shapes and every candidate
+    in turn; greedy output equals plain greedy, rounds ran through the graphs, trees ran at
+    fewer tokens than every row's whole tree, nothing was captured after start-up."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from test_tree_policy import TABLE_8B, goodput
+
+    from adaptive_dist.cost_tables import load_model_costs
+    from adaptive_dist.policy.tree import TreeBudgetRule
+
+    if cycle:
+        orig = TreeBudgetRule.decide
+
+        def every(self, state, summed, n_sum, n_max, batch):
+            new, dec = orig(self, state, summed, n_sum, n_max, batch)
+            index = (state.index + 1) % (len(self.candidates) + len(self.trees))
+            return type(new)(index=index, counted=new.counted, last_switch=new.counted,
+                             tokens=new.tokens), dec
+        monkeypatch.setattr(TreeBudgetRule, "decide", every)
+    table, verify, _ = load_model_costs(str(TABLE_8B))
+    cfg = goodput(table, verify, [[3, 2, 6], [5, 4, 8], [6, 8, 16]], per_request=True,
+                  graph_buckets=(1, 2, 4))
+    engine = engine_for(*gpu_pair, "ema", config=cfg, device="cuda", cuda_graphs=True)
+    captured = engine.worker.graphs.num_captures
+    out = engine.generate(prompts, lossless_params(len(prompts)))
+    assert [r.output_ids for r in out] == reference
+    assert engine.stats.graph_rounds > 0
+    assert engine.worker.graphs.num_captures == captured
+    shapes = engine.planner.stats.rounds_at_shape
+    trees = [k for k in shapes if len(k) == 5]
+    assert trees and any(k[2] < k[1] * k[4] for k in trees), dict(shapes)
+    if cycle:
+        assert {k[3:] for k in trees} == {(2, 6), (4, 8), (8, 16)}, dict(shapes)
+    check_pages_back(engine)
+

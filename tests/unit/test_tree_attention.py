@@ -152,3 +152,62 @@ def test_ancestors_mask() -> None:
     expect = {0: {0}, 1: {0, 1}, 2: {0, 1, 2}, 3: {0, 3}, 4: {0, 3, 4}, 5: {0, 1, 2, 5}}
     for i, seen in expect.items():
         assert {j for j in range(6) if mask[i, j]} == seen
+
+
+@pytest.mark.parametrize("seed,batch,nodes", [(5, 3, 9), (6, 2, 70)])
+def test_tree_kernel_nodes_not_live_read_no_context(seed, batch, nodes) -> None:
+    """The fused kernel's `live` input (per-request trees' grid; compiled on a GPU, triton's
+    interpreter here): a live node's output equals the dense-mask reference; a node not live
+    attends to its tree slots alone (the reference at no context)."""
+    pool, pages, cached, parents = _case(seed, batch, nodes)
+    q = torch.randn(batch, nodes, HQ, D)
+    k = torch.randn(batch, nodes, HKV, D)
+    v = torch.randn(batch, nodes, HKV, D)
+    live = torch.rand(batch, nodes, generator=torch.Generator().manual_seed(seed)) < 0.5
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out = kernels.tree_attention(q.reshape(-1, HQ, D).to(dev), pool.k[0].to(dev),
+                                 pool.v[0].to(dev), pages.to(dev), cached.to(dev), k.to(dev),
+                                 v.to(dev), ancestors(parents, nodes).to(dev), D ** -0.5,
+                                 live=live.to(dev))
+    out = out.view(batch, nodes, HQ, D).cpu()
+    ref = _dense_reference(pool, pages, cached, parents, q, k, v)
+    alone = _dense_reference(pool, pages, torch.zeros_like(cached), parents, q, k, v)
+    torch.testing.assert_close(out[live], ref[live], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[~live], alone[~live], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_tree_attention_equals_the_grid() -> None:
+    """`PackedTreeAttention` (per-request trees' ragged verify): each row's live nodes packed
+    back to back, padding tokens after; every live token's output equals the grid's
+    `TreeAttention` at that node, and the store holds the live nodes' K/V at their slots."""
+    from workers.attention.tree import PackedTreeAttention
+
+    batch, nodes = 3, 6
+    pool, pages, cached, parents = _case(7, batch, nodes)
+    live = torch.tensor([[1, 1, 1, 0, 1, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]],
+                        dtype=torch.bool)
+    # a node left out is its own parent; the live ones keep their (live) ancestors
+    idx = torch.arange(nodes)[None, :].expand(batch, -1)
+    parents = torch.where(live, parents, idx)
+    live[0, 1:] &= live[0, parents[0, 1:]]
+    live[2] = True
+    q = torch.randn(batch, nodes, HQ, D)
+    k = torch.randn(batch, nodes, HKV, D)
+    v = torch.randn(batch, nodes, HKV, D)
+    mask = ancestors(parents, nodes)
+    grid_mem = TreeKV(1, batch, nodes, HKV, D, torch.float32, torch.device("cpu"))
+    grid = TreeAttention(pool, pages, cached, grid_mem, 0, mask).forward(
+        0, q.reshape(-1, HQ, D), k.reshape(-1, HKV, D), v.reshape(-1, HKV, D))
+    cells = torch.nonzero(live.reshape(-1))[:, 0]
+    tokens = int(cells.numel()) + 2
+    index = torch.cat([cells, torch.full((2,), batch * nodes)])
+    memory = TreeKV(1, batch + 1, nodes, HKV, D, torch.float32, torch.device("cpu"))
+    attn = PackedTreeAttention(pool, pages, cached, memory, mask, index, live)
+    flat_q = torch.cat([q.reshape(-1, HQ, D), torch.zeros(1, HQ, D)])[index]
+    flat_k = torch.cat([k.reshape(-1, HKV, D), torch.zeros(1, HKV, D)])[index]
+    flat_v = torch.cat([v.reshape(-1, HKV, D), torch.zeros(1, HKV, D)])[index]
+    out = attn.forward(0, flat_q, flat_k, flat_v)
+    assert out.shape[0] == tokens
+    torch.testing.assert_close(out[:cells.numel()], grid[cells], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(memory.k[0, :batch].reshape(-1, HKV, D)[cells],
+                               k.reshape(-1, HKV, D)[cells])
