@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional, Sequence
 
 from collectives import Group, LockstepGuard
@@ -33,6 +33,7 @@ from adaptive_dist.policy import (
     depth_policy,
     pick_bucket,
 )
+from adaptive_dist.policy.base import evolve
 from adaptive_dist.policy.budgets import PerRequestRule, effective_tokens
 from adaptive_dist.policy.tree import (
     candidate_steps_of,
@@ -133,6 +134,9 @@ class RoundOutcome:
     batch_pad: int = 0            # the round's padded batch (picks the goodput round_cost row)
 
 
+_new_outcome = consensus.frozen_positional(RoundOutcome)
+
+
 @dataclass
 class RoundStats:
     """The run's record of the rounds and the depth: the one owner of the switch count and the
@@ -184,14 +188,13 @@ class RoundStats:
         self.drafts += len(drafted)
         self.accepted_tokens += sum(drafted)
         top = max(drafted)   # at most steps (end_round checks)
-        # position i was accepted by every draft that accepted more than i: a tally of the
-        # accept lengths, summed from the longest down (one pass, not one per accepted token)
-        tally = [0] * (top + 1)
-        for a in drafted:
-            tally[a] += 1
+        if type(drafted) is not list and type(drafted) is not tuple:
+            drafted = list(drafted)
+        # position i was accepted by every draft that accepted more than i: the drafts that
+        # accepted exactly i + 1 (list.count, a scan in C), summed from the longest down
         reached = 0
         for i in range(top - 1, -1, -1):
-            reached += tally[i + 1]
+            reached += drafted.count(i + 1)
             per_pos[i] += reached
 
     def to_dict(self) -> dict[str, Any]:
@@ -356,16 +359,29 @@ class RoundCoordinator:
         self._last_begin = now
         local, state = self.local, self.state
         steps, _, code = self._candidate()
-        vec = _new_vector(
-            round=self.round, n_req=r.num_requests, num_tokens=r.num_tokens,
-            n_extend=r.num_extend, extend_len=r.extend_len, can_graph=r.can_graph, seq=r.seq,
-            leave=r.leave, done=r.done, prev_n_req=self._prev_n_req, ema=local.ema,
-            ema_fail=local.ema_fail, weight=local.weight,
-            steps=steps, counted=state.counted, last_switch=state.last_switch,
-            config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash, period=period,
-            tokens=self.shape_code if self.rule is not None else code, values=values,
-        )
-        cluster = self._agree(vec)
+        tokens = self.shape_code if self.rule is not None else code
+        cluster = None
+        reduced = self._reduced
+        if reduced is not None:
+            # the round's fields straight into the reduced vector (no RoundVector: one is built
+            # below only when the check fails and the gather names the ranks)
+            layout = reduced.layout
+            red = reduced.reduce_encoded(layout.encode_round(
+                r.num_requests, r.num_tokens, r.num_extend, r.extend_len, r.can_graph, r.done,
+                r.seq, r.leave, self._prev_n_req, local.ema, local.ema_fail, local.weight,
+                period, (self.round, steps, tokens, state.counted, state.last_switch,
+                         self._config_hash, self._prev_plan_hash), values), self.round)
+            if layout.agreed(red):
+                cluster = layout.decode(red)
+        if cluster is None:
+            cluster = self._gathered(_new_vector(
+                round=self.round, n_req=r.num_requests, num_tokens=r.num_tokens,
+                n_extend=r.num_extend, extend_len=r.extend_len, can_graph=r.can_graph,
+                seq=r.seq, leave=r.leave, done=r.done, prev_n_req=self._prev_n_req,
+                ema=local.ema, ema_fail=local.ema_fail, weight=local.weight, steps=steps,
+                counted=state.counted, last_switch=state.last_switch,
+                config_hash=self._config_hash, prev_plan_hash=self._prev_plan_hash,
+                period=period, tokens=tokens, values=values))
         self._time_previous(cluster)
         if self.rule is None:
             self.last_outcome = self._decide_previous(cluster)
@@ -407,12 +423,18 @@ class RoundCoordinator:
     def _agree(self, vec: consensus.RoundVector) -> consensus.ClusterRound:
         """The round's one collective and its pre-flight check: the reduction, and only when a
         check fails (or a sum could not be exact) the gather, on every rank alike (every rank
-        holds the same reduced values), which names the ranks that differ."""
+        holds the same reduced values), which names the ranks that differ. (``begin_round``
+        encodes its fields without a vector and calls ``_gathered`` itself.)"""
         if self._reduced is not None:
             red = self._reduced.reduce(vec)
             layout = self._reduced.layout
             if layout.agreed(red):
                 return layout.decode(red)
+        return self._gathered(vec)
+
+    def _gathered(self, vec: consensus.RoundVector) -> consensus.ClusterRound:
+        """The gather (scheme "gather", or the reduce scheme's failed check): every rank's
+        vector, the pre-flight check naming the ranks that differ, the cluster's round."""
         matrix = self._channel.gather(vec)
         try:
             consensus.preflight(matrix, self.group)
@@ -531,7 +553,7 @@ class RoundCoordinator:
             self.state, cluster.prev_n_req_sum, cluster.pooled, batch=prev.batch_pad,
             table=self.round_cost)
         if decision.decision_point:
-            self.local = replace(self.local, weight=0)
+            self.local = evolve(self.local, weight=0)
         if decision.counted:
             self.stats.counted_rounds += 1
         if decision.switched:
@@ -541,7 +563,7 @@ class RoundCoordinator:
             self.stats.switches += 1
             self.stats.probes += decision.probe
             self.stats.steps_timeline.append((self.round, self.steps))
-        return RoundOutcome(prev.round, prev.steps, prev.use_graph, local_ema, decision,
+        return _new_outcome(prev.round, prev.steps, prev.use_graph, local_ema, decision,
                             local_fail, prev.batch_pad)
 
     def _decide_shape(self, cluster: consensus.ClusterRound,
