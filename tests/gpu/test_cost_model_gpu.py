@@ -1,9 +1,8 @@
-"""The cost model's measurements on a CUDA GPU (issues 32 and 34): the context, prefill and catch-up
-terms measured through the engine's CUDA graphs; the context term and the
-prefill term measured through the engine's CUDA graphs (every padded prefill shape replays its
-captured graph), with positive times that grow with the context and the slots, and the engine
-generating afterwards exactly what plain greedy decoding generates (the measurement leaves the
-slots, the static prefill inputs and the dummy slot as it found them). Skipped without CUDA.
+"""The cost model's measurements on a CUDA GPU (issues 32 and 34): the context, prefill and
+catch-up terms measured through the engine's CUDA graphs (every padded prefill shape and every
+catch-up bucket replays its captured graph), with positive times, and the engine generating
+afterwards exactly what plain greedy decoding generates (the measurement leaves the slots, the
+static prefill inputs and the dummy slot as it found them). Skipped without CUDA.
 
     python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cost_model_gpu.py
 """
