@@ -9,7 +9,8 @@ query and key norms with the rotation), ``silu_mul``, ``store_kv``
 ``uniforms`` (the counter-based uniforms of sampled rows, bit-identical to the torch code) and
 ``padded_attention`` (causal attention of a padded batch over its paged KV, online softmax,
 grouped-query heads; per (slot, head) at the round's widths, tiled with ``tl.dot`` at prefill
-widths >= ``TILED_WIDTH``; float64 keeps the per-slot kernel).
+widths >= ``TILED_WIDTH``; float64 keeps the per-slot kernel; on a GPU at small grids and long
+reaches the key range split over programs and merged after, ``attention_splits``).
 
 ``enabled(x)`` says whether the model code uses them for tensor ``x``: on CUDA tensors when triton
 imports, unless ``ADAPTIVE_DIST_FUSED=0``. The kernels run wherever triton runs, on a CPU under
@@ -782,7 +783,9 @@ def _split_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
         page_tab.stride(0), tokens, width, groups, reach, dim, scale, chunk, PAGE=page_size,
         BLOCK_W=block_w, GROUPS=group_slots, BLOCK_D=max(16, _pow2(dim)), BLOCK_N=SPLIT_BLOCK_N,
         IEEE=q.dtype == torch.float32, num_warps=4)
-    kern.attention_combine[(tokens, heads)](m, l, acc, out, dim, n, BLOCK_S=_pow2(n),
+    # BLOCK_S: one value for every count up to SPLIT_MAX (fewer compiled variants)
+    kern.attention_combine[(tokens, heads)](m, l, acc, out, dim, n,
+                                            BLOCK_S=_pow2(max(n, SPLIT_MAX)),
                                             BLOCK_D=_pow2(dim), num_warps=1)
 
 
