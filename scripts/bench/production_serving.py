@@ -571,6 +571,20 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def prefill_ratios(modes: dict[str, Any]) -> dict[str, Any]:
+    """goodput's prefill over no-spec's at every shape both table processes measured
+    (`prefill_samples`: the padded shapes, `rows x width`, and the ragged sizes, `ragged T`):
+    the head's part of a prefill (its K/V at every prompt position, its layer at each prompt's
+    last token, the target's feature tap) where goodput runs it in the prefill. {} unless both
+    modes' tables hold samples."""
+    def samples(mode: str) -> dict[str, float]:
+        return {(f"ragged {x['width']}" if not x["rows"] else f"{x['rows']} x {x['width']}"):
+                x["seconds"] for x in modes.get(mode, {}).get("prefill_samples") or []}
+    spec, plain = samples("goodput"), samples("no-spec")
+    return {k: {"goodput_ms": 1e3 * spec[k], "no_spec_ms": 1e3 * plain[k],
+                "ratio": spec[k] / plain[k]} for k in spec if k in plain and plain[k] > 0}
+
+
 def _cell(value: Optional[float], fmt: str) -> str:
     return fmt.format(value) if value else "-"
 
@@ -602,6 +616,11 @@ def markdown(report: dict[str, Any]) -> str:
     for c, ratio in report.get("goodput_over_no_spec", {}).items():
         lines.append(f"\ngoodput / no-spec at concurrency {c}: " + ", ".join(
             f"{k.replace('_tokens_per_s', '')} {v:.3f}" for k, v in ratio.items()))
+    pre = report.get("prefill_goodput_over_no_spec") or {}
+    if pre:
+        lines.append("\nprefill, goodput over no-spec (the head's part; table processes): "
+                     + ", ".join(f"{k} {v['goodput_ms']:.1f} / {v['no_spec_ms']:.1f} ms = "
+                                 f"x{v['ratio']:.3f}" for k, v in pre.items()))
     return "\n".join(lines)
 
 
@@ -730,10 +749,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{mode}: round table (ms) at context {entry.get('context')}: " + json.dumps(
                 {b: {d: round(1e3 * v, 3) for d, v in row.items()}
                  for b, row in entry["table_s"].items()}))
+            if entry.get("catchup_cost_ms_at_context"):
+                print(f"{mode}: one catch-up (ms) by context and bucket: " + json.dumps(
+                    {c: {b: round(v, 3) for b, v in row.items()}
+                     for c, row in entry["catchup_cost_ms_at_context"].items()}))
+        for shape, r in prefill_ratios(report["modes"]).items():
+            print(f"prefill {shape}: goodput {r['goodput_ms']:.2f} ms, no-spec "
+                  f"{r['no_spec_ms']:.2f} ms, x{r['ratio']:.3f}")
         return 0
     if args.merge:
         report = merge(report, out / "results.json")
     report["goodput_over_no_spec"] = ratios(report["rows"])
+    report["prefill_goodput_over_no_spec"] = prefill_ratios(report["modes"])
     report["markdown"] = markdown(report)
     write_json(out / "results.json", report)
     plot(report, out / "production_serving.png")

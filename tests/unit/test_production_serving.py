@@ -221,3 +221,16 @@ def test_goodput_s_table_process_measures_the_catchup_term(tmp_path) -> None:
     model = cost_model(str(table))
     assert model.catchup.every == 32 and model.catchup.base_context == 20
     assert model.catchup_seconds(2, 20) > 0
+
+
+def test_the_head_s_part_of_a_prefill_is_goodput_s_over_no_spec_s() -> None:
+    modes = {"goodput": {"prefill_samples": [{"rows": 1, "width": 32, "seconds": 0.0052},
+                                             {"rows": 0, "width": 65536, "seconds": 1.55}]},
+             "no-spec": {"prefill_samples": [{"rows": 1, "width": 32, "seconds": 0.005},
+                                             {"rows": 0, "width": 65536, "seconds": 1.5},
+                                             {"rows": 2, "width": 32, "seconds": 0.006}]}}
+    got = ps.prefill_ratios(modes)
+    assert sorted(got) == ["1 x 32", "ragged 65536"]
+    assert got["ragged 65536"]["ratio"] == pytest.approx(1.55 / 1.5)
+    assert got["1 x 32"]["no_spec_ms"] == pytest.approx(5.0)
+    assert ps.prefill_ratios({"goodput": modes["goodput"]}) == {}
