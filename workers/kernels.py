@@ -55,7 +55,7 @@ GROUPED_QUERIES = 16  # query vectors per program at width 1 (tl.dot's least row
 
 # Split-KV ("flash-decoding") padded attention: at small grids (decode, verify at small batch)
 # the key range of each (row tile, KV head) is cut into chunks, one program each, whose partial
-# softmax states a combine kernel merges in a fixed order (deterministic). The split count is a
+# softmax states a merge kernel combines in a fixed order (deterministic). The split count is a
 # function of static values only (rows, width, head counts, the reach, the SM count), so a CUDA
 # graph captures one grid; chunks past a row's live keys write an empty state. Initial values,
 # to be set from `python3 scripts/bench/attention_split.py` on the GPU (docs/engine.md).
@@ -264,7 +264,7 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
                                       IEEE: tl.constexpr):
         # the tiled kernel's program (BLOCK_W slots of row b x the query heads of KV head kvh)
         # over keys [split * chunk, (split + 1) * chunk) only; writes its unnormalised softmax
-        # state (running max m, sum l, accumulator acc; float32) for `combine` to merge. A
+        # state (running max m, sum l, accumulator acc; float32) for `padded_attention_merge`. A
         # query with no live key in the chunk (every one, past the row's keys) leaves m = -inf,
         # l = 0 and no acc.
         tiles = tl.cdiv(width, BLOCK_W)
@@ -324,7 +324,7 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
                  mask=qmask & (m_i > float("-inf"))[:, None])
 
     @triton.jit
-    def attention_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, head_dim, splits,
+    def padded_attention_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, head_dim, splits,
                                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         # one program per (token, query head): the split kernel's states merged in split order
         tok = tl.program_id(0)
@@ -515,7 +515,7 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
                            padded_attention=padded_attention_kernel,
                            padded_attention_tiled=padded_attention_tiled_kernel,
                            padded_attention_split=padded_attention_split_kernel,
-                           attention_combine=attention_combine_kernel,
+                           padded_attention_merge=padded_attention_merge_kernel,
                            tree_attention=tree_attention_kernel,
                            store_kv=store_kv_kernel,
                            greedy_accept=greedy_accept_kernel, one_hot=one_hot_kernel,
@@ -707,7 +707,7 @@ def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
 
     `splits`: the key range cut into at most that many chunks of whole blocks, each its own
     program, their softmax states merged after (`padded_attention_split` then
-    `attention_combine`; float16/bfloat16/float32); 1: the unsplit kernels; None: on a GPU
+    `padded_attention_merge`; float16/bfloat16/float32); 1: the unsplit kernels; None: on a GPU
     `attention_splits` of the call's shapes, elsewhere 1."""
     tokens, heads, dim = q.shape
     if q.stride(-1) != 1:
@@ -766,7 +766,7 @@ def _split_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
                      page_tab: torch.Tensor, cached: torch.Tensor, out: torch.Tensor, width: int,
                      groups: int, reach: int, page_size: int, scale: float, splits: int) -> None:
     """`padded_attention` with the key range in chunks: the split kernel's softmax states into
-    float32 scratch (torch-allocated: a graph's pool holds it), then the combine into `out`."""
+    float32 scratch (torch-allocated: a graph's pool holds it), then the merge into `out`."""
     tokens, heads, dim = q.shape
     kv_heads = k_flat.shape[1]
     blocks = -(-reach // SPLIT_BLOCK_N)
@@ -784,9 +784,9 @@ def _split_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
         BLOCK_W=block_w, GROUPS=group_slots, BLOCK_D=max(16, _pow2(dim)), BLOCK_N=SPLIT_BLOCK_N,
         IEEE=q.dtype == torch.float32, num_warps=4)
     # BLOCK_S: one value for every count up to SPLIT_MAX (fewer compiled variants)
-    kern.attention_combine[(tokens, heads)](m, l, acc, out, dim, n,
-                                            BLOCK_S=_pow2(max(n, SPLIT_MAX)),
-                                            BLOCK_D=_pow2(dim), num_warps=1)
+    kern.padded_attention_merge[(tokens, heads)](m, l, acc, out, dim, n,
+                                                 BLOCK_S=_pow2(max(n, SPLIT_MAX)),
+                                                 BLOCK_D=_pow2(dim), num_warps=1)
 
 
 def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

@@ -42,7 +42,7 @@ CASES = {
     "padded_attention_split": [("bf16", dict(PAGE=16, BLOCK_W=2, GROUPS=8, BLOCK_D=128, BLOCK_N=64, IEEE=False)),
                                ("fp16", dict(PAGE=16, BLOCK_W=8, GROUPS=4, BLOCK_D=64, BLOCK_N=64, IEEE=False)),
                                ("fp32", dict(PAGE=16, BLOCK_W=16, GROUPS=1, BLOCK_D=128, BLOCK_N=64, IEEE=True))],
-    "attention_combine": [("bf16", dict(BLOCK_S=16, BLOCK_D=128)), ("fp32", dict(BLOCK_S=1, BLOCK_D=64))],
+    "padded_attention_merge": [("bf16", dict(BLOCK_S=64, BLOCK_D=128)), ("fp32", dict(BLOCK_S=128, BLOCK_D=64))],
     "tree_attention": [("fp16", dict(PAGE=16, BLOCK_D=128, BLOCK_N=64, BLOCK_M=16, HAS_LIVE=True)),
                        ("fp64", dict(PAGE=16, BLOCK_D=16, BLOCK_N=64, BLOCK_M=64, HAS_LIVE=False))],
     "store_kv": [("fp16", dict(PADDED=True, PAGE=16, BLOCK_T=16, BLOCK_H=4, BLOCK_D=32)),
