@@ -313,27 +313,33 @@ def chain_survival(survival: Sequence[float], share: float = 0.0,
 
 def tree_node_values(survival: Sequence[float], steps: int, topk: int, coverage: float,
                      tokens: int, share: float = 0.0, ran: float = 0.0) -> list[float]:
-    """The estimated survival of a request's ``N - 1`` verify nodes in a tree ``(S, K, N)``, in
-    the order the device admits them (its best by cumulative draft log-probability), held
-    non-increasing.
+    """The estimated worth, in accepted tokens, of a request's ``N - 1`` verify nodes in a tree
+    ``(S, K, N)``, in the order the device admits them (its best by cumulative draft
+    log-probability), largest first.
 
-    From the tracker's calibrated survival (``_level_rates``: per position the chain's rate
-    ``p(k)`` and the tree's ``c(k) = p + (1 - p) f``, the estimator of the per-batch trees, per
-    request and position): ``s(k)`` the chain's survival, ``t(k) = c(1)...c(k)`` the probability
-    that the tree still holds the target's path at depth k. Of the tree's nodes at depth k the
-    head's first choice (the chain's draft) survives with ``s(k)``; its K - 1 siblings share the
-    rest, ``(t(k) - s(k)) / (K - 1)`` each. Those ``S K`` values in decreasing order, zeros past
-    them, are the node values (the first ``N - 1``)."""
+    Per position k the request's chain rate ``p(k)`` and the tree's ``c(k) = p + (1 - p) f``
+    (``_level_rates``: the per-batch trees' estimator, per request and position). A tree of
+    ``n`` of its nodes is taken as the chain's first ``d = min(n, S)`` positions with the share
+    ``φ = (n - d) / (N - 1 - S)`` of the whole tree's siblings: per-level rate ``p + (c - p) φ``,
+    expected accepted ``E_n`` the sum over ``k <= d`` of the rates' running products. So
+    ``E_{N-1}`` is the whole tree's expectation (the per-batch estimator's ``E(c, S)``) and
+    ``E_n`` for ``n <= S`` the chain's (the per-request chain's values). Node ``n`` is worth
+    ``E_n - E_{n-1}``; the values come sorted, largest first (their sum, ``E_{N-1}``, kept)."""
     rates = _level_rates(list(survival[:steps]) + [0.0] * (steps - len(survival)), share, ran,
                          coverage)
-    out, s, t = [], 1.0, 1.0
-    for p, c in rates:
-        s *= p
-        t *= c
-        out.append(s)
-        out.extend([max(t - s, 0.0) / (topk - 1)] * (topk - 1))
+    width = tokens - 1 - steps     # the whole tree's siblings (<= 0: the budget is all depth)
+    out, before = [], 0.0
+    for n in range(1, tokens):
+        depth = min(n, steps)
+        phi = (n - depth) / width if width > 0 else 0.0
+        total, run = 0.0, 1.0
+        for p, c in rates[:depth]:
+            run *= p + (c - p) * phi
+            total += run
+        out.append(max(total - before, 0.0))
+        before = max(before, total)
     out.sort(reverse=True)
-    return (out + [0.0] * tokens)[:tokens - 1]
+    return out
 
 
 class TreeBudgetRule:

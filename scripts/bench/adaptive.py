@@ -91,13 +91,17 @@ from workers.sampling import SamplingParams
 
 STATIC = ("static0", "static1", "static3", "static7")
 POLICIES = STATIC + ("ema", "ema_min", "goodput", "goodput_min", "goodput_mix", "goodput_pr",
-                     "oracle_pr", "goodput_tree")
-TREES = ("goodput_tree",)
+                     "oracle_pr", "goodput_tree", "goodput_prtree")
+TREES = ("goodput_tree", "goodput_prtree")
 """Policies with draft trees among their candidates (issue 35): goodput over chains 0, 1, 3, 7
 and `--tree-candidates` (default `TREE_CANDIDATES`), each tree priced from the cost table's chain
 rows and verify table (`adaptive_dist.policy.tree`). Needs --model-costs with a verify table or
 the start-up measurement of both."""
 TREE_CANDIDATES = ("3x2x6", "5x4x8", "7x2x12", "7x4x16")
+PER_REQUEST_TREES = ("goodput_prtree",)
+"""Per-request trees (`--per-request --tree-candidates`): the round's shape a chain or a tree,
+each request its own draft depth or verify nodes (`adaptive_dist.policy.tree.TreeBudgetRule`);
+a tree round priced by its packed verify tokens (`policy.tree.tree_tokens_cost`)."""
 TREE_GOALS = {"transition": {1: (1.20, None), 16: (1.05, None), 64: (1.00, None)},
               "transition_long": {1: (1.20, None), 16: (1.05, None), 64: (1.00, None)},
               "mixed": {1: (1.20, None), 16: (1.05, None), 64: (1.00, None)}}
@@ -255,7 +259,7 @@ def spec_of(policy: str, knobs: dict[str, Any] | None = None,
     if policy.startswith("goodput"):
         # the shipped defaults (load_config: candidates 0, 1, 3, 7, initial 3)
         spec = load_config(None, "goodput").replace(
-            cost_alpha=cost_alpha, per_request=policy in PER_REQUEST,
+            cost_alpha=cost_alpha, per_request=policy in PER_REQUEST + PER_REQUEST_TREES,
             tree_candidates=[tree_entry(t) for t in TREE_CANDIDATES_IN_USE]
             if policy in TREES else (),
             reducer={"goodput_min": "min", "goodput_mix": "mixture"}.get(policy, "weighted_mean"))
@@ -513,13 +517,16 @@ def run_window(engine: Engine, prompts: list[list[int]], batch: int, rounds: int
 
 
 def modelled_seconds(rounds: dict[tuple, int], table: RoundCost,
-                     verify: Any = None, tree_overhead: float = 0.0) -> float:
+                     verify: Any = None, tree_overhead: float = 0.0,
+                     packed: bool = False) -> float:
     """The time `rounds` ((steps, padded batch, verify tokens) -> count) take by `table` (a
     round_cost table, its row picked as the policy picks it: `policy.cost_row`); with `verify`
     (a `VerifyCost`) a round's verify forward is priced by its own tokens
-    (`policy.budgets.shape_cost`), else by its row's full chain."""
+    (`policy.budgets.shape_cost`), else by its row's full chain; `packed`: a tree round's verify
+    by its own tokens too (per-request trees: `policy.tree.tree_tokens_cost`), else every row's
+    N (`tree_round_cost`)."""
     from adaptive_dist.policy.budgets import shape_cost
-    from adaptive_dist.policy.tree import tree_round_cost
+    from adaptive_dist.policy.tree import tree_round_cost, tree_tokens_cost
 
     total = 0.0
     for key, n in sorted(rounds.items()):
@@ -528,8 +535,10 @@ def modelled_seconds(rounds: dict[tuple, int], table: RoundCost,
             if verify is None:
                 raise ValueError("a tree round is priced with the verify table; --model-costs "
                                  "has none (agreed_verify_cost_ms)")
-            total += n * tree_round_cost(table, verify, steps, key[3], key[4], batch,
-                                         tree_overhead)
+            total += n * (tree_tokens_cost(table, verify, steps, key[3], key[2], batch,
+                                           tree_overhead) if packed else
+                          tree_round_cost(table, verify, steps, key[3], key[4], batch,
+                                          tree_overhead))
         elif verify is not None and len(key) > 2:
             total += n * shape_cost(table, verify, steps, key[2], batch)
         else:
@@ -618,7 +627,8 @@ def run_phases(engine: Engine, phases: list[list[list[int]]], new_tokens: int,
         if model is not None:
             ran = counter - shapes
             phase.update(wall_seconds=phase["seconds"], seconds=modelled_seconds(
-                ran, model, verify, getattr(engine.config.spec, "tree_overhead", 0.0)))
+                ran, model, verify, getattr(engine.config.spec, "tree_overhead", 0.0),
+                getattr(engine.config.spec, "per_request", False)))
         out["phases"].append(phase)
         out["phase_rounds"].append(engine.planner.round - round0)
     if window is not None:   # the last window's requests in flight: uncounted, cut short

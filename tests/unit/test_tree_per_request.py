@@ -20,6 +20,7 @@ from adaptive_dist.policy.tree import (
     PER_REQUEST_TREE_CODE,
     TreeBudgetRule,
     chain_rate,
+    expected_tree,
     tree_code,
     tree_node_values,
     tree_rate,
@@ -49,24 +50,25 @@ def config(costs, trees=TREES, **kw):
 
 
 # ---- the rule ----------------------------------------------------------------------------------
-def test_node_values_split_each_level_between_the_chain_and_its_siblings() -> None:
-    """The chain's draft at depth k is worth its survival s(k); its K - 1 siblings share t(k) -
-    s(k), t the tree's survival at c = p + (1 - p) f; the values come sorted (a request's best
-    nodes first, as the device admits them), zeros past the tree's S K nodes."""
-    surv = [0.8, 0.48, 0.24]
-    vals = tree_node_values(surv, 3, 2, 0.5, 8)
-    assert len(vals) == 7 and vals == sorted(vals, reverse=True) and vals[-1] == 0.0
-    t, s, want = 1.0, 1.0, []
-    for p in (0.8, 0.6, 0.5):
-        t *= tree_rate(p, 0.5)
-        s *= p
-        want += [s, t - s]
-    assert vals[:6] == pytest.approx(sorted(want, reverse=True))
+def test_node_values_add_up_to_the_per_batch_estimator_and_start_as_the_chain() -> None:
+    """A request's whole tree is worth the per-batch trees' E(c, S) (c = p + (1 - p) f); a
+    budget of n <= S nodes the chain's first n positions; the values come largest first; a
+    request observed on trees of the same coverage is taken at its observed rate."""
+    for p, (steps, k, n, f) in ((0.88, (7, 4, 16, 0.55)), (0.3, (5, 4, 8, 0.55)),
+                                (0.6, (3, 2, 6, 0.35)), (0.9, (5, 2, 4, 0.35))):
+        surv = [p ** j for j in range(1, 8)]
+        vals = tree_node_values(surv, steps, k, f, n)
+        assert len(vals) == n - 1 and vals == sorted(vals, reverse=True)
+        if n - 1 >= steps:
+            assert sum(vals) == pytest.approx(expected_tree(p, steps, f))
+        else:   # a budget smaller than the steps: the chain's first N - 1 positions
+            assert sum(vals) == pytest.approx(sum(surv[:n - 1]))
     # f = 0: the siblings are worth nothing, the chain's positions alone
-    assert tree_node_values(surv, 3, 4, 0.0, 13)[:3] == pytest.approx(surv)
+    assert tree_node_values([0.8, 0.48, 0.24], 3, 4, 0.0, 13)[:3] == pytest.approx(
+        [0.8, 0.48, 0.24])
     # observed on trees of the same coverage: the tree's rate is the observed one
-    once = tree_node_values([0.1, 0.01], 2, 2, 0.55, 5, share=1.0, ran=0.55)
-    assert once[:2] == pytest.approx([0.1, 0.01])   # t(1), t(2): the chain's p clamped to 0
+    seen = tree_node_values([0.5, 0.25], 2, 2, 0.55, 5, share=1.0, ran=0.55)
+    assert sum(seen) == pytest.approx(0.5 + 0.25)
     assert chain_rate(tree_rate(0.3, 0.4), 0.4) == pytest.approx(0.3)
 
 
