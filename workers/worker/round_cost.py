@@ -275,7 +275,8 @@ def measure_catchups(worker: TimedWorker, tiers: RuntimeStatePool, buckets: Sequ
     eager body. Before every catch-up each row's ring is full again (one small device fill,
     timed with it). {} without a lag ring (no head, or no depth-0 tier). Applies tier 0 (the
     caller applies the one it wants after). A context beyond a slot's pages is held at what
-    fits, below the ring's length at the ring's length; a repeated one measured once.
+    fits, below the ring's length at the ring's length (none when a slot cannot hold the ring);
+    a repeated one measured once.
     Collective like every measurement: every rank the same buckets and contexts in order."""
     lag = worker.lag
     if not getattr(lag, "built", False) or 0 not in tiers.states:
@@ -291,8 +292,8 @@ def measure_catchups(worker: TimedWorker, tiers: RuntimeStatePool, buckets: Sequ
     begun, total = time.perf_counter(), len(contexts) * len(buckets)
     for context in contexts:
         held = max(every, room(worker, context, 1))
-        if held in out:
-            continue
+        if held in out or held > room(worker, held, 1):
+            continue   # measured already, or a slot cannot hold the ring's entries
         row: dict[int, float] = {}
         with TrafficRows(worker, max(buckets), held, chain=1) as rows:
             held = rows.context
