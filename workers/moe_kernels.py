@@ -3,6 +3,7 @@ grouped GEMMs in Triton, static shapes (so a CUDA graph captures it at every dep
 
     out = fused_moe(x [N, d], ids [N, k], weights [N, k], w13 [E, 2F, d], w2 [E, d, F])
     ids, weights = route(logits [N, E], k, norm, dtype)      # the router's choice, one kernel
+    s, h = combine(pairs [N, k, d], shared, gate, x, norm_weight, eps)   # sum, add, norm
 
 ``ids`` are local expert indices (``E`` or more: an expert of another rank, contributing nothing
 here); ``w13[e]`` is expert ``e``'s gate rows then its up rows; the result is
@@ -18,7 +19,9 @@ here); ``w13[e]`` is expert ``e``'s gate rows then its up rows; the result is
    stable sort's order — and every block's expert), not the ~25 torch ops of `align_torch`.
 2. ``gate_up``: per block, ``silu(x W_gate^T) * (x W_up^T)`` of its rows, float32 accumulation.
 3. ``down``: per block, ``h W_down^T`` times each pair's routing weight, written to its pair.
-4. The ``k`` pairs of each token summed.
+4. The ``k`` pairs of each token summed: here, or (``summed=False``) by `combine` in one launch
+   with what the decoder adds after the block (a shared expert's gated rows, the next residual
+   add and RMSNorm: ``workers.model.moe.MoeOutput``).
 
 A decode round routes few pairs (batch 1 at top 8: 8), and there the alignment and the grouped
 grid (one 16-row block per expert and column slice, nearly all of them empty padding) cost more
@@ -249,9 +252,43 @@ def _kernels() -> SimpleNamespace:
         tl.store(weights_ptr + r * top_k + slot,
                  (chosen / total).to(weights_ptr.dtype.element_ty), mask=live)
 
+    @triton.jit
+    def combine_kernel(pairs_ptr, shared_ptr, gate_ptr, x_ptr, w_ptr, out_ptr, sum_ptr, top_k,
+                       n, stride_g, stride_x, eps, HAS_SHARED: tl.constexpr, NORM: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        # one program per token: its k pairs' rows summed (float32, rounded once, as torch's sum),
+        # plus the gated shared expert's row (sigmoid of the gate's logit, each product rounded
+        # as torch's ops round); with NORM the residual add and `rms_norm` of the result as
+        # `kernels.add_rms_norm` computes them (sum_ptr: x + delta; out_ptr: its norm)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        acc = tl.zeros([BLOCK], tl.float32)
+        for j in range(top_k):
+            acc += tl.load(pairs_ptr + (row * top_k + j) * n + cols, mask=mask,
+                           other=0.0).to(tl.float32)
+        dt = pairs_ptr.dtype.element_ty
+        delta = acc.to(dt)
+        if HAS_SHARED:
+            g = tl.load(gate_ptr + row * stride_g).to(tl.float32)
+            g = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            sh = tl.load(shared_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+            delta = (delta.to(tl.float32) + (sh * g).to(dt).to(tl.float32)).to(dt)
+        if NORM:
+            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + delta.to(tl.float32)).to(x.dtype)
+            tl.store(sum_ptr + row * n + cols, x, mask=mask)
+            xf = x.to(tl.float32)
+            r = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
+            y = (xf * r).to(x.dtype).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+            tl.store(out_ptr + row * n + cols, (w.to(tl.float32) * y).to(w.dtype), mask=mask)
+        else:
+            tl.store(sum_ptr + row * n + cols, delta, mask=mask)
+
     return SimpleNamespace(gate_up=gate_up_kernel, down=down_kernel,
                            pair_gate_up=pair_gate_up_kernel, pair_down=pair_down_kernel,
-                           align=align_kernel, route=route_kernel)
+                           align=align_kernel, route=route_kernel, combine=combine_kernel)
 
 
 def route(logits: torch.Tensor, top_k: int, norm: bool, dtype: torch.dtype
@@ -326,14 +363,19 @@ def align_torch(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor) -> torch.Tensor:
-    """See the module docstring. ``w13`` [E, 2F, d], ``w2`` [E, d, F], both contiguous."""
+              w2: torch.Tensor, summed: bool = True, all_local: bool = False) -> torch.Tensor:
+    """See the module docstring. ``w13`` [E, 2F, d], ``w2`` [E, d, F], both contiguous.
+    ``summed`` False: the pairs' rows [N, k, d] (each the routing weight times its expert's
+    output) for `combine` to sum, one launch fewer than summing here. ``all_local``: every id
+    is below E (tp, or a single rank): every pair's row is written, so the grouped path's output
+    is not zeroed first."""
     n_tok, d = x.shape
     top_k, experts, f = ids.shape[1], w13.shape[0], w2.shape[2]
     pairs = n_tok * top_k
     x = x.contiguous()
     if pairs <= PAIR_PATH_PAIRS:
-        return _pair_path(x, ids, weights, w13, w2)
+        out = _pair_path(x, ids, weights, w13, w2)
+        return out.sum(dim=1) if summed else out
     rows, block_expert = align(ids, experts)
     blocks = rows.numel() // BLOCK_M
     ieee = x.dtype == torch.float32
@@ -343,17 +385,20 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
         x, rows, block_expert, w13, hidden, pairs, top_k, experts, d, f, x.stride(0),
         w13.stride(0), w13.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         IEEE=ieee)
-    out = torch.zeros(pairs, d, dtype=x.dtype, device=x.device)
+    # another rank's pair is in no block: its row stays as allocated, so zeros unless all local
+    out = (torch.empty if all_local else torch.zeros)(pairs, d, dtype=x.dtype, device=x.device)
     k.down[(blocks, -(-d // BLOCK_N))](
         hidden, rows, block_expert, w2, weights.reshape(-1).contiguous(), out, pairs, experts, d,
         f, w2.stride(0), w2.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         IEEE=ieee)
-    return out.view(n_tok, top_k, d).sum(dim=1)
+    out = out.view(n_tok, top_k, d)
+    return out.sum(dim=1) if summed else out
 
 
 def _pair_path(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                w2: torch.Tensor) -> torch.Tensor:
-    """`fused_moe` for few pairs: one GEMV program per (pair, column slice), no alignment."""
+    """`fused_moe` for few pairs: one GEMV program per (pair, column slice), no alignment; the
+    pairs' rows [N, k, d], not summed."""
     n_tok, d = x.shape
     top_k, experts, f = ids.shape[1], w13.shape[0], w2.shape[2]
     pairs = n_tok * top_k
@@ -367,4 +412,42 @@ def _pair_path(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: t
     k.pair_down[(pairs, -(-d // PAIR_BLOCK_N))](
         hidden, flat, w2, weights.reshape(-1).contiguous(), out, experts, d, f, w2.stride(0),
         w2.stride(1), BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K)
-    return out.view(n_tok, top_k, d).sum(dim=1)
+    return out.view(n_tok, top_k, d)
+
+
+def combine(pairs: torch.Tensor, shared: torch.Tensor | None = None,
+            gate: torch.Tensor | None = None, x: torch.Tensor | None = None,
+            weight: torch.Tensor | None = None, eps: float = 0.0
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A MoE block's output from `fused_moe`'s unsummed pairs [N, k, d] in one launch: their sum
+    over k (float32, rounded once, as ``pairs.sum(1)``), plus, with `shared` [N, d] (a shared
+    expert's rows) and `gate` [N, 1] (its gate's logits), ``shared * sigmoid(gate)`` (each op
+    rounded to the dtype as torch's ops round); with `x` [N, d] and `weight` [d] also the
+    residual add and RMSNorm of `kernels.add_rms_norm`: returns ``(x + delta, norm(x + delta))``.
+    One launch where two ran (the sum, the add and norm), with a shared expert five."""
+    n, top_k, d = pairs.shape
+    if (shared is None) != (gate is None):
+        raise ValueError("combine: a shared expert's rows and its gate's logits go together")
+    if (x is None) != (weight is None):
+        raise ValueError("combine: the residual x and the norm's weight go together")
+    if shared is not None and (tuple(shared.shape) != (n, d) or tuple(gate.shape) != (n, 1)):
+        raise ValueError(f"combine: shared {tuple(shared.shape)}, gate {tuple(gate.shape)}; "
+                         f"allowed: [{n}, {d}] and [{n}, 1]")
+    if x is not None and (tuple(x.shape) != (n, d) or tuple(weight.shape) != (d,)):
+        raise ValueError(f"combine: x {tuple(x.shape)}, weight {tuple(weight.shape)}; "
+                         f"allowed: [{n}, {d}] and [{d}]")
+    pairs = pairs.contiguous()
+    if shared is not None:
+        shared = shared.contiguous()
+    xs = pairs if x is None else (x if x.stride(-1) == 1 else x.contiguous())
+    total = torch.empty(n, d, dtype=xs.dtype, device=pairs.device)
+    normed = total if weight is None else torch.empty(n, d, dtype=weight.dtype,
+                                                      device=pairs.device)
+    if n:
+        _kernels().combine[(n,)](
+            pairs, pairs if shared is None else shared, pairs if gate is None else gate, xs,
+            pairs if weight is None else weight, normed, total, top_k, d,
+            0 if gate is None else gate.stride(0), xs.stride(0), eps,
+            HAS_SHARED=shared is not None, NORM=x is not None,
+            BLOCK=1 << (d - 1).bit_length())
+    return total if x is None else (total, normed)

@@ -69,7 +69,7 @@ class Scopes:
     def __init__(self, target: torch.nn.Module, ranges: bool = False) -> None:
         self.target, self.ranges = target, ranges
         self.stack: list[tuple[Any, str]] = []
-        self.patched: list[tuple[Any, str]] = []
+        self.patched: list[tuple[Any, ...]] = []
 
     @property
     def current(self) -> tuple[Any, str]:
@@ -97,7 +97,9 @@ class Scopes:
         self.patched.append((obj, name))
 
     def install(self) -> "Scopes":
+        from workers.model import llama
         from workers.model.llama import LlamaDecoderLayer
+        from workers.model.moe import MoeBlock
 
         model = self.target.model
         self._wrap(model.embed_tokens, "forward", ("embed", "other"))
@@ -109,17 +111,31 @@ class Scopes:
             self._wrap(layer, "body", (i, "other"))
             self._wrap(layer.self_attn, "forward", (i, "attention"))
             self._wrap(layer.post_attention_layernorm, "add_forward", (i, "norm"))
-            from workers.model.moe import MoeBlock
             ffn = layer.ffn
-            self._wrap(ffn, "forward", (i, "moe" if isinstance(ffn, MoeBlock) else "mlp"))
+            moe = isinstance(ffn, MoeBlock)
+            for name in ("forward", "pending") if moe else ("forward",):
+                self._wrap(ffn, name, (i, "moe" if moe else "mlp"))
         for name in ("add_forward", "forward"):
             self._wrap(model.norm, name, ("final", "norm"))
         self._wrap(self.target.lm_head, "forward", ("head", "head"))
+        # the final residual add and norm (with a MoE block's sum, not through the norm's methods)
+        inner, final = llama.add_norm, model.norm
+
+        def add_norm(norm: Any, *args: Any) -> Any:
+            if norm is not final:
+                return inner(norm, *args)
+            with self.scope(("final", "norm")):
+                return inner(norm, *args)
+        llama.add_norm = add_norm
+        self.patched.append((llama, "add_norm", inner))
         return self
 
     def remove(self) -> None:
-        for obj, name in reversed(self.patched):
-            obj.__dict__.pop(name, None)
+        for obj, name, *old in reversed(self.patched):
+            if old:
+                setattr(obj, name, old[0])
+            else:
+                obj.__dict__.pop(name, None)
         self.patched.clear()
 
     def __enter__(self) -> "Scopes":
@@ -382,7 +398,13 @@ def meta(args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
 # ---- the GPU profile ---------------------------------------------------------------------------
 
 def clock(fn: Callable[[], Any], iters: int) -> float:
-    """Milliseconds per call of `fn` over `iters` back-to-back calls (CUDA events)."""
+    """Milliseconds per call of `fn` over `iters` back-to-back calls (CUDA events; on the CPU,
+    `--smoke`, the wall clock)."""
+    if not torch.cuda.is_available():
+        begun = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return 1000 * (time.perf_counter() - begun) / iters
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()
     torch.cuda.synchronize()
@@ -394,7 +416,8 @@ def clock(fn: Callable[[], Any], iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def eager_kernels(fn: Callable[[], Any], scopes: Scopes) -> list[tuple[tuple[Any, str], str, float]]:
+def eager_kernels(fn: Callable[[], Any], scopes: Scopes
+                  ) -> list[tuple[tuple[Any, str], str, float]]:
     """One eager call of `fn` under the profiler, its labels as ranges: every device kernel (and
     memset / memcpy) it launched, in launch order, as (label, kernel name, device ms); a kernel
     outside every label is labelled ("round", "other")."""
@@ -471,7 +494,11 @@ def profile_gpu(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = model_config(args)
     deep = max(args.depths)
-    target, head = random_target(cfg, args.shape, "cuda", with_head=deep > 0)
+    dev = "cpu" if args.smoke else "cuda"
+    if args.smoke:   # this flow on the CPU: the launches counted, no graphs, no device times
+        from scripts.diag.count_kernels import _Counting
+        _Counting.install()
+    target, head = random_target(cfg, args.shape, dev, with_head=deep > 0)
     blocks = [m for m in target.modules() if isinstance(m, MoeBlock)]
     every = sum(p.numel() * p.element_size() for p in target.parameters())
     experts_all = sum(b.gate_up.stacked.numel() * b.gate_up.stacked.element_size()
@@ -490,7 +517,7 @@ def profile_gpu(args: argparse.Namespace) -> dict[str, Any]:
     for steps, spec, eng_head in engines:
         engine = build(spec.replace(graph_buckets=tuple(batches)), target, eng_head,
                        batch=max(batches), context=args.context + args.iters * (deep + 1) + 16,
-                       device="cuda", graphs=True)
+                       device=dev, graphs=not args.smoke)
         print(f"[layer_kernels] engine at depth {steps} built "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         worker = engine.worker
@@ -507,13 +534,13 @@ def profile_gpu(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     replay = worker.target_body(tokens)
                     eager = worker.phases.body(key, None, worker.slots.reach)
-                    graphed = key in worker.table
+                    graphed = worker.table is not None and key in worker.table
 
                 with TrafficRows(worker, batch, args.context,
                                  chain=args.iters + 1) as rows:
                     def stage() -> None:
                         rows.start()
-                        worker.buffers.rows[:batch] = torch.arange(batch, device="cuda")
+                        worker.buffers.rows[:batch] = torch.arange(batch, device=dev)
                         worker.buffers.budget[:batch] = depth
                     with torch.inference_mode():
                         stage()
@@ -526,7 +553,12 @@ def profile_gpu(args: argparse.Namespace) -> dict[str, Any]:
                             samples.append(clock(replay, args.iters))
                         stage()
                         with Scopes(target) as scopes:
-                            labelled = eager_kernels(eager, scopes)
+                            if args.smoke:
+                                with counting(scopes) as got:
+                                    eager()
+                                labelled = [(lab, op, 0.0) for lab, op in got.records]
+                            else:
+                                labelled = eager_kernels(eager, scopes)
                         stage()
                         replays = replay_kernels(replay, args.replays) if graphed else []
                 floor_bytes = (every - experts_all - embed.numel() * embed.element_size()
@@ -554,7 +586,8 @@ def profile_gpu(args: argparse.Namespace) -> dict[str, Any]:
                 print(report_gpu(run), flush=True)
         engine.close()
         del engine
-        torch.cuda.empty_cache()
+        if not args.smoke:
+            torch.cuda.empty_cache()
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -586,8 +619,10 @@ def main() -> int:
                    help="scripts.gen.make_checkpoint's shape (default: tiny-moe on the CPU, "
                         "qwen3-30b-a3b on a GPU)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
-    p.add_argument("--experts", type=int, default=None, help="routed experts (default: the shape's)")
-    p.add_argument("--top-k", type=int, default=None, help="experts per token (default: the shape's)")
+    p.add_argument("--experts", type=int, default=None,
+                   help="routed experts (default: the shape's)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="experts per token (default: the shape's)")
     p.add_argument("--shared-expert", type=int, default=None,
                    help="a Qwen2-MoE shared expert of this width (q/k/v biases, no q/k norms)")
     p.add_argument("--batch", type=int, nargs="+", default=[1])
@@ -597,11 +632,18 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5, help="GPU: samples (the median is shown)")
     p.add_argument("--replays", type=int, default=3, help="GPU: profiled graph replays")
     p.add_argument("--bandwidth", type=float, default=3.25e12, help="GPU: bytes/s of the floor")
+    p.add_argument("--smoke", action="store_true",
+                   help="the GPU flow on the CPU (tiny-moe: no graphs, wall-clock times that "
+                        "mean nothing, launches counted as on the CPU): a test of this script")
     p.add_argument("--out", default=None, help="write the result as JSON")
     args = p.parse_args()
     if args.shape is None:
         args.shape = "tiny-moe" if args.device == "cpu" else "qwen3-30b-a3b"
-    if args.device == "cuda":
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        torch.set_num_threads(1)
+        result = profile_gpu(args)
+    elif args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("layer_kernels --device cuda: no CUDA device")
         result = profile_gpu(args)

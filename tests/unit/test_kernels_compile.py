@@ -61,6 +61,8 @@ CASES = {
                   ("fp32", dict(BLOCK_N=16, BLOCK_K=256))],
     "align": [("i64", dict(BLOCK=16, EXPERTS=128, CHUNK=64))],
     "route": [("bf16", dict(EXPERTS=128, K=8, NORM=True)), ("fp32", dict(EXPERTS=16, K=4, NORM=False))],
+    "combine": [("bf16", dict(HAS_SHARED=True, NORM=True, BLOCK=2048)),
+                ("fp32", dict(HAS_SHARED=False, NORM=False, BLOCK=64))],
 }
 out = {}
 found = {**vars(kernels._kernels()), **vars(moe_kernels._kernels())}

@@ -313,3 +313,78 @@ def test_the_route_kernel_equals_the_routing_definition(experts: int, top_k: int
     torch.testing.assert_close(weights, want.to(dtype), **tol)
     with pytest.raises(ValueError, match="top_k=0; allowed: 1 .. the number of experts"):
         moe_kernels.route(logits, 0, norm, dtype)
+
+
+def _to_bf16_truncated(t: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat16 as triton's interpreter casts (the low 16 bits dropped: toward zero;
+    a GPU rounds to nearest)."""
+    return (t.float().contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32).to(
+        torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared, norm", [(False, False), (True, False), (False, True),
+                                          (True, True)])
+def test_combine_equals_the_torch_ops_it_replaces(dtype, shared: bool, norm: bool) -> None:
+    """`moe_kernels.combine` (one program per token) against the torch ops it stands for: the
+    pairs' sum over the top 8 (``pairs.sum(1)``), a shared expert's rows times the sigmoid of its
+    gate's logit added (``MoeBlock.shared``'s ops), the residual add and RMSNorm
+    (``RMSNorm.add_forward``'s torch path), each op rounded to the dtype. float32: the sum bit
+    for bit, the rest within an ulp (exp, rsqrt). bfloat16: the same ops in float32 with each
+    rounding as triton's interpreter rounds (toward zero; a GPU rounds to nearest, as torch:
+    tests/gpu/test_moe_gpu.py checks it against the torch ops), within an ulp. In bounds, at a
+    width that is not a power of two (a masked tail)."""
+    from workers.model.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(int(shared) + 2 * int(norm))
+    n = 5
+    pairs = torch.randn(n, TOP_K, D, generator=gen).to(dtype)
+    rows = torch.randn(n, D, generator=gen).to(dtype) if shared else None
+    gate = (torch.randn(n, 1, generator=gen) * 2).to(dtype) if shared else None
+    x = torch.randn(n, D, generator=gen).to(dtype)
+    rms = RMSNorm(D, 1e-6).to(dtype)
+    with torch.no_grad():
+        rms.weight.copy_(1 + 0.1 * torch.randn(D, generator=gen))
+    rnd = (lambda t: t.to(dtype)) if dtype == torch.float32 else _to_bf16_truncated
+    want = rnd(pairs.float().sum(dim=1))
+    if shared:
+        g = rnd(torch.sigmoid(gate.float()))
+        want = rnd(want.float() + rnd(rows.float() * g.float()).float())
+    if norm:
+        total = rnd(x.float() + want.float())
+        tf = total.float()
+        y = rnd(tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + rms.eps))
+        want = (total, rnd(rms.weight.float() * y.float()))
+    with bounds_checked() as ran:
+        got = (moe_kernels.combine(pairs, rows, gate, x, rms.weight, rms.eps) if norm else
+               moe_kernels.combine(pairs, rows, gate))
+    assert ran == ["combine_kernel"]
+    if not norm:
+        got, want = (got,), (want,)
+    if dtype == torch.float32 and not shared:   # the sum alone: as torch's, bit for bit
+        assert torch.equal(got[0], pairs.sum(dim=1) if not norm else x + pairs.sum(dim=1))
+    ulp = {"atol": 1e-6, "rtol": 2.5e-7} if dtype == torch.float32 else {"atol": 0, "rtol": 8e-3}
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, **ulp)
+    with pytest.raises(ValueError, match="shared expert's rows and its gate's logits go together"):
+        moe_kernels.combine(pairs, x)
+    with pytest.raises(ValueError, match=r"combine: x \(5, 7\)"):
+        moe_kernels.combine(pairs, None, None, x[:, :7], rms.weight, 1e-6)
+
+
+def test_fused_moe_unsummed_is_the_pairs_of_the_summed(monkeypatch) -> None:
+    """`fused_moe(summed=False)`: the pairs' rows [N, k, d], whose sum over k is the summed
+    result bit for bit (float32), on both paths; the grouped path's output not zeroed when
+    every pair is local (`all_local`) is the same."""
+    moe = moe_block(torch.float32)
+    w13 = moe.gate_up.stacked.view(E, 2 * F, D)
+    for rows, pairs_path in ((1, True), (5, False)):
+        monkeypatch.setattr(moe_kernels, "PAIR_PATH_PAIRS", 10 ** 6 if pairs_path else 0)
+        x = torch.randn(rows, D, generator=torch.Generator().manual_seed(rows))
+        ids, weights = moe.route(x)
+        summed = moe_kernels.fused_moe(x, ids, weights, w13, moe.down.stacked)
+        parts = moe_kernels.fused_moe(x, ids, weights, w13, moe.down.stacked, summed=False,
+                                      all_local=True)
+        assert parts.shape == (rows, TOP_K, D)
+        assert torch.equal(parts.sum(dim=1), summed)

@@ -216,3 +216,44 @@ def test_a_missing_shared_expert_tensor_is_named(saved, tmp_path: Path, name: st
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=name.replace(".", "\\.")):
         load_llama(tmp_path)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("rows", [1, 23])
+def test_the_fused_kernels_forced_on_equal_transformers(saved, kind: str, rows: int,
+                                                        monkeypatch) -> None:
+    """Qwen2-MoE with every fused kernel forced on, in triton's interpreter: the router's and the
+    shared expert gate's logits in one GEMM (`RouterRows`), the fused experts left unsummed, and
+    each sparse layer's sum, gated shared expert, residual add and next norm in one launch
+    (`moe_kernels.combine`: into the next layer's input norm, the last layer's into the final
+    norm); logits within 1e-4 of transformers' (1 row: the pair path; 23: the grouped GEMMs)."""
+    import os
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors through triton's interpreter (on a GPU: tests/gpu/)")
+    from workers import kernels, moe_kernels
+
+    model, root = saved[kind]
+    ours = load_llama(root / "new")
+    blocks = [layer.ffn for layer in ours.model.layers if hasattr(layer.ffn, "shared_expert")]
+    with torch.no_grad():   # (with gradients on: two GEMMs over the parameters)
+        assert blocks and all(b.router.weight is not None for b in blocks)
+        for block in blocks:   # the parameters are views of the one buffer the GEMM reads
+            base = block.router.weight
+            assert block.gate.weight.data_ptr() == base.data_ptr()
+            assert block.shared_expert_gate.weight.data_ptr() == base[-1].data_ptr()
+    ids = torch.randint(0, VOCAB, (rows,), generator=torch.Generator().manual_seed(rows))
+    combined: list[bool] = []
+    real = moe_kernels.combine
+
+    def counted(pairs, shared=None, gate=None, x=None, *rest):  # noqa: ANN001, ANN202
+        combined.append(shared is not None and x is not None)
+        return real(pairs, shared, gate, x, *rest)
+    monkeypatch.setattr(moe_kernels, "combine", counted)
+    monkeypatch.setattr(kernels, "enabled", lambda x: True)
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]
+    got = _logits(ours, ids)
+    assert combined == [True] * len(blocks)     # each with its shared expert, into a norm
+    assert (ref - got).abs().max().item() < 1e-4

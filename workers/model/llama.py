@@ -36,7 +36,7 @@ from workers.model.layers import (
     VocabParallelLMHead,
     apply_rope,
 )
-from workers.model.moe import MOE_NAMES, MoeBlock
+from workers.model.moe import MOE_NAMES, MoeBlock, MoeOutput, settle
 from workers.model.parallel import ModelParallel
 
 
@@ -104,7 +104,9 @@ class LlamaDecoderLayer(nn.Module):
 
     A stack of layers runs as ``enter`` / ``body`` pairs (``run_layers``): a layer's last residual
     add is left to the next norm, which adds and normalises in one launch
-    (``RMSNorm.add_forward``); the sums are the same."""
+    (``RMSNorm.add_forward``); the sums are the same. A MoE block on the fused path of one rank
+    leaves its own sum over the top k (and its shared expert's gated add) to that launch too
+    (``MoeOutput``)."""
 
     def __init__(self, cfg: _DecoderDims, layer_id: int, par: ModelParallel,
                  input_norm: bool = True) -> None:
@@ -127,32 +129,38 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: LayerAttention) -> torch.Tensor:
         x, delta = self.body(*self.enter(x, None), cos, sin, attn)
-        return x + delta
+        return x + settle(delta)
 
-    def enter(self, x: torch.Tensor, delta: torch.Tensor | None
+    def enter(self, x: torch.Tensor, delta: torch.Tensor | MoeOutput | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the residual stream entering the layer, ``x + delta``; its input norm)."""
         return add_norm(self.input_layernorm, x, delta)
 
     def body(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              attn: LayerAttention, last: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor | MoeOutput]:
         """The layer over residual ``x`` and its norm ``h``: (the residual after attention, the
-        MLP's output); the layer's output is their sum. With ``last`` (row indices) every row's
-        K/V is stored but only those rows go on (``LlamaAttention.forward``)."""
+        MLP's output, or a MoE block's not summed yet: ``MoeOutput``); the layer's output is
+        their sum. With ``last`` (row indices) every row's K/V is stored but only those rows go
+        on (``LlamaAttention.forward``)."""
         out = self.self_attn(h, cos, sin, attn, last)
         if last is not None:
             x = x.index_select(0, last)
         x, h = self.post_attention_layernorm.add_forward(x, out)
-        return x, self.ffn(h)
+        ffn = self.ffn
+        return x, (ffn.pending(h) if isinstance(ffn, MoeBlock) else ffn(h))
 
 
-def add_norm(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor | None
+def add_norm(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor | MoeOutput | None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, norm(s))`` for ``s = x + delta`` (``x`` when ``delta`` is None); one launch for an
-    ``RMSNorm`` on the fused path."""
+    ``RMSNorm`` on the fused path, a `MoeOutput`'s sum included."""
     if delta is None:
         return x, norm(x)
+    if isinstance(delta, MoeOutput):
+        if isinstance(norm, RMSNorm):
+            return delta.add_norm(x, norm.weight, norm.eps)
+        delta = delta.total()
     if isinstance(norm, RMSNorm):
         return norm.add_forward(x, delta)
     x = x + delta
