@@ -1,8 +1,8 @@
 """Split-KV padded attention (``workers.kernels.padded_attention`` with ``splits``) against the
 unsplit kernels, CUDA-graph replayed on one GPU: the figures that set ``kernels.SPLIT_*``.
 
-    python3 -m scripts.bench.attention_split --out OUT      # about 60 s on one H200
-    python3 -m scripts.bench.attention_split --tiny --out OUT   # CPU smoke test (numbers mean nothing)
+    python3 -m scripts.bench.attention_split --out OUT        # one H200 (not yet run there)
+    python3 -m scripts.bench.attention_split --tiny --out OUT # CPU smoke (numbers mean nothing)
 
 Per head shape (``qwen3-moe``: 32 query / 4 KV heads of 128, ``llama-8b``: 32 / 8 of 128;
 bfloat16, pages of 16), rows (`--rows`, default 1 4 16 64), width (`--widths`, 1 4 8: decode and
