@@ -496,11 +496,12 @@ class ReducedLayout:
                 k3 if k3 >= 0 else -k3 | _SIGN, k4 if k4 >= 0 else -k4 | _SIGN))
             pooled = _new_pooled(live, float(red[2]), exact[0], exact[1], exact[2],
                                  -ne_min + 0.0, e_max, -np_min + 0.0, p_max, tuple(mix))
+        (n_req_max, tokens_max, extend_max, extend_len_max, no_graph, not_done, neg_seq, leave,
+         untimed, period_key) = red[m:m + 10]
         return _new_cluster(
-            red[self.agree_at + 2], red[0], red[m], red[m + 1], red[m + 2], red[m + 3],
-            not red[m + 4], not red[m + 5], -red[m + 6], bool(red[m + 7]), red[1],
-            bool(red[m + 8]), key_float(red[m + 9]) + 0.0, pooled,
-            tuple(red[self.values_at:m]))
+            red[self.agree_at + 2], red[0], n_req_max, tokens_max, extend_max, extend_len_max,
+            not no_graph, not not_done, -neg_seq, bool(leave), red[1], bool(untimed),
+            key_float(period_key) + 0.0, pooled, tuple(red[self.values_at:m]))
 
 
 ALGORITHMS = ("auto", "shm", "doubling", "gloo")

@@ -586,13 +586,12 @@ class RoundCoordinator:
               requests: Sequence[int] = ()) -> RoundPlan:
         bucket = pick_bucket(c.n_req_max, self.config.graph_buckets) if c.all_graph else None
         use_graph = bucket is not None
-        steps = self.steps
+        steps, tree, _ = self._candidate()   # (after the decision: the candidate now in force)
         budgets: tuple[int, ...] = ()
         if self.rule is not None:
             shape = self.rule.shape(self.state, c.n_req_max)
             budgets = self.rule.budgets(self._survivals, shape)
         else:
-            tree = self.tree
             if tree is None:
                 shape = self._chain_shapes.get((steps, c.n_req_max))
                 if shape is None:

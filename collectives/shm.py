@@ -228,14 +228,24 @@ class _Futex:
         self._last = (_futex_op(self.OP_ADD, 1, self.CMP_GE, n_local - 2) if self.early else
                       _futex_op(self.OP_ADD, 1, self.CMP_EQ, n_local - 1))
         self._add = _futex_op(self.OP_ADD, 1, self.CMP_EQ, -1)   # (never 2^32 - 1: no 2nd wake)
+        # a round's calls take only these arguments: built once as C longs and passed to a
+        # second handle of syscall() without argtypes (ctypes then converts nothing per call)
+        raw = ctypes.CDLL(None, use_errno=True).syscall
+        raw.restype = ctypes.c_long
+        self._raw = raw
+        c = ctypes.c_long
+        self._arrive_args = [
+            tuple(c(x) for x in (self.SYS_FUTEX, self._nobody_addr, self.WAKE_OP, 1, self.ALL,
+                                 self.count_addr[k], self._last)) for k in range(3)]
+        self._publish_args = tuple(c(x) for x in (self.SYS_FUTEX, self.pub_addr, self.WAKE_OP,
+                                                  self.ALL, 0, self.pub_addr, self._add))
 
     def arrive(self, k: int) -> bool:
-        return self._sys(self.SYS_FUTEX, self._nobody_addr, self.WAKE_OP, 1, self.ALL,
-                         self.count_addr[k], self._last) >= 0
+        """Add 1 to arrival counter ``k``; wake its waiters if this completed the round."""
+        return self._raw(*self._arrive_args[k]) >= 0
 
     def publish(self) -> bool:
-        return self._sys(self.SYS_FUTEX, self.pub_addr, self.WAKE_OP, self.ALL, 0,
-                         self.pub_addr, self._add) >= 0
+        return self._raw(*self._publish_args) >= 0
 
     def wait(self, addr: int, seen: int, timeout_s: float) -> None:
         """Block while the word at ``addr`` is ``seen``, at most ``timeout_s`` (returns early on
@@ -246,6 +256,7 @@ class _Futex:
 
     def release(self) -> None:
         self.counts, self.pub, self._nobody = [], None, None
+        self._arrive_args, self._publish_args = [], ()
 
 
 class HostReducer:
