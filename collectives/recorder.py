@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Callable, Optional
 
 import torch
@@ -36,6 +36,13 @@ class CollectiveEntry:
     @staticmethod
     def from_json(d: dict) -> "CollectiveEntry":
         return CollectiveEntry(d["seq"], d["op"], d["group"], tuple(d["shape"]), d["dtype"])
+
+
+_new = object.__new__
+if (not CollectiveEntry.__dataclass_params__.frozen or hasattr(CollectiveEntry, "__post_init__")
+        or [f.name for f in fields(CollectiveEntry)] != ["seq", "op", "group", "shape", "dtype"]):
+    raise ImportError("collectives.recorder: CollectiveEntry changed; record() builds it by its "
+                      "five fields")
 
 
 class CollectiveRecorder:
@@ -76,7 +83,10 @@ class CollectiveRecorder:
             shape, dtype = tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")
             sig = self._signatures[key] = (
                 shape, dtype, repr(CollectiveEntry(0, op, group, shape, dtype).signature()).encode())
-        entry = CollectiveEntry(self.count, op, group, sig[0], sig[1])
+        # the entry without the frozen __init__'s one object.__setattr__ per field (the same
+        # instance: equal, the same repr and hash; CollectiveEntry's __init__ only sets them)
+        entry = _new(CollectiveEntry)
+        entry.__dict__.update(seq=self.count, op=op, group=group, shape=sig[0], dtype=sig[1])
         self.count += 1
         if self.keep_log:
             self.log.append(entry)

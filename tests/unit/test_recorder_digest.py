@@ -37,5 +37,7 @@ def test_cached_signatures_give_the_defined_entries_and_hash():
     got = [rec.record(op, g, t) for op, g, t in calls]
     digest, entries = reference(calls)
     assert got == entries and rec.log == entries
+    assert [repr(e) for e in got] == [repr(e) for e in entries]
+    assert [hash(e) for e in got] == [hash(e) for e in entries]
     assert rec._digest == digest
     assert len(rec._signatures) <= 7
