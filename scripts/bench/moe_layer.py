@@ -27,7 +27,9 @@ against their weight floor".
 
 `--profile` also runs torch.profiler over each round's replays: kernels per round and their device
 time by kind (MoE, attention, norms and RoPE, GEMMs, other), the sum against the round's time
-(the difference: gaps between kernels). `--ways` times some of the layer's ways only (each alone in its own process, under
+(the difference: gaps between kernels). Per decoder layer and part (each kernel labelled by the
+code that launched it), and the verify forward at depths 1/3/7: `scripts.diag.layer_kernels
+--device cuda`. `--ways` times some of the layer's ways only (each alone in its own process, under
 `CUDA_LAUNCH_BLOCKING=1`, pinpoints a fault). Writes OUT/moe_layer.json and OUT/moe_layer.png
 (after the layer part, and again with the round), and in the JSON's `choices` the rows whose
 figures argue against `PAIR_PATH_PAIRS` / `ALIGN_KERNEL_PAIRS`. `--tiny`: a smoke test of this script on the
@@ -221,7 +223,7 @@ def layer_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 KINDS = (("moe", ("pair_gate_up", "pair_down", "gate_up_kernel", "down_kernel", "align_kernel",
-                   "route_kernel")),
+                   "route_kernel", "combine_kernel")),   # combine: the sum, the next add + norm
          ("attention", ("padded_attention", "store_kv", "tree_attention")),
          ("norm_rope", ("rms_norm", "rope", "silu_mul")),
          ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "cublas", "splitk", "aten::mm",

@@ -290,3 +290,31 @@ def test_the_moe_bench_sorts_a_rounds_kernels_by_kind() -> None:
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>")] == [
         "moe", "moe", "moe", "moe", "norm_rope", "norm_rope", "norm_rope", "attention",
         "attention", "gemm", "gemm", "other"]
+
+
+def test_the_layer_count_of_a_moe_round(tmp_path: Path) -> None:
+    """`scripts.diag.layer_kernels` on the CPU (the fused path's launches counted as CUDA runs
+    them): a Qwen3-MoE layer of a depth-0 round at top 8 of 16 launches 11 kernels at batch 1
+    (the pair path) and 12 at batch 8 (the grouped path); a Qwen2-MoE layer (shared expert) 14;
+    no host sync anywhere in the verify forward. A guard on the counts `docs/results.md`
+    reports (issue 36)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    counts = {}
+    for name, extra in (("qwen3", ["--batch", "1", "8"]),
+                        ("qwen2", ["--batch", "1", "--shared-expert", "48"])):
+        out = tmp_path / f"{name}.json"
+        run = subprocess.run([sys.executable, "-m", "scripts.diag.layer_kernels", "--top-k", "8",
+                              "--experts", "16", "--out", str(out), *extra], cwd=root,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        for rec in json.loads(out.read_text())["runs"]:
+            target = rec["target"]
+            assert target["host_syncs"] == []
+            per_layer = {sum(p["kernels"] for p in layer.values())
+                         for layer in target["per_layer"].values()}
+            counts[name, rec["batch"]] = per_layer
+    assert counts == {("qwen3", 1): {11}, ("qwen3", 8): {12}, ("qwen2", 1): {14}}
