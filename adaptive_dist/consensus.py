@@ -330,14 +330,19 @@ def frozen_positional(cls: type) -> Callable[..., object]:
     one ``object.__setattr__`` per field (a round builds a ``ClusterRound`` and a ``Pooled``).
     Refused for a class whose ``__init__`` does more (``__post_init__``, slots, no init)."""
     names = _plain_frozen(cls, "frozen_positional")
-    new, n = object.__new__, len(names)
-
-    def make(*values: object) -> object:
-        if len(values) != n:
-            raise TypeError(f"{cls.__name__}: {len(values)} values for {n} fields")
-        obj = new(cls)
-        obj.__dict__.update(zip(names, values))
-        return obj
+    if {"_frozen_new_", "_frozen_cls_", "_frozen_obj_"} & set(names):
+        raise TypeError(f"frozen_positional: {cls.__name__} has a field named as the "
+                        f"constructor's own variables")
+    # one function with the fields as its parameters and their dict as one constant-keyed
+    # display (no zip, no count check: Python's call names a missing or extra value)
+    src = (f"def {cls.__name__}({', '.join(names)}):\n"
+           f"    _frozen_obj_ = _frozen_new_(_frozen_cls_)\n"
+           f"    _frozen_obj_.__dict__.update({{{', '.join(f'{n!r}: {n}' for n in names)}}})\n"
+           f"    return _frozen_obj_\n")
+    scope = {"_frozen_new_": object.__new__, "_frozen_cls_": cls}
+    exec(src, scope)
+    make = scope[cls.__name__]
+    make.__qualname__ = f"frozen_positional({cls.__name__})"
     return make
 
 

@@ -312,6 +312,38 @@ def local(args) -> dict:
 
     parts = {"round": one_round, "reduce": lambda: channel.reduce(vec),
              "agreed_decode": lambda: layout.agreed(red) and layout.decode(red)}
+    if args.pieces:
+        # the round's pieces one by one, each on a fixed input of the round above (the sum of
+        # the pieces is not the round: a piece alone runs with warmer caches than in the round)
+        from adaptive_dist.coordinator import RoundStats
+
+        policy = coord.policy
+        agree = (vec.round, vec.steps, vec.tokens, vec.counted, vec.last_switch,
+                 vec.config_hash, vec.prev_plan_hash)
+        enc_args = (vec.n_req, vec.num_tokens, vec.n_extend, vec.extend_len, vec.can_graph,
+                    vec.done, vec.seq, vec.leave, vec.prev_n_req, vec.ema, vec.ema_fail,
+                    vec.weight, vec.period, agree, vec.values)
+        encode_round = getattr(layout, "encode_round", None)   # (an older tree: encode only)
+        enc = encode_round(*enc_args) if encode_round else layout.encode(vec)
+        reduce_encoded = getattr(channel, "reduce_encoded", None)
+        cluster = layout.decode(red)
+        state, estimate, scratch = coord.state, coord.local, RoundStats()
+        parts.update({
+            "p_report": lambda: RoundReport(b, 0, True),
+            "p_encode": ((lambda: encode_round(*enc_args)) if encode_round
+                         else (lambda: layout.encode(vec))),
+            "p_pack_unpack": ((lambda: reduce_encoded(enc, 7)) if reduce_encoded
+                              else (lambda: channel.reduce(vec))),
+            "p_agreed": lambda: layout.agreed(red),
+            "p_decode": lambda: layout.decode(red),
+            "p_decide": lambda: policy.decide_pooled(state, cluster.prev_n_req_sum,
+                                                     cluster.pooled, batch=b, table=None),
+            "p_plan": lambda: coord._plan(cluster, False, ()),
+            "p_plan_hash_digest": lambda: consensus.hash48(
+                0, 7, consensus.plan_hash(3, 16, True, 4)),
+            "p_observe": lambda: policy.observe(estimate, accepts, 3, None),
+            "p_count_drafts": lambda: scratch.count_drafts(accepts, 3),
+        })
     for _ in range(args.warmup):
         for fn in parts.values():
             fn()
@@ -530,6 +562,10 @@ def main() -> None:
                     help="no ranks: the round's host work in this process (begin_round + "
                          "end_round over a group of one, and the reduced vector's parts)")
     ap.add_argument("--batch", type=int, default=4, help="--local: requests a round")
+    ap.add_argument("--pieces", action="store_true",
+                    help="--local: also each piece of the round alone (p_*: the report, "
+                         "encode, the buffer's pack and unpack, agreed, decode, the policy's "
+                         "decision, the plan, its hash and the digest, observe, count_drafts)")
     ap.add_argument("--cold-us", type=float, default=500.0,
                     help="--local: also round_cold, each round after a sleep of this many µs "
                          "(0: not measured)")

@@ -33,3 +33,19 @@ def test_an_older_run_reads_as_rank_0s_time():
     new = {"cases": {"reduce_shm": {"from_last_us": {"median_us": 40.0}, "rank0_us": {}}}}
     assert bench.case_fig(old, "reduce_shm")["median_us"] == 142.0
     assert bench.case_fig(new, "reduce_shm")["median_us"] == 40.0
+
+
+def test_local_round_and_its_pieces_run():
+    """``--local --pieces``: the round's host work and each piece alone, with counted bytecodes
+    (a few rounds: that it runs and reports every piece, not how fast)."""
+    import argparse
+
+    from scripts.bench.consensus import local
+
+    args = argparse.Namespace(batch=4, rounds=50, repeats=1, warmup=5, cold_us=0.0, pieces=True)
+    out = local(args)
+    for name in ("round", "reduce", "agreed_decode", "p_encode", "p_pack_unpack", "p_agreed",
+                 "p_decode", "p_decide", "p_plan", "p_plan_hash_digest", "p_observe",
+                 "p_count_drafts", "p_report"):
+        assert out[name]["cpu_us"] > 0 and out[name]["wall_us"] > 0, name
+    assert 500 < out["bytecodes_per_round"] < 5000
