@@ -76,7 +76,7 @@ class _Counting:
     and ops do not depend on values, and the interpreter would take minutes)."""
 
     on = False
-    hooks: list = []     # called with each launch's kernel name (diag.layer_kernels' count)
+    hooks: list = []     # called with each launch's kernel name and its programs
     installed = False
     launching = False    # inside a recorded launch
 
@@ -98,8 +98,11 @@ class _Counting:
 
             def __getitem__(self, grid: Any) -> Any:
                 def run(*args: Any, **kwargs: Any) -> None:
+                    programs = 1
+                    for g in (grid if isinstance(grid, tuple) else (grid,)):
+                        programs *= int(g)
                     for hook in cls.hooks:
-                        hook(self.name)
+                        hook(self.name, programs)
                     with torch.profiler.record_function(TRITON_PREFIX + self.name):
                         cls.launching = True    # the zeroing is not the model's (no count)
                         try:

@@ -88,7 +88,9 @@ class Scopes:
             self.stack.pop()
 
     def _wrap(self, obj: Any, name: str, label: tuple[Any, str]) -> None:
-        inner = getattr(obj, name)
+        inner = getattr(obj, name, None)
+        if inner is None:   # an older tree's model (diag.count_kernels says how to run one)
+            return
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             with self.scope(label):
@@ -157,6 +159,7 @@ class Launches:
     def __init__(self) -> None:
         self.records: list[tuple[tuple[Any, str], str]] = []
         self.syncs: list[tuple[Any, str]] = []
+        self.programs: list[tuple[tuple[Any, str], str, int]] = []   # Triton launches' grids
 
 
 @contextmanager
@@ -182,8 +185,9 @@ def counting(scopes: Scopes) -> Iterator[Launches]:
                 got.records.append((scopes.current, f"aten::{name}"))
             return out
 
-    def on_launch(name: str) -> None:
+    def on_launch(name: str, programs: int) -> None:
         got.records.append((scopes.current, f"triton::{name}"))
+        got.programs.append((scopes.current, name, programs))
 
     _Counting.hooks.append(on_launch)
     _Counting.on = True
@@ -368,6 +372,12 @@ def count_cpu(args: argparse.Namespace) -> dict[str, Any]:
                         body()
                     rec = summarize(got.records)
                     rec["host_syncs"] = [label_key(s) for s in got.syncs]
+                    # programs per Triton launch of one layer (the last): fewer than a GPU's
+                    # SMs (132 on an H200) and the launch is latency-bound, whatever it reads
+                    last = max((lab[0] for lab, _, _ in got.programs
+                                if isinstance(lab[0], int)), default=None)
+                    rec["programs_last_layer"] = [[lab[1], name, n] for lab, name, n
+                                                  in got.programs if lab[0] == last]
                     run["target" if phase is GraphPhase.TARGET else "accept"] = rec
                     if not isinstance(key, GraphKey):
                         raise TypeError(key)
@@ -384,6 +394,9 @@ def report_cpu(run: dict[str, Any]) -> str:
              + (f", acceptance {run['accept']['kernels']}" if "accept" in run else "")
              + (f"; HOST SYNCS: {t['host_syncs']}" if t["host_syncs"] else "")]
     lines += describe(t)
+    if t.get("programs_last_layer"):
+        lines.append("  programs per Triton launch (last layer): " + ", ".join(
+            f"{name} {n}" for _, name, n in t["programs_last_layer"]))
     return "\n".join(lines)
 
 
