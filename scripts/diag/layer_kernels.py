@@ -564,16 +564,24 @@ def profile_gpu(args: argparse.Namespace) -> dict[str, Any]:
                         for _ in range(args.repeats):
                             stage()
                             samples.append(clock(replay, args.iters))
-                        stage()
-                        with Scopes(target) as scopes:
-                            if args.smoke:
-                                with counting(scopes) as got:
-                                    eager()
-                                labelled = [(lab, op, 0.0) for lab, op in got.records]
-                            else:
-                                labelled = eager_kernels(eager, scopes)
-                        stage()
-                        replays = replay_kernels(replay, args.replays) if graphed else []
+                        errors = []     # a profile that fails is reported, the run goes on
+                        labelled, replays = [], []
+                        try:
+                            stage()
+                            with Scopes(target) as scopes:
+                                if args.smoke:
+                                    with counting(scopes) as got:
+                                        eager()
+                                    labelled = [(lab, op, 0.0) for lab, op in got.records]
+                                else:
+                                    labelled = eager_kernels(eager, scopes)
+                        except Exception as e:  # noqa: BLE001 (reported by name)
+                            errors.append(f"eager profile: {type(e).__name__}: {e}")
+                        try:
+                            stage()
+                            replays = replay_kernels(replay, args.replays) if graphed else []
+                        except Exception as e:  # noqa: BLE001
+                            errors.append(f"replay profile: {type(e).__name__}: {e}")
                 floor_bytes = (every - experts_all - embed.numel() * embed.element_size()
                                + tokens * row_bytes + sum(hits) * expert_bytes)
                 floor_ms = 1000 * floor_bytes / args.bandwidth
@@ -595,8 +603,11 @@ def profile_gpu(args: argparse.Namespace) -> dict[str, Any]:
                         [(lab, name) for lab, (name, _) in zip(labels, replays[-1])], per_kernel)
                     run["replay"]["matched_share"] = share
                     run["gap_ms"] = med - run["replay"]["kernel_ms"]
+                run["errors"] = errors
                 out["runs"].append(run)
                 print(report_gpu(run), flush=True)
+                if args.out:    # after every run: a cut-short run keeps what it measured
+                    write(args.out, out)
         engine.close()
         del engine
         if not args.smoke:
@@ -612,7 +623,11 @@ def report_gpu(run: dict[str, Any]) -> str:
              f"({'graph replay' if run['graph'] else 'EAGER: no graph at this shape'}), floor "
              f"{run['floor_ms']:.3f} ms ({run['floor_gb']:.2f} GB, "
              f"{run['experts_per_layer']:.1f} experts per layer), x{run['over_floor']:.2f}"]
+    for error in run.get("errors", ()):
+        lines.append(f"  PROFILE FAILED: {error}")
     src = run.get("replay") or run["eager"]
+    if not src["kernels"]:
+        return "\n".join(lines)
     kind = "graph replay" if "replay" in run else "eager run (no replay kernels reported)"
     parts = ", ".join(f"{p} {src['parts'].get(p, 0)} kernels {src['parts_ms'].get(p, 0.0):.3f} ms"
                       for p in PARTS + ("unmatched",) if p in src["parts"])
@@ -663,9 +678,13 @@ def main() -> int:
     else:
         result = count_cpu(args)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+        write(args.out, result)
     return 0
+
+
+def write(path: str, result: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -318,3 +318,30 @@ def test_the_layer_count_of_a_moe_round(tmp_path: Path) -> None:
                          for layer in target["per_layer"].values()}
             counts[name, rec["batch"]] = per_layer
     assert counts == {("qwen3", 1): {11}, ("qwen3", 8): {12}, ("qwen2", 1): {14}}
+
+
+def test_the_layer_profile_flow_runs_on_the_cpu(tmp_path: Path) -> None:
+    """`scripts.diag.layer_kernels --smoke`: the GPU command's flow (the depth-0 engine's round,
+    the deeper engine's verify forwards over `TrafficRows`, the experts hit, the floor, the
+    labelled eager run) on the CPU, tiny-moe, no graphs: every run reported, labelled per layer,
+    no profile failure (the device profile itself needs a GPU)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "smoke.json"
+    run = subprocess.run([sys.executable, "-m", "scripts.diag.layer_kernels", "--smoke",
+                          "--batch", "1", "4", "--depths", "0", "3", "--context", "64",
+                          "--iters", "1", "--repeats", "1", "--top-k", "8", "--experts", "16",
+                          "--out", str(out)], cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["what"], r["depth"], r["batch"]) for r in runs] == [
+        ("round", 0, 1), ("round", 0, 4), ("verify", 3, 1), ("verify", 3, 4)]
+    for r in runs:
+        assert r["errors"] == [] and r["floor_ms"] > 0 and r["experts_per_layer"] > 0
+        assert sorted(r["eager"]["per_layer"]) == ["0", "1", "2", "3"]
+        assert {sum(p["kernels"] for p in layer.values())
+                for layer in r["eager"]["per_layer"].values()} == {11 if r["tokens"] == 1 else 12}
