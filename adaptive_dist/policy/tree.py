@@ -318,28 +318,61 @@ def tree_node_values(survival: Sequence[float], steps: int, topk: int, coverage:
     log-probability), largest first.
 
     Per position k the request's chain rate ``p(k)`` and the tree's ``c(k) = p + (1 - p) f``
-    (``_level_rates``: the per-batch trees' estimator, per request and position). A tree of
-    ``n`` of its nodes is taken as the chain's first ``d = min(n, S)`` positions with the share
-    ``φ = (n - d) / (N - 1 - S)`` of the whole tree's siblings: per-level rate ``p + (c - p) φ``,
-    expected accepted ``E_n`` the sum over ``k <= d`` of the rates' running products. So
-    ``E_{N-1}`` is the whole tree's expectation (the per-batch estimator's ``E(c, S)``) and
-    ``E_n`` for ``n <= S`` the chain's (the per-request chain's values). Node ``n`` is worth
-    ``E_n - E_{n-1}``; the values come sorted, largest first (their sum, ``E_{N-1}``, kept)."""
+    (``_level_rates``: the per-batch trees' estimator, per request and position), ``s(k)`` and
+    ``t(k)`` their running products: the chain's draft at depth k survives with ``s(k)``, and
+    the tree holds the target's path at depth k with ``t(k)``, so its K - 1 siblings there share
+    ``t(k) - s(k)``. The head ranks nodes by its own cumulative probability, which these stand
+    in for: the chain's first draft first (the head's best node), then the other ``S K - 1``
+    values sorted, the first ``N - 1`` kept (a sure head's chain comes first, an unsure head's
+    siblings at the shallow levels before the deep chain). The kept siblings
+    are then scaled so the whole tree is worth the per-batch estimator's ``E(c, S)`` (its ``f``
+    is fitted per shape, the budget N included: the siblings a budget drops are in it), and the
+    values sorted again."""
     rates = _level_rates(list(survival[:steps]) + [0.0] * (steps - len(survival)), share, ran,
                          coverage)
-    width = tokens - 1 - steps     # the whole tree's siblings (<= 0: the budget is all depth)
-    out, before = [], 0.0
-    for n in range(1, tokens):
-        depth = min(n, steps)
-        phi = (n - depth) / width if width > 0 else 0.0
-        total, run = 0.0, 1.0
-        for p, c in rates[:depth]:
-            run *= p + (c - p) * phi
-            total += run
-        out.append(max(total - before, 0.0))
-        before = max(before, total)
-    out.sort(reverse=True)
+    nodes, s, t = [], 1.0, 1.0
+    for p, c in rates:
+        s *= p
+        t *= c
+        nodes.append((s, False))
+        nodes.extend([(max(t - s, 0.0) / (topk - 1), True)] * (topk - 1))
+    # the head's first choice at depth 1 outranks every other node (children never score above
+    # their parents, siblings not above it): the device's first node whatever the estimates
+    nodes = nodes[:1] + sorted(nodes[1:], key=lambda v: -v[0])
+    kept = nodes[:tokens - 1]
+    whole = expected_tree_rates(rates)
+    mains = sum(v for v, sib in kept if not sib)
+    sibs = sum(v for v, sib in kept if sib)
+    scale = max(whole - mains, 0.0) / sibs if sibs > 0 else 1.0
+    out = [kept[0][0]] + sorted((v * scale if sib else v for v, sib in kept[1:]), reverse=True)
+    return _non_increasing(out) + [0.0] * (tokens - 1 - len(out))
+
+
+def _non_increasing(values: Sequence[float]) -> list[float]:
+    """``values`` made non-increasing with their sum and every prefix sum at a block's end
+    kept: a run that rises is replaced by its mean (pool adjacent violators), so the fill, which
+    admits a request's nodes in order, sees the head's first node at least as dear as what comes
+    after it (it is the device's first whatever the estimates)."""
+    blocks: list[list[float]] = []
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-1][0] / blocks[-1][1] > blocks[-2][0] / blocks[-2][1]:
+            top = blocks.pop()
+            blocks[-1][0] += top[0]
+            blocks[-1][1] += top[1]
+    out: list[float] = []
+    for total, count in blocks:
+        out.extend([total / count] * int(count))
     return out
+
+
+def expected_tree_rates(rates: Sequence[tuple[float, float]]) -> float:
+    """``E(c, S)`` at per-level tree rates (``_level_rates``' second terms)."""
+    total, run = 0.0, 1.0
+    for _, c in rates:
+        run *= c
+        total += run
+    return total
 
 
 class TreeBudgetRule:
@@ -371,8 +404,10 @@ class TreeBudgetRule:
             from adaptive_dist.policy.budgets import SurvivalTracker
 
             self.tracker = self.chains.tracker = SurvivalTracker(depth)
-        # per request: (decayed share of its drafted rounds that were trees, their coverage)
+        # per request: (decayed share of its drafted rounds that were trees, their coverage);
+        # the rank's pooled counts (every request's prior) alike, per drafted round
         self.tree_share: dict[int, tuple[float, float]] = {}
+        self.pool_share: tuple[float, float] = (0.0, 0.0)
         self._nodes: list[list[list[float]]] = []   # per tree: the round's requests' values
 
     @property
@@ -387,7 +422,7 @@ class TreeBudgetRule:
         raw = self.chains.survivals(rids)
         chains, self._nodes = [], [[] for _ in self.trees]
         for rid, surv in zip(rids, raw):
-            share, ran = self.tree_share.get(rid, (0.0, 0.0))
+            share, ran = self.tree_share.get(rid, self.pool_share)
             for j, (s, k, n, f) in enumerate(self.trees):
                 self._nodes[j].append(tree_node_values(surv, s, k, f, n, share, ran))
             chains.append(chain_survival(surv, share, ran))
@@ -494,27 +529,44 @@ class TreeBudgetRule:
     def drafted(self, rids: Sequence[int], budgets: Sequence[int], shape: Any) -> list[int]:
         """The drafted depth of each request (what the tracker records: positions ``1 ..
         min(a + 1, d)`` reached) — a tree's ``min(N_i, S)`` — and each request's share of tree
-        rounds moved (``budgets.DECAY`` per drafted round, as its counts)."""
-        from adaptive_dist.policy.budgets import DECAY
+        rounds moved (``budgets.DECAY`` per drafted round, as its counts; the pooled share by
+        ``POOL_DECAY``). A tree round of ``N_i`` nodes is an observation at the coverage its
+        nodes had, taken as ``f φ_i`` with ``φ_i = (N_i - 1) / (N - 2)`` (the nodes past the
+        head's first, a share of the whole tree's; one node: the chain's draft): so a request kept
+        to a small tree, whose deeper levels its few nodes cover less, is not read as one whose
+        whole tree would do no better (the small tree's rate would otherwise shrink the next
+        round's tree, and so on)."""
+        from adaptive_dist.policy.budgets import DECAY, POOL_DECAY
 
         tree = shape.tree
         f = 0.0
         if tree is not None:
             f = next(t[3] for t in self.trees if t[:3] == (tree.steps, tree.topk, tree.tokens))
-        out = []
+        seen, out = [], []
         for rid, d in zip(rids, budgets):
             if d <= 0:
                 out.append(0)
                 continue
-            share, ran = self.tree_share.get(rid, (0.0, 0.0))
-            x = 1.0 if tree is not None else 0.0
+            x, cover = 0.0, 0.0
+            if tree is not None:   # the nodes past the head's first, a share of the tree's
+                phi = (d - 1) / (tree.tokens - 2) if tree.tokens > 2 else 0.0
+                x, cover = (1.0, f * phi) if phi > 0 else (0.0, 0.0)
+            seen.append((x, cover))
+            share, ran = self.tree_share.get(rid, self.pool_share)
             new = DECAY * share + (1.0 - DECAY) * x
             if new > 1e-6:
-                ran = (DECAY * share * ran + (1.0 - DECAY) * x * f) / new
-                self.tree_share[rid] = (new, ran)
+                self.tree_share[rid] = (new, (DECAY * share * ran + (1.0 - DECAY) * x * cover)
+                                        / new)
             else:
                 self.tree_share.pop(rid, None)
             out.append(min(d, tree.steps) if tree is not None else d)
+        if seen:   # the pooled counts' share, as they decay
+            share, ran = self.pool_share
+            x = sum(v[0] for v in seen) / len(seen)
+            cover = sum(v[0] * v[1] for v in seen) / len(seen)
+            new = POOL_DECAY * share + (1.0 - POOL_DECAY) * x
+            self.pool_share = ((new, (POOL_DECAY * share * ran + (1.0 - POOL_DECAY) * cover)
+                                / new) if new > 1e-6 else (0.0, 0.0))
         if len(self.tree_share) > 4 * max(len(rids), 64):   # finished requests
             keep = set(rids)
             self.tree_share = {r: v for r, v in self.tree_share.items() if r in keep}
