@@ -139,11 +139,12 @@ def _kernels() -> SimpleNamespace:
                      mask=live[:, None] & nmask[None, :])
 
     @triton.jit
-    def pair_gate_up_kernel(x_ptr, ids_ptr, w_ptr, out_ptr, top_k, num_experts, d, f, stride_x,
-                            stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def pair_gate_up_kernel(x_ptr, ids_ptr, w_ptr, out_ptr, top_k, num_experts, first, d, f,
+                            stride_x, stride_we, stride_wn, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
         pair = tl.program_id(0)
-        e = tl.load(ids_ptr + pair)
-        if e < num_experts:
+        e = tl.load(ids_ptr + pair) - first      # this rank's experts first .. first + E - 1
+        if (e >= 0) & (e < num_experts):
             tok = (pair // top_k).to(tl.int64)
             n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             nmask = n < f
@@ -167,14 +168,14 @@ def _kernels() -> SimpleNamespace:
                      mask=nmask)
 
     @triton.jit
-    def pair_down_kernel(h_ptr, ids_ptr, w_ptr, weight_ptr, out_ptr, num_experts, d, f,
+    def pair_down_kernel(h_ptr, ids_ptr, w_ptr, weight_ptr, out_ptr, num_experts, first, d, f,
                          stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pair = tl.program_id(0)
-        e = tl.load(ids_ptr + pair)
+        e = tl.load(ids_ptr + pair) - first
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < d
         acc = tl.zeros([BLOCK_N], tl.float32)
-        local = e < num_experts
+        local = (e >= 0) & (e < num_experts)
         if local:
             w_e = w_ptr + e.to(tl.int64) * stride_we
             for k0 in range(0, f, BLOCK_K):
@@ -191,14 +192,16 @@ def _kernels() -> SimpleNamespace:
                  mask=nmask)
 
     @triton.jit
-    def align_kernel(ids_ptr, rows_ptr, block_expert_ptr, pairs, num_experts, length,
+    def align_kernel(ids_ptr, rows_ptr, block_expert_ptr, pairs, num_experts, first, length,
                      BLOCK: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
-        # one program: `align`'s result (the same rows, in the same stable order)
+        # one program: `align`'s result (the same rows, in the same stable order); ids less
+        # `first`, another rank's (below 0 or past the experts) the sentinel `num_experts`
         ex = tl.arange(0, EXPERTS)
         counts = tl.zeros([EXPERTS], tl.int32)
         for c0 in range(0, pairs, CHUNK):
             p = c0 + tl.arange(0, CHUNK)
-            e = tl.minimum(tl.load(ids_ptr + p, mask=p < pairs, other=num_experts), num_experts)
+            e = tl.load(ids_ptr + p, mask=p < pairs, other=first + num_experts) - first
+            e = tl.where((e < 0) | (e > num_experts), num_experts, e)
             counts += tl.sum((e[:, None] == ex[None, :]).to(tl.int32), axis=0)
         padded = (counts + BLOCK - 1) // BLOCK * BLOCK
         ends = tl.cumsum(padded, axis=0)
@@ -210,7 +213,8 @@ def _kernels() -> SimpleNamespace:
         for c0 in range(0, pairs, CHUNK):
             p = c0 + tl.arange(0, CHUNK)
             live = p < pairs
-            e = tl.minimum(tl.load(ids_ptr + p, mask=live, other=num_experts), num_experts)
+            e = tl.load(ids_ptr + p, mask=live, other=first + num_experts) - first
+            e = tl.where((e < 0) | (e > num_experts), num_experts, e)
             hot = (e[:, None] == ex[None, :]).to(tl.int32)          # [CHUNK, EXPERTS]
             before = tl.cumsum(hot, axis=0) - hot                   # same expert, earlier
             dest = tl.sum((before + seen[None, :]) * hot, axis=1)
@@ -312,7 +316,7 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, dtype: torch.dtype
     return ids, weights
 
 
-def align(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M
+def align(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M, first: int = 0
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the pairs in expert order, each expert's run padded to ``block`` rows with the sentinel
     ``P`` [padded length]; the expert of every block, ``>= num_experts`` past the last run).
@@ -320,11 +324,11 @@ def align(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M
     `ALIGN_KERNEL_PAIRS` pairs one Triton program computes it (`align_kernel`), else torch ops
     (`align_torch`): the same tensors."""
     if not 0 < ids.numel() <= ALIGN_KERNEL_PAIRS:
-        return align_torch(ids, num_experts, block)
-    return align_kernel(ids, num_experts, block)
+        return align_torch(ids, num_experts, block, first)
+    return align_kernel(ids, num_experts, block, first)
 
 
-def align_kernel(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M
+def align_kernel(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M, first: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """`align` in one Triton program (its chunks of `ALIGN_CHUNK` pairs one after another)."""
     pairs = ids.numel()
@@ -332,16 +336,19 @@ def align_kernel(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M
     rows = torch.empty(length, dtype=torch.int64, device=ids.device)
     block_expert = torch.empty(length // block, dtype=torch.int64, device=ids.device)
     _kernels().align[(1,)](ids.reshape(-1).contiguous(), rows, block_expert, pairs, num_experts,
-                           length, BLOCK=block,
+                           first, length, BLOCK=block,
                            EXPERTS=max(16, 1 << (num_experts - 1).bit_length()),
                            CHUNK=ALIGN_CHUNK)
     return rows, block_expert
 
 
-def align_torch(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M
+def align_torch(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M, first: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`align` in torch ops (a stable sort; some 25 small kernels)."""
-    flat = ids.reshape(-1).clamp(max=num_experts)          # other ranks' experts: one sentinel
+    flat = ids.reshape(-1)
+    if first:   # this rank's experts from `first` at 0 ..; the lower ones another rank's
+        flat = torch.where(flat < first, first + num_experts, flat) - first
+    flat = flat.clamp(max=num_experts)                     # other ranks' experts: one sentinel
     pairs = flat.numel()
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
@@ -363,20 +370,23 @@ def align_torch(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor, summed: bool = True, all_local: bool = False) -> torch.Tensor:
+              w2: torch.Tensor, summed: bool = True, all_local: bool = False,
+              first: int = 0) -> torch.Tensor:
     """See the module docstring. ``w13`` [E, 2F, d], ``w2`` [E, d, F], both contiguous.
     ``summed`` False: the pairs' rows [N, k, d] (each the routing weight times its expert's
     output) for `combine` to sum, one launch fewer than summing here. ``all_local``: every id
     is below E (tp, or a single rank): every pair's row is written, so the grouped path's output
-    is not zeroed first."""
+    is not zeroed first. ``first``: the expert id of ``w13[0]`` (expert parallelism: this rank's
+    experts are ``first .. first + E - 1``; ids outside are other ranks'), read by the kernels
+    (no shifted copy of the ids)."""
     n_tok, d = x.shape
     top_k, experts, f = ids.shape[1], w13.shape[0], w2.shape[2]
     pairs = n_tok * top_k
     x = x.contiguous()
     if pairs <= PAIR_PATH_PAIRS:
-        out = _pair_path(x, ids, weights, w13, w2)
+        out = _pair_path(x, ids, weights, w13, w2, first)
         return out.sum(dim=1) if summed else out
-    rows, block_expert = align(ids, experts)
+    rows, block_expert = align(ids, experts, first=first)
     blocks = rows.numel() // BLOCK_M
     ieee = x.dtype == torch.float32
     k = _kernels()
@@ -396,7 +406,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
 
 
 def _pair_path(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-               w2: torch.Tensor) -> torch.Tensor:
+               w2: torch.Tensor, first: int = 0) -> torch.Tensor:
     """`fused_moe` for few pairs: one GEMV program per (pair, column slice), no alignment; the
     pairs' rows [N, k, d], not summed."""
     n_tok, d = x.shape
@@ -406,12 +416,12 @@ def _pair_path(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: t
     k = _kernels()
     hidden = torch.empty(pairs, f, dtype=x.dtype, device=x.device)
     k.pair_gate_up[(pairs, -(-f // PAIR_BLOCK_N))](
-        x, flat, w13, hidden, top_k, experts, d, f, x.stride(0), w13.stride(0), w13.stride(1),
-        BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K)
+        x, flat, w13, hidden, top_k, experts, first, d, f, x.stride(0), w13.stride(0),
+        w13.stride(1), BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K)
     out = torch.empty(pairs, d, dtype=x.dtype, device=x.device)
     k.pair_down[(pairs, -(-d // PAIR_BLOCK_N))](
-        hidden, flat, w2, weights.reshape(-1).contiguous(), out, experts, d, f, w2.stride(0),
-        w2.stride(1), BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K)
+        hidden, flat, w2, weights.reshape(-1).contiguous(), out, experts, first, d, f,
+        w2.stride(0), w2.stride(1), BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K)
     return out.view(n_tok, top_k, d)
 
 

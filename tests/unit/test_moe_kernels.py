@@ -98,7 +98,7 @@ def test_bounds_checked_catches_an_access_outside_the_arguments() -> None:
     rows = torch.empty(16, dtype=torch.int64)
     block_expert = torch.empty(E, dtype=torch.int64)
     with bounds_checked(), pytest.raises(Exception, match="align_kernel: store of"):
-        moe_kernels._kernels().align[(1,)](ids.reshape(-1), rows, block_expert, TOP_K, E,
+        moe_kernels._kernels().align[(1,)](ids.reshape(-1), rows, block_expert, TOP_K, E, 0,
                                            E * moe_kernels.BLOCK_M, BLOCK=moe_kernels.BLOCK_M,
                                            EXPERTS=E, CHUNK=moe_kernels.ALIGN_CHUNK)
 
@@ -388,3 +388,18 @@ def test_fused_moe_unsummed_is_the_pairs_of_the_summed(monkeypatch) -> None:
                                       all_local=True)
         assert parts.shape == (rows, TOP_K, D)
         assert torch.equal(parts.sum(dim=1), summed)
+
+
+@pytest.mark.parametrize("rows", [2, 9, 200])
+def test_align_of_an_expert_parallel_rank_reads_its_first_expert(rows: int) -> None:
+    """`align(..., first=f)` (rank 1 of 2: experts 64 .. 127 at 0 .. 63) equals `align` of the
+    ids shifted as the rank reads them (below 64: another rank's, the sentinel; 64 .. 127: 0 ..
+    63), both ways (the Triton program up to 1024 pairs, the torch ops past it), in bounds."""
+    ids = routings(rows, seed=rows)["uniform"]
+    shifted = torch.where(ids < 64, 64, ids - 64)
+    for fn in (moe_kernels.align_kernel, moe_kernels.align_torch):
+        with bounds_checked():
+            got = fn(ids, 64, first=64)
+        want = fn(shifted, 64)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (rows, fn)
+        check_alignment(shifted, 64, *got)
