@@ -5,8 +5,9 @@ grouped GEMMs in Triton, static shapes (so a CUDA graph captures it at every dep
     ids, weights = route(logits [N, E], k, norm, dtype)      # the router's choice, one kernel
     s, h = combine(pairs [N, k, d], shared, gate, x, norm_weight, eps)   # sum, add, norm
 
-``ids`` are local expert indices (``E`` or more: an expert of another rank, contributing nothing
-here); ``w13[e]`` is expert ``e``'s gate rows then its up rows; the result is
+``ids`` are expert ids, this rank's ``first .. first + E - 1`` (``fused_moe``'s ``first``, 0 but
+on an expert-parallel rank; any other id is another rank's expert, contributing nothing here);
+``w13[e]`` is expert ``first + e``'s gate rows then its up rows; the result is
 ``sum_j weights[:, j] * expert_{ids[:, j]}(x)`` [N, d] over this rank's experts.
 
 1. ``align``: the ``P = N·k`` (token, choice) pairs sorted by expert (a stable sort), each
