@@ -57,13 +57,17 @@ GROUPED_QUERIES = 16  # query vectors per program at width 1 (tl.dot's least row
 # the key range of each (row tile, KV head) is cut into chunks, one program each, whose partial
 # softmax states a merge kernel combines in a fixed order (deterministic). The split count is a
 # function of static values only (rows, width, head counts, the reach, the SM count), so a CUDA
-# graph captures one grid; chunks past a row's live keys write an empty state. Initial values,
-# to be set from `python3 scripts/bench/attention_split.py` on the GPU (docs/engine.md).
+# graph captures one grid; chunks past a row's live keys write an empty state. Set from
+# `python3 -m scripts.bench.attention_split` on one H200 (2026-12-03, 88 configurations,
+# docs/data/runs/attention_split_h200_2026-12-03): a split gains >= 5% from a reach of 272 keys,
+# up to 0.97 x SMs programs unsplit (Llama-8B's 16 rows x 8 KV heads: 43 -> 28 us at 1024 keys)
+# and not at 1.9 x (64 rows x 4 KV heads); the best split grids hold about 2 x SMs programs and
+# chunks of 54 keys and more.
 SPLIT_MAX_WIDTH = 8      # split only at widths up to this (decode and small verify widths)
-SPLIT_MIN_REACH = 512    # ... and a reach (page_tab.shape[1] * page_size) of at least this
-SPLIT_BUSY = 0.5         # no split when the unsplit grid has >= this x SMs programs
+SPLIT_MIN_REACH = 256    # ... and a reach (page_tab.shape[1] * page_size) of at least this
+SPLIT_BUSY = 1.5         # no split when the unsplit grid has >= this x SMs programs
 SPLIT_PROGRAMS = 2.0     # the split grid aims at this x SMs programs
-SPLIT_MIN_CHUNK = 128    # keys per chunk at least (a multiple of SPLIT_BLOCK_N)
+SPLIT_MIN_CHUNK = 64     # keys per chunk at least (a multiple of SPLIT_BLOCK_N)
 SPLIT_MAX = 64           # splits at most (the float32 scratch: splits x tokens x heads x D)
 SPLIT_BLOCK_N = 64       # keys per block of the split kernel
 
@@ -708,7 +712,8 @@ def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     `splits`: the key range cut into at most that many chunks of whole blocks, each its own
     program, their softmax states merged after (`padded_attention_split` then
     `padded_attention_merge`; float16/bfloat16/float32); 1: the unsplit kernels; None: on a GPU
-    `attention_splits` of the call's shapes, elsewhere 1."""
+    `attention_splits` of the call's shapes (at widths 2 .. SPLIT_MAX_WIDTH the split kernel
+    even when that is 1), elsewhere 1."""
     tokens, heads, dim = q.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -718,18 +723,23 @@ def padded_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
     groups = heads // kv_heads
     reach = page_tab.shape[1] * page_size
+    # the split kernel's tile also runs unsplit (one chunk): at widths 2 .. SPLIT_MAX_WIDTH it
+    # is the faster form on a GPU even then (the per-slot kernel loads K/V once per query head:
+    # measured 10-40x slower at 4 and 8 slots, docs/data/runs/attention_split_h200_2026-12-03)
+    tile = False
     if splits is None:
         splits = 1
         if q.is_cuda and q.dtype in TILED_DTYPES and tokens:
             splits = attention_splits(tokens // width, width, heads, kv_heads, reach,
                                       _sm_count(q.device.index if q.device.index is not None
                                                 else torch.cuda.current_device()))
+            tile = 1 < width <= SPLIT_MAX_WIDTH
     elif not isinstance(splits, int) or splits < 1:
         raise ValueError(f"padded_attention: splits={splits!r}; allowed: None or an int >= 1")
     elif splits > 1 and q.dtype not in TILED_DTYPES:
         raise ValueError(f"padded_attention: splits={splits} with {q.dtype}; the split kernel "
                          f"takes {', '.join(str(t) for t in TILED_DTYPES)} (splits=1 otherwise)")
-    if tokens and splits > 1 and reach > 0:
+    if tokens and (splits > 1 or tile) and reach > 0:
         _split_attention(q, k_flat, v_flat, page_tab, cached, out, width, groups, reach,
                          page_size, scale, splits)
     elif tokens and width >= TILED_WIDTH and q.dtype in TILED_DTYPES:  # a tile of slots x heads

@@ -237,9 +237,10 @@ def test_split_padded_attention_matches_sdpa_and_unsplit(case: tuple) -> None:
 
 
 def test_split_padded_attention_refuses_what_it_cannot_run() -> None:
-    q = torch.randn(2, 4, 16, dtype=torch.float64)
-    pages = torch.randn(4, 16, 2, 16, dtype=torch.float64)
-    tab, cached = torch.tensor([[1, 2], [3, 0]]), torch.tensor([20, 5])
+    q = torch.randn(2, 4, 16, dtype=torch.float64, device=DEV)
+    pages = torch.randn(4, 16, 2, 16, dtype=torch.float64, device=DEV)
+    tab = torch.tensor([[1, 2], [3, 0]], device=DEV)
+    cached = torch.tensor([20, 5], device=DEV)
     with pytest.raises(ValueError, match="splits=4 with torch.float64; the split kernel takes"):
         kernels.padded_attention(q, pages, pages, tab, cached, 1, 0.25, splits=4)
     with pytest.raises(ValueError, match="splits=0; allowed: None or an int >= 1"):
@@ -305,6 +306,30 @@ def test_split_padded_attention_in_a_cuda_graph(heads: tuple) -> None:
                                            splits=1)
         torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(out.float(), unsplit.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the automatic choice is a GPU's")
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_small_widths_take_the_split_tile_even_unsplit(width: int) -> None:
+    """At widths 2 .. SPLIT_MAX_WIDTH a GPU runs the split kernel's tile even where
+    `attention_splits` gives 1 (64 rows, a short reach): equal to SDPA and to the per-slot
+    kernel (`splits=1`), for rows of very different cached lengths."""
+    torch.manual_seed(23)
+    rows, hq, hkv, dim, page_size, reach, pages = 64, 32, 8, 128, 16, 16, 1200
+    sms = kernels._sm_count(torch.cuda.current_device())
+    assert kernels.attention_splits(rows, width, hq, hkv, reach * page_size, sms) == 1
+    k_pages = torch.randn(pages, page_size, hkv, dim, device="cuda").to(torch.bfloat16)
+    v_pages = torch.randn(pages, page_size, hkv, dim, device="cuda").to(torch.bfloat16)
+    page_tab = torch.stack([torch.randperm(pages - 1)[:reach] + 1 for _ in range(rows)]).cuda()
+    cached = torch.randint(0, reach * page_size - width, (rows,), device="cuda")
+    q = torch.randn(rows * width, hq, dim, device="cuda").to(torch.bfloat16)
+    scale = dim ** -0.5
+    out = kernels.padded_attention(q, k_pages, v_pages, page_tab, cached, width, scale)
+    want = paged_sdpa(q, k_pages, v_pages, page_tab, cached, width, scale)
+    per_slot = kernels.padded_attention(q, k_pages, v_pages, page_tab, cached, width, scale,
+                                        splits=1)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), per_slot.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_enabled_only_on_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
