@@ -519,21 +519,26 @@ def draft_vocab(size: int, seed: int) -> list[int]:
 # ---- MoE targets ------------------------------------------------------------------------------
 
 def moe_pair(root: Path, vocab: int, hidden: int = 32, expert_width: int = 16,
-             max_pos: int = 256, shared_expert_width: Optional[int] = None) -> Path:
+             max_pos: int = 256, shared_expert_width: Optional[int] = None,
+             experts: int = 8, top_k: int = 2, layers: int = 4,
+             dense_layers: tuple[int, ...] = (2,), std: float = 0.25) -> Path:
     """A transformers-built Qwen3-MoE target (4 layers, 8 experts, top 2 normalised, layer 2 dense;
     weights redrawn larger than the default init so routing and logits spread) saved in
     `root/target`, and a random EAGLE-3 head over it (`model_fixtures.random_head`, aux ids
     0/1/2) in `root/eagle`, both float32. With `shared_expert_width`: a Qwen2-MoE target of the
-    same shape (q/k/v biases, no q/k norms, top 2 unnormalised) with a shared expert that wide."""
+    same shape (q/k/v biases, no q/k norms, top 2 unnormalised) with a shared expert that wide.
+    `experts`, `top_k`, `layers`, `dense_layers` change the shape; `std` the matrices' N(0, std^2)
+    (norm weights N(1, 0.1^2); 0.02 with norms 1.0 is `scripts.gen.make_checkpoint`'s draw, the
+    one the production-shape benchmarks run)."""
     from model_fixtures import random_head, write_checkpoint
     from workers.model import load_llama
 
     torch.manual_seed(0)
     common = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3 // 2,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=expert_width,
-        mlp_only_layers=[2], max_position_embeddings=max_pos,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_width,
+        mlp_only_layers=list(dense_layers), max_position_embeddings=max_pos,
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if shared_expert_width is None:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
@@ -544,8 +549,9 @@ def moe_pair(root: Path, vocab: int, hidden: int = 32, expert_width: int = 16,
             shared_expert_intermediate_size=shared_expert_width)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.25)
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, std)
     model.save_pretrained(root / "target")
     target = load_llama(root / "target")
-    write_checkpoint(random_head("eagle3", target, aux_layer_ids=(0, 1, 2)), root / "eagle")
+    aux = (0, layers // 2, layers - 1) if layers != 4 else (0, 1, 2)
+    write_checkpoint(random_head("eagle3", target, aux_layer_ids=aux), root / "eagle")
     return root

@@ -18,10 +18,13 @@ request slots, each with its own last token, feature and draft tokens (seeded, d
 replica, the same on a replica's ranks), so a MoE target's router spreads them over the experts
 as it spreads a batch of requests; dummy rows, which all share the dummy slot's inputs, would all
 pick the same top-k experts and price every batch above 1 as if it read `top_k` experts' weights.
-Their page tables read `context` positions of free pages and point every position they write at
-the dummy page, so a measurement writes no KV outside it; the slots' state is restored after.
-`routing_check` counts the distinct experts per MoE layer of such a round against a round of
-real requests.
+Each row also has KV pages of its own, as a request has, its `context` cached positions filled
+with seeded random K and V: rows that all read the same pages (once a pool held requests' KV)
+and whose writes all went to the one dummy page got alike attention outputs and routed to a few
+experts (issue 36). So a measurement writes KV into pages from 1 on (its rows' own, which no
+request may hold: it runs at start-up or on an idle engine), and zeroes them after, as a fresh
+pool holds them; the slots' state is restored after. `routing_check` counts the distinct
+experts per MoE layer of such a round against a round of real requests.
 """
 from __future__ import annotations
 
@@ -85,34 +88,79 @@ class TrafficRows:
     `start()` gives every row a random last token, feature (N(0, 1)) and draft tokens, its cache
     length `context`, an empty lag ring: call it before every chain (a chain's rounds then
     advance the rows as a request's rounds advance it: the committed tokens are the model's
-    own). The page table of a row reads `context // page_size` free pages (1 ..; a start-up
-    measurement's: no request holds them) and every later position, the ones it writes, from the
-    dummy page. `restore()` puts the slots' state back. `context` is capped so that a chain of
-    `chain` rounds at the deepest depth stays inside a slot's pages."""
+    own). Every row has pages of its own, as a request has: `pages_per_row` pages (all it reads
+    and writes: `context` cached positions and a chain's growth), the row's set `r % sets` of
+    `sets` consecutive sets from page 1 (`sets` = `n` when the pool holds them, else as many as
+    it holds: rows then share sets round-robin); its page table is its set, then the dummy page.
+    At construction every position of those pages, in the target's and the head's pools, is
+    filled with seeded N(0, 1) K and V (the model's channels of a head; one draw per DP
+    replica), so each row attends a cached context of its own, as a request does: rows that all
+    read the same pages (of a pool holding retired requests' KV) and wrote to one dummy page
+    got alike attention outputs, and a MoE router sent them to few experts (29 distinct per
+    layer against a real round's 39 at 64 experts top 4, batch 16: the test; 36 against 125 at
+    Qwen3-30B-A3B's shape, batch 64). `restore()` puts the slots' state back and zeroes those
+    pages (what a fresh pool holds). Those pages must be pages no request holds: the
+    measurement runs at start-up, or on an idle engine. `context` is capped so that a chain of
+    `chain` rounds at the deepest depth stays inside a slot's pages (and a row's pages inside
+    the pool)."""
 
     def __init__(self, worker: TimedWorker, rows: int, context: int = 0,
                  chain: int = COST_CHAIN) -> None:
         slots = worker.slots
         self.worker, self.slots = worker, slots
         self.count = max(0, min(rows, slots.dummy))
-        n = self.count
+        n, ps = self.count, slots.page_size
         self.growth = chain * (worker.config.max_steps + 1)
-        room = slots.reach * slots.page_size - self.growth - 1
+        usable = slots.pool_pages - 1   # all but the dummy page
+        room = min(slots.reach, usable) * ps - self.growth - 1
         self.context = max(0, min(context, room))
+        # a pool smaller than a row's reach: its positions beyond the pool on the dummy page
+        self.pages_per_row = min(-(-(self.context + self.growth + 1) // ps), usable)
+        self.sets = max(1, min(n, usable // self.pages_per_row)) if n else 0
         replica = worker.models.target.par.replica
-        gen = torch.Generator().manual_seed(TRAFFIC_SEED + 1000 * replica)
+        self.seed = TRAFFIC_SEED + 1000 * replica
+        gen = torch.Generator().manual_seed(self.seed)
         vocab, dev = slots.vocab, slots.device
         self.tokens = torch.randint(0, vocab, (n,), generator=gen).to(dev)
         self.features = torch.randn(n, slots.feature.shape[1], generator=gen).to(
             dev, slots.feature.dtype)
         drafts = worker.buffers.drafts
         self.drafts = torch.randint(0, vocab, (n, drafts.shape[1]), generator=gen).to(dev)
-        readable = min(self.context // slots.page_size, slots.reach, slots.pool_pages - 1)
-        self.table = torch.full((slots.reach,), DUMMY_PAGE, dtype=torch.int64, device=dev)
-        self.table[:readable] = torch.arange(1, readable + 1, device=dev)
+        per, width = self.pages_per_row, slots.reach
+        self.tables = torch.full((n, width), DUMMY_PAGE, dtype=torch.int64)
+        for r in range(n):
+            first = 1 + (r % self.sets) * per
+            self.tables[r, :per] = torch.arange(first, first + per)
+        self.tables = self.tables.to(dev)
         lag = worker.lag
         self._ring = lag.ring_len if getattr(lag, "built", False) else None
         self._saved = [t[:n].clone() for t in self._state()]
+        self._fill()
+
+    @property
+    def used_pages(self) -> range:
+        """The pages the rows read and write (filled at construction, zeroed by `restore`)."""
+        return range(1, 1 + self.sets * self.pages_per_row) if self.count else range(0)
+
+    def _pools(self) -> list[tuple[Any, int]]:
+        """(pool, the model's channels per KV head) of the target and, when built, the head."""
+        models = self.worker.models
+        out = [(models.target_kv, models.target.config.head_dim)]
+        if getattr(models, "draft_kv", None) is not None:
+            out.append((models.draft_kv, models.head.config.head_dim))
+        return out
+
+    def _fill(self) -> None:
+        """Seeded N(0, 1) K and V in every position of `used_pages`, the model's channels only
+        (a kernel's format may pad a head with zero channels), drawn on the device."""
+        pages = self.used_pages
+        if not len(pages):
+            return
+        dev = self.slots.device
+        gen = torch.Generator(device=dev).manual_seed(self.seed)
+        for pool, dim in self._pools():
+            for t in pool.k + pool.v:
+                t[pages.start:pages.stop, ..., :dim].normal_(generator=gen)
 
     def _state(self) -> list[torch.Tensor]:
         slots = self.slots
@@ -129,7 +177,7 @@ class TrafficRows:
         n, slots = self.count, self.slots
         if not n:
             return
-        slots.pages[:n] = self.table
+        slots.pages[:n] = self.tables
         slots.cache_len[:n] = self.context
         slots.last_token[:n] = self.tokens
         slots.feature[:n] = self.features
@@ -138,12 +186,17 @@ class TrafficRows:
             self._ring[:n] = 0
 
     def restore(self) -> None:
-        """The borrowed slots' state as it was, the round's rows all dummy rows again."""
+        """The borrowed slots' state as it was, the round's rows all dummy rows again, the
+        rows' pages zero."""
         n = self.count
         for tensor, saved in zip(self._state(), self._saved):
             tensor[:n] = saved
         self.worker.buffers.rows.fill_(self.slots.dummy)
         self.worker.buffers.budget.zero_()
+        pages = self.used_pages
+        for pool, _ in self._pools():
+            for t in pool.k + pool.v:
+                t[pages.start:pages.stop].zero_()
 
     def __enter__(self) -> "TrafficRows":
         return self
@@ -243,7 +296,8 @@ def room(worker: TimedWorker, context: int, chain: int = 1) -> int:
     held inside a slot's pages)."""
     slots = worker.slots
     growth = chain * (worker.config.max_steps + 1)
-    return max(0, min(context, slots.reach * slots.page_size - growth - 1))
+    pages = min(slots.reach, slots.pool_pages - 1)
+    return max(0, min(context, pages * slots.page_size - growth - 1))
 
 
 def measure_target_contexts(worker: TimedWorker, ladder: Sequence[int],
