@@ -267,8 +267,13 @@ def get_fixed(limbs: Sequence[int]) -> float:
     nz = list(_compress(_DIGITS, limbs))
     if not nz:
         return 0.0
-    k0 = nz[0]
-    acc = sum(map(_lshift, limbs[k0:nz[-1] + 1], _SHIFTS))   # the digits from k0 up, in C
+    k0, k1 = nz[0], nz[-1]
+    if k1 == k0 + 1:                     # the usual sum: two adjacent digits
+        acc = limbs[k0] + (limbs[k1] << LIMB_BITS)
+    elif k1 == k0:
+        acc = limbs[k0]
+    else:
+        acc = sum(map(_lshift, limbs[k0:k1 + 1], _SHIFTS))   # the digits from k0 up, in C
     exp, bits = LIMB_BITS * k0 - FRACTION_BITS, abs(acc).bit_length()
     if bits <= 1000 and -1000 <= exp + bits <= 1000:
         # a normal result: float() of an int rounds half to even, and scaling by 2^exp is exact

@@ -91,6 +91,9 @@ class Observed(NamedTuple):
     shadow: bool = False   # shadow checks updated the EMAs (a depth-0 round)
 
 
+_OBSERVED = (Observed(False), Observed(True))   # Observed(reset), built once (a tuple: immutable)
+
+
 @dataclass(frozen=True)
 class Decision:
     """The outcome of one round's statistics (made at that round, applied before the next)."""
@@ -256,7 +259,7 @@ class CountingPolicy(abc.ABC):
         is not read)."""
         ema, ema_fail, reset = self.round_update(estimate.ema, estimate.ema_fail, accepts, steps)
         return (evolve(estimate, ema=ema, ema_fail=ema_fail,
-                       weight=estimate.weight + len(accepts)), Observed(reset))
+                       weight=estimate.weight + len(accepts)), _OBSERVED[bool(reset)])
 
     # ---- the decision ----------------------------------------------------------------------
     def pooled(self, emas: Sequence[float], weights: Sequence[float],
