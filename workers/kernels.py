@@ -414,6 +414,115 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         tl.store(out, (acc / l_i).to(out_ptr.dtype.element_ty), mask=dmask)
 
     @triton.jit
+    def tree_attention_tiled_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, cached_ptr, tk_ptr, tv_ptr,
+                                    mask_ptr, live_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                                    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs,
+                                    stride_vh, stride_pb, stride_tb, stride_tm, stride_th, tokens,
+                                    queries, nodes, groups, reach_tokens, head_dim, scale, chunk,
+                                    PAGE: tl.constexpr, BLOCK_W: tl.constexpr,
+                                    GROUPS: tl.constexpr, BLOCK_D: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                                    HAS_LIVE: tl.constexpr, SPLIT: tl.constexpr,
+                                    IEEE: tl.constexpr):
+        # one program: BLOCK_W nodes of row b x the query heads of KV head kvh, so each block of
+        # K/V (context and tree) is loaded once for all of them and multiplied as matrices. The
+        # context has no causal offset (every node of a row sees keys 0 .. cached - 1), so the
+        # key range splits like the padded split kernel's: program `split` runs keys
+        # [split * chunk, (split + 1) * chunk); split 0 also runs the tree slots each node's
+        # mask row allows. SPLIT: the unnormalised softmax states (float32) go to m/l/acc for
+        # `padded_attention_merge` (split 0 holds the node itself, so the merge's maximum is
+        # finite); otherwise (one chunk) the output is written here.
+        tiles = tl.cdiv(queries, BLOCK_W)
+        b = tl.program_id(0) // tiles
+        w0 = (tl.program_id(0) % tiles) * BLOCK_W
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        heads = tl.num_programs(1) * groups
+        m = tl.arange(0, BLOCK_W * GROUPS)
+        w = w0 + m // GROUPS
+        h = kvh * groups + m % GROUPS
+        valid = (w < queries) & (m % GROUPS < groups)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < head_dim
+        tok = (b * queries + w).to(tl.int64)
+        qmask = valid[:, None] & dmask[None, :]
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                    mask=qmask, other=0.0)
+        n_ctx = tl.minimum(tl.load(cached_ptr + b), reach_tokens)
+        limit = tl.where(valid, n_ctx, 0)                              # keys [0, limit)
+        if HAS_LIVE:   # a node the forward does not verify reads no context
+            alive = tl.load(live_ptr + tok, mask=valid, other=0) != 0
+            limit = tl.where(alive, limit, 0)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, tl.max(limit, axis=0))
+        m_i = tl.full([BLOCK_W * GROUPS], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_W * GROUPS], tl.float32)
+        acc = tl.zeros([BLOCK_W * GROUPS, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            pmask = pos < hi
+            page = tl.load(pages_ptr + b * stride_pb + pos // PAGE, mask=pmask, other=0)
+            slot = page.to(tl.int64) * PAGE + pos % PAGE
+            m2 = pmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                        mask=m2, other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                        mask=m2, other=0.0).to(q.dtype)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32)
+            else:
+                s = tl.dot(q, tl.trans(k)).to(tl.float32)
+            seen = pmask[None, :] & (pos[None, :] < limit[:, None])
+            s = tl.where(seen, s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # a node whose context ended before this block (or not live): nothing to add
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            if IEEE:
+                pv = tl.dot(p.to(q.dtype), v, input_precision="ieee").to(tl.float32)
+            else:
+                pv = tl.dot(p.to(q.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        n_tree = tl.where(split == 0, nodes, 0)
+        for start in range(0, n_tree, BLOCK_M):
+            j = start + tl.arange(0, BLOCK_M)
+            jmask = j < nodes
+            seen = tl.load(mask_ptr + tok[:, None] * nodes + j[None, :],
+                           mask=valid[:, None] & jmask[None, :], other=0) != 0
+            base = b.to(tl.int64) * stride_tb + j.to(tl.int64) * stride_tm + kvh * stride_th
+            m2 = jmask[:, None] & dmask[None, :]
+            k = tl.load(tk_ptr + base[:, None] + d[None, :], mask=m2, other=0.0).to(q.dtype)
+            v = tl.load(tv_ptr + base[:, None] + d[None, :], mask=m2, other=0.0).to(q.dtype)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32)
+            else:
+                s = tl.dot(q, tl.trans(k)).to(tl.float32)
+            s = tl.where(seen, s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            if IEEE:
+                pv = tl.dot(p.to(q.dtype), v, input_precision="ieee").to(tl.float32)
+            else:
+                pv = tl.dot(p.to(q.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        if SPLIT:
+            part = (split * tokens + tok) * heads + h                # [splits, tokens, heads]
+            tl.store(m_ptr + part, m_i, mask=valid)
+            tl.store(l_ptr + part, l_i, mask=valid)
+            tl.store(acc_ptr + part[:, None] * head_dim + d[None, :], acc,
+                     mask=qmask & (m_i > float("-inf"))[:, None])
+        else:
+            out = out_ptr + (tok[:, None] * heads + h[:, None]) * head_dim + d[None, :]
+            tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
+
+    @triton.jit
     def store_kv_kernel(k_ptr, v_ptr, slots_ptr, kc_ptr, vc_ptr, stride_kt, stride_kh,
                         stride_vt, stride_vh, stride_cs, stride_ch, stride_vcs, stride_vch,
                         tokens, kv_heads, head_dim, cache_dim, pages_ptr, cached_ptr, qo_ptr,
@@ -521,6 +630,7 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
                            padded_attention_split=padded_attention_split_kernel,
                            padded_attention_merge=padded_attention_merge_kernel,
                            tree_attention=tree_attention_kernel,
+                           tree_attention_tiled=tree_attention_tiled_kernel,
                            store_kv=store_kv_kernel,
                            greedy_accept=greedy_accept_kernel, one_hot=one_hot_kernel,
                            lag_append=lag_append_kernel, uniforms=uniforms_kernel)
@@ -799,20 +909,56 @@ def _split_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
                                                  BLOCK_D=_pow2(dim), num_warps=1)
 
 
+def tree_attention_splits(rows: int, queries: int, heads: int, kv_heads: int,
+                          reach_tokens: int, sm_count: int) -> int:
+    """Context chunks per (node tile, KV head) that `tree_attention`'s tiled kernel runs on a
+    GPU of `sm_count` SMs, from static values only (one grid per graph): `attention_splits`'s
+    rule without its width cap (a tree's nodes share one context range, so a tile costs the
+    same at any node count)."""
+    if reach_tokens < SPLIT_MIN_REACH or rows < 1 or kv_heads < 1 or queries < 1:
+        return 1
+    block_w, _ = _split_tile(max(1, heads // kv_heads), queries)
+    programs = rows * -(-queries // block_w) * kv_heads
+    if programs >= SPLIT_BUSY * sm_count:
+        return 1
+    want = -(-int(SPLIT_PROGRAMS * sm_count) // programs)
+    return max(1, min(want, reach_tokens // SPLIT_MIN_CHUNK, SPLIT_MAX))
+
+
 def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                    page_tab: torch.Tensor, cached: torch.Tensor, tree_k: torch.Tensor,
                    tree_v: torch.Tensor, mask: torch.Tensor, scale: float,
-                   live: torch.Tensor | None = None) -> torch.Tensor:
+                   live: torch.Tensor | None = None, tiled: bool | None = None,
+                   splits: int | None = None) -> torch.Tensor:
     """Attention of draft-tree nodes (`workers.attention.tree`): `q` [B*Q, Hq, D], node `i` of
     row `b` sees KV ``0 .. cached[b] - 1`` through `page_tab` [B, P] (capped at the row's reach)
     and the tree slots `j` of `tree_k`/`tree_v` [B, M, Hkv, D] where `mask` [B, Q, M] (bool or
     int8) is set (its ancestors and itself: at least one per node); `live` [B, Q] (optional):
     a node not live reads no context (its ancestors' slots alone). Returns [B*Q, Hq, D] in
-    `q`'s dtype."""
+    `q`'s dtype.
+
+    `tiled`: the tiled kernel (a program per tile of a row's nodes x the query heads of one KV
+    head, `tl.dot`; each K/V block loaded once per KV head), the context optionally split in
+    `splits` chunks merged after (`padded_attention_merge`); False: the per-(node, query head)
+    kernel (unsplit). None: tiled for float16/bfloat16/float32, float64 per node. `splits`
+    None: `tree_attention_splits` of the static shapes on a GPU, 1 elsewhere."""
     tokens, heads, dim = q.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch, queries, nodes = mask.shape
+    if tokens != batch * queries:
+        raise ValueError(f"tree_attention: q has {tokens} rows for a mask of {batch} rows x "
+                         f"{queries} nodes")
+    if tiled is None:
+        tiled = q.dtype in TILED_DTYPES
+    elif tiled and q.dtype not in TILED_DTYPES:
+        raise ValueError(f"tree_attention: tiled=True with {q.dtype}; the tiled kernel takes "
+                         f"{', '.join(str(t) for t in TILED_DTYPES)}")
+    if splits is not None and (not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"tree_attention: splits={splits!r}; allowed: None or an int >= 1")
+    if splits is not None and splits > 1 and not tiled:
+        raise ValueError(f"tree_attention: splits={splits} with the per-node kernel "
+                         f"(tiled=False); splits need the tiled kernel")
     page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
     k_flat = k_pages.view(-1, kv_heads, k_pages.shape[3])
     v_flat = v_pages.view(-1, kv_heads, v_pages.shape[3])
@@ -820,14 +966,48 @@ def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     flags = mask.to(torch.int8).contiguous()
     alive = live.to(torch.int8).contiguous() if live is not None else flags
     out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
-    if tokens:
-        _kernels().tree_attention[(tokens, heads)](
+    groups = heads // kv_heads
+    reach = page_tab.shape[1] * page_size
+    if not tokens:
+        return out
+    kern = _kernels()
+    if not tiled:
+        kern.tree_attention[(tokens, heads)](
             q, k_flat, v_flat, page_tab, cached, tree_k, tree_v, flags, alive, out, q.stride(0),
             q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
             page_tab.stride(0), tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), queries,
-            nodes, heads // kv_heads, page_tab.shape[1] * page_size, dim, scale, PAGE=page_size,
-            BLOCK_D=_pow2(dim), BLOCK_N=64, BLOCK_M=max(16, min(64, _pow2(nodes))),
-            HAS_LIVE=live is not None, num_warps=2)
+            nodes, groups, reach, dim, scale, PAGE=page_size, BLOCK_D=_pow2(dim), BLOCK_N=64,
+            BLOCK_M=max(16, min(64, _pow2(nodes))), HAS_LIVE=live is not None, num_warps=2)
+        return out
+    if splits is None:
+        splits = 1
+        if q.is_cuda:
+            splits = tree_attention_splits(batch, queries, heads, kv_heads, reach,
+                                           _sm_count(q.device.index if q.device.index is not None
+                                                     else torch.cuda.current_device()))
+    blocks = -(-reach // SPLIT_BLOCK_N)
+    chunk = max(1, -(-blocks // splits)) * SPLIT_BLOCK_N    # keys per chunk, whole blocks
+    n = max(1, -(-reach // chunk))                         # no chunk wholly past the reach
+    block_w, group_slots = _split_tile(groups, queries)
+    split = n > 1
+    if split:   # float32 scratch, torch-allocated: a graph's pool holds it
+        m = torch.empty((n, tokens, heads), dtype=torch.float32, device=q.device)
+        l = torch.empty((n, tokens, heads), dtype=torch.float32, device=q.device)
+        acc = torch.empty((n, tokens, heads, dim), dtype=torch.float32, device=q.device)
+    else:
+        m = l = acc = out
+    kern.tree_attention_tiled[(batch * -(-queries // block_w), kv_heads, n)](
+        q, k_flat, v_flat, page_tab, cached, tree_k, tree_v, flags, alive, out, m, l, acc,
+        q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0),
+        v_flat.stride(1), page_tab.stride(0), tree_k.stride(0), tree_k.stride(1),
+        tree_k.stride(2), tokens, queries, nodes, groups, reach, dim, scale, chunk,
+        PAGE=page_size, BLOCK_W=block_w, GROUPS=group_slots, BLOCK_D=max(16, _pow2(dim)),
+        BLOCK_N=SPLIT_BLOCK_N, BLOCK_M=max(16, min(64, _pow2(nodes))),
+        HAS_LIVE=live is not None, SPLIT=split, IEEE=q.dtype == torch.float32, num_warps=4)
+    if split:
+        kern.padded_attention_merge[(tokens, heads)](m, l, acc, out, dim, n,
+                                                     BLOCK_S=_pow2(max(n, SPLIT_MAX)),
+                                                     BLOCK_D=_pow2(dim), num_warps=1)
     return out
 
 

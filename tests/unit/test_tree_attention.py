@@ -42,12 +42,13 @@ def _case(seed: int, batch: int, nodes: int):
 def _dense_reference(pool, pages, cached, parents, q, k, v):
     """Per request: context K/V read page by page, the nodes' K/V after it, an explicit mask."""
     batch, nodes = parents.shape
-    out = torch.zeros(batch, nodes, HQ, D)
+    hq, hkv, dim, page = q.shape[2], k.shape[2], q.shape[3], pool.page_size
+    out = torch.zeros(batch, nodes, hq, dim)
     for b in range(batch):
         n = int(cached[b])
-        ctx = [int(pages[b, i // PAGE]) * PAGE + i % PAGE for i in range(n)]
-        keys = torch.cat([pool.k[0].view(-1, HKV, D)[ctx], k[b]])              # [n+N, Hkv, D]
-        values = torch.cat([pool.v[0].view(-1, HKV, D)[ctx], v[b]])
+        ctx = [int(pages[b, i // page]) * page + i % page for i in range(n)]
+        keys = torch.cat([pool.k[0].view(-1, hkv, dim)[ctx], k[b]])            # [n+N, Hkv, D]
+        values = torch.cat([pool.v[0].view(-1, hkv, dim)[ctx], v[b]])
         mask = torch.zeros(nodes, n + nodes, dtype=torch.bool)
         mask[:, :n] = True
         for i in range(nodes):
@@ -57,7 +58,7 @@ def _dense_reference(pool, pages, cached, parents, q, k, v):
                 if j == 0:
                     break
                 j = int(parents[b, j])
-        rep = HQ // HKV
+        rep = hq // hkv
         ref = F.scaled_dot_product_attention(
             q[b].transpose(0, 1), keys.repeat_interleave(rep, 1).transpose(0, 1),
             values.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask)
@@ -211,3 +212,97 @@ def test_packed_tree_attention_equals_the_grid() -> None:
     torch.testing.assert_close(out[:cells.numel()], grid[cells], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(memory.k[0, :batch].reshape(-1, HKV, D)[cells],
                                k.reshape(-1, HKV, D)[cells])
+
+
+def _tiled_case(seed: int, batch: int, nodes: int, groups: int, dim: int, context: str,
+                dtype: torch.dtype):
+    """Llama-like shapes for the tiled kernel: pages of 16, 2 KV heads x `groups` query heads,
+    head_dim `dim`; contexts "none" (0), "pages" (a few pages, ends mid-page) or "long" (several
+    hundred keys, a reach of 512 so the context splits); inputs rounded to `dtype` (the
+    reference runs in float32 on the same values)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    page, hkv = 16, 2
+    reach_pages = 32
+    pool = KVPool(1, batch * reach_pages + 1, page, hkv, dim, dtype=torch.float32,
+                  device=torch.device("cpu"))
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    pool.k[0].copy_(pool.k[0].to(dtype).float())
+    pool.v[0].copy_(pool.v[0].to(dtype).float())
+    free = list(range(1, batch * reach_pages + 1))
+    rng.shuffle(free)
+    pages = torch.tensor([[free.pop() for _ in range(reach_pages)] for _ in range(batch)])
+    span = {"none": (0, 0), "pages": (17, 70), "long": (300, 512)}[context]
+    cached = torch.tensor([rng.randint(*span) for _ in range(batch)])
+    parents = torch.tensor([_random_parents(rng, nodes) for _ in range(batch)])
+    q = torch.randn(batch, nodes, hkv * groups, dim).to(dtype).float()
+    k = torch.randn(batch, nodes, hkv, dim).to(dtype).float()
+    v = torch.randn(batch, nodes, hkv, dim).to(dtype).float()
+    return pool, pages, cached, parents, q, k, v
+
+
+@pytest.mark.parametrize("seed,batch,nodes,groups,dim,context,dtype,splits,live", [
+    (11, 1, 6, 4, 128, "long", torch.float32, 4, False),
+    (12, 4, 8, 1, 64, "pages", torch.float32, 1, True),
+    (13, 2, 16, 4, 64, "none", torch.float32, 2, False),
+    (14, 3, 13, 4, 128, "pages", torch.float16, 3, True),
+    (15, 1, 16, 1, 128, "long", torch.float16, 8, True),
+    (16, 2, 7, 4, 64, "long", torch.float16, 1, False),
+    (17, 4, 6, 4, 64, "long", torch.float32, 5, True),
+])
+def test_tiled_tree_attention_equals_dense_reference_and_the_per_node_kernel(
+        seed, batch, nodes, groups, dim, context, dtype, splits, live) -> None:
+    """The tiled tree kernel (a tile of nodes x the query heads of one KV head, tl.dot; the
+    context split in `splits` chunks merged after; compiled on a GPU, triton's interpreter here)
+    equals the dense SDPA reference with an explicit boolean mask and the per-(node, query head)
+    kernel; nodes not live read no context."""
+    pool, pages, cached, parents, q, k, v = _tiled_case(seed, batch, nodes, groups, dim, context,
+                                                        dtype)
+    alive = (torch.rand(batch, nodes, generator=torch.Generator().manual_seed(seed)) < 0.6
+             if live else None)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    hq, hkv = q.shape[2], k.shape[2]
+    args = (q.reshape(-1, hq, dim).to(dev, dtype), pool.k[0].to(dev, dtype),
+            pool.v[0].to(dev, dtype), pages.to(dev), cached.to(dev), k.to(dev, dtype),
+            v.to(dev, dtype), ancestors(parents, nodes).to(dev), dim ** -0.5)
+    extra = dict(live=alive.to(dev)) if live else {}
+    tiled = kernels.tree_attention(*args, tiled=True, splits=splits, **extra)
+    per_node = kernels.tree_attention(*args, tiled=False, **extra)
+    tiled = tiled.view(batch, nodes, hq, dim).float().cpu()
+    per_node = per_node.view(batch, nodes, hq, dim).float().cpu()
+    ref = _dense_reference(pool, pages, cached, parents, q, k, v)
+    if live:
+        alone = _dense_reference(pool, pages, torch.zeros_like(cached), parents, q, k, v)
+        ref = torch.where(alive[:, :, None, None], ref, alone)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(tiled, ref, **tol)
+    torch.testing.assert_close(tiled, per_node, **tol)
+
+
+def test_tiled_tree_attention_is_deterministic_and_refuses_what_it_cannot_run() -> None:
+    pool, pages, cached, parents, q, k, v = _tiled_case(21, 2, 8, 4, 64, "long", torch.float32)
+    args = (q.reshape(-1, 8, 64), pool.k[0], pool.v[0], pages, cached, k, v,
+            ancestors(parents, 8), 0.125)
+    first = kernels.tree_attention(*args, splits=3)
+    assert torch.equal(first, kernels.tree_attention(*args, splits=3)), "same bits each run"
+    with pytest.raises(ValueError, match="splits=0"):
+        kernels.tree_attention(*args, splits=0)
+    with pytest.raises(ValueError, match="tiled=False"):
+        kernels.tree_attention(*args, tiled=False, splits=2)
+    with pytest.raises(ValueError, match="tiled=True with torch.float64"):
+        kernels.tree_attention(args[0].double(), *(a.double() if a.is_floating_point() else a
+                                                   for a in args[1:8]), 0.125, tiled=True)
+    with pytest.raises(ValueError, match="8 rows for a mask"):
+        kernels.tree_attention(args[0][:8], *args[1:])
+
+
+def test_tree_attention_splits_from_static_shapes() -> None:
+    """Llama-8B heads (32/8) on 132 SMs: one row of 8 or 16 nodes is 8 programs, so a long
+    reach splits to about 2 x SMs programs; short reaches and busy grids do not split."""
+    assert kernels.tree_attention_splits(1, 8, 32, 8, 4096, 132) == 33
+    assert kernels.tree_attention_splits(1, 16, 32, 8, 4096, 132) == 33
+    assert kernels.tree_attention_splits(16, 16, 32, 8, 4096, 132) == 3
+    assert kernels.tree_attention_splits(1, 8, 32, 8, 128, 132) == 1
+    assert kernels.tree_attention_splits(64, 8, 32, 8, 4096, 132) == 1
+    assert kernels.tree_attention_splits(1, 8, 32, 8, 1024, 132) == 16   # chunks >= 64 keys

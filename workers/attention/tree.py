@@ -8,8 +8,9 @@ store of `M` node slots per row, so siblings never overwrite each other's positi
 then copies the accepted path's K/V to contiguous positions `cached[b] ..` of the pages and the
 rest is dropped. Positions (RoPE) are the caller's: context length + the node's depth.
 
-On CUDA one fused kernel per layer (`workers.kernels.tree_attention`: one program per node and
-query head, the context's pages then the allowed tree slots, one online softmax); elsewhere
+On CUDA one fused kernel per layer (`workers.kernels.tree_attention`: a program per tile of a
+row's nodes x the query heads of one KV head, `tl.dot`, the context's pages — split over the key
+range at small grids, merged after — then the allowed tree slots, one online softmax); elsewhere
 plain torch: the context's K/V gathered through the page table (`base.gather_kv`), the tree's
 appended, and `scaled_dot_product_attention` under the concatenated mask. A dummy row (cached 0)
 still sees itself, so every output is finite.
@@ -64,8 +65,11 @@ class TreeAttention:
         # on CUDA one fused kernel per layer reads the pages and the store directly
         self.fused = kernels.enabled(pages)
         if self.fused:
-            self.pages, self.cached, self.tree_mask = pages.contiguous(), cached, mask
-            self.batch, self.live = batch, live
+            # int8 once per forward (the kernel reads bytes), not once per layer
+            self.pages, self.cached = pages.contiguous(), cached
+            self.tree_mask = mask.to(torch.int8).contiguous()
+            self.batch = batch
+            self.live = live.to(torch.int8).contiguous() if live is not None else None
             return
         kv_idx = torch.arange(pages.shape[1] * ps, device=pages.device)
         self.slots = pages[:, kv_idx // ps] * ps + kv_idx % ps                  # [B, L]
