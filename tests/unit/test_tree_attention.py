@@ -306,3 +306,56 @@ def test_tree_attention_splits_from_static_shapes() -> None:
     assert kernels.tree_attention_splits(1, 8, 32, 8, 128, 132) == 1
     assert kernels.tree_attention_splits(64, 8, 32, 8, 4096, 132) == 1
     assert kernels.tree_attention_splits(1, 8, 32, 8, 1024, 132) == 16   # chunks >= 64 keys
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture is CUDA's")
+@pytest.mark.parametrize("batch,nodes", [(1, 8), (4, 16)])
+def test_tiled_tree_attention_in_a_cuda_graph(batch: int, nodes: int) -> None:
+    """As the engine runs it on a GPU: Llama-8B heads (32/8 of 128), bfloat16, a long reach so
+    the automatic split count is > 1, captured in a CUDA graph and replayed with other cached
+    lengths and live masks (chunks past the live keys write empty states): equal to the dense
+    reference and the per-node kernel, the same bits on every replay."""
+    torch.manual_seed(31)
+    rng = random.Random(31)
+    hq, hkv, dim, page, reach_pages = 32, 8, 128, 16, 256
+    dev = torch.device("cuda")
+    pool = KVPool(1, batch * reach_pages + 1, page, hkv, dim, dtype=torch.bfloat16, device=dev)
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    pages = (torch.randperm(batch * reach_pages)[:batch * reach_pages] + 1).view(batch, -1)
+    parents = torch.tensor([_random_parents(rng, nodes) for _ in range(batch)])
+    mask = ancestors(parents, nodes).to(dev)
+    q = torch.randn(batch * nodes, hq, dim, device=dev).to(torch.bfloat16)
+    k = torch.randn(batch, nodes, hkv, dim, device=dev).to(torch.bfloat16)
+    v = torch.randn(batch, nodes, hkv, dim, device=dev).to(torch.bfloat16)
+    cached = torch.full((batch,), 4000, device=dev)
+    live = torch.ones(batch, nodes, dtype=torch.bool, device=dev)
+    sms = kernels._sm_count(torch.cuda.current_device())
+    assert kernels.tree_attention_splits(batch, nodes, hq, hkv, reach_pages * page, sms) > 1
+    args = (q, pool.k[0], pool.v[0], pages.to(dev), cached, k, v, mask, dim ** -0.5)
+    kernels.tree_attention(*args, live=live)          # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.tree_attention(*args, live=live)
+    for lengths in ([4000, 17, 0, 2900], [63, 4095, 1024, 5], [0, 0, 300, 300]):
+        cached.copy_(torch.tensor(lengths[:batch]))
+        live.copy_(torch.rand(batch, nodes) < 0.7)
+        graph.replay()
+        first = out.clone()
+        graph.replay()
+        assert torch.equal(out, first)
+        per_node = kernels.tree_attention(*args, live=live, tiled=False)
+        torch.testing.assert_close(out.float(), per_node.float(), atol=2e-2, rtol=2e-2)
+        cpu = KVPool(1, batch * reach_pages + 1, page, hkv, dim, dtype=torch.float32,
+                     device=torch.device("cpu"))
+        cpu.k[0].copy_(pool.k[0].float())
+        cpu.v[0].copy_(pool.v[0].float())
+        qf = q.float().cpu().view(batch, nodes, hq, dim)
+        kf, vf = k.float().cpu(), v.float().cpu()
+        ref = _dense_reference(cpu, pages, cached.cpu(), parents, qf, kf, vf)
+        alone = _dense_reference(cpu, pages, torch.zeros(batch, dtype=torch.int64), parents,
+                                 qf, kf, vf)
+        ref = torch.where(live.cpu()[:, :, None, None], ref, alone)
+        torch.testing.assert_close(out.float().cpu().view(batch, nodes, hq, dim), ref,
+                                   atol=2e-2, rtol=2e-2)
