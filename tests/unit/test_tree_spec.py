@@ -259,6 +259,81 @@ def test_drafted_tree_is_eagle2s(pair, steps, topk, tokens) -> None:
     assert checked >= 3
 
 
+def _draft_reference(round_: TreeRound, rows, n, pages, budget=None):
+    """`TreeRound.draft` as first written (one op per quantity and step: the mask cloned and
+    its own slots set, the ancestors gathered then the parent's slot added by comparison, the
+    parents and depths laid out at every step): the fused form must equal it exactly."""
+    from workers.attention.tree import TreeAttention, TreeKV
+    from workers.worker.tree import _log_probs, _top
+
+    steps, k = round_.tree.steps, round_.tree.topk
+    models, bp, device = round_.models, rows.shape[0], rows.device
+    head = models.head
+    g = round_.slots.feature[rows]
+    score, token = _log_probs(head.compute_logits(g)).topk(k, dim=-1)
+    scores, toks = [score], [token]
+    parents = [torch.full_like(token, -1)]
+    depths = [torch.ones_like(token)]
+    ids = torch.arange(k, device=device).expand(bp, k)
+    feat = g[:, None, :].expand(bp, k, g.shape[-1])
+    slots = (steps - 1) * k
+    anc = torch.zeros(bp, k, max(slots, 1), dtype=torch.bool, device=device)
+    memory = None
+    if steps > 1:
+        pool = models.draft_kv
+        memory = TreeKV(len(pool.k), bp, slots, pool.num_kv_heads, head.config.head_dim,
+                        g.dtype, device)
+    eye = torch.eye(k, dtype=torch.bool, device=device)
+    for step in range(2, steps + 1):
+        start = (step - 2) * k
+        mask = anc.clone()
+        mask[:, :, start:start + k] |= eye
+        attn = TreeAttention(models.draft_kv, pages, n, memory, start, mask)
+        pos = (n + step - 1)[:, None].expand(bp, k).reshape(-1)
+        out = head(token.reshape(-1), feat.reshape(bp * k, -1), pos, attn)
+        lp, child = _log_probs(head.compute_logits(out)).topk(k, dim=-1)
+        cand = (score[:, :, None] + lp.view(bp, k, k)).reshape(bp, k * k)
+        base = k + (step - 2) * k * k
+        scores.append(cand)
+        toks.append(child.view(bp, k * k))
+        parents.append(ids[:, :, None].expand(bp, k, k).reshape(bp, k * k))
+        depths.append(torch.full_like(cand, step, dtype=torch.int64))
+        best = _top(cand, k)
+        origin = best // k
+        ids = base + best
+        score = cand.gather(1, best)
+        token = child.view(bp, k * k).gather(1, best)
+        feat = out.view(bp, k, -1).gather(1, origin[:, :, None].expand(-1, -1, out.shape[-1]))
+        anc = anc.gather(1, origin[:, :, None].expand(-1, -1, anc.shape[2]))
+        anc = anc | (torch.arange(anc.shape[2], device=device)[None, None, :]
+                     == (start + origin)[:, :, None])
+    return round_.select(rows, torch.cat(scores, 1), torch.cat(toks, 1),
+                         torch.cat(parents, 1), torch.cat(depths, 1), budget)
+
+
+@pytest.mark.parametrize("steps,topk,tokens", [(3, 2, 6), (5, 4, 8), (4, 3, 12), (1, 4, 5)])
+def test_draft_equals_the_one_op_per_quantity_form(pair, prompts, steps, topk, tokens) -> None:
+    """Every round of a batched run (rows of different contexts, the padding row): the tree
+    `draft` returns (tokens, parents, depths, mask, live) equals `_draft_reference`'s, bit for
+    bit, on the same inputs."""
+    engine = tree_engine(*pair, steps, topk, tokens)
+    round_ = engine.worker.tree
+    draft = round_.draft
+    checked = []
+
+    def spy(rows, n, pages, budget=None):
+        want = _draft_reference(round_, rows, n, pages, budget)
+        tree = draft(rows, n, pages, budget)
+        for field in ("tokens", "parent", "depth", "mask"):
+            assert torch.equal(getattr(tree, field), getattr(want, field)), field
+        assert (tree.live is None) == (want.live is None)
+        checked.append(rows.shape[0])
+        return tree
+    round_.draft = spy
+    engine.generate(prompts[:5], SamplingParams(max_new_tokens=12))
+    assert len(checked) >= 3
+
+
 # ---- real checkpoints ----------------------------------------------------------------------------
 
 BUNDLED = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny_pair"

@@ -125,50 +125,58 @@ class TreeRound:
     # ---- draft -------------------------------------------------------------------------------
     def draft(self, rows: torch.Tensor, n: torch.Tensor, pages: torch.Tensor,
               budget: torch.Tensor | None = None) -> Tree:
-        """The tree of every row and its N-token verify set (steps 1 and 2 of the docstring)."""
+        """The tree of every row and its N-token verify set (steps 1 and 2 of the docstring).
+
+        Per step only what changes with the step runs on the device (the head, its top-k, the
+        frontier's choice and four gathers): a node's mask row is its parent's row with the
+        node's own slot set, the parents and depths of every step's candidates are laid out
+        once after the loop (`_draft_reference` in the tests: the one-op-per-quantity form it
+        equals)."""
         steps, k, tokens = self.tree.steps, self.tree.topk, self.tree.tokens
         models, bp, device = self.models, rows.shape[0], rows.device
         head = models.head
         g = self.slots.feature[rows]
         score, token = _log_probs(head.compute_logits(g)).topk(k, dim=-1)        # [Bp, K]
-        scores, toks = [score], [token]
-        parents = [torch.full_like(token, -1)]
-        depths = [torch.ones_like(token)]
+        scores, toks, frontier_ids = [score], [token], []
         ids = torch.arange(k, device=device).expand(bp, k)
         feat = g[:, None, :].expand(bp, k, g.shape[-1])
         slots = (steps - 1) * k
-        anc = torch.zeros(bp, k, max(slots, 1), dtype=torch.bool, device=device)
         memory = None
         if steps > 1:
             pool = models.draft_kv
             memory = TreeKV(len(pool.k), bp, slots, pool.num_kv_heads, head.config.head_dim,
                             g.dtype, device)
-        eye = torch.eye(k, dtype=torch.bool, device=device)
+            # own[s, i, j]: frontier position i of step s + 2 is tree slot j (one op per round)
+            slot = torch.arange(slots, device=device)
+            own = (slot.view(steps - 1, k, 1) == slot[None, None, :])
+            anc = torch.zeros(bp, k, slots, dtype=torch.bool, device=device)   # ancestors' slots
+            pos = n[:, None].expand(bp, k).reshape(-1)                          # [Bp*K]
         for step in range(2, steps + 1):
             start = (step - 2) * k
-            mask = anc.clone()
-            mask[:, :, start:start + k] |= eye
+            mask = anc | own[step - 2]                       # itself and its ancestors
             attn = TreeAttention(models.draft_kv, pages, n, memory, start, mask)
-            pos = (n + step - 1)[:, None].expand(bp, k).reshape(-1)
-            out = head(token.reshape(-1), feat.reshape(bp * k, -1), pos, attn)      # [Bp*K, F]
+            out = head(token.reshape(-1), feat.reshape(bp * k, -1), pos + (step - 1), attn)
             lp, child = _log_probs(head.compute_logits(out)).topk(k, dim=-1)        # [Bp*K, K]
             cand = (score[:, :, None] + lp.view(bp, k, k)).reshape(bp, k * k)
-            base = k + (step - 2) * k * k
             scores.append(cand)
             toks.append(child.view(bp, k * k))
-            parents.append(ids[:, :, None].expand(bp, k, k).reshape(bp, k * k))
-            depths.append(torch.full_like(cand, step, dtype=torch.int64))
+            frontier_ids.append(ids)
             best = _top(cand, k)                                                   # [Bp, K]
             origin = best // k                           # the frontier position of the parent
-            ids = base + best
+            ids = (k + (step - 2) * k * k) + best
             score = cand.gather(1, best)
             token = child.view(bp, k * k).gather(1, best)
             feat = out.view(bp, k, -1).gather(1, origin[:, :, None].expand(-1, -1, out.shape[-1]))
-            anc = anc.gather(1, origin[:, :, None].expand(-1, -1, anc.shape[2]))
-            anc = anc | (torch.arange(anc.shape[2], device=device)[None, None, :]
-                         == (start + origin)[:, :, None])
+            anc = mask.gather(1, origin[:, :, None].expand(-1, -1, slots))   # the parent's row
+        # step s's K^2 candidates: parent = the frontier id of position c // K, depth s
+        parents = [torch.full_like(toks[0], -1)]
+        node = torch.arange(k + (steps - 1) * k * k, device=device)
+        depths = 1 + (node + (k * k - k)) // (k * k)       # 1 for the first K, then K^2 each
+        if frontier_ids:
+            parents.append(torch.stack(frontier_ids, 1)[:, :, :, None].expand(
+                bp, steps - 1, k, k).reshape(bp, -1))
         return self.select(rows, torch.cat(scores, 1), torch.cat(toks, 1),
-                           torch.cat(parents, 1), torch.cat(depths, 1), budget)
+                           torch.cat(parents, 1), depths[None, :].expand(bp, -1), budget)
 
     def select(self, rows: torch.Tensor, score: torch.Tensor, token: torch.Tensor,
                parent: torch.Tensor, depth: torch.Tensor,
