@@ -246,6 +246,12 @@ def summarize(records: list[tuple[tuple[Any, str], str]], times: list[float] | N
     if times is not None:
         out["parts_ms"] = dict(parts_ms)
         out["kernel_ms"] = sum(times)
+        by_name: dict[str, list[float]] = {}    # every kernel name: [count, ms], labels aside
+        for (_, op), ms_ in zip(records, times):
+            acc = by_name.setdefault(op, [0, 0.0])
+            acc[0] += 1
+            acc[1] += ms_
+        out["by_name"] = dict(sorted(by_name.items(), key=lambda kv: -kv[1][1]))
     return out
 
 
@@ -429,34 +435,89 @@ def clock(fn: Callable[[], Any], iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+@contextmanager
+def triton_log(scopes: Scopes) -> Iterator[list[tuple[tuple[Any, str], str]]]:
+    """While open, every Triton launch of `workers.kernels` / `workers.moe_kernels` runs as
+    before and is logged as (the label around it, the kernel's name as the profiler reports it):
+    a launch from Python has no aten op for the profiler to link its kernel to, and the
+    ``record_function`` range around it does not get the link either (what the first H200 run
+    showed: every Triton kernel unlabelled)."""
+    from types import SimpleNamespace
+
+    from workers import kernels, moe_kernels
+
+    log: list[tuple[tuple[Any, str], str]] = []
+
+    class Logged:
+        def __init__(self, kernel: Any) -> None:
+            self.kernel = kernel
+            self.name = getattr(kernel, "__name__", None) or kernel.fn.__name__
+
+        def __getitem__(self, grid: Any) -> Any:
+            launch = self.kernel[grid]
+
+            def run(*args: Any, **kwargs: Any) -> Any:
+                log.append((scopes.current, self.name))
+                return launch(*args, **kwargs)
+            return run
+
+    saved = []
+    for module in (kernels, moe_kernels):
+        real = module._kernels
+        wrapped = SimpleNamespace(**{k: Logged(v) for k, v in vars(real()).items()})
+        module._kernels = (lambda w: lambda: w)(wrapped)
+        saved.append((module, real))
+    try:
+        yield log
+    finally:
+        for module, real in saved:
+            module._kernels = real
+
+
+def _label_of(event: Any) -> tuple[Any, str] | None:
+    """The label of the innermost `Scopes` range around a profiler event, if any."""
+    node = event
+    while node is not None:
+        where, _, part = node.name.partition("/")
+        if part in PARTS and (where.isdigit() or where in ("embed", "final", "head", "round")):
+            return (int(where) if where.isdigit() else where, part)
+        node = node.cpu_parent
+    return None
+
+
 def eager_kernels(fn: Callable[[], Any], scopes: Scopes
                   ) -> list[tuple[tuple[Any, str], str, float]]:
     """One eager call of `fn` under the profiler, its labels as ranges: every device kernel (and
-    memset / memcpy) it launched, in launch order, as (label, kernel name, device ms); a kernel
-    outside every label is labelled ("round", "other")."""
+    memset / memcpy) it ran, in device order (one stream: launch order), as (label, kernel name,
+    device ms). A Triton kernel takes the label its launch was logged under (`triton_log`,
+    matched in order by name), a kernel of an aten op the label around that op (the profiler
+    links the two), any other ("round", "other")."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     scopes.ranges = True
     try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with triton_log(scopes) as launches, \
+                profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
     finally:
         scopes.ranges = False
-    out = []
-    events = sorted((e for e in prof.events() if getattr(e, "kernels", None)),
+    events = list(prof.events())
+    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.id}
+    device = sorted((e for e in events if e.device_type == DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
-    for e in events:
-        label, node = ("round", "other"), e
-        while node is not None:
-            where, _, part = node.name.partition("/")
-            if part in PARTS and (where.isdigit() or where in ("embed", "final", "head", "round")):
-                label = (int(where) if where.isdigit() else where, part)
-                break
-            node = node.cpu_parent
-        for k in e.kernels:
-            out.append((label, k.name, k.duration / 1000))
+    out, pending = [], 0
+    for e in device:
+        label = None
+        if pending < len(launches) and e.name == launches[pending][1]:   # the next Triton one
+            label = launches[pending][0]
+            pending += 1
+        else:
+            op = ops.get(getattr(e, "linked_correlation_id", 0) or -1)
+            label = _label_of(op) if op is not None else None
+        out.append((label or ("round", "other"), e.name, e.time_range.elapsed_us() / 1000))
     return out
 
 
@@ -636,6 +697,10 @@ def report_gpu(run: dict[str, Any]) -> str:
                  + (f", {100 * src['matched_share']:.0f}% of kernels labelled"
                     if "matched_share" in src else ""))
     lines.append(f"  by part: {parts}")
+    top = list(src.get("by_name", {}).items())[:12]
+    if top:
+        lines.append("  costliest kernels (count, ms per round): " + "; ".join(
+            f"{name[:60]} x{int(n)} {ms:.3f}" for name, (n, ms) in top))
     lines += describe(src, indent="    ")
     return "\n".join(lines)
 
