@@ -11,8 +11,8 @@ Llama-8B heads (32 query / 8 KV heads of 128), bfloat16, pages of 16. For each r
 (`--contexts`, 128 1024 4096 cached keys per row; the row's page table exactly covers it, or
 `--reach` keys when larger, as the engine's graphs are captured at the configured maximum): a
 random tree per row (its ancestor mask), and variants, each captured in one CUDA graph of
-`inner` calls over distinct KV buffers (32, a Llama-8B's layers, or fewer when they alone
-overflow 256 MB... at least 8 calls) and replayed, median of `--repeats` samples, per call:
+`inner` calls (at least 8) over distinct KV buffers (32, a Llama-8B's layers, or as many as
+make 256 MB of KV, well past the L2 cache) and replayed, median of `--repeats` samples, per call:
 
 - ``old``: ``tiled=False``, the per-(node, query head) kernel the engine ran before;
 - ``tiled1``: the tiled kernel, one chunk (no merge);
