@@ -7,7 +7,8 @@ in which its draft reached position k (all of 1..k-1 accepted and k drafted) and
 accepted there: ``c_i(k) = (hits_k + PRIOR_WEIGHT * q_i) / (reached_k + PRIOR_WEIGHT)`` is its
 conditional acceptance at k, ``q_i`` being the request's rate over every position it reached,
 shrunk toward the rate pooled over every request the rank has seen (decayed alike) by
-``PRIOR_WEIGHT`` pseudo-observations (a request never seen: the pooled per-position rates), and
+``PRIOR_WEIGHT`` pseudo-observations (a request never seen: the fresh-request rates, the last
+few requests' first drafting rounds shrunk toward the pooled per-position rates), and
 ``s_i(k) = c_i(1) * ... * c_i(k)`` the probability that position k survives: what drafting it
 is worth in expected tokens. Counts decay by ``DECAY`` per round in which the request drafts, so
 its own last drafts dominate within a few rounds (a regime change is taken in one or two rounds,
@@ -72,6 +73,11 @@ CAL_DECAY = 0.95
 """Weight of the rank's calibration counts per round that drafted."""
 CAL_WEIGHT = 8.0
 """Pseudo-observations of a perfectly calibrated prediction in every calibration bin."""
+FRESH_DECAY = 0.7
+"""Weight of the rank's fresh-request counts per request that drafts for the first time (the
+counts of the last few requests' first drafting rounds: what a request never drafted reads)."""
+FRESH_WEIGHT = 1.0
+"""Pseudo-observations of the pooled rate in a fresh request's estimate at each position."""
 
 
 @dataclass
@@ -119,8 +125,15 @@ class SurvivalTracker:
     """Calibration, per bin of the raw prediction: decayed sums of the raw predicted survivals
     of drafted positions and of whether they survived (``observe``)."""
 
+    fresh: Counts = field(init=False)
+    """Decayed per-position counts of every request's first drafting round (``FRESH_DECAY``
+    per such round): the estimate of a request that has never drafted."""
+    first_drafted: set[int] = field(default_factory=set)
+    """The requests whose first drafting round is in ``fresh`` (forgotten with ``idle``)."""
+
     def __post_init__(self) -> None:
         self.pooled = Counts.empty(self.depth)
+        self.fresh = Counts.empty(self.depth)
         self.cal_predicted = [0.0] * CAL_BINS
         self.cal_survived = [0.0] * CAL_BINS
 
@@ -147,6 +160,9 @@ class SurvivalTracker:
                     self.requests[rid].age(IDLE_DECAY)
                 continue
             self.idle[rid] = (0, self.rounds)
+            if rid not in self.first_drafted:   # its first drafting round: what a new one sees
+                self.first_drafted.add(rid)
+                self.fresh.add(d, a, FRESH_DECAY)
             counts = self.requests.get(rid)
             if counts is None:
                 counts = self.requests[rid] = Counts.empty(self.depth)
@@ -163,6 +179,7 @@ class SurvivalTracker:
             for rid in [r for r, (_, seen) in self.idle.items()
                         if self.rounds - seen > FORGET_ROUNDS]:
                 del self.idle[rid]
+                self.first_drafted.discard(rid)
 
     def _score(self, rids: Sequence[int], budgets: Sequence[int],
                accepts: Sequence[int]) -> None:
@@ -225,9 +242,20 @@ class SurvivalTracker:
             out.append(last)
         return out
 
+    def fresh_rates(self, prior: list[float]) -> list[float]:
+        """The conditional acceptance per position of a request never seen: the last few
+        requests' first drafting rounds (``fresh``), shrunk toward the pooled ``prior`` by
+        ``FRESH_WEIGHT`` pseudo-observations. The pool remembers every drafting round of every
+        request (``POOL_DECAY``); after a change of regime — the requests that arrive accept
+        less, or more, than those that made the pool — a new request reads what the last ones
+        did in their first round, not the old regime's rate."""
+        f = self.fresh
+        return [(f.hits[k] + FRESH_WEIGHT * prior[k]) / (f.reached[k] + FRESH_WEIGHT)
+                for k in range(self.depth)]
+
     def raw_survival(self, rid: int, prior: Optional[list[float]] = None) -> list[float]:
-        """The raw ``s(1..depth)`` of request ``rid`` (the prior's alone for a request never
-        seen).
+        """The raw ``s(1..depth)`` of request ``rid`` (for a request never seen: the fresh
+        requests' rates, ``fresh_rates``).
 
         Two levels: the request's own rate over every position it reached, shrunk toward the
         pooled rate (``PRIOR_WEIGHT`` pseudo-observations of it), is the prior of each of its
@@ -237,7 +265,7 @@ class SurvivalTracker:
         prior = prior if prior is not None else self.prior()
         counts = self.requests.get(rid)
         if counts is None:
-            own = prior
+            own = self.fresh_rates(prior)
         else:
             reached, hits = sum(counts.reached), sum(counts.hits)
             pool = self.pooled

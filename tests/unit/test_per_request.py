@@ -24,6 +24,7 @@ from adaptive_dist.policy.budgets import (
     IDLE_DECAY,
     VALUE_SCALE,
     Estimates,
+    PerRequestRule,
     SurvivalTracker,
     choose_shape,
     fill_budgets,
@@ -272,6 +273,58 @@ def test_calibration_brings_predictions_closer_to_what_survives() -> None:
                     cal_err += (y - hit) ** 2
         tracker.observe(rids, budgets, accepts)
     assert cal_err < 0.97 * raw_err
+
+
+def test_a_new_request_reads_what_the_last_new_ones_did_in_their_first_round() -> None:
+    """After a change of regime the pool (every drafting round of every request, decayed slowly)
+    still holds the old rate; a request never drafted reads the last few requests' first
+    drafting rounds (``fresh_rates``), so it no longer drafts deep on the old regime's word."""
+    tracker = SurvivalTracker(7)
+    for _ in range(40):                               # a regime that accepts everything
+        tracker.observe(list(range(8)), [7] * 8, [7] * 8)
+    prior = tracker.prior()
+    assert prior[0] > 0.9
+    assert tracker.raw_survival(100)[0] > 0.9         # a new one expects the same
+    for rid in (100, 101, 102):                       # the new regime: rejected at once
+        tracker.observe([rid], [7], [0])
+    fresh = tracker.raw_survival(103)
+    assert fresh[0] < 0.5 * prior[0]
+    assert fresh == pytest.approx(list(np.cumprod(tracker.fresh_rates(tracker.prior()))))
+    # only a request's first drafting round counts: one that keeps rejecting adds nothing more
+    before = list(tracker.fresh.reached)
+    tracker.observe([100], [7], [0])
+    assert tracker.fresh.reached == before
+    # then new requests that accept bring it back within a few
+    for rid in (104, 105, 106, 107):
+        tracker.observe([rid], [7], [7])
+    assert tracker.raw_survival(108)[0] > 0.8
+
+
+def test_replica_ranks_with_different_local_state_pick_the_same_budgets() -> None:
+    """Two ranks of one replica (attention TP): the same requests, budgets and accepted lengths
+    (what both have), their rank-local state different (rank 1 started later: its first rounds
+    saw only the requests' shared observations from the point it joined the replica's stream,
+    and it was asked for its estimates at other times, and for other requests, in between). The
+    budgets and the value curves depend on the replica-shared stream alone."""
+    config = per_request_config()
+    rules = [PerRequestRule(config, token_ladder(64)) for _ in range(2)]
+    rng = np.random.default_rng(3)
+    rids = list(range(6))
+    shape = RoundShape(3, 16)
+    for round_ in range(60):
+        if round_ % 9 == 8:                           # one finishes, another arrives
+            rids = rids[1:] + [max(rids) + 1]
+        est = [rule.survivals(rids) for rule in rules]
+        assert est[0] == est[1] and est[0].due == est[1].due
+        budgets = [rule.budgets(e, shape) for rule, e in zip(rules, est)]
+        assert budgets[0] == budgets[1]
+        assert rules[0].curve(est[0]) == rules[1].curve(est[1])
+        # rank-local reads that must change nothing: rank 1 asks about other requests
+        rules[1].survivals([999, 1000])
+        accepts = [int(min(b, rng.integers(0, 4))) for b in budgets[0]]
+        for rule in rules:
+            rule.tracker.observe(rids, list(budgets[0]), accepts)
+    assert any(b > 0 for b in budgets[0])
 
 
 # ---- refusals ------------------------------------------------------------------------------------
