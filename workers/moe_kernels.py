@@ -62,6 +62,12 @@ PAIR_BLOCK_K = 256     # its reduction slice
 # 47-79 us), slower past it (256 rows: 106 against 82 us), where the torch ops serve.
 ALIGN_KERNEL_PAIRS = 1024
 ALIGN_CHUNK = 64            # pairs per step of that program
+# Past it: `align_multi`, three launches of many programs (count per chunk, one scan, scatter),
+# in place of the torch ops' ~25 launches and stable sort. Not yet timed on a GPU against either
+# (scripts/bench/moe_layer.py --ways align_kernel align_multi align_torch); the one program
+# stays up to ALIGN_KERNEL_PAIRS, where it was measured faster than the torch ops.
+ALIGN_MULTI_CHUNK = 64      # pairs per program of `align_multi`'s count and scatter passes
+ALIGN_SCAN_ROWS = 64        # chunks (and blocks) per step of its one scan program
 
 
 @functools.lru_cache(maxsize=1)
@@ -229,6 +235,72 @@ def _kernels() -> SimpleNamespace:
                      mask=b < length // BLOCK)
 
     @triton.jit
+    def align_count_kernel(ids_ptr, rows_ptr, counts_ptr, pairs, num_experts, first, length,
+                           span, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
+        # `align_multi`'s pass 1, one program per chunk of CHUNK pairs: the chunk's pairs per
+        # local expert (a row of the [chunks, EXPERTS] table; nothing past the experts), and the
+        # sentinel into its `span` of the rows (every slot; pass 3 writes the pairs over it)
+        c = tl.program_id(0)
+        ex = tl.arange(0, EXPERTS)
+        p = c * CHUNK + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + p, mask=p < pairs, other=first + num_experts) - first
+        e = tl.where((e < 0) | (e > num_experts), num_experts, e)
+        hot = (e[:, None] == ex[None, :]) & (ex[None, :] < num_experts)
+        tl.store(counts_ptr + c * EXPERTS + ex, tl.sum(hot.to(tl.int32), axis=0))
+        for r0 in range(0, span, CHUNK):
+            i = r0 + tl.arange(0, CHUNK)
+            r = c * span + i
+            tl.store(rows_ptr + r, tl.zeros([CHUNK], tl.int64) + pairs,
+                     mask=(i < span) & (r < length))
+
+    @triton.jit
+    def align_scan_kernel(counts_ptr, starts_ptr, block_expert_ptr, chunks, num_experts, length,
+                          BLOCK: tl.constexpr, EXPERTS: tl.constexpr, ROWS: tl.constexpr):
+        # pass 2, one program: each expert's total, its run padded to BLOCK rows, the runs one
+        # after another (the padded cumulative sum); per (chunk, expert) where the chunk's first
+        # pair of that expert goes (the run's start + the earlier chunks' pairs of the expert);
+        # every block's expert (the runs ending at or before its first row; E past the last)
+        ex = tl.arange(0, EXPERTS)
+        totals = tl.zeros([EXPERTS], tl.int32)
+        for c0 in range(0, chunks, ROWS):
+            c = c0 + tl.arange(0, ROWS)
+            at = c[:, None] * EXPERTS + ex[None, :]
+            totals += tl.sum(tl.load(counts_ptr + at, mask=at < chunks * EXPERTS, other=0),
+                             axis=0)
+        padded = (totals + BLOCK - 1) // BLOCK * BLOCK
+        ends = tl.cumsum(padded, axis=0)
+        seen = ends - padded
+        for c0 in range(0, chunks, ROWS):
+            c = c0 + tl.arange(0, ROWS)
+            at = c[:, None] * EXPERTS + ex[None, :]
+            n = tl.load(counts_ptr + at, mask=at < chunks * EXPERTS, other=0)
+            tl.store(starts_ptr + at, tl.cumsum(n, axis=0) - n + seen[None, :],
+                     mask=at < chunks * EXPERTS)
+            seen += tl.sum(n, axis=0)
+        for b0 in range(0, length // BLOCK, ROWS):
+            b = b0 + tl.arange(0, ROWS)
+            below = (ends[None, :] <= (b * BLOCK)[:, None]) & (ex[None, :] < num_experts)
+            tl.store(block_expert_ptr + b, tl.sum(below.to(tl.int64), axis=1),
+                     mask=b < length // BLOCK)
+
+    @triton.jit
+    def align_scatter_kernel(ids_ptr, starts_ptr, rows_ptr, pairs, num_experts, first,
+                             EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
+        # pass 3, one program per chunk: each local pair to its expert's place for this chunk
+        # plus its rank among the chunk's earlier pairs of that expert (the stable order)
+        c = tl.program_id(0)
+        ex = tl.arange(0, EXPERTS)
+        p = c * CHUNK + tl.arange(0, CHUNK)
+        live = p < pairs
+        e = tl.load(ids_ptr + p, mask=live, other=first + num_experts) - first
+        e = tl.where((e < 0) | (e > num_experts), num_experts, e)
+        hot = (e[:, None] == ex[None, :]).to(tl.int32)          # [CHUNK, EXPERTS]
+        before = tl.cumsum(hot, axis=0) - hot
+        base = tl.load(starts_ptr + c * EXPERTS + ex)
+        dest = tl.sum((before + base[None, :]) * hot, axis=1)
+        tl.store(rows_ptr + dest, p.to(tl.int64), mask=live & (e < num_experts))
+
+    @triton.jit
     def route_kernel(logits_ptr, ids_ptr, weights_ptr, num_experts, top_k, stride_l,
                      EXPERTS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr):
         # one program per row: its top k logits (the largest first, the lower expert on a tie)
@@ -293,7 +365,9 @@ def _kernels() -> SimpleNamespace:
 
     return SimpleNamespace(gate_up=gate_up_kernel, down=down_kernel,
                            pair_gate_up=pair_gate_up_kernel, pair_down=pair_down_kernel,
-                           align=align_kernel, route=route_kernel, combine=combine_kernel)
+                           align=align_kernel, align_count=align_count_kernel,
+                           align_scan=align_scan_kernel, align_scatter=align_scatter_kernel,
+                           route=route_kernel, combine=combine_kernel)
 
 
 def route(logits: torch.Tensor, top_k: int, norm: bool, dtype: torch.dtype
@@ -322,11 +396,14 @@ def align(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M, first: int 
     """(the pairs in expert order, each expert's run padded to ``block`` rows with the sentinel
     ``P`` [padded length]; the expert of every block, ``>= num_experts`` past the last run).
     Shapes depend on ``ids.numel()``, ``num_experts`` and ``block`` only. Up to
-    `ALIGN_KERNEL_PAIRS` pairs one Triton program computes it (`align_kernel`), else torch ops
-    (`align_torch`): the same tensors."""
-    if not 0 < ids.numel() <= ALIGN_KERNEL_PAIRS:
+    `ALIGN_KERNEL_PAIRS` pairs one Triton program computes it (`align_kernel`), past it three
+    launches of many programs (`align_multi`); no pairs: the torch ops (`align_torch`). The
+    same tensors every way."""
+    if ids.numel() == 0:
         return align_torch(ids, num_experts, block, first)
-    return align_kernel(ids, num_experts, block, first)
+    if ids.numel() <= ALIGN_KERNEL_PAIRS:
+        return align_kernel(ids, num_experts, block, first)
+    return align_multi(ids, num_experts, block, first)
 
 
 def align_kernel(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M, first: int = 0
@@ -340,6 +417,38 @@ def align_kernel(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M, firs
                            first, length, BLOCK=block,
                            EXPERTS=max(16, 1 << (num_experts - 1).bit_length()),
                            CHUNK=ALIGN_CHUNK)
+    return rows, block_expert
+
+
+def align_multi(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M, first: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align` in three launches, deterministic (no atomics): (1) per chunk of
+    `ALIGN_MULTI_CHUNK` pairs one program counts the chunk's pairs per expert ([chunks, E]) and
+    fills its share of the rows with the sentinel; (2) one program scans the table (per expert
+    the earlier chunks' pairs, plus the expert's run start: the padded cumulative sum over the
+    experts) and writes every block's expert; (3) per chunk one program places each pair at its
+    expert's start for the chunk plus its rank among the chunk's earlier pairs of the expert.
+    The same tensors as `align_torch` (the stable order within each run)."""
+    pairs = ids.numel()
+    if pairs == 0:
+        raise ValueError("align_multi: no pairs (align serves 0 pairs with the torch ops)")
+    dev = ids.device
+    length = (pairs + num_experts * (block - 1) + block - 1) // block * block
+    chunks = -(-pairs // ALIGN_MULTI_CHUNK)
+    span = -(-length // chunks)                 # rows per count program to fill with the sentinel
+    experts = max(16, 1 << (num_experts - 1).bit_length())
+    flat = ids.reshape(-1).contiguous()
+    rows = torch.empty(length, dtype=torch.int64, device=dev)
+    block_expert = torch.empty(length // block, dtype=torch.int64, device=dev)
+    counts = torch.empty(chunks, experts, dtype=torch.int32, device=dev)
+    starts = torch.empty(chunks, experts, dtype=torch.int32, device=dev)
+    k = _kernels()
+    k.align_count[(chunks,)](flat, rows, counts, pairs, num_experts, first, length, span,
+                             EXPERTS=experts, CHUNK=ALIGN_MULTI_CHUNK)
+    k.align_scan[(1,)](counts, starts, block_expert, chunks, num_experts, length, BLOCK=block,
+                       EXPERTS=experts, ROWS=ALIGN_SCAN_ROWS)
+    k.align_scatter[(chunks,)](flat, starts, rows, pairs, num_experts, first, EXPERTS=experts,
+                               CHUNK=ALIGN_MULTI_CHUNK)
     return rows, block_expert
 
 

@@ -63,6 +63,10 @@ CASES = {
     "pair_down": [("bf16", dict(BLOCK_N=16, BLOCK_K=256)),
                   ("fp32", dict(BLOCK_N=16, BLOCK_K=256))],
     "align": [("i64", dict(BLOCK=16, EXPERTS=128, CHUNK=64))],
+    # align_multi's passes: counts_ptr, starts_ptr int32 (the case's type), the rest int64
+    "align_count": [("i32", dict(EXPERTS=128, CHUNK=64))],
+    "align_scan": [("i32", dict(BLOCK=16, EXPERTS=128, ROWS=64))],
+    "align_scatter": [("i32", dict(EXPERTS=128, CHUNK=64))],
     "route": [("bf16", dict(EXPERTS=128, K=8, NORM=True)), ("fp32", dict(EXPERTS=16, K=4, NORM=False))],
     "combine": [("bf16", dict(HAS_SHARED=True, NORM=True, BLOCK=2048)),
                 ("fp32", dict(HAS_SHARED=False, NORM=False, BLOCK=64))],

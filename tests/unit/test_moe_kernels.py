@@ -4,8 +4,9 @@ top 8, as Qwen3-30B-A3B — on the CPU through triton's interpreter, every memor
 argument of that launch (what a GPU reports as an illegal memory access, or silently reads). The
 hidden and model widths are shrunk (the alignment and the padding depend on the pairs, the expert
 count and the top k, not on them), and picked so that the column and reduction loops run several
-slices with a masked tail. Checked: the alignment one Triton program computes equals the torch
-ops' and the layout it promises (`check_alignment`) for random, skewed and other-rank routings;
+slices with a masked tail. Checked: the alignment one Triton program computes, and past 1024
+pairs the multi-program one (`align_multi`), equal the torch ops' bit for bit and the layout they
+promise (`check_alignment`) for random, skewed, sparse, one-expert and other-rank routings;
 the pair path and the grouped path equal the sparse torch path (``MoeBlock.sparse``) at decode
 and prefill row counts. On a GPU the same at the real widths, graph-replayed:
 ``tests/gpu/test_moe_gpu.py``."""
@@ -118,14 +119,77 @@ def test_the_align_kernel_at_128_experts_top_8(rows: int) -> None:
         check_alignment(ids, experts, *got)
 
 
-def test_align_beyond_the_kernel_is_the_torch_alignment() -> None:
-    """Past `ALIGN_KERNEL_PAIRS` (512 rows: 4096 pairs) `align` is the torch ops, to the same
-    contract."""
-    ids = routings(512, seed=512)["uniform"]
+MULTI = ["align_count_kernel", "align_scan_kernel", "align_scatter_kernel"]
+
+
+@pytest.mark.parametrize("rows", [129, 512])
+def test_align_beyond_the_kernel_is_the_multi_program_alignment(rows: int) -> None:
+    """Past `ALIGN_KERNEL_PAIRS` (129 rows: 1032 pairs; 512 rows: 4096, batch 64 at depth 7)
+    `align` is `align_multi`'s three launches, equal to the torch ops and to the contract, in
+    bounds, for every routing of `routings`."""
+    assert rows * TOP_K > moe_kernels.ALIGN_KERNEL_PAIRS
+    for name, ids in routings(rows, seed=rows).items():
+        experts = E // 2 if name == "ep_slice" else E
+        with bounds_checked() as ran:
+            got = moe_kernels.align(ids, experts)
+        assert ran == MULTI, name
+        want = moe_kernels.align_torch(ids, experts)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (rows, name)
+        check_alignment(ids, experts, *got)
+
+
+def _ids(pairs: int, experts: int, first: int, kind: str, seed: int) -> torch.Tensor:
+    """`pairs` ids [pairs] as an expert-parallel rank whose experts are ``first .. first +
+    experts - 1`` reads them: "spread" over every id of the model (this rank's and others',
+    below and above), "holes" (only every third of this rank's experts, with others' ids: empty
+    experts between runs), "one" (every pair on one expert, the last of the rank's)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "one":
+        return torch.full((pairs,), first + experts - 1, dtype=torch.int64)
+    if kind == "holes":
+        pick = torch.tensor([first + e for e in range(0, experts, 3)] + [first + experts + 2])
+        return pick[torch.randint(0, pick.numel(), (pairs,), generator=gen)]
+    return torch.randint(0, first + experts + 5, (pairs,), generator=gen)
+
+
+@pytest.mark.parametrize("pairs, experts, block, first, kind", [
+    (1025, 128, 16, 0, "spread"), (1031, 8, 16, 0, "spread"), (1537, 64, 32, 64, "spread"),
+    (2048, 128, 16, 0, "holes"), (2047, 128, 64, 7, "holes"), (2999, 8, 64, 3, "one"),
+    (4096, 128, 16, 0, "spread"), (4096, 64, 16, 64, "one"), (4093, 128, 32, 0, "one"),
+    (3001, 64, 64, 0, "holes")])
+def test_align_multi_equals_the_torch_alignment(pairs: int, experts: int, block: int, first: int,
+                                                kind: str) -> None:
+    """`align_multi` bit for bit as `align_torch` (rows and block experts, same dtypes and
+    shapes) past `ALIGN_KERNEL_PAIRS`: odd pair counts (a part chunk), 8/64/128 experts, blocks of
+    16/32/64, a rank's first expert other than 0 (ids below it and past its experts: another
+    rank's), empty experts and every pair on one expert (a run of many blocks); in bounds; and
+    `align_kernel` (one program, any count) gives the same."""
+    ids = _ids(pairs, experts, first, kind, seed=pairs + experts)
+    want = moe_kernels.align_torch(ids, experts, block, first)
     with bounds_checked() as ran:
-        rows, block_expert = moe_kernels.align(ids, E)
-    assert ran == []
-    check_alignment(ids, E, rows, block_expert)
+        got = moe_kernels.align_multi(ids, experts, block, first)
+    assert ran == MULTI
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == torch.int64 and g.shape == w.shape
+        assert torch.equal(g, w), (pairs, experts, block, first, kind)
+    shifted = torch.where((ids < first) | (ids >= first + experts), experts, ids - first)
+    check_alignment(shifted, experts, *got, block=block)
+    one = moe_kernels.align_kernel(ids, experts, block, first)
+    assert torch.equal(one[0], want[0]) and torch.equal(one[1], want[1])
+
+
+def test_align_multi_at_its_chunk_edges() -> None:
+    """Pair counts at and around whole chunks of `ALIGN_MULTI_CHUNK` (and below
+    `ALIGN_KERNEL_PAIRS`, called directly: the function serves any count), one pair alone."""
+    c = moe_kernels.ALIGN_MULTI_CHUNK
+    for pairs in (1, c - 1, c, c + 1, 17 * c, 17 * c + 1):
+        ids = _ids(pairs, 16, 0, "spread", seed=pairs)
+        with bounds_checked():
+            got = moe_kernels.align_multi(ids, 16)
+        want = moe_kernels.align_torch(ids, 16)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), pairs
+    with pytest.raises(ValueError, match="align_multi: no pairs"):
+        moe_kernels.align_multi(torch.zeros(0, TOP_K, dtype=torch.int64), E)
 
 
 @functools.lru_cache(maxsize=2)
@@ -167,7 +231,7 @@ def _fused_against_sparse(rows: int, path: str, dtype: torch.dtype, monkeypatch,
             got = moe.fused(x, ids, weights)
         want = moe.sparse(x, ids, weights)
     kernels = (["pair_gate_up_kernel", "pair_down_kernel"] if path == "pairs" else
-               ["align_kernel"] * (rows * TOP_K <= moe_kernels.ALIGN_KERNEL_PAIRS)
+               (["align_kernel"] if rows * TOP_K <= moe_kernels.ALIGN_KERNEL_PAIRS else MULTI)
                + ["gate_up_kernel", "down_kernel"])
     assert ran == kernels
     # bfloat16: hidden rows rounded to 8 bits after sums in different orders (as on the GPU)
@@ -203,7 +267,7 @@ def test_the_grouped_path_at_128_experts_equals_the_sparse_path(rows: int, routi
                                                                 monkeypatch) -> None:
     """float32 (triton's interpreter multiplies bfloat16 tl.dot operands wrongly; the GPU test
     checks bfloat16): 1 row (8 experts of 128: 120 empty, 113 blocks past the runs), decode and
-    prefill rows through the align kernel, 129 rows (1032 pairs) through the torch alignment."""
+    prefill rows through the align kernel, 129 rows (1032 pairs) through `align_multi`."""
     _fused_against_sparse(rows, "grouped", torch.float32, monkeypatch, routing)
 
 
@@ -239,12 +303,13 @@ def _ep_block(rank: int):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-@pytest.mark.parametrize("rows", [2, 9])
+@pytest.mark.parametrize("rows", [2, 9, 130])
 def test_moe_block_fused_on_an_expert_parallel_rank_equals_its_sparse_part(rank: int,
                                                                            rows: int) -> None:
     """`MoeBlock.fused` on rank 0 and rank 1 of `--moe-parallel ep` over 2 (64 experts each;
     rank 1's ids shifted down, the other rank's landing at 64 or more): this rank's part of the
-    sum, as `MoeBlock.sparse` adds it (2 rows: the pair path; 9: the grouped GEMMs)."""
+    sum, as `MoeBlock.sparse` adds it (2 rows: the pair path; 9: the grouped GEMMs; 130: 1040
+    pairs, `align_multi` reading the rank's first expert)."""
     block = _ep_block(rank)
     x = torch.randn(rows, D, generator=torch.Generator().manual_seed(rows + rank))
     ids, weights = block.route(x)
@@ -252,6 +317,7 @@ def test_moe_block_fused_on_an_expert_parallel_rank_equals_its_sparse_part(rank:
     with bounds_checked() as ran:
         got = block.fused(x, ids, weights)
     assert ("pair_down_kernel" in ran) == (rows == 2)
+    assert ("align_scatter_kernel" in ran) == (rows == 130)
     torch.testing.assert_close(got, block.sparse(x, ids, weights), atol=1e-5, rtol=1e-4)
 
 
@@ -394,10 +460,10 @@ def test_fused_moe_unsummed_is_the_pairs_of_the_summed(monkeypatch) -> None:
 def test_align_of_an_expert_parallel_rank_reads_its_first_expert(rows: int) -> None:
     """`align(..., first=f)` (rank 1 of 2: experts 64 .. 127 at 0 .. 63) equals `align` of the
     ids shifted as the rank reads them (below 64: another rank's, the sentinel; 64 .. 127: 0 ..
-    63), both ways (the Triton program up to 1024 pairs, the torch ops past it), in bounds."""
+    63), every way (the one Triton program, the multi-program one, the torch ops), in bounds."""
     ids = routings(rows, seed=rows)["uniform"]
     shifted = torch.where(ids < 64, 64, ids - 64)
-    for fn in (moe_kernels.align_kernel, moe_kernels.align_torch):
+    for fn in (moe_kernels.align_kernel, moe_kernels.align_multi, moe_kernels.align_torch):
         with bounds_checked():
             got = fn(ids, 64, first=64)
         want = fn(shifted, 64)
