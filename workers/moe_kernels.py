@@ -17,7 +17,9 @@ on an expert-parallel rank; any other id is another rank's expert, contributing 
    expert's run are skipped by the kernels (no host sync, nothing data-dependent in a shape).
    Up to `ALIGN_KERNEL_PAIRS` pairs one Triton program computes it (`align_kernel`: counts,
    padded offsets, each pair's place by its rank among the earlier pairs of its expert — the
-   stable sort's order — and every block's expert), not the ~25 torch ops of `align_torch`.
+   stable sort's order — and every block's expert), not the ~25 torch ops of `align_torch`;
+   past it the same in three launches of many programs (`align_multi`: counts per chunk of
+   pairs, one scan, the scatter), where the one program's sequential steps grow with the pairs.
 2. ``gate_up``: per block, ``silu(x W_gate^T) * (x W_up^T)`` of its rows, float32 accumulation.
 3. ``down``: per block, ``h W_down^T`` times each pair's routing weight, written to its pair.
 4. The ``k`` pairs of each token summed: here, or (``summed=False``) by `combine` in one launch
