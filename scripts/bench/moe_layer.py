@@ -3,6 +3,8 @@ weights set, on one GPU, CUDA-graph replayed (the eager figure is the host launc
 
     python -m scripts.bench.moe_layer --out OUT     # 48 s on one H200 (every way, the round)
     python -m scripts.bench.moe_layer --ways graph graph_grouped --rows 1 2 4 8 16 --out OUT
+    python -m scripts.bench.moe_layer --ways align_kernel align_multi align_torch \
+        --rows 32 128 256 512 --no-round --out OUT     # the alignment alone, 256 .. 4096 pairs
 
 One H200's run: `docs/data/runs/moe_layer_h200_2026-12-03/`, read in `docs/results.md`, "MoE rounds
 against their weight floor".
@@ -14,7 +16,9 @@ against their weight floor".
    replays: the whole layer as it runs (routing, then at most `PAIR_PATH_PAIRS` pairs the pair
    path, else the alignment, the two grouped kernels, the sum), the whole layer with the grouped
    GEMMs at every N, the two grouped kernels alone (their alignment computed once), the
-   alignment alone both ways (one Triton program, the torch ops), and the eager layer; the experts the rows hit
+   alignment alone every way (one Triton program, `align_multi`'s three launches of many
+   programs, the torch ops; each at every N, whatever `align` picks there), and the eager
+   layer; the experts the rows hit
    and the floor = the bytes of those experts' weights (3 · F · d · 2 each) over `--bandwidth`
    (default 3.25 TB/s, what a cuBLAS GEMV chain reaches on an H200).
 2. The round (`--round-batches`, default 1 8 64; `--no-round` skips it): the Qwen3-30B-A3B-shaped
@@ -52,7 +56,8 @@ from scripts.bench.common import gpu_name, pyplot, save, write_json
 
 D, F, E, TOP_K = 2048, 768, 128, 8      # Qwen3-30B-A3B's (--tiny: the tiny-moe shape's)
 SHAPE, DEVICE = "qwen3-30b-a3b", "cuda"
-WAYS = ("graph", "graph_grouped", "kernels", "align_kernel", "align_torch", "eager")
+WAYS = ("graph", "graph_grouped", "kernels", "align_kernel", "align_multi", "align_torch",
+        "eager")
 
 
 def parse_args() -> argparse.Namespace:
@@ -191,6 +196,7 @@ def layer_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             make = {"graph": lambda: graphed(layer), "graph_grouped": lambda: graphed(grouped),
                     "kernels": lambda: graphed(kernels_only(moe, x)),
                     "align_kernel": lambda: graphed(lambda ids=ids: mk.align_kernel(ids, E)),
+                    "align_multi": lambda: graphed(lambda ids=ids: mk.align_multi(ids, E)),
                     "align_torch": lambda: graphed(lambda ids=ids: mk.align_torch(ids, E)),
                     "eager": lambda: layer}
             calls[n] = {way: make[way]() for way in args.ways}
@@ -223,7 +229,8 @@ def layer_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 KINDS = (("moe", ("pair_gate_up", "pair_down", "gate_up_kernel", "down_kernel", "align_kernel",
-                   "route_kernel", "combine_kernel")),   # combine: the sum, the next add + norm
+                   "align_count", "align_scan", "align_scatter", "route_kernel",
+                   "combine_kernel")),   # combine: the sum, the next add + norm
          ("attention", ("padded_attention", "store_kv", "tree_attention")),
          ("norm_rope", ("rms_norm", "rope", "silu_mul")),
          ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "cublas", "splitk", "aten::mm",
@@ -352,7 +359,9 @@ def choices(layer: list[dict[str, Any]]) -> dict[str, Any]:
     """What the figures say of `moe_kernels`' two shape thresholds: the rows where the pair path
     runs (at most `PAIR_PATH_PAIRS` pairs) and the layer with the grouped GEMMs was faster, and
     the rows where the one-program alignment runs (at most `ALIGN_KERNEL_PAIRS` pairs) and the
-    torch ops were faster (medians; see each row's spread before acting on a close call)."""
+    torch ops were faster, and where the multi-program alignment beat the one it would replace
+    there (the one program up to `ALIGN_KERNEL_PAIRS` pairs, the torch ops past it) (medians;
+    see each row's spread before acting on a close call)."""
     from workers import moe_kernels as mk
 
     return {"PAIR_PATH_PAIRS": mk.PAIR_PATH_PAIRS, "ALIGN_KERNEL_PAIRS": mk.ALIGN_KERNEL_PAIRS,
@@ -361,7 +370,13 @@ def choices(layer: list[dict[str, Any]]) -> dict[str, Any]:
                                                                           float("inf"))],
             "align_kernel_slower_at_rows": [
                 r["rows"] for r in layer if r["rows"] * TOP_K <= mk.ALIGN_KERNEL_PAIRS
-                and r.get("align_kernel_ms", 0) > r.get("align_torch_ms", float("inf"))]}
+                and r.get("align_kernel_ms", 0) > r.get("align_torch_ms", float("inf"))],
+            "align_multi_faster_than_one_program_at_rows": [
+                r["rows"] for r in layer if r["rows"] * TOP_K <= mk.ALIGN_KERNEL_PAIRS
+                and r.get("align_multi_ms", float("inf")) < r.get("align_kernel_ms", 0)],
+            "align_multi_slower_than_torch_at_rows": [
+                r["rows"] for r in layer if r["rows"] * TOP_K > mk.ALIGN_KERNEL_PAIRS
+                and r.get("align_multi_ms", 0) > r.get("align_torch_ms", float("inf"))]}
 
 
 def report(args: argparse.Namespace, layer: list[dict[str, Any]], rounds: list[dict[str, Any]],
@@ -385,6 +400,7 @@ def report(args: argparse.Namespace, layer: list[dict[str, Any]], rounds: list[d
                               ("kernels_ms", "^-", "the two grouped kernels alone"),
                               ("eager_ms", "x:", "layer, eager"),
                               ("align_kernel_ms", "d:", "alignment, one Triton program"),
+                              ("align_multi_ms", "*:", "alignment, three multi-program launches"),
                               ("align_torch_ms", "+:", "alignment, torch ops"),
                               ("floor_ms", "s--", "experts hit / bandwidth")):
         if key in layer[0]:
