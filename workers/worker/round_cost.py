@@ -114,8 +114,10 @@ class TrafficRows:
         usable = slots.pool_pages - 1   # all but the dummy page
         room = min(slots.reach, usable) * ps - self.growth - 1
         self.context = max(0, min(context, room))
-        # a pool smaller than a row's reach: its positions beyond the pool on the dummy page
-        self.pages_per_row = min(-(-(self.context + self.growth + 1) // ps), usable)
+        # at most a slot's reach (a chain longer than a slot holds writes its last page again,
+        # as before) and the pool (a row's positions beyond it on the dummy page)
+        self.pages_per_row = min(-(-(self.context + self.growth + 1) // ps), slots.reach,
+                                 usable)
         self.sets = max(1, min(n, usable // self.pages_per_row)) if n else 0
         replica = worker.models.target.par.replica
         self.seed = TRAFFIC_SEED + 1000 * replica
