@@ -301,11 +301,12 @@ def test_a_new_request_reads_what_the_last_new_ones_did_in_their_first_round() -
 
 
 def test_replica_ranks_with_different_local_state_pick_the_same_budgets() -> None:
-    """Two ranks of one replica (attention TP): the same requests, budgets and accepted lengths
-    (what both have), their rank-local state different (rank 1 started later: its first rounds
-    saw only the requests' shared observations from the point it joined the replica's stream,
-    and it was asked for its estimates at other times, and for other requests, in between). The
-    budgets and the value curves depend on the replica-shared stream alone."""
+    """Two ranks of one replica (attention TP) fed the same requests, budgets and accepted
+    lengths (what both have); rank 1 also reads estimates of requests that are not the
+    replica's between rounds (rank-local reads). Every round both compute the same estimates,
+    due flags, budgets and value curves: the rule's state moves only with the replica-shared
+    stream (the coordinator-level case, with different EMAs and clocks, is
+    tests/multirank/test_engine_dp.py::test_attn_tp_ranks_of_a_replica_pick_the_same_budgets)."""
     config = per_request_config()
     rules = [PerRequestRule(config, token_ladder(64)) for _ in range(2)]
     rng = np.random.default_rng(3)
