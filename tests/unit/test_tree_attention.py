@@ -284,6 +284,8 @@ def test_tiled_tree_attention_is_deterministic_and_refuses_what_it_cannot_run() 
     pool, pages, cached, parents, q, k, v = _tiled_case(21, 2, 8, 4, 64, "long", torch.float32)
     args = (q.reshape(-1, 8, 64), pool.k[0], pool.v[0], pages, cached, k, v,
             ancestors(parents, 8), 0.125)
+    if torch.cuda.is_available():   # compiled on a GPU (CPU tensors only in the interpreter)
+        args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
     first = kernels.tree_attention(*args, splits=3)
     assert torch.equal(first, kernels.tree_attention(*args, splits=3)), "same bits each run"
     with pytest.raises(ValueError, match="splits=0"):
