@@ -436,12 +436,17 @@ def test_combine_on_the_gpu_equals_the_torch_ops(shared: bool, norm: bool, dtype
     """`moe_kernels.combine` compiled and graph-replayed at 1 and 200 rows of the production
     width (2048, top 8) against the torch ops it replaces: ``pairs.sum(1)``, ``+ shared *
     sigmoid(gate)``, the residual add and ``RMSNorm`` (torch's path), each rounded to the dtype
-    as those ops round (to nearest: the interpreter's CPU test cannot check that). Within one
-    ulp (exp, rsqrt and the reductions' float32 order), and nearly every element bit for bit."""
+    as those ops round (to nearest: the interpreter's CPU test cannot check that). Both against a
+    float64 reference of the same inputs: the kernel's error is the torch ops' own (a float32
+    sum's order, exp and rsqrt differ by an ulp here and there: the first H200 run found 43% of
+    float32 sums and ~1% of bfloat16 elements one ulp apart, so bit equality is not asked: its mean
+    error at most twice theirs), and
+    within a few ulps of the reference everywhere."""
     from workers import moe_kernels
     from workers.model.layers import RMSNorm
 
     d = 2048
+    eps = torch.finfo(dtype).eps
     for rows in (1, 200):
         gen = torch.Generator(DEV).manual_seed(rows)
         pairs = torch.randn(rows, 8, d, generator=gen, device=DEV).to(dtype)
@@ -456,19 +461,27 @@ def test_combine_on_the_gpu_equals_the_torch_ops(shared: bool, norm: bool, dtype
         graph.replay()
         torch.cuda.synchronize()
         want = pairs.sum(dim=1)
+        ref = pairs.double().sum(dim=1)
         if shared:
             want = want + sh * torch.sigmoid(gate)
+            ref = ref + sh.double() * torch.sigmoid(gate.double())
         with torch.no_grad():
             if norm:
                 total = x + want
                 want = (total, _torch_rms(rms, total))
+                total64 = x.double() + ref
+                ref = (total64, rms.weight.double() * total64 * torch.rsqrt(
+                    total64.pow(2).mean(-1, keepdim=True) + 1e-6))
             else:
-                got, want = (got,), (want,)
-        tol = {"atol": 1e-6, "rtol": 2.5e-7} if dtype == torch.float32 else \
-            {"atol": 1e-3, "rtol": 8e-3}
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, **tol)
-            assert (g == w).float().mean().item() > 0.99, rows
+                got, want, ref = (got,), (want,), (ref,)
+        for g, w, r in zip(got, want, ref):
+            assert g.dtype == dtype and g.shape == r.shape
+            err_kernel = (g.double() - r).abs()
+            err_torch = (w.double() - r).abs()
+            scale = r.abs().max().item()
+            assert err_kernel.max().item() <= 4 * eps * scale, (rows, err_kernel.max().item())
+            assert err_kernel.mean().item() <= 2 * err_torch.mean().item() + eps * 1e-3 * scale, \
+                (rows, err_kernel.mean().item(), err_torch.mean().item())
         del graph
 
 
