@@ -440,8 +440,7 @@ def test_combine_on_the_gpu_equals_the_torch_ops(shared: bool, norm: bool, dtype
     float64 reference of the same inputs: the kernel's error is the torch ops' own (a float32
     sum's order, exp and rsqrt differ by an ulp here and there: the first H200 run found 43% of
     float32 sums and ~1% of bfloat16 elements one ulp apart, so bit equality is not asked: its mean
-    error at most twice theirs), and
-    within a few ulps of the reference everywhere."""
+    error at most twice theirs), and within a few ulps of the reference everywhere."""
     from workers import moe_kernels
     from workers.model.layers import RMSNorm
 
