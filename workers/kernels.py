@@ -82,6 +82,31 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
     import triton
     import triton.language as tl
 
+    # a module global (not a closure variable), so the kernels find it compiled and in triton's
+    # interpreter alike
+    global _softmax_step
+
+    @triton.jit
+    def _softmax_step(q, k, v, seen, scale, m_i, l_i, acc, IEEE: tl.constexpr):
+        # one block of keys `k`/values `v` into the online softmax of the queries `q` (a tile of
+        # query vectors x BLOCK_D), the keys each may see `seen`: the running max `m_i`, sum
+        # `l_i` and accumulator `acc` after it (float32). A query that has seen nothing yet
+        # keeps max -inf and adds nothing (no NaN).
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32)
+        else:
+            s = tl.dot(q, tl.trans(k)).to(tl.float32)
+        s = tl.where(seen, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        if IEEE:
+            pv = tl.dot(p.to(q.dtype), v, input_precision="ieee").to(tl.float32)
+        else:
+            pv = tl.dot(p.to(q.dtype), v).to(tl.float32)
+        return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
     @triton.jit
     def rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_d, n, eps,
                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
@@ -303,24 +328,9 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
                         mask=m2, other=0.0).to(q.dtype)
             v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                         mask=m2, other=0.0).to(q.dtype)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32)
-            else:
-                s = tl.dot(q, tl.trans(k)).to(tl.float32)
             seen = pmask[None, :] & (pos[None, :] < limit[:, None])
-            s = tl.where(seen, s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # a query whose keys ended before this block: nothing to add (no NaN)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            if IEEE:
-                pv = tl.dot(p.to(q.dtype), v, input_precision="ieee").to(tl.float32)
-            else:
-                pv = tl.dot(p.to(q.dtype), v).to(tl.float32)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(q, k, v, seen, scale, m_i, l_i, acc, IEEE)
         part = (split * tokens + tok) * heads + h                    # [splits, tokens, heads]
         tl.store(m_ptr + part, m_i, mask=live)
         tl.store(l_ptr + part, l_i, mask=live)
@@ -468,24 +478,9 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
                         mask=m2, other=0.0).to(q.dtype)
             v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                         mask=m2, other=0.0).to(q.dtype)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32)
-            else:
-                s = tl.dot(q, tl.trans(k)).to(tl.float32)
             seen = pmask[None, :] & (pos[None, :] < limit[:, None])
-            s = tl.where(seen, s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # a node whose context ended before this block (or not live): nothing to add
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            if IEEE:
-                pv = tl.dot(p.to(q.dtype), v, input_precision="ieee").to(tl.float32)
-            else:
-                pv = tl.dot(p.to(q.dtype), v).to(tl.float32)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(q, k, v, seen, scale, m_i, l_i, acc, IEEE)
         n_tree = tl.where(split == 0, nodes, 0)
         for start in range(0, n_tree, BLOCK_M):
             j = start + tl.arange(0, BLOCK_M)
@@ -496,22 +491,7 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
             m2 = jmask[:, None] & dmask[None, :]
             k = tl.load(tk_ptr + base[:, None] + d[None, :], mask=m2, other=0.0).to(q.dtype)
             v = tl.load(tv_ptr + base[:, None] + d[None, :], mask=m2, other=0.0).to(q.dtype)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32)
-            else:
-                s = tl.dot(q, tl.trans(k)).to(tl.float32)
-            s = tl.where(seen, s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            if IEEE:
-                pv = tl.dot(p.to(q.dtype), v, input_precision="ieee").to(tl.float32)
-            else:
-                pv = tl.dot(p.to(q.dtype), v).to(tl.float32)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(q, k, v, seen, scale, m_i, l_i, acc, IEEE)
         if SPLIT:
             part = (split * tokens + tok) * heads + h                # [splits, tokens, heads]
             tl.store(m_ptr + part, m_i, mask=valid)
