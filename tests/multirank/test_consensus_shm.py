@@ -118,8 +118,10 @@ def test_only_the_last_arrival_wakes_the_sleepers(early):
     """Members arrive one at a time, 10 ms apart, with no spin: every early member blocks in the
     kernel once a round and is woken by the last arrival only (an arrival that woke every
     sleeper would wake rank 0 three times a round, and each woken member would block again).
-    With the early wake, the last but one arrival wakes them too: ranks 0 and 1 block twice a
-    round, rank 2 (the last but one) once."""
+    With the early wake, the last but one arrival wakes them too: ranks 0 and 1 block again
+    after it while the last is still 10 ms away — unless the scheduler runs a woken member only
+    after the last arrival (a loaded machine: the fresh-clone suite saw 11 blocks for 12 once),
+    so each blocks once to twice a round, and at least one such second block is seen."""
     world, rounds = 4, 6
     res = run_ranks(staggered_job, world, world, rounds, 0.01, early, timeout=150)
     for r in res:
@@ -133,9 +135,11 @@ def test_only_the_last_arrival_wakes_the_sleepers(early):
         # its blocks a round, and one more per liveness check (every 50 ms of a wait); a member
         # may re-check once when an arrival lands between its read of the counter and the
         # kernel's (the kernel then returns at once)
-        want = 2 * rounds if early and i < world - 2 else rounds
-        assert want <= v["blocks"] <= want + v["liveness_checks"] + 2, waiting
-        assert v["blocks"] < want + rounds, waiting
+        most = 2 * rounds if early and i < world - 2 else rounds
+        assert rounds <= v["blocks"] <= most + v["liveness_checks"] + 2, waiting
+        assert v["blocks"] < most + rounds, waiting
+    if early:   # the early wake happened: a member woken before the round was complete
+        assert sum(v["blocks"] - rounds for v in waiting[:world - 2]) >= 1, waiting
 
 
 def bad_spin_job(rank: int) -> str:
