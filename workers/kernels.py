@@ -84,7 +84,7 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
 
     # a module global (not a closure variable), so the kernels find it compiled and in triton's
     # interpreter alike
-    global _softmax_step
+    global _softmax_step, _paged_keys
 
     @triton.jit
     def _softmax_step(q, k, v, seen, scale, m_i, l_i, acc, IEEE: tl.constexpr):
@@ -106,6 +106,26 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         else:
             pv = tl.dot(p.to(q.dtype), v).to(tl.float32)
         return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    @triton.jit
+    def _paged_keys(q, m_i, l_i, acc, lo, hi, limit, b, kvh, d, dmask, pages_ptr, k_ptr, v_ptr,
+                    stride_pb, stride_ks, stride_kh, stride_vs, stride_vh, scale,
+                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        # keys [lo, hi) of row b's pages (KV head kvh) into the online softmax, in blocks of
+        # BLOCK_N; query i sees the keys below limit[i]
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            pmask = pos < hi
+            page = tl.load(pages_ptr + b * stride_pb + pos // PAGE, mask=pmask, other=0)
+            slot = page.to(tl.int64) * PAGE + pos % PAGE
+            m2 = pmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                        mask=m2, other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                        mask=m2, other=0.0).to(q.dtype)
+            seen = pmask[None, :] & (pos[None, :] < limit[:, None])
+            m_i, l_i, acc = _softmax_step(q, k, v, seen, scale, m_i, l_i, acc, IEEE)
+        return m_i, l_i, acc
 
     @triton.jit
     def rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_d, n, eps,
@@ -318,19 +338,10 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         m_i = tl.full([BLOCK_W * GROUPS], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_W * GROUPS], tl.float32)
         acc = tl.zeros([BLOCK_W * GROUPS, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            pmask = pos < hi
-            page = tl.load(pages_ptr + b * stride_pb + pos // PAGE, mask=pmask, other=0)
-            slot = page.to(tl.int64) * PAGE + pos % PAGE
-            m2 = pmask[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                        mask=m2, other=0.0).to(q.dtype)
-            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                        mask=m2, other=0.0).to(q.dtype)
-            seen = pmask[None, :] & (pos[None, :] < limit[:, None])
-            # a query whose keys ended before this block: nothing to add (no NaN)
-            m_i, l_i, acc = _softmax_step(q, k, v, seen, scale, m_i, l_i, acc, IEEE)
+        # keys [lo, hi) of row b's pages; a query whose keys ended before a block adds nothing
+        m_i, l_i, acc = _paged_keys(q, m_i, l_i, acc, lo, hi, limit, b, kvh, d, dmask, pages_ptr,
+                                    k_ptr, v_ptr, stride_pb, stride_ks, stride_kh, stride_vs,
+                                    stride_vh, scale, PAGE, BLOCK_N, IEEE)
         part = (split * tokens + tok) * heads + h                    # [splits, tokens, heads]
         tl.store(m_ptr + part, m_i, mask=live)
         tl.store(l_ptr + part, l_i, mask=live)
@@ -468,19 +479,10 @@ def _kernels() -> SimpleNamespace:  # noqa: C901 (one definition site for every 
         m_i = tl.full([BLOCK_W * GROUPS], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_W * GROUPS], tl.float32)
         acc = tl.zeros([BLOCK_W * GROUPS, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            pmask = pos < hi
-            page = tl.load(pages_ptr + b * stride_pb + pos // PAGE, mask=pmask, other=0)
-            slot = page.to(tl.int64) * PAGE + pos % PAGE
-            m2 = pmask[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                        mask=m2, other=0.0).to(q.dtype)
-            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                        mask=m2, other=0.0).to(q.dtype)
-            seen = pmask[None, :] & (pos[None, :] < limit[:, None])
-            # a node whose context ended before this block (or not live): nothing to add
-            m_i, l_i, acc = _softmax_step(q, k, v, seen, scale, m_i, l_i, acc, IEEE)
+        # keys [lo, hi) of row b's pages; a query whose keys ended before a block adds nothing
+        m_i, l_i, acc = _paged_keys(q, m_i, l_i, acc, lo, hi, limit, b, kvh, d, dmask, pages_ptr,
+                                    k_ptr, v_ptr, stride_pb, stride_ks, stride_kh, stride_vs,
+                                    stride_vh, scale, PAGE, BLOCK_N, IEEE)
         n_tree = tl.where(split == 0, nodes, 0)
         for start in range(0, n_tree, BLOCK_M):
             j = start + tl.arange(0, BLOCK_M)
