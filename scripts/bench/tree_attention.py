@@ -26,14 +26,13 @@ OUT/tree_attention.json (times in microseconds, per call = per layer).
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from scripts.bench.attention_split import timed
 from scripts.bench.common import gpu_name, write_json
 
 HEADS = (32, 8, 128)   # Llama-3-8B: query heads, KV heads, head dim
@@ -109,40 +108,6 @@ class Case:
             for i in range(self.inner):
                 self.call(i, tiled, splits)
         return run
-
-
-def timed(fn: Callable[[], None], device: str, iters: int, repeats: int) -> float:
-    """Seconds per replay of `fn` captured in a CUDA graph (on a CPU: per eager call)."""
-    if device != "cuda":
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    fn()                                   # compile, warm
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    graph.replay()
-    end.record()
-    end.synchronize()     # about 10 ms a sample at most
-    iters = max(2, min(iters, math.ceil(0.01 / max(begin.elapsed_time(end) / 1e3, 1e-6))))
-    samples = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) / 1e3 / iters)
-    del graph
-    return statistics.median(samples)
-
-
-VARIANTS = {"old": (False, 1), "tiled1": (True, 1), "auto": (None, None)}
 
 
 def measure(case: Case, args: argparse.Namespace, device: str, sms: int) -> dict[str, Any]:
