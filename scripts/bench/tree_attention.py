@@ -110,6 +110,9 @@ class Case:
         return run
 
 
+VARIANTS = {"old": (False, 1), "tiled1": (True, 1), "auto": (None, None)}
+
+
 def measure(case: Case, args: argparse.Namespace, device: str, sms: int) -> dict[str, Any]:
     from workers import kernels
 
